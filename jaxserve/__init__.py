@@ -1,0 +1,29 @@
+"""jaxserve: a JAX/XLA reimplementation of the vLLM V1 inference engine.
+
+``from jaxserve import LLM, SamplingParams`` works as in vLLM. Heavy modules (jax, the model) load
+on first use, so ``import jaxserve`` stays cheap for tools that only need the core.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "SamplingParams": "jaxserve.core.sampling_params",
+    "EngineConfig": "jaxserve.config",
+    "LLM": "jaxserve.engine.llm",
+    "RequestOutput": "jaxserve.engine.outputs",
+    "CompletionOutput": "jaxserve.engine.outputs",
+    "AsyncLLM": "jaxserve.engine.async_llm",
+}
+
+__all__ = list(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

@@ -1,0 +1,153 @@
+"""Engine configuration: one dataclass, validated once, surfaced one-to-one as CLI flags.
+
+Field names follow vLLM's engine arguments so that ``--max-num-seqs`` and friends mean the same
+thing here. ``add_cli_args``/``from_cli_args`` derive the flags from the fields, so a new field is
+a new flag with no second list to keep in sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton")
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    model: str | None = None
+    """HF checkpoint folder; None = the built-in demo model."""
+    tokenizer: str | None = None
+    """Tokenizer folder; defaults to the model folder."""
+    dtype: str = "auto"
+    """Weight and activation dtype: auto (the checkpoint's), float32, bfloat16, float16."""
+    max_model_len: int | None = None
+    """Longest prompt + output, in tokens; defaults to the model's max_position_embeddings."""
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    max_num_seqs: int = 256
+    """Most requests in one step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step, shared by prefill chunks and decodes."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes (hash chain over full blocks)."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps to fit the token budget."""
+    long_prefill_token_threshold: int = 0
+    """Cap on one request's prefill chunk per step (0 = no cap)."""
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """Order of admission and of preemption victims."""
+    enforce_eager: bool = False
+    """Run the step without jax.jit (for comparison with the compiled path)."""
+    attention_backend: Literal["auto", "xla", "pallas", "triton"] = "auto"
+    """auto = pallas on GPU, xla elsewhere."""
+    seed: int = 0
+    """Seed of the engine's RNG (draws seeds for unseeded requests)."""
+    kv_cache_memory: int | None = None
+    """KV cache size in bytes (overrides gpu_memory_utilization)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of free device memory for the KV cache (on GPU)."""
+    num_gpu_blocks_override: int | None = None
+    """Exact number of KV cache blocks."""
+    max_logprobs: int = 20
+    """Largest logprobs/prompt_logprobs a request may ask for."""
+    compilation_cache_dir: str | None = None
+    """JAX persistent compilation cache folder; default is under the user cache; 'off' disables it."""
+    interpret_kernels: bool | None = None
+    """Run Pallas kernels in interpret mode (default: on when not on a GPU)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(field: str, why: str) -> ValueError:
+            return ValueError(f"{field}: {why}, got {getattr(self, field)!r}")
+
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise bad("block_size", "must be a positive power of two")
+        if self.max_num_seqs < 1:
+            raise bad("max_num_seqs", "must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise bad("max_num_batched_tokens", "must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every scheduled request advances by at least one token, so this caps concurrency.
+            self.max_num_seqs = self.max_num_batched_tokens
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise bad("max_model_len", "must be >= 2")
+        if self.long_prefill_token_threshold < 0:
+            raise bad("long_prefill_token_threshold", "must be >= 0")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise bad("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise bad("scheduling_policy", "must be 'fcfs' or 'priority'")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise bad("kv_cache_memory", "must be a positive number of bytes")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise bad("num_gpu_blocks_override", "must be >= 2 (block 0 is reserved)")
+        if self.max_logprobs < 0:
+            raise bad("max_logprobs", "must be >= 0")
+        if self.dtype != "auto":
+            from jaxserve.models.config import normalize_dtype_name
+
+            self.dtype = normalize_dtype_name(self.dtype)
+
+    def resolved_compilation_cache_dir(self) -> str | None:
+        if self.compilation_cache_dir == "off":
+            return None
+        if self.compilation_cache_dir:
+            return self.compilation_cache_dir
+        from jaxserve.testing import default_cache_dir
+
+        return str(default_cache_dir() / "xla")
+
+    # ---- CLI -------------------------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",)) -> None:
+        hints = get_type_hints(cls)
+        docs = _field_docs(cls)
+        for field in dataclasses.fields(cls):
+            if field.name in skip:
+                continue
+            flag = "--" + field.name.replace("_", "-")
+            kind = hints[field.name]
+            help_text = f"{docs.get(field.name, '')} (default: {field.default})"
+            if kind is bool or kind == (bool | None):
+                parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
+                                    default=field.default, help=help_text)
+            elif get_origin(kind) is Literal:
+                parser.add_argument(flag, dest=field.name, choices=get_args(kind), default=field.default,
+                                    help=help_text)
+            else:
+                base = next((t for t in (int, float, str) if t is kind or t in get_args(kind)), str)
+                parser.add_argument(flag, dest=field.name, type=base, default=field.default, help=help_text)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in vars(args).items() if k in names}
+        values.update(overrides)
+        return cls(**values)
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """Field docstrings (the string literal under each field) for --help."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)
+    return docs
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    return default if value is None else value.lower() in ("1", "true", "yes", "on")

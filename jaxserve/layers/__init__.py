@@ -1,0 +1,1 @@
+"""Building blocks of the decoder: norms, rotary embeddings, linear maps, paged attention."""

@@ -1,0 +1,144 @@
+"""Model configuration read from a Hugging Face ``config.json``.
+
+Two dialects of the same file exist in the wild: checkpoints written by transformers 5
+(``rope_parameters``, ``dtype``) and the hub's older form (``rope_theta``, ``rope_scaling``,
+``torch_dtype``). Both normalise to one ``ModelConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+_DTYPE_NAMES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+}
+
+
+def normalize_dtype_name(name: Any) -> str:
+    """Map the spellings found in configs and CLI flags (``torch.bfloat16``, ``bf16``) to one name."""
+    text = str(name).removeprefix("torch.").lower()
+    if text not in _DTYPE_NAMES:
+        raise ValueError(f"dtype: unsupported value {name!r}; expected float32, bfloat16 or float16")
+    return _DTYPE_NAMES[text]
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # "default" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    dtype: str
+    attention_bias: bool  # bias on q/k/v (Qwen2 always, Llama when attention_bias=true)
+    o_proj_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"no config.json in checkpoint folder {path}")
+        return cls.from_dict(json.loads(file.read_text()))
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        from jaxserve.models.registry import resolve_architecture
+
+        arch = resolve_architecture(cfg.get("architectures"))
+        heads = _required(cfg, "num_attention_heads")
+        hidden = _required(cfg, "hidden_size")
+        head_dim = cfg.get("head_dim") or hidden // heads
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(cfg.get("attention_bias", False)) or is_qwen2
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            architecture=arch,
+            vocab_size=_required(cfg, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_required(cfg, "intermediate_size"),
+            num_hidden_layers=_required(cfg, "num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=_parse_rope(cfg),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            dtype=normalize_dtype_name(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+            attention_bias=attention_bias,
+            # Qwen2 has biases on q/k/v only; Llama's attention_bias covers o_proj too.
+            o_proj_bias=bool(cfg.get("attention_bias", False)) and not is_qwen2,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=sliding,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _required(cfg: dict[str, Any], key: str) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise ValueError(f"config.json: missing required field {key!r}")
+    return cfg[key]
+
+
+def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
+    # transformers 5 puts theta and scaling in rope_parameters; the hub form splits them.
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"config.json: rope type {rope_type!r} is not supported (supported: default, llama3)")
+    if rope_type == "default":
+        return RopeConfig(theta=float(theta))
+    return RopeConfig(
+        theta=float(theta),
+        rope_type="llama3",
+        factor=float(params["factor"]),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
+        ),
+    )

@@ -1,0 +1,24 @@
+"""Which Hugging Face ``architectures`` entries jaxserve can run.
+
+All four are the same Llama-family decoder; the differences (q/k/v bias, q/k norm, explicit
+head_dim, tied embeddings) are read from the config, so one implementation serves them all.
+"""
+
+from __future__ import annotations
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+def resolve_architecture(architectures: list[str] | None) -> str:
+    for name in architectures or []:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    raise ValueError(
+        f"unsupported model architecture {architectures!r}; "
+        f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )

@@ -1,0 +1,76 @@
+"""Read ``*.safetensors`` files into numpy without executing anything from the checkpoint.
+
+The format is an 8-byte little-endian header length, a JSON header of
+``name -> {dtype, shape, data_offsets}``, then raw little-endian bytes. Reading it directly
+(memory-mapped) gives bfloat16 through ``ml_dtypes`` and keeps torch out of the serving path.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+class SafetensorsFile:
+    """A memory-mapped safetensors file; ``get(name)`` returns a read-only numpy view."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        (header_len,) = struct.unpack("<Q", self._mmap[:8])
+        header = json.loads(self._mmap[8 : 8 + header_len])
+        header.pop("__metadata__", None)
+        self._data_start = 8 + header_len
+        self.header: dict[str, dict] = header
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{self.path.name}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        dtype = np.dtype(_DTYPES[info["dtype"]])
+        start, end = info["data_offsets"]
+        buf = memoryview(self._mmap)[self._data_start + start : self._data_start + end]
+        return np.frombuffer(buf, dtype=dtype).reshape(info["shape"])
+
+
+def open_checkpoint_files(folder: str | Path) -> dict[str, SafetensorsFile]:
+    """Map every tensor name to the file holding it (single file or sharded with an index)."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = {name: SafetensorsFile(folder / name) for name in sorted(set(weight_map.values()))}
+        return {tensor: files[file] for tensor, file in weight_map.items()}
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+        if pickled:
+            raise ValueError(
+                f"checkpoint {folder} holds only pickle files ({', '.join(pickled)}); jaxserve never "
+                "unpickles checkpoints (that can execute code). Convert it to safetensors first, e.g. "
+                "load it with transformers and call save_pretrained(..., safe_serialization=True)."
+            )
+        raise FileNotFoundError(f"no *.safetensors weights in checkpoint folder {folder}")
+    mapping: dict[str, SafetensorsFile] = {}
+    for path in shards:
+        f = SafetensorsFile(path)
+        for name in f.keys():
+            mapping[name] = f
+    return mapping

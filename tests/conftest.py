@@ -1,0 +1,25 @@
+"""Shared fixtures: tiny HF checkpoints built once per test session (needs torch)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("JAXSERVE_HASH_SEED", "0")
+
+from jaxserve.testing import TINY_CONFIGS, build_tiny_checkpoint  # noqa: E402
+
+ARCHITECTURES = tuple(TINY_CONFIGS)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """One random tiny checkpoint folder per supported architecture."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: str(build_tiny_checkpoint(root / arch, arch, seed=1)) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def qwen3_checkpoint(tiny_checkpoints) -> str:
+    return tiny_checkpoints["Qwen3ForCausalLM"]
