@@ -1,0 +1,1 @@
+"""The engine: EngineCore (schedule, execute, update), output processing, LLM and AsyncLLM."""

@@ -1,0 +1,127 @@
+"""EngineCore: owns the scheduler and the model runner; one ``step()`` = schedule, execute, update."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from typing import Optional
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.sched_output import EngineCoreOutput
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+from jaxserve.core.stats import SchedulerStats
+
+logger = logging.getLogger("jaxserve")
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """What one step did, for notebooks and debugging (kept only when ``record_steps`` is on)."""
+
+    step: int
+    scheduled: dict[str, int]  # request id -> tokens this step
+    new_request_ids: list[str]
+    preempted_ids: list[str]
+    waiting_ids: list[str]
+    token_bucket: int
+    padding_ratio: float
+    sampled: dict[str, list[int]]
+    finished: dict[str, str]
+    kv_cache_usage: float
+    seconds: float
+
+
+def resolve_model_path(config: EngineConfig) -> str:
+    if config.model:
+        return config.model
+    from jaxserve.testing import demo_model_path
+
+    return str(demo_model_path())
+
+
+def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) -> int:
+    if config.max_model_len is None:
+        return max_position_embeddings
+    if config.max_model_len > max_position_embeddings:
+        raise ValueError(
+            f"max_model_len: {config.max_model_len} exceeds the model's max_position_embeddings "
+            f"({max_position_embeddings})")
+    return config.max_model_len
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False):
+        from jaxserve.models import load_model
+        from jaxserve.runner.model_runner import ModelRunner, enable_persistent_compilation_cache
+
+        self.config = config
+        self.model_path = resolve_model_path(config)
+        enable_persistent_compilation_cache(config.resolved_compilation_cache_dir())
+        model, params = load_model(self.model_path, config.dtype)
+        self.model_config = model.config
+        self.max_model_len = resolve_max_model_len(config, model.config.max_position_embeddings)
+        self.runner = ModelRunner(config, model, params, self.max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                policy=config.scheduling_policy),
+            num_blocks=self.runner.num_blocks, block_size=config.block_size,
+            enable_caching=config.enable_prefix_caching)
+        self.step_records: Optional[collections.deque[StepRecord]] = (
+            collections.deque(maxlen=10_000) if record_steps else None)
+        self.last_stats: SchedulerStats = self.scheduler.make_stats()
+        self.runner.warm_up(show_progress)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort in any state; blocks are freed now, the runner forgets them next step."""
+        if request_ids:
+            self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_requests()
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        start = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.last_stats = self.scheduler.make_stats()
+        if self.step_records is not None:
+            self._record(scheduler_output, runner_output, outputs, time.perf_counter() - start)
+        return outputs
+
+    def _record(self, so, ro, outputs, seconds: float) -> None:
+        stats = self.runner.stats
+        self.step_records.append(StepRecord(
+            step=self.last_stats.step,
+            scheduled=dict(so.num_scheduled_tokens),
+            new_request_ids=[r.req_id for r in so.scheduled_new_reqs],
+            preempted_ids=sorted(so.preempted_req_ids),
+            waiting_ids=[r.request_id for r in self.scheduler.waiting],
+            token_bucket=self.runner.buckets.pick(so.total_num_scheduled_tokens) if so.total_num_scheduled_tokens else 0,
+            padding_ratio=stats.last_padding_ratio if so.total_num_scheduled_tokens else 0.0,
+            sampled={r: t for r, t in zip(ro.req_ids, ro.sampled_token_ids) if t},
+            finished={o.request_id: o.finish_reason for o in outputs if o.finish_reason},
+            kv_cache_usage=self.last_stats.kv_cache_usage,
+            seconds=seconds,
+        ))
+
+    # ---- introspection -------------------------------------------------------------------------
+
+    def kv_cache_usage(self) -> float:
+        return self.scheduler.kv_cache_manager.usage
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()

@@ -1,0 +1,112 @@
+"""``LLM``: offline batched generation, as in vLLM (``from jaxserve import LLM, SamplingParams``)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.metrics import Metric
+from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
+from jaxserve.engine.processor import PromptType
+
+
+class LLM:
+    """An engine for offline use. ``model=None`` loads the built-in demo model.
+
+    Keyword arguments are ``EngineConfig`` fields (``max_model_len``, ``max_num_seqs``,
+    ``enforce_eager``, ``attention_backend`` ...).
+    """
+
+    def __init__(self, model: Optional[str] = None, *, show_progress: bool = True, record_steps: bool = False,
+                 **engine_args: Any):
+        self.config = EngineConfig(model=model, **engine_args)
+        self.llm_engine = LLMEngine(self.config, show_progress=show_progress, record_steps=record_steps)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Optional[Sequence[int]] = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of ``prompts``."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                rid = str(next(self._counter))
+                self.llm_engine.add_request(rid, prompt, p, output_kind=RequestOutputKind.FINAL_ONLY,
+                                            priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[list[dict[str, str]], list[list[dict[str, str]]]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template (or ``chat_template``) to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.get_tokenizer()
+        prompts = [tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template) for conv in conversations]
+        # The template already holds any special tokens; do not add a BOS twice.
+        token_prompts = [{"prompt": p, "prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts]
+        return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        engine = self.llm_engine
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, unit="req") as bar:
+            while engine.has_unfinished_requests():
+                for _, out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[i] for i in ids]
+
+    def get_metrics(self) -> list[Metric]:
+        return self.llm_engine.metrics.snapshot()
+
+    def stats(self) -> dict:
+        return self.llm_engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.core.reset_prefix_cache()
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params: got {len(params)} for {n} prompts")
+    return params

@@ -1,0 +1,115 @@
+"""LLMEngine: the frontend pieces around ``EngineCore`` shared by ``LLM`` and ``AsyncLLM``.
+
+Input processing (tokenize, validate, fan out ``n``), the core step, output processing
+(detokenize, stop strings) and metrics, in one synchronous object. ``LLM`` drives it in a loop;
+``AsyncLLM`` drives it from one background thread.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.engine_core import EngineCore
+from jaxserve.engine.metrics import EngineMetrics
+from jaxserve.engine.output_processor import OutputProcessor, ParentState
+from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
+from jaxserve.engine.processor import InputProcessor, PromptType
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    # trust_remote_code stays off: nothing from a checkpoint is executed.
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False,
+                 served_model_name: Optional[str] = None):
+        self.config = config
+        self.core = EngineCore(config, show_progress=show_progress, record_steps=record_steps)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.core.model_path)
+        self.model_config = self.core.model_config
+        self.max_model_len = self.core.max_model_len
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len,
+                                              config.max_logprobs)
+        self.output_processor = OutputProcessor(self.tokenizer, on_finished=self._on_finished)
+        self.served_model_name = served_model_name or (config.model or "jaxserve-demo")
+        self.metrics = EngineMetrics(self.served_model_name)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+                    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY, priority: int = 0,
+                    cache_salt: Optional[str] = None, queue: Any = None,
+                    arrival_time: Optional[float] = None) -> ParentState:
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        processed = self.input_processor.process(request_id, prompt, params, arrival, priority, cache_salt)
+        parent = self.output_processor.add_request(
+            request_id, processed.prompt, processed.prompt_token_ids,
+            [r.request_id for r in processed.core_requests], [r.sampling_params for r in processed.core_requests],
+            output_kind, arrival, queue)
+        try:
+            for req in processed.core_requests:
+                self.core.add_request(req)
+        except ValueError:
+            self.abort_request([request_id])
+            raise
+        return parent
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(self.output_processor.abort_requests(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests() or self.core.has_unfinished_requests()
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[tuple[ParentState, RequestOutput]]:
+        core_outputs = self.core.step()
+        now = time.monotonic()
+        for out in core_outputs:
+            entry = self.output_processor.child_to_parent.get(out.request_id)
+            if entry is None or not out.new_token_ids:
+                continue
+            m = entry[0].metrics
+            if m.first_token_time is None:
+                self.metrics.record_first_token(now - m.arrival_time)
+                self.metrics.prompt_tokens.labels(model_name=self.served_model_name).inc(len(entry[0].prompt_token_ids))
+                itl = None
+            else:
+                itl = now - m.last_token_time if m.last_token_time is not None else None
+            self.metrics.record_tokens(len(out.new_token_ids), itl)
+        delivered, stopped = self.output_processor.process_outputs(core_outputs)
+        self.core.abort_requests(stopped)
+        self.metrics.record_step(self.core.scheduler.make_stats(), 0, self.core.runner.stats)
+        return delivered
+
+    def _on_finished(self, parent: ParentState) -> None:
+        reasons = [c.finish_reason for c in parent.children]
+        reason = "abort" if "abort" in reasons else ("length" if "length" in reasons else "stop")
+        self.metrics.record_finished(reason, parent.metrics.e2e_latency)
+
+    # ---- introspection -------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Scheduler, cache and compile counters in one dict (also the basis of /metrics)."""
+        s = self.core.scheduler.make_stats()
+        return {
+            "num_requests_running": s.num_running_reqs,
+            "num_requests_waiting": s.num_waiting_reqs,
+            "kv_cache_usage_perc": s.kv_cache_usage,
+            "num_free_blocks": s.num_free_blocks,
+            "num_gpu_blocks": self.core.runner.num_blocks,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "num_preemptions": s.num_preemptions,
+            "attention_backend": self.core.runner.attention_backend,
+            "token_buckets": list(self.core.runner.buckets.token_buckets),
+            **{f"compile_{k}": v for k, v in self.core.runner.stats.as_dict().items()},
+        }

@@ -1,0 +1,207 @@
+"""OutputProcessor: EngineCoreOutputs -> RequestOutputs (detokenize, stop strings, n > 1, metrics).
+
+It runs in the frontend (the ``LLM`` loop or the ``AsyncLLM`` thread). A request finished by a stop
+string is only known here, so ``process_outputs`` returns those ids for the caller to abort in the
+core, which frees their blocks in the same step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Optional
+
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sched_output import EngineCoreOutput
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
+                                     RequestOutputKind)
+from jaxserve.engine.stop_strings import find_stop, partial_stop_len
+
+
+@dataclasses.dataclass
+class ChildState:
+    """One sample (one core request) of a parent request."""
+
+    index: int
+    core_id: str
+    params: SamplingParams
+    detok: Optional[IncrementalDetokenizer]
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: Optional[list] = None
+    cumulative_logprob: float = 0.0
+    text: str = ""
+    sent_text_len: int = 0
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    finish_reason: Optional[str] = None
+    stop_reason: Any = None
+
+
+@dataclasses.dataclass
+class ParentState:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
+    children: list[ChildState]
+    metrics: RequestMetrics
+    queue: Any = None  # per-request queue in AsyncLLM
+    num_cached_tokens: int = 0
+    prompt_logprobs: Optional[list] = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, on_finished: Optional[Callable[[ParentState], None]] = None):
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.child_to_parent: dict[str, tuple[ParentState, ChildState]] = {}
+        self.on_finished = on_finished
+
+    def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+                    child_ids: list[str], child_params: list[SamplingParams], output_kind: RequestOutputKind,
+                    arrival_time: float, queue: Any = None) -> ParentState:
+        children = []
+        for i, (core_id, params) in enumerate(zip(child_ids, child_params)):
+            detok = (IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+                     if params.detokenize and self.tokenizer is not None else None)
+            children.append(ChildState(i, core_id, params, detok, logprobs=[] if params.logprobs is not None else None))
+        parent = ParentState(request_id, prompt, prompt_token_ids, output_kind, children,
+                             RequestMetrics(arrival_time=arrival_time), queue)
+        self.parents[request_id] = parent
+        for child in children:
+            self.child_to_parent[child.core_id] = (parent, child)
+        return parent
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget parents; returns the core ids of their unfinished children (to abort in the core)."""
+        core_ids = []
+        for rid in request_ids:
+            parent = self.parents.pop(rid, None)
+            if parent is None:
+                continue
+            for child in parent.children:
+                self.child_to_parent.pop(child.core_id, None)
+                if child.finish_reason is None:
+                    core_ids.append(child.core_id)
+        return core_ids
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[tuple[ParentState, RequestOutput]], list[str]]:
+        """Returns ``(request outputs to deliver, core ids stopped by a stop string)``."""
+        now = time.monotonic()
+        delivered: dict[str, tuple[ParentState, RequestOutput]] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            entry = self.child_to_parent.get(out.request_id)
+            if entry is None:
+                continue
+            parent, child = entry
+            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if out.new_prompt_logprobs is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = self._prompt_logprobs(out.new_prompt_logprobs)
+            self._update_metrics(parent.metrics, out, now)
+            stopped_by_string = self._apply_tokens(child, out)
+            if stopped_by_string:
+                to_abort.append(child.core_id)
+            ro = self._make_output(parent, child)
+            if ro is not None:
+                delivered[parent.request_id] = (parent, ro)
+            if parent.finished:
+                parent.metrics.finished_time = now
+                self.parents.pop(parent.request_id, None)
+                for c in parent.children:
+                    self.child_to_parent.pop(c.core_id, None)
+                if self.on_finished is not None:
+                    self.on_finished(parent)
+        return list(delivered.values()), to_abort
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _update_metrics(m: RequestMetrics, out: EngineCoreOutput, now: float) -> None:
+        if out.new_token_ids:
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            m.num_generation_tokens += len(out.new_token_ids)
+
+    def _apply_tokens(self, child: ChildState, out: EngineCoreOutput) -> bool:
+        child.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None and child.logprobs is not None:
+            ids, values, rank = out.new_logprobs
+            child.logprobs.append(self._logprob_dict(ids, values, rank))
+            child.cumulative_logprob += values[0]
+        if out.finish_reason is not None:
+            child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+        if child.detok is None:
+            return False
+        before = len(child.text)
+        child.text += child.detok.update(out.new_token_ids)
+        stops = child.params.stop or []
+        if not stops or child.finish_reason == "abort":
+            return False
+        longest = max(len(s) for s in stops)
+        hit = find_stop(child.text, stops, before - longest + 1)
+        if hit is None:
+            return False
+        index, stop = hit
+        child.text = child.text[: index + len(stop)] if child.params.include_stop_str_in_output else child.text[:index]
+        already_finished = child.finish_reason is not None
+        child.finish_reason, child.stop_reason = "stop", stop
+        return not already_finished
+
+    def _logprob_dict(self, ids: list[int], values: list[float], rank: int) -> dict[int, Logprob]:
+        entry = {ids[0]: Logprob(values[0], rank, self._token_text(ids[0]))}
+        for r, (tid, val) in enumerate(zip(ids[1:], values[1:]), start=1):
+            entry.setdefault(tid, Logprob(val, r, self._token_text(tid)))
+        return entry
+
+    def _prompt_logprobs(self, rows: list) -> list:
+        result: list = [None]
+        for ids, values, rank in rows:
+            result.append(self._logprob_dict(ids, values, rank))
+        return result
+
+    def _token_text(self, token_id: int) -> Optional[str]:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def _visible_text_len(self, child: ChildState) -> int:
+        if child.finish_reason is not None or not child.params.stop:
+            return len(child.text)
+        return len(child.text) - partial_stop_len(child.text, child.params.stop)
+
+    def _make_output(self, parent: ParentState, child: ChildState) -> Optional[RequestOutput]:
+        kind = parent.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY:
+            if not parent.finished:
+                return None
+            outs = [self._completion(c, cumulative=True) for c in parent.children]
+        elif kind == RequestOutputKind.CUMULATIVE:
+            outs = [self._completion(c, cumulative=True) for c in parent.children]
+        else:
+            outs = [self._completion(child, cumulative=False)]
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
+            outputs=outs, finished=parent.finished, prompt_logprobs=parent.prompt_logprobs,
+            num_cached_tokens=parent.num_cached_tokens, metrics=parent.metrics)
+
+    def _completion(self, c: ChildState, cumulative: bool) -> CompletionOutput:
+        visible = self._visible_text_len(c)
+        cum_lp = c.cumulative_logprob if c.logprobs is not None else None
+        if cumulative:
+            return CompletionOutput(c.index, c.text[:visible], list(c.token_ids), cum_lp,
+                                    None if c.logprobs is None else list(c.logprobs), c.finish_reason, c.stop_reason)
+        text = c.text[c.sent_text_len : visible]
+        tokens = c.token_ids[c.sent_tokens :]
+        lps = None if c.logprobs is None else c.logprobs[c.sent_logprobs :]
+        c.sent_text_len = max(c.sent_text_len, visible)
+        c.sent_tokens = len(c.token_ids)
+        c.sent_logprobs = 0 if c.logprobs is None else len(c.logprobs)
+        return CompletionOutput(c.index, text, tokens, cum_lp, lps, c.finish_reason, c.stop_reason)

@@ -1,0 +1,266 @@
+"""ModelRunner: turns a ``SchedulerOutput`` into sampled tokens with one compiled step.
+
+One step = forward (paged attention + KV write) -> logits at each request's last scheduled token
+-> on-device sampler. It is ``jax.jit``-compiled once per token bucket at start-up, with the KV
+cache and the penalty tables donated so XLA updates them in place. Inputs arrive packed in one
+transfer; only sampled ids (and logprobs when asked) come back. ``enforce_eager`` runs the very
+same Python function op by op, for comparison.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+import pallas_kernels
+from jaxserve.config import EngineConfig
+from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from jaxserve.layers.attention import AttentionMetadata
+from jaxserve.models.llama import LlamaModel, Params
+from jaxserve.runner import compile_stats
+from jaxserve.runner.buckets import BucketTable
+from jaxserve.runner.input_batch import CachedRequestState, SlotAllocator, StepPlan, build_step_arrays
+from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks
+from jaxserve.runner.packing import PackLayout, pack, unpack
+from jaxserve.sample.metadata import SamplingMetadata, SamplingMetadataBuilder
+from jaxserve.sample.sampler import SamplerOutput, sample
+
+logger = logging.getLogger("jaxserve")
+
+
+def resolve_attention_backend(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def enable_persistent_compilation_cache(cache_dir: str | None) -> None:
+    if not cache_dir:
+        return
+    os.makedirs(cache_dir, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    # Small programs are never cached otherwise, and ours are small on CPU.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: LlamaModel, params: Params, max_model_len: int):
+        self.config = config
+        self.model = model
+        self.params = params
+        self.mc = model.config
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.max_blocks_per_seq = -(-max_model_len // config.block_size)
+        self.buckets = BucketTable.build(config.max_num_batched_tokens, config.max_num_seqs)
+        self.attention_backend = resolve_attention_backend(config.attention_backend)
+        interpret = config.interpret_kernels
+        if interpret is None:
+            interpret = jax.default_backend() != "gpu"
+        self.attn_fn = pallas_kernels.get_attention_fn(self.attention_backend, interpret=interpret)
+        self.num_logprobs = max(1, config.max_logprobs)
+        self.sampling_builder = SamplingMetadataBuilder(
+            vocab_size=self.mc.vocab_size, max_num_logprobs=config.max_logprobs)
+
+        self.num_blocks = determine_num_blocks(self.mc, config, max_model_len)
+        self.kv_cache = allocate_kv_cache(self.mc, self.num_blocks, self.block_size)
+        slots = config.max_num_seqs
+        self.slots = SlotAllocator(slots)
+        self.penalty_state = (
+            jnp.zeros((slots + 1, self.mc.vocab_size), jnp.int32),
+            jnp.zeros((slots + 1, self.mc.vocab_size), jnp.bool_),
+        )
+        self.requests: dict[str, CachedRequestState] = {}
+        self._rng = np.random.default_rng(config.seed)
+        self.stats = compile_stats.CompileStats()
+        self._layouts: dict[int, PackLayout] = {}
+        self._compiled: dict[int, Any] = {}
+        self._jitted = jax.jit(self._step, static_argnames=("layout",), donate_argnums=(1, 2))
+        compile_stats.install_listener()
+        max_concurrency = self.num_blocks * self.block_size / max_model_len
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens); max concurrency %.1fx at %d tokens/request; "
+            "attention backend: %s", self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+            max_concurrency, max_model_len, self.attention_backend)
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def _step(self, params, kv_cache, penalty_state, buf, *, layout: PackLayout):
+        x = unpack(buf, layout)
+        md = AttentionMetadata(
+            positions=x["positions"], slot_mapping=x["slot_mapping"], block_tables=x["block_tables"],
+            kv_lens=x["kv_lens"], query_start_loc=x["query_start_loc"], num_seqs=x["num_seqs"])
+        hidden, kv_cache = self.model.forward(params, x["input_ids"], kv_cache, md, self.attn_fn)
+        logits = self.model.compute_logits(params, hidden[x["logits_indices"]])
+        counts, prompt_mask = _update_penalty_tables(penalty_state, x)
+        sm = SamplingMetadata.from_arrays({k[len(_SAMPLE):]: v for k, v in x.items() if k.startswith(_SAMPLE)})
+        out = sample(logits, sm, counts[x["row_slots"]], prompt_mask[x["row_slots"]],
+                     max_num_logprobs=self.num_logprobs)
+        return kv_cache, (counts, prompt_mask), out
+
+    def _layout_for(self, bucket: int) -> PackLayout:
+        if bucket not in self._layouts:
+            arrays = self._padding_arrays(bucket)
+            self._layouts[bucket] = PackLayout.of(arrays)
+        return self._layouts[bucket]
+
+    def _padding_arrays(self, bucket: int) -> dict[str, np.ndarray]:
+        rows = self.buckets.num_rows(bucket)
+        arrays, _ = build_step_arrays([], [], set(), bucket, rows, self.max_blocks_per_seq, self.block_size,
+                                      self.slots.padding_slot)
+        arrays.update(_prefixed(self.sampling_builder.padding(rows)))
+        return arrays
+
+    def _executable(self, bucket: int):
+        if self.config.enforce_eager:
+            return functools.partial(self._step, layout=self._layout_for(bucket))
+        if bucket not in self._compiled:
+            self._compile(bucket)
+            self.stats.unexpected_compiles += self._warmed_up
+        return self._compiled[bucket]
+
+    _warmed_up = False
+
+    def _compile(self, bucket: int) -> None:
+        layout = self._layout_for(bucket)
+        hits_before = compile_stats.persistent_cache_hits()
+        start = time.perf_counter()
+        buf = jax.ShapeDtypeStruct((layout.total,), jnp.int32)
+        lowered = self._jitted.trace(self.params, self.kv_cache, self.penalty_state, buf, layout=layout).lower()
+        self._compiled[bucket] = lowered.compile()
+        seconds = time.perf_counter() - start
+        self.stats.num_compiles += 1
+        self.stats.compile_seconds += seconds
+        self.stats.compile_seconds_per_bucket[bucket] = seconds
+        self.stats.persistent_cache_hits += compile_stats.persistent_cache_hits() - hits_before
+
+    def warm_up(self, show_progress: bool = True) -> None:
+        """Compile every bucket of the table now, so no request ever waits for a compile."""
+        if self.config.enforce_eager:
+            self._warmed_up = True
+            return
+        start = time.perf_counter()
+        buckets = self.buckets.token_buckets
+        for bucket in tqdm(buckets, desc="Compiling step buckets", disable=not show_progress, unit="bucket"):
+            if bucket not in self._compiled:
+                self._compile(bucket)
+        self._warmed_up = True
+        logger.info("Compiled %d step variants (token buckets %s) in %.1f s (%d from the persistent cache)",
+                    len(buckets), list(buckets), time.perf_counter() - start, self.stats.persistent_cache_hits)
+
+    # ---- state updates from the scheduler --------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> set[int]:
+        for req_id in list(so.finished_req_ids) + list(so.preempted_req_ids):
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self.slots.release(state.slot)
+        new_slots = set()
+        for new in so.scheduled_new_reqs:
+            old = self.requests.pop(new.req_id, None)
+            if old is not None:
+                self.slots.release(old.slot)
+            params = new.sampling_params
+            seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
+            slot = self.slots.allocate()
+            new_slots.add(slot)
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
+                output_token_ids=list(new.output_token_ids or []), sampling_params=params,
+                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens, slot=slot, seed=seed)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            state = self.requests[req_id]
+            state.block_ids.extend(new_blocks)
+            state.num_computed_tokens = num_computed
+        return new_slots
+
+    # ---- execute -------------------------------------------------------------------------------
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        new_slots = self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        arrays, plan, states = self._prepare_inputs(so, new_slots)
+        layout = self._layout_for(plan.token_bucket)
+        buf = jnp.asarray(pack(arrays, layout))
+        fn = self._executable(plan.token_bucket)
+        self.kv_cache, self.penalty_state, out = fn(self.params, self.kv_cache, self.penalty_state, buf)
+        self.stats.record_step(plan.num_tokens, plan.token_bucket)
+        return self._collect(out, plan, states, so)
+
+    def _prepare_inputs(self, so: SchedulerOutput, new_slots: set[int]):
+        req_ids = list(so.num_scheduled_tokens)
+        states = [self.requests[r] for r in req_ids]
+        counts = [so.num_scheduled_tokens[r] for r in req_ids]
+        total = so.total_num_scheduled_tokens
+        bucket = self.buckets.pick(total)
+        rows = self.buckets.num_rows(bucket)
+        arrays, samples = build_step_arrays(states, counts, new_slots, bucket, rows, self.max_blocks_per_seq,
+                                            self.block_size, self.slots.padding_slot)
+        arrays.update(_prefixed(self.sampling_builder.build(
+            [s.sampling_params for s in states], rows,
+            positions=[len(s.output_token_ids) for s in states], seeds=[s.seed for s in states])))
+        plan = StepPlan(req_ids, total, bucket, rows, samples)
+        return arrays, plan, states
+
+    def _collect(self, out: SamplerOutput, plan: StepPlan, states: list[CachedRequestState],
+                 so: SchedulerOutput) -> ModelRunnerOutput:
+        want_logprobs = any(s.sampling_params.logprobs is not None for s, ok in zip(states, plan.samples) if ok)
+        if want_logprobs:
+            sampled, logprobs, logprob_ids, ranks = jax.device_get(
+                (out.sampled_token_ids, out.logprobs, out.logprob_token_ids, out.sampled_token_rank))
+        else:
+            sampled = np.asarray(out.sampled_token_ids)
+        sampled_lists, logprob_rows = [], []
+        for i, (state, ok) in enumerate(zip(states, plan.samples)):
+            state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
+            if not ok:
+                sampled_lists.append([])
+                logprob_rows.append(None)
+                continue
+            token = int(sampled[i])
+            state.output_token_ids.append(token)
+            sampled_lists.append([token])
+            k = state.sampling_params.logprobs
+            if k is None:
+                logprob_rows.append(None)
+            else:
+                logprob_rows.append((logprob_ids[i, : k + 1].tolist(), logprobs[i, : k + 1].tolist(), int(ranks[i])))
+        return ModelRunnerOutput(
+            req_ids=plan.req_ids, req_id_to_index={r: i for i, r in enumerate(plan.req_ids)},
+            sampled_token_ids=sampled_lists, logprobs=logprob_rows if want_logprobs else None)
+
+
+_SAMPLE = "sample."
+
+
+def _prefixed(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Sampling arrays share the packed buffer with model inputs; keep their names apart."""
+    return {_SAMPLE + k: v for k, v in arrays.items()}
+
+
+def _update_penalty_tables(penalty_state, x):
+    """Keep per-slot output-token counts and prompt-token masks on device.
+
+    A new request's slot is cleared first; then every fed token lands in its request's row:
+    prompt positions set the prompt mask, output positions (including recomputed ones after a
+    preemption) add to the counts. By the time a row samples, all of its earlier outputs have
+    been fed back as inputs, so the counts are exact without any host-side bookkeeping.
+    """
+    counts, prompt_mask = penalty_state
+    counts = counts.at[x["reset_slots"]].set(0)
+    prompt_mask = prompt_mask.at[x["reset_slots"]].set(False)
+    is_out = x["token_is_output"]
+    counts = counts.at[x["token_slots"], x["input_ids"]].add(is_out.astype(jnp.int32))
+    prompt_mask = prompt_mask.at[x["token_slots"], x["input_ids"]].max(~is_out)
+    return counts, prompt_mask

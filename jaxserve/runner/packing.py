@@ -1,0 +1,75 @@
+"""All per-step host arrays travel in ONE host-to-device transfer.
+
+The runner builds a dict of small numpy arrays (token ids, positions, slot mapping, block tables,
+sampling parameters ...). Each would be its own transfer, and on a GPU the fixed cost per copy
+dominates such small arrays. ``pack`` lays them end to end in one int32 buffer (float32 and uint32
+bit-cast, bool widened); inside the compiled step ``unpack`` slices them back out at static
+offsets, which XLA folds away.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclasses.dataclass(frozen=True)
+class PackLayout:
+    fields: tuple[Field, ...]
+    total: int
+
+    @classmethod
+    def of(cls, arrays: Mapping[str, np.ndarray]) -> "PackLayout":
+        fields, offset = [], 0
+        for name, arr in arrays.items():
+            f = Field(name, tuple(arr.shape), np.dtype(arr.dtype).name, offset)
+            fields.append(f)
+            offset += f.size
+        return cls(tuple(fields), offset)
+
+
+def _as_int32_words(arr: np.ndarray) -> np.ndarray:
+    if arr.dtype == np.bool_:
+        return arr.astype(np.int32).ravel()
+    if arr.dtype in (np.float32, np.uint32, np.int32):
+        return np.ascontiguousarray(arr).view(np.int32).ravel()
+    raise TypeError(f"cannot pack dtype {arr.dtype}")
+
+
+def pack(arrays: Mapping[str, np.ndarray], layout: PackLayout) -> np.ndarray:
+    buf = np.empty(layout.total, np.int32)
+    for f in layout.fields:
+        arr = arrays[f.name]
+        if arr.shape != f.shape:
+            raise ValueError(f"{f.name}: shape {arr.shape} does not match the layout's {f.shape}")
+        buf[f.offset : f.offset + f.size] = _as_int32_words(arr)
+    return buf
+
+
+def unpack(buf: jax.Array, layout: PackLayout) -> dict[str, jax.Array]:
+    out = {}
+    for f in layout.fields:
+        words = buf[f.offset : f.offset + f.size].reshape(f.shape)
+        if f.dtype == "bool":
+            out[f.name] = words != 0
+        elif f.dtype == "int32":
+            out[f.name] = words
+        else:
+            out[f.name] = jax.lax.bitcast_convert_type(words, jnp.dtype(f.dtype))
+    return out
