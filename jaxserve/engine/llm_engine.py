@@ -7,6 +7,7 @@ Input processing (tokenize, validate, fan out ``n``), the core step, output proc
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Optional
 
@@ -16,12 +17,23 @@ from jaxserve.engine.engine_core import EngineCore
 from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.engine.output_processor import OutputProcessor, ParentState
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
-from jaxserve.engine.processor import InputProcessor, PromptType
+from jaxserve.engine.processor import InputProcessor, ProcessedRequest, PromptType
+
+logger = logging.getLogger("jaxserve")
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(path: str):
+    """The checkpoint's tokenizer, or None for a weights-only folder (token-id prompts only)."""
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
+    if not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
+        logger.warning("no tokenizer files in %s: only token-id prompts, no detokenization", path)
+        return None
     # trust_remote_code stays off: nothing from a checkpoint is executed.
     return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
@@ -42,18 +54,23 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
-                    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY, priority: int = 0,
-                    cache_salt: Optional[str] = None, queue: Any = None,
-                    arrival_time: Optional[float] = None) -> ParentState:
+    def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+                        priority: int = 0, cache_salt: Optional[str] = None,
+                        arrival_time: Optional[float] = None) -> ProcessedRequest:
+        """Tokenize and validate (raises ValueError naming the field); touches no engine state."""
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        return self.input_processor.process(request_id, prompt, params, arrival, priority, cache_salt)
+
+    def add_processed_request(self, processed: ProcessedRequest, *,
+                              output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+                              queue: Any = None) -> ParentState:
+        request_id = processed.request_id
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        processed = self.input_processor.process(request_id, prompt, params, arrival, priority, cache_salt)
         parent = self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids,
             [r.request_id for r in processed.core_requests], [r.sampling_params for r in processed.core_requests],
-            output_kind, arrival, queue)
+            output_kind, processed.core_requests[0].arrival_time, queue)
         try:
             for req in processed.core_requests:
                 self.core.add_request(req)
@@ -61,6 +78,14 @@ class LLMEngine:
             self.abort_request([request_id])
             raise
         return parent
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+                    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY, priority: int = 0,
+                    cache_salt: Optional[str] = None, queue: Any = None,
+                    arrival_time: Optional[float] = None) -> ParentState:
+        processed = self.process_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
+                                         arrival_time=arrival_time)
+        return self.add_processed_request(processed, output_kind=output_kind, queue=queue)
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.core.abort_requests(self.output_processor.abort_requests(request_ids))

@@ -96,7 +96,9 @@ class OutputProcessor:
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[tuple[ParentState, RequestOutput]], list[str]]:
         """Returns ``(request outputs to deliver, core ids stopped by a stop string)``."""
         now = time.monotonic()
-        delivered: dict[str, tuple[ParentState, RequestOutput]] = {}
+        # DELTA outputs carry one child each, so two children advancing in one step are two
+        # deliveries; the other kinds carry every child and keep only the parent's latest.
+        delivered: dict[Any, tuple[ParentState, RequestOutput]] = {}
         to_abort: list[str] = []
         for out in outputs:
             entry = self.child_to_parent.get(out.request_id)
@@ -112,7 +114,9 @@ class OutputProcessor:
                 to_abort.append(child.core_id)
             ro = self._make_output(parent, child)
             if ro is not None:
-                delivered[parent.request_id] = (parent, ro)
+                key = ((parent.request_id, child.index) if parent.output_kind == RequestOutputKind.DELTA
+                       else parent.request_id)
+                delivered[key] = (parent, ro)
             if parent.finished:
                 parent.metrics.finished_time = now
                 self.parents.pop(parent.request_id, None)

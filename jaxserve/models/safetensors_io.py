@@ -74,3 +74,22 @@ def open_checkpoint_files(folder: str | Path) -> dict[str, SafetensorsFile]:
         for name in f.keys():
             mapping[name] = f
     return mapping
+
+
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+def save_file(tensors: dict[str, np.ndarray], path: str | Path) -> None:
+    """Write tensors as one safetensors file (used to build random benchmark checkpoints)."""
+    header, offset = {}, 0
+    for name, arr in tensors.items():
+        nbytes = arr.nbytes
+        header[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for arr in tensors.values():
+            f.write(np.ascontiguousarray(arr).tobytes())

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve.models import ModelConfig, load_model
-from jaxserve.models.safetensors_io import SafetensorsFile
+from jaxserve.models.safetensors_io import SafetensorsFile, save_file as write_safetensors
 
 
 def copy_checkpoint(src: str, dst: Path) -> Path:
@@ -26,19 +26,6 @@ def rewrite_config(folder: Path, **changes) -> None:
         else:
             cfg[key] = value
     (folder / "config.json").write_text(json.dumps(cfg))
-
-
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    """A minimal safetensors writer for corrupting checkpoints in tests."""
-    header, offset, blobs = {}, 0, []
-    for name, arr in tensors.items():
-        data = np.ascontiguousarray(arr).tobytes()
-        header[name] = {"dtype": {"float32": "F32"}[str(arr.dtype)], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-        blobs.append(data)
-    raw = json.dumps(header).encode()
-    path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"".join(blobs))
 
 
 def load_tensors(folder: Path) -> dict[str, np.ndarray]:

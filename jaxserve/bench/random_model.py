@@ -1,0 +1,52 @@
+"""Random-weight checkpoints of a given shape for benchmarks, written with numpy (no torch).
+
+Presets name the shapes the issues benchmark: ``cpu-bench`` (small Qwen3 for the CPU throughput
+target) and ``qwen3-0.6b`` (Qwen3-0.6B's shape in bfloat16, for the GPU). The folder is a normal
+HF checkpoint (config.json + model.safetensors) loaded through the real loader; it has no
+tokenizer, so benchmarks feed token ids.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.loader import expected_tensors
+from jaxserve.models.safetensors_io import save_file
+
+PRESETS = {
+    "cpu-bench": dict(vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=32, intermediate_size=768, tie_word_embeddings=True,
+                      dtype="float32", max_position_embeddings=2048),
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=3072, tie_word_embeddings=True,
+                       dtype="bfloat16", max_position_embeddings=40960),
+}
+
+
+def build_random_checkpoint(folder: str | Path, preset: str, seed: int = 0) -> Path:
+    folder = Path(folder)
+    if (folder / "config.json").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    shape = PRESETS[preset]
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rms_norm_eps": 1e-6,
+              "rope_theta": 1000000.0, "torch_dtype": shape["dtype"], "bos_token_id": 1, "eos_token_id": 2,
+              "hidden_act": "silu", **{k: v for k, v in shape.items() if k != "dtype"}}
+    cfg = ModelConfig.from_dict(config)
+    rng = np.random.default_rng(seed)
+    np_dtype = ml_dtypes.bfloat16 if shape["dtype"] == "bfloat16" else np.dtype(shape["dtype"])
+    tensors = {}
+    for name, tshape in expected_tensors(cfg).items():
+        if name.endswith("norm.weight"):
+            arr = np.ones(tshape, np.float32)
+        else:
+            arr = rng.standard_normal(tshape, dtype=np.float32) * np.float32(0.02)
+        tensors[name] = arr.astype(np_dtype)
+    save_file(tensors, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder

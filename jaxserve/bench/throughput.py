@@ -1,0 +1,180 @@
+"""``jaxserve bench throughput``: offline throughput, side by side with transformers.
+
+The workload is drawn once from a seeded generator (prompt lengths, output lengths, token ids)
+and fed as token ids to each backend, every request producing exactly its output length
+(``ignore_eos``). ``--backend jaxserve`` times ``LLM.generate`` after warm-up (compilation is
+reported apart); ``--backend hf`` runs transformers (PyTorch) greedy ``generate`` over left-padded
+static batches; ``--backend both`` runs both in one process and reports the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return int(sum(self.output_lens))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(sum(len(p) for p in self.prompts))
+
+
+def random_workload(num_prompts: int, input_range: tuple[int, int], output_range: tuple[int, int],
+                    vocab_range: tuple[int, int], seed: int) -> Workload:
+    """Lengths and ids drawn in one fixed order, so a seed names one workload everywhere."""
+    rng = np.random.default_rng(seed)
+    plens = rng.integers(input_range[0], input_range[1] + 1, num_prompts)
+    olens = rng.integers(output_range[0], output_range[1] + 1, num_prompts)
+    prompts = [rng.integers(vocab_range[0], vocab_range[1], n).tolist() for n in plens]
+    return Workload(prompts, [int(o) for o in olens])
+
+
+def add_throughput_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["jaxserve", "hf", "both"], default="jaxserve")
+    p.add_argument("--random-model", choices=["cpu-bench", "qwen3-0.6b"], default=None,
+                   help="benchmark a random-weight model of this shape (built once, cached)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len-range", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len-range", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"))
+    p.add_argument("--random-input-len", type=int, default=None, help="vLLM style: mean input length")
+    p.add_argument("--random-output-len", type=int, default=None, help="vLLM style: mean output length")
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--token-id-range", type=int, nargs=2, default=[10, 8000])
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--torch-threads", type=int, default=None)
+    p.add_argument("--bench-seed", type=int, default=0, help="seed of the workload draw")
+    p.add_argument("--profile", action="store_true", help="also report where the jaxserve step time goes")
+
+
+def _ranges(args) -> tuple[tuple[int, int], tuple[int, int]]:
+    def around(mean, ratio):
+        return max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+
+    inp = around(args.random_input_len, args.random_range_ratio) if args.random_input_len else tuple(args.input_len_range)
+    out = around(args.random_output_len, args.random_range_ratio) if args.random_output_len else tuple(args.output_len_range)
+    return inp, out
+
+
+def run_jaxserve(model_path: str, workload: Workload, engine_args: dict[str, Any], ignore_eos: bool,
+                 profile: bool = False) -> dict:
+    from jaxserve import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model_path, record_steps=profile, **engine_args)
+    startup = time.perf_counter() - start
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos) for n in workload.output_lens]
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    stats = llm.stats()
+    result = {
+        "backend": "jaxserve", "elapsed_s": elapsed, "startup_s": startup,
+        "output_tokens": produced, "prompt_tokens": workload.num_prompt_tokens,
+        "output_tokens_per_s": produced / elapsed,
+        "total_tokens_per_s": (produced + workload.num_prompt_tokens) / elapsed,
+        "requests_per_s": len(outputs) / elapsed,
+        "num_compiles": stats["compile_num_compiles"], "compile_s": stats["compile_compile_seconds"],
+        "persistent_cache_hits": stats["compile_persistent_cache_hits"],
+        "unexpected_compiles": stats["compile_unexpected_compiles"],
+        "padding_ratio": stats["compile_padding_ratio"], "num_steps": stats["compile_num_steps"],
+        "num_preemptions": stats["num_preemptions"], "attention_backend": stats["attention_backend"],
+        "token_buckets": stats["token_buckets"],
+    }
+    if profile:
+        result["profile"] = _step_profile(llm)
+    return result
+
+
+def _step_profile(llm) -> dict:
+    """Step time split by bucket, and the host/device split of one representative decode step."""
+    records = list(llm.llm_engine.core.step_records)
+    by_bucket: dict[int, list[float]] = {}
+    for r in records:
+        by_bucket.setdefault(r.token_bucket, []).append(r.seconds)
+    return {
+        "steps": len(records),
+        "step_seconds_total": sum(r.seconds for r in records),
+        "by_token_bucket": {str(b): {"steps": len(v), "total_s": sum(v), "mean_ms": 1e3 * sum(v) / len(v)}
+                            for b, v in sorted(by_bucket.items())},
+    }
+
+
+def run_hf(model_path: str, workload: Workload, batch_size: int, threads: int | None) -> dict:
+    import torch
+    import transformers
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    produced = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for b in range(0, len(workload.prompts), batch_size):
+            batch = workload.prompts[b : b + batch_size]
+            olens = workload.output_lens[b : b + batch_size]
+            width = max(len(p) for p in batch)
+            ids = torch.zeros((len(batch), width), dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, p in enumerate(batch):  # left padding, as decoder-only batching needs
+                ids[i, width - len(p):] = torch.tensor(p)
+                mask[i, width - len(p):] = 1
+            n = max(olens)
+            model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
+                           min_new_tokens=n, pad_token_id=0)
+            produced += sum(olens)  # tokens past a request's own length are not counted
+    elapsed = time.perf_counter() - start
+    return {
+        "backend": "hf", "elapsed_s": elapsed, "output_tokens": produced,
+        "prompt_tokens": workload.num_prompt_tokens, "output_tokens_per_s": produced / elapsed,
+        "total_tokens_per_s": (produced + workload.num_prompt_tokens) / elapsed,
+        "batch_size": batch_size, "torch_threads": torch.get_num_threads(),
+    }
+
+
+def run_throughput_cli(args) -> dict:
+    from jaxserve.config import EngineConfig
+    from jaxserve.testing import default_cache_dir
+
+    model = args.model
+    if args.random_model:
+        from jaxserve.bench.random_model import build_random_checkpoint
+
+        model = str(build_random_checkpoint(default_cache_dir() / "models" / f"random-{args.random_model}",
+                                            args.random_model))
+    if model is None:
+        from jaxserve.testing import demo_model_path
+
+        model = str(demo_model_path())
+    inp, out = _ranges(args)
+    workload = random_workload(args.num_prompts, inp, out, tuple(args.token_id_range), args.bench_seed)
+    config = EngineConfig.from_cli_args(args, model=model)
+    engine_args = {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}
+    result: dict[str, Any] = {
+        "model": model, "num_prompts": args.num_prompts, "input_len_range": list(inp),
+        "output_len_range": list(out), "prompt_tokens": workload.num_prompt_tokens,
+        "output_tokens": workload.num_output_tokens, "cpu_count": os.cpu_count(),
+    }
+    if args.backend in ("jaxserve", "both"):
+        result["jaxserve"] = run_jaxserve(model, workload, engine_args, args.ignore_eos, args.profile)
+    if args.backend in ("hf", "both"):
+        result["hf"] = run_hf(model, workload, args.hf_batch_size, args.torch_threads)
+    if args.backend == "both":
+        result["output_throughput_ratio"] = (result["jaxserve"]["output_tokens_per_s"]
+                                             / result["hf"]["output_tokens_per_s"])
+    return result

@@ -1,0 +1,96 @@
+"""The ``jaxserve`` command: ``serve``, ``generate`` and ``bench {throughput,scheduler,serve}``.
+
+Engine flags come from ``EngineConfig`` one-to-one (``--max-num-seqs`` ...), so every entry point
+accepts the same names as vLLM's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from jaxserve.config import EngineConfig
+
+
+def _add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF checkpoint folder (config.json + *.safetensors); default: the built-in demo model")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxserve", description="JAX/XLA reimplementation of the vLLM V1 engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_model_arg(serve)
+    EngineConfig.add_cli_args(serve)
+    from jaxserve_server.cli import add_server_args
+
+    add_server_args(serve)
+
+    gen = sub.add_parser("generate", help="generate for a few prompts offline and print the results")
+    _add_model_arg(gen)
+    EngineConfig.add_cli_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+
+    bench = sub.add_parser("bench", help="benchmarks (JSON on stdout)")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    tp = bsub.add_parser("throughput", help="offline throughput, optionally side by side with transformers")
+    _add_model_arg(tp)
+    EngineConfig.add_cli_args(tp)
+    from jaxserve.bench.throughput import add_throughput_args
+
+    add_throughput_args(tp)
+    sched = bsub.add_parser("scheduler", help="microseconds per schedule+update step, no model")
+    sched.add_argument("--num-running", type=int, nargs="+", default=[64, 256, 1024])
+    sched.add_argument("--steps", type=int, default=200)
+    from jaxserve.bench.serve_bench import add_serve_bench_args
+
+    add_serve_bench_args(bsub.add_parser("serve", help="load generator against a running server"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        from jaxserve_server.cli import run_serve
+
+        return run_serve(args) or 0
+    if args.command == "generate":
+        return _generate(args)
+    if args.bench_command == "throughput":
+        from jaxserve.bench.throughput import run_throughput_cli
+
+        result = run_throughput_cli(args)
+    elif args.bench_command == "scheduler":
+        from jaxserve.bench.scheduler_bench import run_scheduler_bench
+
+        result = run_scheduler_bench(num_running=tuple(args.num_running), steps=args.steps)
+    else:
+        from jaxserve.bench.serve_bench import run_serve_bench_cli
+
+        result = run_serve_bench_cli(args)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _generate(args) -> int:
+    from jaxserve import LLM, SamplingParams
+
+    config = EngineConfig.from_cli_args(args, model=args.model)
+    llm = LLM(**vars(config))
+    prompts = args.prompt or ["Hello, my name is", "The capital of France is", "JAX compiles"]
+    outputs = llm.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))
+    for out in outputs:
+        print(json.dumps({"prompt": out.prompt, "text": out.outputs[0].text,
+                          "finish_reason": out.outputs[0].finish_reason}, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

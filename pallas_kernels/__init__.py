@@ -1,0 +1,73 @@
+"""Paged-attention kernels for jaxserve (imports jax/numpy only, never jaxserve).
+
+Contract shared by every backend::
+
+    ragged_paged_attention(
+        q,                 # [T, Hq, D] all scheduled tokens, packed request by request
+        k_cache, v_cache,  # [num_blocks, block_size, Hkv, D], already holding this step's K/V
+        kv_lens,           # int32 [R]: context length of each request incl. this step's tokens
+        block_tables,      # int32 [R, max_blocks_per_seq]
+        query_start_loc,   # int32 [R + 1]: request r owns q[qsl[r]:qsl[r+1]]
+        num_seqs,          # int32 scalar or [1]: rows at and after num_seqs are padding
+        *, sm_scale, sliding_window=None, soft_cap=None, interpret=False, <tuning>)
+      -> [T, Hq, D]
+
+The tokens of request r are the last q_len_r positions of its kv_len_r context, attended causally
+(``sliding_window``: only the last W positions, the token itself included; ``soft_cap``: scores
+``cap * tanh(score / cap)`` after scaling). Padding tokens (at and after ``qsl[num_seqs]``) give 0.
+
+Backends: ``xla`` = :func:`ragged_paged_attention_reference` (jnp, runs anywhere), ``pallas`` =
+:func:`ragged_paged_attention` (Pallas, Triton lowering; ``interpret=True`` on CPU), ``triton`` =
+:func:`ragged_paged_attention_triton` (Triton via jax_triton, GPU only).
+
+For the runner: all shapes are static (bucketed T and R); every data-dependent quantity
+(``kv_lens``, ``block_tables``, ``query_start_loc``, ``num_seqs``) may be traced. ``sm_scale``,
+``sliding_window``, ``soft_cap`` and the tuning keywords are static Python values. The Pallas and
+Triton kernels need power-of-two ``head_dim`` and ``block_size`` (any GQA group size works; it is
+padded to a power of two inside the tile). Pallas ``mode="decode"`` is only valid when every
+request has ``q_len <= 1``. :func:`lowerable_configs` lists the configurations the tests lower for
+CUDA; :func:`write_kv` is a plain XLA scatter meant to be jitted with the caches donated.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .ragged_paged_attention import (DecodeConfig, MixedConfig, default_decode_config,
+                                     default_mixed_config, lower_for_cuda, lowerable_configs,
+                                     num_q_tiles, ragged_paged_attention,
+                                     ragged_paged_attention_decode, ragged_paged_attention_mixed)
+from .reference import ragged_paged_attention_reference, write_kv
+from .triton_attention import (TritonLaunchPlan, ragged_paged_attention_triton, triton_available,
+                               triton_launch_plan)
+
+BACKENDS = ("xla", "pallas", "triton")
+
+__all__ = [
+    "BACKENDS", "DecodeConfig", "MixedConfig", "TritonLaunchPlan", "default_decode_config",
+    "default_mixed_config", "get_attention_fn", "lower_for_cuda", "lowerable_configs",
+    "num_q_tiles", "ragged_paged_attention", "ragged_paged_attention_decode",
+    "ragged_paged_attention_mixed", "ragged_paged_attention_reference",
+    "ragged_paged_attention_triton", "triton_available", "triton_launch_plan", "write_kv",
+]
+
+
+def get_attention_fn(backend: str, interpret: bool = False, **tuning):
+    """A callable with the contract signature for ``backend`` in {"xla", "pallas", "triton"}.
+
+    ``interpret`` applies to ``pallas`` (CPU); ``tuning`` keywords are bound into the callable
+    (e.g. ``mode="decode"``, ``block_q=16`` for pallas; ``kv_chunk`` for xla). ``triton`` raises a
+    RuntimeError with the reason when it is unavailable or ``interpret`` is requested.
+    """
+    if backend == "xla":
+        return functools.partial(ragged_paged_attention_reference, **tuning)
+    if backend == "pallas":
+        return functools.partial(ragged_paged_attention, interpret=interpret, **tuning)
+    if backend == "triton":
+        if interpret:
+            raise RuntimeError("the triton backend has no interpret mode")
+        ok, reason = triton_available()
+        if not ok:
+            raise RuntimeError(f"the triton attention backend is unavailable: {reason}")
+        return functools.partial(ragged_paged_attention_triton, **tuning)
+    raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")

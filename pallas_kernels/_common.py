@@ -1,0 +1,65 @@
+"""Helpers shared by the reference and the kernels (jax/numpy only)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+INT32_MAX = 2**31 - 1
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (and >= 1)."""
+    n = int(n)
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def is_pow2(n: int) -> bool:
+    n = int(n)
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def scalar_num_seqs(num_seqs) -> jax.Array:
+    """``num_seqs`` may be a Python int, an int32 scalar or an int32 ``[1]`` array."""
+    return jnp.asarray(num_seqs, jnp.int32).reshape(-1)[0]
+
+
+def check_shapes(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc):
+    """Static shape checks of the contract; returns (T, Hq, D, NB, BS, Hkv, R, MB)."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, Hq, D], got {q.shape}")
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache/v_cache must be equal [num_blocks, block_size, Hkv, D], got {k_cache.shape} "
+            f"and {v_cache.shape}")
+    t, hq, d = q.shape
+    nb, bs, hkv, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"head_dim mismatch: q {d} vs cache {dk}")
+    if hq % hkv:
+        raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
+    if block_tables.ndim != 2:
+        raise ValueError(f"block_tables must be [R, max_blocks], got {block_tables.shape}")
+    r, mb = block_tables.shape
+    if kv_lens.shape != (r,):
+        raise ValueError(f"kv_lens must be [R]={r}, got {kv_lens.shape}")
+    if query_start_loc.shape != (r + 1,):
+        raise ValueError(f"query_start_loc must be [R+1]={r + 1}, got {query_start_loc.shape}")
+    return t, hq, d, nb, bs, hkv, r, mb
+
+
+def check_options(sliding_window, soft_cap):
+    if sliding_window is not None and int(sliding_window) <= 0:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+    if soft_cap is not None and float(soft_cap) <= 0:
+        raise ValueError(f"soft_cap must be positive or None, got {soft_cap}")
+
+
+def valid_token_mask(query_start_loc, num_seqs, t: int) -> jax.Array:
+    """bool [T]: token is owned by a real request (before ``query_start_loc[num_seqs]``)."""
+    end = query_start_loc[scalar_num_seqs(num_seqs)]
+    return jnp.arange(t, dtype=jnp.int32) < end

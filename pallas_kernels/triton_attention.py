@@ -1,0 +1,135 @@
+"""Ragged paged attention as a hand-written Triton kernel, called through ``jax_triton``.
+
+Same contract and tiling as the Pallas ``mixed`` kernel (``ragged_paged_attention.py``); the kernel
+source is ``_triton_kernels.py``. Nothing here imports ``triton``/``jax_triton`` at module import:
+:func:`triton_available` probes them, and :func:`ragged_paged_attention_triton` raises a
+``RuntimeError`` with the reason when they (or a GPU) are missing. The launch geometry is computed
+by the pure-Python :func:`triton_launch_plan`, tested on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+
+import jax
+import jax.numpy as jnp
+
+from ._common import check_options, check_shapes, is_pow2, next_pow2, valid_token_mask
+from .ragged_paged_attention import (LOG2E, _tile_ends, default_mixed_config, num_q_tiles)
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> tuple[bool, str]:
+    """``(True, "")`` when triton, jax_triton and a GPU backend are present, else the reason."""
+    try:
+        importlib.import_module("triton")
+    except Exception as e:  # noqa: BLE001 - any failure means "not available"
+        return False, f"triton is not importable ({type(e).__name__}: {e})"
+    try:
+        importlib.import_module("jax_triton")
+    except Exception as e:  # noqa: BLE001
+        return False, f"jax_triton is not importable ({type(e).__name__}: {e})"
+    try:
+        gpus = jax.devices("gpu")
+    except Exception as e:  # noqa: BLE001
+        return False, f"no GPU backend in this jaxlib ({type(e).__name__}: {e})"
+    if not gpus:
+        return False, "no GPU device visible to jax"
+    return True, ""
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonLaunchPlan:
+    grid: tuple[int, int]
+    num_warps: int
+    num_stages: int
+    out_rows: int  # rows of the [T * Hq, D] output
+    r_pad: int  # length of the padded tile-end vector
+    constexprs: dict  # keyword metaparameters of the kernel
+
+
+def triton_launch_plan(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                       num_blocks: int, block_size: int, num_seqs: int, max_blocks: int,
+                       dtype, sm_scale: float, sliding_window: int | None = None,
+                       soft_cap: float | None = None, block_q: int | None = None,
+                       block_kv: int | None = None, num_warps: int | None = None,
+                       num_stages: int | None = None) -> TritonLaunchPlan:
+    """Grid, metaparameters and checks for one launch (pure Python, no GPU needed)."""
+    t, hq, hkv, d = num_tokens, num_q_heads, num_kv_heads, head_dim
+    if hq % hkv:
+        raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
+    dflt = default_mixed_config(t, num_seqs, hq, hkv, d, dtype)
+    block_q = dflt.block_q if block_q is None else int(block_q)
+    block_kv = dflt.block_kv if block_kv is None else int(block_kv)
+    num_warps = dflt.num_warps if num_warps is None else int(num_warps)
+    num_stages = dflt.num_stages if num_stages is None else int(num_stages)
+    g = hq // hkv
+    g_pad = next_pow2(g)
+    rows = block_q * g_pad
+    for name, v in dict(head_dim=d, block_size=block_size, block_q=block_q,
+                        block_kv=block_kv).items():
+        if not is_pow2(v):
+            raise ValueError(f"{name}={v} must be a power of two for Triton")
+    for name, v in dict(rows=rows, block_kv=block_kv, head_dim=d).items():
+        if v < 16:
+            raise ValueError(f"{name}={v} must be >= 16 for tl.dot (raise block_q/block_kv)")
+    if soft_cap is None:
+        scale = float(sm_scale) * LOG2E
+    else:
+        scale = float(sm_scale)
+    constexprs = dict(
+        HQ=hq, HKV=hkv, G=g, G_PAD=g_pad, D=d, NB=num_blocks, BS=block_size, MB=max_blocks,
+        R=num_seqs, R_PAD=next_pow2(num_seqs), BLOCK_Q=block_q, BLOCK_KV=block_kv, ROWS=rows,
+        SCALE=scale, SOFT_CAP=0.0 if soft_cap is None else float(soft_cap),
+        WINDOW=0 if sliding_window is None else int(sliding_window),
+        IEEE=bool(jnp.dtype(dtype) == jnp.float32),
+    )
+    return TritonLaunchPlan(grid=(num_q_tiles(t, num_seqs, block_q), hkv), num_warps=num_warps,
+                            num_stages=num_stages, out_rows=t * hq, r_pad=next_pow2(num_seqs),
+                            constexprs=constexprs)
+
+
+def _require_triton():
+    ok, reason = triton_available()
+    if not ok:
+        raise RuntimeError(f"the triton attention backend is unavailable: {reason}")
+    import jax_triton  # noqa: PLC0415 - lazy by design
+
+    from . import _triton_kernels  # noqa: PLC0415
+    return jax_triton, _triton_kernels
+
+
+def ragged_paged_attention_triton(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+                                  num_seqs, *, sm_scale, sliding_window=None, soft_cap=None,
+                                  interpret=False, block_q=None, block_kv=None, num_warps=None,
+                                  num_stages=None):
+    """Ragged paged attention through a Triton kernel (GPU only). Same contract as the others."""
+    if interpret:
+        raise RuntimeError("the triton backend has no interpret mode; use backend 'pallas' "
+                           "with interpret=True on CPU")
+    jt, kernels = _require_triton()
+    check_options(sliding_window, soft_cap)
+    t, hq, d, nb, bs, hkv, r, mb = check_shapes(q, k_cache, v_cache, kv_lens, block_tables,
+                                                query_start_loc)
+    plan = triton_launch_plan(num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                              num_blocks=nb, block_size=bs, num_seqs=r, max_blocks=mb,
+                              dtype=q.dtype, sm_scale=sm_scale, sliding_window=sliding_window,
+                              soft_cap=soft_cap, block_q=block_q, block_kv=block_kv,
+                              num_warps=num_warps, num_stages=num_stages)
+    query_start_loc = query_start_loc.astype(jnp.int32)
+    te = _tile_ends(query_start_loc, num_seqs, r, plan.constexprs["BLOCK_Q"])
+    out_sds = jax.ShapeDtypeStruct((plan.out_rows, d), q.dtype)
+    params = inspect.signature(jt.triton_call).parameters
+    out_kw = {"out_type": out_sds} if "out_type" in params else {"out_shape": out_sds}
+    out = jt.triton_call(
+        te, query_start_loc, kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
+        q.reshape(t * hq, d), k_cache.reshape(nb * bs, hkv, d), v_cache.reshape(nb * bs, hkv, d),
+        kernel=kernels.ragged_paged_attention_kernel, grid=plan.grid, num_warps=plan.num_warps,
+        num_stages=plan.num_stages, **out_kw, **plan.constexprs)
+    out = out.reshape(t, hq, d)
+    valid = valid_token_mask(query_start_loc, num_seqs, t)
+    return jnp.where(valid[:, None, None], out, jnp.zeros((), q.dtype))
+
