@@ -23,3 +23,15 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def qwen3_checkpoint(tiny_checkpoints) -> str:
     return tiny_checkpoints["Qwen3ForCausalLM"]
+
+
+# One engine shape for the engine tests: every LLM built with it after the first is served by
+# the persistent compilation cache.
+ENGINE_ARGS = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, num_gpu_blocks_override=160)
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> str:
+    from jaxserve.testing import demo_model_path
+
+    return str(demo_model_path())

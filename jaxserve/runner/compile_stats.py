@@ -37,7 +37,7 @@ class CompileStats:
     compile_seconds: float = 0.0
     persistent_cache_hits: int = 0
     unexpected_compiles: int = 0  # a shape outside the warm-up table: should stay 0
-    compile_seconds_per_bucket: dict[int, float] = dataclasses.field(default_factory=dict)
+    compile_seconds_per_bucket: dict[str, float] = dataclasses.field(default_factory=dict)
     num_steps: int = 0
     real_tokens: int = 0
     padded_tokens: int = 0

@@ -67,6 +67,10 @@ class ModelRunner:
         if interpret is None:
             interpret = jax.default_backend() != "gpu"
         self.attn_fn = pallas_kernels.get_attention_fn(self.attention_backend, interpret=interpret)
+        # Pallas has a decode-only kernel (split-K over pages); steps where every request advances
+        # one token get their own compiled variant that uses it.
+        self.decode_attn_fn = (pallas_kernels.get_attention_fn("pallas", interpret=interpret, mode="decode")
+                               if self.attention_backend == "pallas" else None)
         self.num_logprobs = max(1, config.max_logprobs)
         self.sampling_builder = SamplingMetadataBuilder(
             vocab_size=self.mc.vocab_size, max_num_logprobs=config.max_logprobs)
@@ -83,8 +87,8 @@ class ModelRunner:
         self._rng = np.random.default_rng(config.seed)
         self.stats = compile_stats.CompileStats()
         self._layouts: dict[int, PackLayout] = {}
-        self._compiled: dict[int, Any] = {}
-        self._jitted = jax.jit(self._step, static_argnames=("layout",), donate_argnums=(1, 2))
+        self._compiled: dict[tuple[int, bool], Any] = {}
+        self._jitted = jax.jit(self._step, static_argnames=("layout", "decode_only"), donate_argnums=(1, 2))
         compile_stats.install_listener()
         max_concurrency = self.num_blocks * self.block_size / max_model_len
         logger.info(
@@ -94,12 +98,13 @@ class ModelRunner:
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def _step(self, params, kv_cache, penalty_state, buf, *, layout: PackLayout):
+    def _step(self, params, kv_cache, penalty_state, buf, *, layout: PackLayout, decode_only: bool = False):
         x = unpack(buf, layout)
+        attn_fn = self.decode_attn_fn if decode_only else self.attn_fn
         md = AttentionMetadata(
             positions=x["positions"], slot_mapping=x["slot_mapping"], block_tables=x["block_tables"],
             kv_lens=x["kv_lens"], query_start_loc=x["query_start_loc"], num_seqs=x["num_seqs"])
-        hidden, kv_cache = self.model.forward(params, x["input_ids"], kv_cache, md, self.attn_fn)
+        hidden, kv_cache = self.model.forward(params, x["input_ids"], kv_cache, md, attn_fn)
         logits = self.model.compute_logits(params, hidden[x["logits_indices"]])
         counts, prompt_mask = _update_penalty_tables(penalty_state, x)
         sm = SamplingMetadata.from_arrays({k[len(_SAMPLE):]: v for k, v in x.items() if k.startswith(_SAMPLE)})
@@ -120,27 +125,38 @@ class ModelRunner:
         arrays.update(_prefixed(self.sampling_builder.padding(rows)))
         return arrays
 
-    def _executable(self, bucket: int):
+    def variants(self) -> list[tuple[int, bool]]:
+        """Every (token bucket, decode-only) pair compiled at warm-up."""
+        out = [(b, False) for b in self.buckets.token_buckets]
+        if self.decode_attn_fn is not None:
+            out += [(b, True) for b in self.buckets.token_buckets if b <= self.buckets.max_num_seqs]
+        return out
+
+    def _executable(self, bucket: int, decode_only: bool):
         if self.config.enforce_eager:
-            return functools.partial(self._step, layout=self._layout_for(bucket))
-        if bucket not in self._compiled:
-            self._compile(bucket)
+            return functools.partial(self._step, layout=self._layout_for(bucket), decode_only=decode_only)
+        key = (bucket, decode_only)
+        if key not in self._compiled:
+            self._compile(key)
             self.stats.unexpected_compiles += self._warmed_up
-        return self._compiled[bucket]
+        return self._compiled[key]
 
     _warmed_up = False
 
-    def _compile(self, bucket: int) -> None:
+    def _compile(self, key: tuple[int, bool]) -> None:
+        bucket, decode_only = key
         layout = self._layout_for(bucket)
         hits_before = compile_stats.persistent_cache_hits()
         start = time.perf_counter()
         buf = jax.ShapeDtypeStruct((layout.total,), jnp.int32)
-        lowered = self._jitted.trace(self.params, self.kv_cache, self.penalty_state, buf, layout=layout).lower()
-        self._compiled[bucket] = lowered.compile()
+        lowered = self._jitted.trace(self.params, self.kv_cache, self.penalty_state, buf, layout=layout,
+                                     decode_only=decode_only).lower()
+        self._compiled[key] = lowered.compile()
         seconds = time.perf_counter() - start
         self.stats.num_compiles += 1
         self.stats.compile_seconds += seconds
-        self.stats.compile_seconds_per_bucket[bucket] = seconds
+        name = f"{bucket}{'-decode' if decode_only else ''}"
+        self.stats.compile_seconds_per_bucket[name] = seconds
         self.stats.persistent_cache_hits += compile_stats.persistent_cache_hits() - hits_before
 
     def warm_up(self, show_progress: bool = True) -> None:
@@ -149,13 +165,14 @@ class ModelRunner:
             self._warmed_up = True
             return
         start = time.perf_counter()
-        buckets = self.buckets.token_buckets
-        for bucket in tqdm(buckets, desc="Compiling step buckets", disable=not show_progress, unit="bucket"):
-            if bucket not in self._compiled:
-                self._compile(bucket)
+        variants = self.variants()
+        for key in tqdm(variants, desc="Compiling step buckets", disable=not show_progress, unit="variant"):
+            if key not in self._compiled:
+                self._compile(key)
         self._warmed_up = True
         logger.info("Compiled %d step variants (token buckets %s) in %.1f s (%d from the persistent cache)",
-                    len(buckets), list(buckets), time.perf_counter() - start, self.stats.persistent_cache_hits)
+                    len(variants), list(self.buckets.token_buckets), time.perf_counter() - start,
+                    self.stats.persistent_cache_hits)
 
     # ---- state updates from the scheduler --------------------------------------------------
 
@@ -193,7 +210,8 @@ class ModelRunner:
         arrays, plan, states = self._prepare_inputs(so, new_slots)
         layout = self._layout_for(plan.token_bucket)
         buf = jnp.asarray(pack(arrays, layout))
-        fn = self._executable(plan.token_bucket)
+        decode_only = self.decode_attn_fn is not None and plan.num_tokens == len(plan.req_ids)
+        fn = self._executable(plan.token_bucket, decode_only)
         self.kv_cache, self.penalty_state, out = fn(self.params, self.kv_cache, self.penalty_state, buf)
         self.stats.record_step(plan.num_tokens, plan.token_bucket)
         return self._collect(out, plan, states, so)

@@ -10,18 +10,18 @@ import transformers
 
 from jaxserve import LLM, SamplingParams
 
+from tests.conftest import ENGINE_ARGS
+
 MAX_TOKENS = 24
-# One KV shape for every engine here, so the persistent compilation cache serves them all.
-COMMON = dict(max_model_len=256, max_num_seqs=16, num_gpu_blocks_override=160, block_size=16)
 
 
 def make_prompts() -> list[list[int]]:
     rng = np.random.default_rng(0)
-    shared = rng.integers(3, 500, 40).tolist()  # a 40-token prefix shared by half the prompts
+    shared = rng.integers(3, 1000, 40).tolist()  # a 40-token prefix shared by half the prompts
     lengths = [1, 2, 5, 9, 16, 17, 31, 33, 47, 64, 65, 80, 96, 100, 120, 7, 3, 50]
     prompts = []
     for i, n in enumerate(lengths):
-        own = rng.integers(3, 500, n).tolist()
+        own = rng.integers(3, 1000, n).tolist()
         prompts.append(shared + own if i % 2 else own)
     return prompts
 
@@ -32,8 +32,8 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def hf_outputs(qwen3_checkpoint, prompts):
-    model = transformers.AutoModelForCausalLM.from_pretrained(qwen3_checkpoint, dtype=torch.float32).eval()
+def hf_outputs(demo_model, prompts):
+    model = transformers.AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32).eval()
     outs = []
     for p in prompts:
         gen = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=MAX_TOKENS,
@@ -44,7 +44,7 @@ def hf_outputs(qwen3_checkpoint, prompts):
 
 
 def run(checkpoint: str, prompts, **engine_args) -> tuple[list[list[int]], LLM]:
-    llm = LLM(checkpoint, show_progress=False, **{**COMMON, **engine_args})
+    llm = LLM(checkpoint, show_progress=False, **{**ENGINE_ARGS, **engine_args})
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
@@ -53,9 +53,9 @@ def run(checkpoint: str, prompts, **engine_args) -> tuple[list[list[int]], LLM]:
 
 
 @pytest.mark.parametrize("caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
-def test_chunked_prefill_matches_hf(qwen3_checkpoint, prompts, hf_outputs, caching):
+def test_chunked_prefill_matches_hf(demo_model, prompts, hf_outputs, caching):
     # A 64-token budget splits every long prompt into several chunks.
-    ours, llm = run(qwen3_checkpoint, prompts, max_num_batched_tokens=64, enable_prefix_caching=caching)
+    ours, llm = run(demo_model, prompts, max_num_batched_tokens=64, enable_prefix_caching=caching)
     assert ours == hf_outputs
     stats = llm.stats()
     if caching:
@@ -65,13 +65,13 @@ def test_chunked_prefill_matches_hf(qwen3_checkpoint, prompts, hf_outputs, cachi
     assert stats["compile_unexpected_compiles"] == 0
 
 
-def test_whole_prefill_matches_hf(qwen3_checkpoint, prompts, hf_outputs):
-    ours, _ = run(qwen3_checkpoint, prompts, max_num_batched_tokens=256, enable_chunked_prefill=False)
+def test_whole_prefill_matches_hf(demo_model, prompts, hf_outputs):
+    ours, _ = run(demo_model, prompts, max_num_batched_tokens=256, enable_chunked_prefill=False)
     assert ours == hf_outputs
 
 
-def test_preemption_matches_hf(qwen3_checkpoint, prompts, hf_outputs):
+def test_preemption_matches_hf(demo_model, prompts, hf_outputs):
     # 24 usable blocks (384 tokens) cannot hold 18 requests of up to 184 tokens at once.
-    ours, llm = run(qwen3_checkpoint, prompts, max_num_batched_tokens=64, num_gpu_blocks_override=25)
+    ours, llm = run(demo_model, prompts, max_num_batched_tokens=64, num_gpu_blocks_override=25)
     assert llm.stats()["num_preemptions"] > 0
     assert ours == hf_outputs

@@ -1,0 +1,40 @@
+"""The engine gives the same greedy tokens whichever attention backend runs the step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+import pallas_kernels
+
+SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=40)
+
+
+def test_pallas_interpret_matches_xla(demo_model):
+    rng = np.random.default_rng(2)
+    # mixed lengths: chunked prefill (> 32 tokens), a 1-token prompt, decode-only steps
+    prompts = [{"prompt_token_ids": rng.integers(3, 1000, n).tolist()} for n in (1, 7, 40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    xla = LLM(demo_model, show_progress=False, attention_backend="xla", **SMALL)
+    pallas = LLM(demo_model, show_progress=False, attention_backend="pallas", interpret_kernels=True,
+                 enforce_eager=True, **SMALL)
+    assert pallas.stats()["attention_backend"] == "pallas" and xla.stats()["attention_backend"] == "xla"
+    expected = [o.outputs[0].token_ids for o in xla.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in pallas.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+
+
+def test_auto_backend_is_xla_on_cpu(demo_model):
+    from jaxserve.runner.model_runner import resolve_attention_backend
+
+    assert resolve_attention_backend("auto") == "xla"
+    assert resolve_attention_backend("pallas") == "pallas"
+
+
+def test_triton_backend_unavailable_on_cpu_is_a_clear_error(demo_model):
+    ok, reason = pallas_kernels.triton_available()
+    if ok:
+        pytest.skip("triton is available here")
+    with pytest.raises(RuntimeError, match="triton"):
+        LLM(demo_model, show_progress=False, attention_backend="triton", **SMALL)

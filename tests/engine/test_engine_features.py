@@ -1,0 +1,167 @@
+"""LLM behaviour on the demo model: compile counts, eager mode, sampling, stop handling, metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from tests.conftest import ENGINE_ARGS
+
+
+@pytest.fixture(scope="module")
+def llm(demo_model):
+    return LLM(demo_model, show_progress=False, **ENGINE_ARGS)
+
+
+def assert_pool_empty(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_gpu_blocks"] - 1
+    pool = llm.llm_engine.core.scheduler.kv_cache_manager.block_pool
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+def random_prompts(n: int, seed: int, lo: int = 1, hi: int = 200) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(3, 1000, int(k)).tolist()} for k in rng.integers(lo, hi, n)]
+
+
+def test_no_compile_after_warm_up(llm):
+    compiles = llm.stats()["compile_num_compiles"]
+    assert compiles == len(llm.stats()["token_buckets"])
+    for seed in range(3):
+        llm.generate(random_prompts(7, seed), SamplingParams(temperature=0, max_tokens=int(5 + 9 * seed)),
+                     use_tqdm=False)
+    stats = llm.stats()
+    assert stats["compile_num_compiles"] == compiles
+    assert stats["compile_unexpected_compiles"] == 0
+    assert 0.0 <= stats["compile_padding_ratio"] < 1.0
+    assert_pool_empty(llm)
+
+
+def test_eager_matches_compiled(llm, demo_model):
+    prompts = random_prompts(5, seed=11, hi=90)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    compiled = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    eager = LLM(demo_model, show_progress=False, enforce_eager=True, **ENGINE_ARGS)
+    assert eager.stats()["compile_num_compiles"] == 0
+    assert [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)] == compiled
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    target = {"prompt_token_ids": [5, 17, 99, 200, 7]}
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = llm.generate([target], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = random_prompts(6, seed=3)
+    mixed = llm.generate(others[:3] + [target] + others[3:],
+                         [SamplingParams(temperature=0.7, max_tokens=20)] * 3 + [params]
+                         + [SamplingParams(temperature=1.3, max_tokens=9)] * 3, use_tqdm=False)
+    assert mixed[3].outputs[0].token_ids == alone
+    different = llm.generate([target], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=4321,
+                                                      ignore_eos=True), use_tqdm=False)
+    assert different[0].outputs[0].token_ids != alone
+    assert_pool_empty(llm)
+
+
+def test_parallel_sampling_n(llm):
+    out = llm.generate(["The quick brown fox"], SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=5,
+                                                               ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 10 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert_pool_empty(llm)
+
+
+def test_max_tokens_min_tokens_and_stop_token_ids(llm):
+    greedy = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    stop_id = greedy.token_ids[4]
+    first = greedy.token_ids.index(stop_id)
+    out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert out.token_ids == greedy.token_ids[: first + 1]
+    late = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id],
+                                                  min_tokens=first + 2), use_tqdm=False)[0].outputs[0]
+    assert len(late.token_ids) > first + 1
+    assert greedy.finish_reason == "length" and len(greedy.token_ids) == 30
+
+
+def test_stop_strings(llm):
+    full = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    assert len(full) > 12
+    stop = full[6:9]
+    index = full.index(stop)
+    cut = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=40, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop and cut.text == full[:index]
+    kept = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=40, stop=stop,
+                                                             include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == full[: index + len(stop)]
+    assert_pool_empty(llm)
+
+
+def test_logprobs(llm):
+    out = llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=5, logprobs=3), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 5
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and entry[token].rank == 1  # greedy picks the top token
+        assert len(entry) == 3  # the chosen one is also the top-1
+        values = sorted((lp.logprob for lp in entry.values()), reverse=True)
+        assert values[0] <= 0.0
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_chat_uses_template(llm):
+    out = llm.chat([{"role": "user", "content": "Hello!"}], SamplingParams(temperature=0, max_tokens=4),
+                   use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    assert out.prompt.startswith("<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n")
+    assert out.prompt_token_ids == tok.encode(out.prompt, add_special_tokens=False)
+
+
+def test_bad_requests_name_the_field_and_leak_nothing(llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([{"prompt_token_ids": [5] * 300}], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(["x"], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([{"prompt_token_ids": []}], SamplingParams(), use_tqdm=False)
+    assert_pool_empty(llm)
+    assert len(llm.generate(["still works"], SamplingParams(max_tokens=3), use_tqdm=False)) == 1
+
+
+def test_metrics_have_vllm_names(llm):
+    llm.generate(["metrics please"], SamplingParams(max_tokens=4), use_tqdm=False)
+    names = {m.name for m in llm.get_metrics()}
+    for expected in ("jaxserve:num_requests_running", "jaxserve:num_requests_waiting",
+                     "jaxserve:kv_cache_usage_perc", "jaxserve:prefix_cache_queries_total",
+                     "jaxserve:prefix_cache_hits_total", "jaxserve:num_preemptions_total",
+                     "jaxserve:prompt_tokens_total", "jaxserve:generation_tokens_total",
+                     "jaxserve:time_to_first_token_seconds", "jaxserve:inter_token_latency_seconds",
+                     "jaxserve:e2e_request_latency_seconds"):
+        assert expected in names, expected
+    generated = next(m for m in llm.get_metrics() if m.name == "jaxserve:generation_tokens_total")
+    assert generated.value >= 4
+
+
+def test_kv_cache_sizing(demo_model):
+    from jaxserve.config import EngineConfig
+    from jaxserve.models import ModelConfig
+    from jaxserve.runner.kv_cache import bytes_per_block, determine_num_blocks
+
+    mc = ModelConfig.from_pretrained(demo_model)
+    per_block = bytes_per_block(mc, 16)
+    assert per_block == 2 * mc.num_hidden_layers * 16 * mc.num_key_value_heads * mc.head_dim * 4
+    cfg = EngineConfig(kv_cache_memory=per_block * 37 + 5)
+    assert determine_num_blocks(mc, cfg, 256) == 37
+    assert determine_num_blocks(mc, EngineConfig(num_gpu_blocks_override=11), 256) == 11
+    cpu_default = determine_num_blocks(mc, EngineConfig(max_num_seqs=4), 256)
+    assert cpu_default == 4 * 16 + 1
+    with pytest.raises(ValueError, match="kv cache"):
+        determine_num_blocks(mc, EngineConfig(kv_cache_memory=per_block), 256)

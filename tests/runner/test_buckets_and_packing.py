@@ -1,0 +1,40 @@
+"""The bucket table and the one-transfer packing of step inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.runner.buckets import BucketTable
+from jaxserve.runner.packing import PackLayout, pack, unpack
+
+
+def test_bucket_table_powers_of_two_up_to_budget():
+    table = BucketTable.build(max_num_batched_tokens=200, max_num_seqs=24)
+    assert table.token_buckets == (16, 32, 64, 128, 200)
+    assert [table.pick(n) for n in (1, 16, 17, 129, 200)] == [16, 16, 32, 200, 200]
+    assert table.num_rows(16) == 16 and table.num_rows(128) == 24
+    with pytest.raises(ValueError, match="201 tokens exceed the largest bucket 200"):
+        table.pick(201)
+
+
+def test_pack_roundtrip_all_dtypes():
+    arrays = {
+        "ids": np.arange(6, dtype=np.int32).reshape(2, 3),
+        "temp": np.asarray([0.5, -1.25, 3e-8], np.float32),
+        "seed": np.asarray([2**32 - 1, 7], np.uint32),
+        "flag": np.asarray([True, False, True]),
+    }
+    layout = PackLayout.of(arrays)
+    buf = pack(arrays, layout)
+    assert buf.dtype == np.int32 and buf.shape == (6 + 3 + 2 + 3,)
+    out = jax.jit(lambda b: unpack(b, layout))(jnp.asarray(buf))
+    for name, arr in arrays.items():
+        assert out[name].dtype == arr.dtype
+        np.testing.assert_array_equal(np.asarray(out[name]), arr)
+
+
+def test_pack_rejects_wrong_shape():
+    layout = PackLayout.of({"a": np.zeros(4, np.int32)})
+    with pytest.raises(ValueError, match="a: shape"):
+        pack({"a": np.zeros(5, np.int32)}, layout)
