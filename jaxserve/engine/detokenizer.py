@@ -39,3 +39,15 @@ class IncrementalDetokenizer:
                 self.read_offset = len(self.token_ids)
         self.output_text += delta
         return delta
+
+    def flush(self) -> str:
+        """At the end of a request: emit whatever is still held back (an incomplete character
+        decodes to U+FFFD rather than vanishing)."""
+        if self.read_offset >= len(self.token_ids):
+            return ""
+        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset :])
+        delta = full[len(prefix) :]
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.output_text += delta
+        return delta

@@ -59,7 +59,8 @@ class EngineCore:
 
         self.config = config
         self.model_path = resolve_model_path(config)
-        enable_persistent_compilation_cache(config.resolved_compilation_cache_dir())
+        if not config.enforce_eager:  # eager mode's per-op programs are not worth caching on disk
+            enable_persistent_compilation_cache(config.resolved_compilation_cache_dir())
         model, params = load_model(self.model_path, config.dtype)
         self.model_config = model.config
         self.max_model_len = resolve_max_model_len(config, model.config.max_position_embeddings)

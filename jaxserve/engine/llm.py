@@ -46,8 +46,9 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = str(next(self._counter))
+                salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
                 self.llm_engine.add_request(rid, prompt, p, output_kind=RequestOutputKind.FINAL_ONLY,
-                                            priority=priority[i] if priority else 0)
+                                            priority=priority[i] if priority else 0, cache_salt=salt)
                 ids.append(rid)
         except Exception:
             self.llm_engine.abort_request(ids)
@@ -82,6 +83,11 @@ class LLM:
                         results[out.request_id] = out
                         bar.update(1)
         return [results[i] for i in ids]
+
+    @property
+    def step_records(self):
+        """Per-step records (who ran, tokens, bucket, ...) when built with ``record_steps=True``."""
+        return self.llm_engine.core.step_records
 
     def get_metrics(self) -> list[Metric]:
         return self.llm_engine.metrics.snapshot()

@@ -148,6 +148,8 @@ class OutputProcessor:
             return False
         before = len(child.text)
         child.text += child.detok.update(out.new_token_ids)
+        if child.finish_reason is not None:
+            child.text += child.detok.flush()
         stops = child.params.stop or []
         if not stops or child.finish_reason == "abort":
             return False

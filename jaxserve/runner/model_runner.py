@@ -43,10 +43,23 @@ def resolve_attention_backend(requested: str) -> str:
 
 
 def enable_persistent_compilation_cache(cache_dir: str | None) -> None:
+    """Point JAX's persistent compilation cache at ``cache_dir`` (process-wide setting).
+
+    JAX opens its cache once per process; a later engine asking for another folder gets the
+    cache re-initialised so its programs really land there.
+    """
     if not cache_dir:
         return
     os.makedirs(cache_dir, exist_ok=True)
+    previous = jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", cache_dir)
+    if previous and previous != cache_dir:
+        try:
+            from jax._src import compilation_cache as _cc
+
+            _cc.reset_cache()
+        except (ImportError, AttributeError):  # private API; the folder change then waits for a restart
+            logger.warning("compilation cache already open at %s; %s takes effect on restart", previous, cache_dir)
     # Small programs are never cached otherwise, and ours are small on CPU.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -209,7 +222,7 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         arrays, plan, states = self._prepare_inputs(so, new_slots)
         layout = self._layout_for(plan.token_bucket)
-        buf = jnp.asarray(pack(arrays, layout))
+        buf = jax.device_put(pack(arrays, layout))  # one transfer; jnp.asarray would compile a copy
         decode_only = self.decode_attn_fn is not None and plan.num_tokens == len(plan.req_ids)
         fn = self._executable(plan.token_bucket, decode_only)
         self.kv_cache, self.penalty_state, out = fn(self.params, self.kv_cache, self.penalty_state, buf)
