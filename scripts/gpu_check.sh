@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One command for the GPU machine (an H200): kernels against the reference, kernel timings with
+# achieved HBM bandwidth, end-to-end greedy parity across backends, and the throughput benchmark on
+# a Qwen3-0.6B-shaped random model in bfloat16. Prints JSON sections; fits one 10-minute call.
+#   bash scripts/gpu_check.sh            (writes copies of each JSON under $OUT when set)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export JAXSERVE_CACHE_DIR="${JAXSERVE_CACHE_DIR:-/tmp/jaxserve-gpu-cache}"
+out="${OUT:-/tmp/jaxserve-gpu-out}"; mkdir -p "$out"
+py=${PYTHON:-python3}
+
+if ! $py -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')"; then
+  echo '{"error": "no GPU backend in jax here"}'; exit 1
+fi
+$py -m pip install -q --no-deps -e . >/dev/null 2>&1 || true
+$py - <<'PY' > "$out/env.json"
+import json, jax
+print(json.dumps({"jax": jax.__version__, "devices": [str(d) for d in jax.devices()]}))
+PY
+cat "$out/env.json"
+
+echo "== kernels (correctness + timing) =="
+timeout 200 $py scripts/gpu_kernel_check.py --budget-s 150 > "$out/kernels.json" 2> "$out/kernels.err"; echo "rc=$?"
+cat "$out/kernels.json"
+
+echo "== end-to-end greedy parity =="
+timeout 150 $py scripts/gpu_e2e_check.py > "$out/e2e.json" 2> "$out/e2e.err"; echo "rc=$?"
+cat "$out/e2e.json"
+
+echo "== bench throughput: Qwen3-0.6B shape, bf16, 256 prompts of 100-1024 in / 100-1024 out =="
+timeout 220 $py -m jaxserve.cli bench throughput --random-model qwen3-0.6b --num-prompts 256 \
+  --input-len-range 100 1024 --output-len-range 100 1024 --token-id-range 10 150000 \
+  --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --attention-backend pallas \
+  > "$out/throughput.json" 2> "$out/throughput.err"; echo "rc=$?"
+cat "$out/throughput.json"
+tail -5 "$out"/*.err
