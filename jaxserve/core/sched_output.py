@@ -1,0 +1,91 @@
+"""What crosses between the scheduler and the model runner, and back to the engine (pure data).
+
+Runner contract:
+  * ``preempted_req_ids`` and ``finished_req_ids``: drop the request's state. Finished ids only
+    name requests the runner holds (running when they finished or were aborted).
+  * A preempted request comes back later as ``NewRequestData`` whose ``output_token_ids`` are its
+    earlier outputs; its tokens are ``prompt_token_ids + output_token_ids``.
+  * A request's tokens ``[num_computed_tokens, num_computed_tokens + num_scheduled_tokens)`` are
+    computed this step; a token is sampled only when that range reaches its last known token,
+    otherwise (a partial prefill chunk) ``sampled_token_ids`` for it is ``[]``.
+  * The runner writes all of a step's KV before the step's attention reads it: a request may hit
+    prefix blocks another request fills in the same step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from jaxserve.core.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (first schedule, or resumed after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]          # all blocks of the request so far
+    num_computed_tokens: int      # tokens already in the KV cache (prefix hit or 0)
+    output_token_ids: list[int]   # non-empty only when resumed after preemption (recompute)
+
+
+@dataclass
+class CachedRequestData:
+    """Requests already in the runner's persistent batch, as parallel lists."""
+
+    req_ids: list[str]
+    new_block_ids: list[list[int]]   # blocks appended this step
+    num_computed_tokens: list[int]   # before this step's tokens
+
+    @classmethod
+    def make_empty(cls) -> "CachedRequestData":
+        return cls([], [], [])
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]      # finished/aborted since the last step: the runner drops them
+    preempted_req_ids: set[str]     # preempted this step: the runner drops them
+    num_common_prefix_blocks: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Produced by the runner. ``sampled_token_ids[req_id_to_index[id]]`` is ``[]`` for a partial
+    prefill chunk. ``logprobs``, if set, is indexed like ``sampled_token_ids``."""
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    logprobs: Optional[object] = None
+    prompt_logprobs_dict: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(slots=True)  # one per request per step: slots keep it small and cheap for the GC
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: Optional[str] = None   # "stop" | "length" | "abort"
+    stop_reason: Union[int, str, None] = None
+    new_logprobs: Optional[object] = None
+    new_prompt_logprobs: Optional[object] = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,423 @@
+"""The V1 scheduler: one token budget per step shared by prefill chunks and decodes."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from jaxserve.core.block_pool import KVCacheBlock
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.kv_cache_utils import cdiv
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.request_queue import create_request_queue
+from jaxserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                                        NewRequestData, SchedulerOutput)
+from jaxserve.core.stats import SchedulerStats
+
+
+@dataclass
+class SchedulerConfig:
+    """``long_prefill_token_threshold`` > 0 caps the tokens one request gets per step (needs
+    chunked prefill). ``history_size`` > 0 keeps that many per-step ``SchedulerStats``."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+    history_size: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be non-negative, "
+                             f"got {self.long_prefill_token_threshold}")
+        if self.long_prefill_token_threshold > 0 and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold requires enable_chunked_prefill")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.history_size < 0:
+            raise ValueError(f"history_size must be non-negative, got {self.history_size}")
+
+
+class Scheduler:
+    """Decides, each step, which requests advance by how many tokens.
+
+    Invariants:
+      * a request is in exactly one of ``waiting`` (WAITING/PREEMPTED, holding no blocks) or
+        ``running`` (RUNNING, holding its blocks), or is gone (finished, blocks freed);
+      * ``len(running) <= max_num_seqs``; scheduled tokens per step <= ``max_num_batched_tokens``;
+      * a step that preempted admits no waiting request (its blocks would be taken straight back).
+    Preemption victim: the newest running request (fcfs) or the largest
+    (priority, arrival_time, request_id) (priority). The oldest/best request is never a victim
+    while another runs, so it always progresses: with a pool holding ``max_model_len`` tokens,
+    every request finishes.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig,
+                 kv_cache_manager: Optional[KVCacheManager] = None, *,
+                 num_blocks: Optional[int] = None, block_size: int = 16,
+                 enable_caching: bool = True, log_stats: bool = True) -> None:
+        cfg = scheduler_config
+        if kv_cache_manager is None:
+            if num_blocks is None:
+                raise ValueError("pass a kv_cache_manager or num_blocks")
+            kv_cache_manager = KVCacheManager(num_blocks, block_size, cfg.max_model_len,
+                                              enable_caching, log_stats)
+        if kv_cache_manager.max_model_len != cfg.max_model_len:
+            raise ValueError(f"kv_cache_manager.max_model_len={kv_cache_manager.max_model_len} "
+                             f"!= scheduler max_model_len={cfg.max_model_len}")
+        needed = cdiv(cfg.max_model_len, kv_cache_manager.block_size)
+        if kv_cache_manager.num_blocks - 1 < needed:
+            raise ValueError(
+                f"max_model_len={cfg.max_model_len} needs {needed} KV blocks of "
+                f"{kv_cache_manager.block_size} tokens, the cache has only "
+                f"{kv_cache_manager.num_blocks - 1}; lower max_model_len or give it more memory")
+        self.scheduler_config = cfg
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.max_model_len = cfg.max_model_len
+        self.max_num_seqs = cfg.max_num_seqs
+        self.max_num_batched_tokens = cfg.max_num_batched_tokens
+        self.policy = cfg.policy
+
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(cfg.policy)
+        self.running: list[Request] = []
+        # Finished since the last schedule(); shipped to the runner in the next SchedulerOutput.
+        self.finished_req_ids: set[str] = set()
+
+        self.step_counter = 0
+        self.num_preemptions = 0
+        self.num_finished_reqs = 0
+        self._last_num_scheduled_tokens = 0
+        self._last_num_scheduled_reqs = 0
+        self._last_num_preempted = 0
+        self.history: Optional[deque[SchedulerStats]] = (
+            deque(maxlen=cfg.history_size) if cfg.history_size else None)
+
+    # ------------------------------------------------------------------ requests in
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError (naming the problem) for one that can never run."""
+        n = request.num_prompt_tokens
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if n == 0:
+            raise ValueError("prompt must contain at least one token")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, max_model_len={self.max_model_len} leaves "
+                             f"no room for an output token (prompt must be < max_model_len)")
+        if not self.scheduler_config.enable_chunked_prefill and n > self.max_num_batched_tokens:
+            raise ValueError(f"prompt has {n} tokens, more than max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens} with chunked prefill disabled")
+        if request.max_tokens is None:
+            request.max_tokens = self.max_model_len - n
+        if self.kv_cache_manager.enable_caching:
+            request.init_block_hashes(self.block_size)
+        request.status = RequestStatus.WAITING
+        request.queued_ts = time.monotonic()
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+
+    def finish_requests(self, request_ids: Union[str, Iterable[str]],
+                        finished_status: RequestStatus) -> None:
+        """Finish (typically abort) requests in any state; unknown/finished ids are ignored.
+        Blocks are released at once."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"{finished_status.name} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        from_running, from_waiting = [], []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            (from_running if request.status == RequestStatus.RUNNING else from_waiting).append(
+                request)
+        if from_running:
+            drop = set(map(id, from_running))
+            self.running = [r for r in self.running if id(r) not in drop]
+        if from_waiting:
+            self.waiting.remove_requests(from_waiting)
+        for request in from_running:
+            self._free_request(request, finished_status, known_to_runner=True)
+        for request in from_waiting:
+            # Never sent to the runner, or already dropped by it as preempted.
+            self._free_request(request, finished_status, known_to_runner=False)
+
+    def _free_request(self, request: Request, status: RequestStatus,
+                      known_to_runner: bool) -> None:
+        if known_to_runner:
+            self.finished_req_ids.add(request.request_id)
+        request.status = status
+        request.finished_ts = time.monotonic()
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.num_finished_reqs += 1
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.scheduler_config
+        threshold = cfg.long_prefill_token_threshold
+        kv = self.kv_cache_manager
+        now = time.monotonic()
+        token_budget = self.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_blocks_of: dict[str, list[KVCacheBlock]] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests, oldest first.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > token_budget:
+                num_new = token_budget
+            if num_new <= 0:  # nothing to compute (the runner owes it a token)
+                req_index += 1
+                continue
+            while True:
+                new_blocks = kv.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim_index = self._pick_victim_index()
+                victim = self.running.pop(victim_index)
+                if victim_index < req_index:
+                    req_index -= 1
+                if victim.request_id in num_scheduled_tokens:
+                    # Already scheduled this step (priority policy): take its work back.
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    del new_blocks_of[victim.request_id]
+                    scheduled_running.remove(victim)
+                self._preempt(victim, now)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                # It was the victim itself: the worst left (priority; fcfs: the last). Its blocks
+                # are free now, so better-ranked requests after it may still fit.
+                continue
+            scheduled_running.append(request)
+            num_scheduled_tokens[request.request_id] = num_new
+            new_blocks_of[request.request_id] = new_blocks
+            token_budget -= num_new
+            req_index += 1
+
+        # 2. Waiting requests, unless this step preempted.
+        if not preempted:
+            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting.peek_request()
+                hit_blocks, num_hit_tokens = kv.get_computed_blocks(request, record_stats=False)
+                num_new = request.num_tokens - num_hit_tokens
+                if 0 < threshold < num_new:
+                    num_new = threshold
+                if (not cfg.enable_chunked_prefill and num_new > token_budget
+                        and num_new <= self.max_num_batched_tokens):
+                    # Whole prompt or nothing; head-of-line waits so FCFS order holds. (A resumed
+                    # request longer than a whole step is chunked: it could never run otherwise.)
+                    break
+                num_new = min(num_new, token_budget)
+                new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks)
+                if new_blocks is None:
+                    break
+                self.waiting.pop_request()
+                if kv.log_stats:
+                    # Booked on admission only: a head that waits would be counted every step.
+                    kv.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_hit_tokens
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit_tokens
+                if request.scheduled_ts is None:
+                    request.scheduled_ts = now
+                scheduled_new.append(request)
+                num_scheduled_tokens[request.request_id] = num_new
+                new_blocks_of[request.request_id] = new_blocks
+                token_budget -= num_new
+
+        total = self.max_num_batched_tokens - token_budget
+        assert len(self.running) <= self.max_num_seqs
+
+        new_reqs_data = [
+            NewRequestData(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+                           sampling_params=r.sampling_params,
+                           block_ids=kv.get_block_ids(r.request_id),
+                           num_computed_tokens=r.num_computed_tokens,
+                           output_token_ids=list(r.output_token_ids))
+            for r in scheduled_new]
+        cached_reqs_data = CachedRequestData(
+            req_ids=[r.request_id for r in scheduled_running],
+            new_block_ids=[[b.block_id for b in new_blocks_of[r.request_id]]
+                           for r in scheduled_running],
+            num_computed_tokens=[r.num_computed_tokens for r in scheduled_running])
+        num_common_prefix_blocks = (
+            kv.get_num_common_prefix_blocks(self.running[0], len(self.running))
+            if self.running and kv.enable_caching else 0)
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached_reqs_data,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+            num_common_prefix_blocks=num_common_prefix_blocks)
+        self.finished_req_ids = set()
+
+        # As in vLLM, progress is booked at schedule time: the next schedule() must not hand the
+        # same tokens out again, even before this step's output arrives.
+        requests = self.requests
+        for req_id, n in num_scheduled_tokens.items():
+            requests[req_id].num_computed_tokens += n
+
+        self.step_counter += 1
+        self._last_num_scheduled_tokens = total
+        self._last_num_scheduled_reqs = len(num_scheduled_tokens)
+        self._last_num_preempted = len(preempted)
+        if self.history is not None:
+            self.history.append(self.make_stats())
+        return output
+
+    def _pick_victim_index(self) -> int:
+        """Index in ``running`` of the request to preempt: the newest (fcfs) or the worst by
+        (priority, arrival_time, request_id) (priority, possibly one already scheduled)."""
+        if self.policy == "priority":
+            return max(range(len(self.running)), key=lambda i: self.running[i].sort_key())
+        return len(self.running) - 1
+
+    def _preempt(self, request: Request, now: float) -> None:
+        # Free while num_computed_tokens still says which blocks hold written KV.
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.preempted_ts = now
+        self.num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    # ------------------------------------------------------------------ results in
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop checks, release finished requests.
+
+        Returns one output per request that got tokens, prompt logprobs or a finish.
+        """
+        outputs: list[EngineCoreOutput] = []
+        stopped: list[Request] = []
+        sampled = model_runner_output.sampled_token_ids
+        index_of = model_runner_output.req_id_to_index
+        logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs_dict
+        requests = self.requests
+        running_status = RequestStatus.RUNNING
+        check_stop = self._check_stop
+        now = None
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = requests.get(req_id)
+            if request is None or request.status is not running_status:
+                continue  # finished/aborted (or preempted) after this step was scheduled
+            idx = index_of.get(req_id)
+            new_token_ids: list[int] = []
+            finished = False
+            # A partial prefill chunk samples nothing; ignore a token the runner sent anyway.
+            if idx is not None and request.num_computed_tokens >= len(request.all_token_ids):
+                for token_id in sampled[idx]:
+                    request.append_output_token_id(token_id)
+                    new_token_ids.append(token_id)
+                    if check_stop(request, token_id):
+                        finished = True
+                        break
+                if new_token_ids and request.first_token_ts is None:
+                    now = now or time.monotonic()
+                    request.first_token_ts = now
+            req_prompt_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None
+            if not (new_token_ids or req_prompt_logprobs is not None):
+                continue
+            if finished:
+                stopped.append(request)
+            outputs.append(EngineCoreOutput(
+                req_id, new_token_ids,
+                request.get_finished_reason() if finished else None,
+                request.stop_reason,
+                logprobs[idx] if logprobs is not None and new_token_ids else None,
+                req_prompt_logprobs,
+                request.num_cached_tokens if request.num_cached_tokens > 0 else 0))
+        if stopped:
+            drop = set(map(id, stopped))
+            self.running = [r for r in self.running if id(r) not in drop]
+            for request in stopped:
+                self._free_request(request, request.status, known_to_runner=True)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """Stop checks, in order: min_tokens, EOS, stop_token_ids, max_tokens, max_model_len.
+        Sets status/stop_reason. ``max_model_len`` caps even before ``min_tokens`` is reached:
+        there is no room left. (min_tokens <= max_tokens, so max_tokens cannot hit earlier.)"""
+        params = request.sampling_params
+        if len(request.output_token_ids) >= params.min_tokens:
+            if token_id == request.eos_token_id and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+            if len(request.output_token_ids) >= request.max_tokens:
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                return True
+        if len(request.all_token_ids) >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # ------------------------------------------------------------------ queries
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_finished_requests(self) -> bool:
+        """Finished ids not yet shipped to the runner: keep stepping until they are."""
+        return bool(self.finished_req_ids)
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        pc = kv.prefix_cache_stats
+        return SchedulerStats(
+            step=self.step_counter,
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_scheduled_tokens=self._last_num_scheduled_tokens,
+            num_scheduled_reqs=self._last_num_scheduled_reqs,
+            num_preempted_reqs=self._last_num_preempted,
+            num_preemptions=self.num_preemptions,
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            prefix_cache_requests=pc.requests,
+            prefix_cache_queries=pc.queries,
+            prefix_cache_hits=pc.hits,
+            num_finished_reqs=self.num_finished_reqs)

@@ -1,0 +1,48 @@
+"""Counters the core exposes for logging, /metrics and notebooks (cumulative unless noted)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups since start (or the last ``reset_prefix_cache``).
+
+    ``queries`` counts tokens looked up (a request's ``num_tokens`` at lookup), ``hits`` the tokens
+    found cached; hit rate = hits / queries.
+    """
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    num_resets: int = 0
+
+    def record(self, num_tokens: int, num_hits: int) -> None:
+        self.requests += 1
+        self.queries += num_tokens
+        self.hits += num_hits
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass
+class SchedulerStats:
+    """Snapshot after a ``schedule()`` call. ``num_scheduled_tokens``/``num_preempted_reqs`` are
+    for that step only; the rest are current values or running totals."""
+
+    step: int = 0
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_scheduled_tokens: int = 0
+    num_scheduled_reqs: int = 0
+    num_preempted_reqs: int = 0
+    num_preemptions: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    prefix_cache_requests: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_finished_reqs: int = 0
