@@ -1,0 +1,7 @@
+"""``python -m jaxserve_server [MODEL] [flags]``: the same as ``jaxserve serve``."""
+
+import sys
+
+from jaxserve_server.cli import main
+
+sys.exit(main())

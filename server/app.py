@@ -1,0 +1,134 @@
+"""The FastAPI application: routes, auth and body-size middleware, OpenAI error bodies.
+
+``build_app(engine, ...)`` takes a running ``AsyncLLM`` (or anything with its interface), so tests
+can serve the same app in-process (httpx ``ASGITransport``) or through uvicorn.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import jaxserve
+from jaxserve_server.errors import APIError, install_handlers
+from jaxserve_server.middleware import AuthMiddleware, BodyLimitMiddleware
+from jaxserve_server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
+                                     TokenizeCompletionRequest, TokenizeResponse)
+from jaxserve_server.serving import ChatHandler, CompletionHandler, TokenText, render_chat
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+
+
+class ServerState:
+    """What every handler needs: the engine, the names it answers to, the tokenizer."""
+
+    def __init__(self, engine, *, served_model_name: Optional[str] = None, chat_template: Optional[str] = None,
+                 model_root: Optional[str] = None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = served_model_name or engine.served_model_name
+        self.model_root = model_root or self.model_name
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+        self.chat_template = chat_template
+        self.token_text = TokenText(self.tokenizer)
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    @staticmethod
+    def check_unsupported(problems: list[tuple[str, str]]) -> None:
+        if problems:
+            param, message = problems[0]
+            raise APIError(400, message, param=param, code="unsupported_parameter")
+
+    def check_alive(self) -> None:
+        if self.engine.is_dead:
+            raise APIError(503, "the engine is dead (its loop failed); restart the server", code="engine_dead")
+
+
+def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
+              chat_template: Optional[str] = None,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              model_root: Optional[str] = None) -> FastAPI:
+    state = ServerState(engine, served_model_name=served_model_name, chat_template=chat_template,
+                        model_root=model_root)
+    app = FastAPI(title="jaxserve", version=jaxserve.__version__)
+    app.state.jaxserve = state
+    install_handlers(app)
+    completions = CompletionHandler(state)
+    chat = ChatHandler(state)
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=state.model_name, root=state.model_root, max_model_len=state.max_model_len)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return ModelList(data=[model_card()]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        state.check_model(model_id)
+        return model_card().model_dump()
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw_request: Request):
+        return await completions(body, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
+        return await chat(body, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest):
+        state.check_model(body.model)
+        tok = state.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer")
+        if isinstance(body, TokenizeChatRequest):
+            _, ids = render_chat(state, body.messages, add_generation_prompt=body.add_generation_prompt,
+                                 continue_final_message=body.continue_final_message,
+                                 add_special_tokens=body.add_special_tokens,
+                                 chat_template_kwargs=body.chat_template_kwargs)
+        else:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
+                                token_strs=strs).model_dump(exclude_none=True)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        state.check_model(body.model)
+        if state.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        bad = [t for t in body.tokens if not 0 <= t < state.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens: token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
+                           param="tokens")
+        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens)).model_dump()
+
+    @app.get("/health")
+    async def health():
+        if engine.is_dead:
+            raise APIError(503, "the engine is dead (its loop failed)", code="engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.render_metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        return JSONResponse({"version": jaxserve.__version__})
+
+    # Outermost first: auth rejects without reading a body; then the body limit.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
+    if api_key:
+        app.add_middleware(AuthMiddleware, api_key=api_key)
+    return app

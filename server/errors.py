@@ -1,0 +1,138 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
+
+``APIError`` is raised by the handlers; the exception handlers installed by ``install_handlers``
+also turn FastAPI's request validation errors (422 there) into 400s and Starlette's 404/405
+into the same body shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("jaxserve.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
+                 type: Optional[str] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error")
+
+
+def error_body(status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
+               type: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": type or _TYPES.get(status, "server_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, **kw) -> JSONResponse:
+    return JSONResponse(error_body(status, message, **kw), status_code=status)
+
+
+def api_error_response(exc: APIError) -> JSONResponse:
+    return error_response(exc.status, exc.message, param=exc.param, code=exc.code, type=exc.type)
+
+
+def sse_error(exc: APIError) -> str:
+    body = error_body(exc.status, exc.message, param=exc.param, code=exc.code, type=exc.type)
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def bad_request_from_value_error(exc: ValueError) -> APIError:
+    """ValueErrors from SamplingParams / the engine name their field first ("max_tokens: ...")
+    or in the text ("top_p must be in ..."); surface the field as ``param``."""
+    message = str(exc)
+    head = message.split(":", 1)[0].strip()
+    param = head if head.isidentifier() else message.split(" ", 1)[0]
+    if not param.isidentifier():
+        param = None
+    code = "context_length_exceeded" if "max_model_len" in message else None
+    return APIError(400, message, param=param, code=code)
+
+
+# Fields typed as unions: pydantic reports one error per alternative; say what is accepted instead.
+_UNION_HINTS = {
+    "prompt": "must be a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "must be a string or a list of strings",
+}
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+    errors = exc.errors()
+    parts = []
+    first_param = None
+    union_fields = {str(e["loc"][1]) for e in errors
+                    if len(e.get("loc", ())) >= 3 and e["loc"][0] == "body" and str(e["loc"][1]) in _UNION_HINTS
+                    and e.get("type") != "missing"}
+    for name in sorted(union_fields):
+        parts.append(f"{name}: {_UNION_HINTS[name]}")
+        first_param = first_param or name
+    errors = [e for e in errors if not (len(e.get("loc", ())) >= 2 and str(e["loc"][1]) in union_fields)]
+    for err in errors[:5]:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        kind = err.get("type", "")
+        if kind == "json_invalid":
+            ctx = err.get("ctx") or {}
+            return f"the request body is not valid JSON ({ctx.get('error', 'parse error')})", None
+        if kind == "extra_forbidden":
+            msg = f"{where}: unknown field, not supported by jaxserve"
+        elif kind == "missing":
+            msg = f"{where}: field required"
+        else:
+            msg = f"{where}: {err.get('msg', 'invalid value')}" if where else err.get("msg", "invalid value")
+        if first_param is None and loc:
+            first_param = loc[0]
+        parts.append(msg)
+    if len(errors) > 5:
+        parts.append(f"... and {len(errors) - 5} more")
+    return "; ".join(parts) or "invalid request", first_param
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return api_error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message = f"no route for {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed for {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal server error: {type(exc).__name__}")

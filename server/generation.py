@@ -1,0 +1,143 @@
+"""Bridge from HTTP handlers to ``AsyncLLM.generate``.
+
+``Generations`` runs one engine request per prompt and merges their outputs into one stream of
+``(prompt_index, RequestOutput)``. ``start()`` waits until every prompt has produced its first
+output (or failed), because ``generate`` reports bad input, a full queue or a dead engine only
+when it is first iterated: the HTTP status must be known before the response starts. Closing
+(``close()``, a cancelled handler, a disconnect) closes each engine stream, which aborts the
+request in the engine and frees its KV blocks.
+
+``race_disconnect`` runs a coroutine against the client's ``http.disconnect``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator, Awaitable, Optional, Sequence
+
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.exceptions import EngineDeadError, EngineOverloadedError
+from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
+from jaxserve_server.errors import APIError, bad_request_from_value_error
+
+logger = logging.getLogger("jaxserve.server")
+
+_DONE = object()
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was ready."""
+
+
+def engine_error(exc: BaseException) -> APIError:
+    """Map an exception from ``generate`` to the HTTP error the client gets."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return bad_request_from_value_error(exc)
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(503, str(exc), code="overloaded")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_dead")
+    logger.error("generation failed: %r", exc)
+    return APIError(500, f"internal error during generation: {type(exc).__name__}: {exc}")
+
+
+class Generations:
+    def __init__(self, engine, prompts: Sequence[Any], params: SamplingParams, request_id: str,
+                 kind: RequestOutputKind, *, priority: int = 0, cache_salt: Optional[str] = None):
+        self.request_ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._buffered: list[tuple[int, Any]] = []
+        self._open = len(prompts)
+        self._closed = False
+        self._tasks = [
+            asyncio.create_task(self._pump(i, engine.generate(p, params, rid, priority=priority,
+                                                              cache_salt=cache_salt, output_kind=kind)))
+            for i, (p, rid) in enumerate(zip(prompts, self.request_ids))
+        ]
+
+    async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                self._queue.put_nowait((index, out))
+            self._queue.put_nowait((index, _DONE))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - delivered to the consumer
+            self._queue.put_nowait((index, exc))
+        finally:
+            await stream.aclose()  # no-op when finished; aborts the request otherwise
+
+    async def start(self) -> None:
+        """Wait for every prompt's first output; raise ``APIError`` (and close all) if any failed."""
+        seen: set[int] = set()
+        try:
+            while len(seen) < len(self._tasks):
+                index, item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    raise engine_error(item)
+                seen.add(index)
+                self._buffered.append((index, item))
+        except BaseException:
+            await self.close()
+            raise
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield outputs in arrival order until every prompt is done; errors raise ``APIError``."""
+        while self._open > 0:
+            if self._buffered:
+                index, item = self._buffered.pop(0)
+            else:
+                index, item = await self._queue.get()
+            if item is _DONE:
+                self._open -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise engine_error(item)
+            yield index, item
+
+    async def collect(self) -> list[RequestOutput]:
+        """Non-streaming: the last output of every prompt, in prompt order."""
+        last: list[Optional[RequestOutput]] = [None] * len(self._tasks)
+        async for index, out in self:
+            last[index] = out
+        return last  # type: ignore[return-value]
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def wait_for_disconnect(receive) -> None:
+    """Return once the client has disconnected (the request body must already be consumed)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(0.01)  # not expected after the body; never spin
+
+
+async def race_disconnect(receive, work: Awaitable[Any]) -> Any:
+    """Run ``work``; if the client disconnects first, cancel it and raise ``ClientDisconnected``."""
+    work_task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(wait_for_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work_task.cancel()
+        watcher.cancel()
+        await asyncio.gather(work_task, watcher, return_exceptions=True)
+        raise
+    if work_task in done:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        return work_task.result()
+    work_task.cancel()
+    await asyncio.gather(work_task, return_exceptions=True)
+    raise ClientDisconnected()
