@@ -1,0 +1,101 @@
+"""Logits processors that can change the greedy choice: allowed tokens, logit bias, penalties.
+
+All take and return f32[R, V] and act per row, vectorised over the batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def _scatter_indices(token_ids: jax.Array, vocab_size: int) -> tuple[jax.Array, jax.Array]:
+    """(row, column) index arrays for a sparse [R, W] id table; unused slots (-1) point past V.
+
+    JAX scatters wrap negative indices like numpy, so -1 would hit token V-1; V is out of bounds
+    and `mode='drop'` discards it.
+    """
+    rows = jnp.arange(token_ids.shape[0])[:, None]
+    cols = jnp.where(token_ids >= 0, token_ids, vocab_size)
+    return rows, cols
+
+
+def apply_allowed_token_ids(logits: jax.Array, allowed_token_ids: jax.Array, has_allowed: jax.Array) -> jax.Array:
+    """Rows with `has_allowed` keep only their listed tokens; every other logit becomes -inf."""
+    vocab_size = logits.shape[-1]
+    rows, cols = _scatter_indices(allowed_token_ids, vocab_size)
+    allowed = jnp.zeros(logits.shape, jnp.bool_).at[rows, cols].set(True, mode="drop")
+    keep = allowed | ~has_allowed[:, None]
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def apply_logit_bias(logits: jax.Array, bias_token_ids: jax.Array, bias_values: jax.Array) -> jax.Array:
+    """Add each row's sparse bias to the logits of its listed tokens."""
+    rows, cols = _scatter_indices(bias_token_ids, logits.shape[-1])
+    return logits.at[rows, cols].add(bias_values, mode="drop")
+
+
+def restrictions_active(allowed_token_ids: jax.Array, has_allowed: jax.Array, bias_token_ids: jax.Array) -> jax.Array:
+    """True if any row has an allowed-token list or a logit bias."""
+    return jnp.any(has_allowed) | jnp.any(bias_token_ids >= 0)
+
+
+def apply_allowed_and_bias(
+    logits: jax.Array,
+    allowed_token_ids: jax.Array,
+    has_allowed: jax.Array,
+    bias_token_ids: jax.Array,
+    bias_values: jax.Array,
+) -> jax.Array:
+    """Allowed-token mask then logit bias; skipped (two [R, V] passes) when no row uses either."""
+    return lax.cond(
+        restrictions_active(allowed_token_ids, has_allowed, bias_token_ids),
+        lambda: apply_logit_bias(apply_allowed_token_ids(logits, allowed_token_ids, has_allowed),
+                                 bias_token_ids, bias_values),
+        lambda: logits,
+    )
+
+
+def penalties_active(presence: jax.Array, frequency: jax.Array, repetition: jax.Array) -> jax.Array:
+    """True if any row has a penalty that changes its logits."""
+    return jnp.any((presence != 0) | (frequency != 0) | (repetition != 1))
+
+
+def penalize(
+    logits: jax.Array,
+    output_counts: jax.Array,
+    prompt_mask: jax.Array,
+    presence: jax.Array,
+    frequency: jax.Array,
+    repetition: jax.Array,
+) -> jax.Array:
+    """vLLM's penalties, unconditionally.
+
+    repetition: tokens seen in the prompt or the output have positive logits divided by the
+    penalty and non-positive ones multiplied (so p > 1 always discourages them);
+    frequency: minus f * (times generated); presence: minus p * (generated at all).
+    Frequency and presence count output tokens only.
+    """
+    counts = output_counts.astype(jnp.float32)
+    generated = output_counts > 0
+    rep = jnp.where(prompt_mask | generated, repetition[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - frequency[:, None] * counts
+    return logits - presence[:, None] * generated.astype(jnp.float32)
+
+
+def apply_penalties(
+    logits: jax.Array,
+    output_counts: jax.Array,
+    prompt_mask: jax.Array,
+    presence: jax.Array,
+    frequency: jax.Array,
+    repetition: jax.Array,
+) -> jax.Array:
+    """`penalize`, skipped (with the reads of the [R, V] count and mask tables) when all are off."""
+    return lax.cond(
+        penalties_active(presence, frequency, repetition),
+        lambda: penalize(logits, output_counts, prompt_mask, presence, frequency, repetition),
+        lambda: logits,
+    )

@@ -1,0 +1,129 @@
+"""The on-device sampler: one call per compiled step, every shape static.
+
+Order (vLLM V1's sampler, `vllm/v1/sample/sampler.py`):
+  1. raw logprobs: log_softmax of the model's logits before any processing (vLLM's default
+     `logprobs_mode='raw_logprobs'`); the returned logprobs, top-K and rank all use these;
+  2. allowed-token mask, then logit bias (both can change the greedy choice);
+  3. penalties: repetition (prompt + output tokens), frequency and presence (output tokens only).
+     As in vLLM, penalties come after the bias, so a repetition penalty divides a biased logit;
+  4. greedy rows (temperature < SAMPLING_EPS) take the argmax of the processed logits;
+  5. random rows: divide by temperature, min-p, top-k, top-p (see `truncation`), then draw with
+     `jax.random.categorical` from key `fold_in(PRNGKey(seed), position)`, vmapped per row, so a
+     seeded request's token depends only on its own logits, seed and position.
+
+Three `lax.cond`s keep the common batches cheap: an all-greedy batch skips step 5 entirely, a batch
+without penalties skips reading the [R, V] count and mask tables, and a batch without allowed
+lists or logit bias skips those two [R, V] passes.
+
+Measured on this project's CPU machine under jit (`python -m jaxserve.sample.bench`, min of
+repeats, shared and noisy machine), R=256, V=151936: greedy batch 0.5-1.3 s (4.4 s if it ran the
+random path); top_k=50 2.8 s vs 14.9 s with a full sort; top_p=0.9 on a peaked distribution 3.0 s
+vs 19.6 s; a batch whose flat top-p row needs the sort 17 s. The random draw itself (R*V
+threefry bits) is ~2 s of every random batch. R=64, V=8192: greedy 3.9 ms, top_k=50 13 ms vs
+102 ms sorted.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxserve.sample.metadata import SAMPLING_EPS, SamplingMetadata
+from jaxserve.sample.processors import apply_allowed_and_bias, apply_penalties
+from jaxserve.sample.truncation import DEFAULT_TOP_K_CAP, top_k_sorted, truncate, truncation_threshold
+
+
+class SamplerOutput(NamedTuple):
+    """K = max_num_logprobs (static). Column 0 of the logprob arrays is the sampled token."""
+
+    sampled_token_ids: jax.Array  # i32[R]
+    logprobs: jax.Array  # f32[R, K+1]: [logprob of sampled token, top-K logprobs (descending)]
+    logprob_token_ids: jax.Array  # i32[R, K+1]: [sampled token, top-K token ids]
+    sampled_token_rank: jax.Array  # i32[R]: 1 + number of tokens with a higher raw logprob
+
+
+def process_logits(
+    logits: jax.Array, md: SamplingMetadata, output_counts: jax.Array, prompt_mask: jax.Array
+) -> jax.Array:
+    """Steps 2-3: the logits both greedy and random rows choose from."""
+    logits = apply_allowed_and_bias(logits, md.allowed_token_ids, md.has_allowed, md.bias_token_ids, md.bias_values)
+    return apply_penalties(
+        logits, output_counts, prompt_mask, md.presence_penalty, md.frequency_penalty, md.repetition_penalty
+    )
+
+
+def greedy_rows(temperature: jax.Array) -> jax.Array:
+    return temperature < SAMPLING_EPS
+
+
+def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """One PRNG key per row: fold_in(PRNGKey(seed), position)."""
+    return jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.PRNGKey(seed), pos))(seeds, positions)
+
+
+def draw(keys: jax.Array, logits: jax.Array) -> jax.Array:
+    """One categorical draw per row, each from its own key (vmapped, so rows never share noise)."""
+    return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+
+
+def sample_random(processed: jax.Array, md: SamplingMetadata, top_k_cap: int) -> jax.Array:
+    """Step 5 for every row (greedy rows' results are discarded by the caller)."""
+    greedy = greedy_rows(md.temperature)
+    temperature = jnp.where(greedy, 1.0, md.temperature)
+    scaled = processed / temperature[:, None]
+    threshold = truncation_threshold(scaled, md.top_k, md.top_p, md.min_p, skip=greedy, cap=top_k_cap)
+    return draw(row_keys(md.seeds, md.positions), truncate(scaled, threshold))
+
+
+def choose_tokens(processed: jax.Array, md: SamplingMetadata, top_k_cap: int) -> jax.Array:
+    """Steps 4-5; an all-greedy batch never pays for the top-k/sort and the random draw."""
+    greedy = greedy_rows(md.temperature)
+    greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    return lax.cond(
+        jnp.all(greedy),
+        lambda: greedy_ids,
+        lambda: jnp.where(greedy, greedy_ids, sample_random(processed, md, top_k_cap)),
+    )
+
+
+def gather_logprobs(logits: jax.Array, sampled: jax.Array, num_logprobs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(logprobs f32[R, K+1], token ids i32[R, K+1], rank i32[R]) from the raw logits.
+
+    The [R, V] log_softmax is never stored: top-K runs on the logits (same order) and the
+    normaliser is subtracted from the K+1 gathered values; the rank compare fuses it in.
+    """
+    normaliser = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    sampled_col = sampled[:, None]
+    sampled_logprob = jnp.take_along_axis(logits, sampled_col, axis=-1) - normaliser
+    rank = jnp.sum(logits - normaliser > sampled_logprob, axis=-1).astype(jnp.int32) + 1
+    if num_logprobs == 0:
+        return sampled_logprob, sampled_col, rank
+    top_logits, top_ids = top_k_sorted(logits, num_logprobs)
+    logprobs = jnp.concatenate([sampled_logprob, top_logits - normaliser], axis=-1)
+    token_ids = jnp.concatenate([sampled_col, top_ids.astype(jnp.int32)], axis=-1)
+    return logprobs, token_ids, rank
+
+
+def sample(
+    logits: jax.Array,
+    md: SamplingMetadata,
+    output_counts: jax.Array,
+    prompt_mask: jax.Array,
+    *,
+    max_num_logprobs: int,
+    top_k_cap: int = DEFAULT_TOP_K_CAP,
+) -> SamplerOutput:
+    """Sample one token per row of logits [R, V] (any float dtype; computed in f32).
+
+    output_counts: i32[R, V], times each token was generated by the row's request;
+    prompt_mask: bool[R, V], tokens in the row's prompt. Both may be all-zero when no row uses a
+    penalty. `max_num_logprobs` and `top_k_cap` are static.
+    """
+    logits = logits.astype(jnp.float32)
+    processed = process_logits(logits, md, output_counts, prompt_mask)
+    sampled = choose_tokens(processed, md, top_k_cap)
+    logprobs, token_ids, rank = gather_logprobs(logits, sampled, max_num_logprobs)
+    return SamplerOutput(sampled, logprobs, token_ids, rank)
