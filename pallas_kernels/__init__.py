@@ -16,7 +16,8 @@ The tokens of request r are the last q_len_r positions of its kv_len_r context, 
 (``sliding_window``: only the last W positions, the token itself included; ``soft_cap``: scores
 ``cap * tanh(score / cap)`` after scaling). Padding tokens (at and after ``qsl[num_seqs]``) give 0.
 
-Backends: ``xla`` = :func:`ragged_paged_attention_reference` (jnp, runs anywhere), ``pallas`` =
+Backends: ``xla`` = :func:`ragged_paged_attention_xla` (jnp, runs anywhere; query tiles for
+prefill, the per-token :func:`ragged_paged_attention_reference` for decode), ``pallas`` =
 :func:`ragged_paged_attention` (Pallas, Triton lowering; ``interpret=True`` on CPU), ``triton`` =
 :func:`ragged_paged_attention_triton` (Triton via jax_triton, GPU only).
 
@@ -38,6 +39,7 @@ from .ragged_paged_attention import (DecodeConfig, MixedConfig, default_decode_c
                                      num_q_tiles, ragged_paged_attention,
                                      ragged_paged_attention_decode, ragged_paged_attention_mixed)
 from .reference import ragged_paged_attention_reference, write_kv
+from .xla_attention import ragged_paged_attention_xla
 from .triton_attention import (TritonLaunchPlan, ragged_paged_attention_triton, triton_available,
                                triton_launch_plan)
 
@@ -48,7 +50,8 @@ __all__ = [
     "default_mixed_config", "get_attention_fn", "lower_for_cuda", "lowerable_configs",
     "num_q_tiles", "ragged_paged_attention", "ragged_paged_attention_decode",
     "ragged_paged_attention_mixed", "ragged_paged_attention_reference",
-    "ragged_paged_attention_triton", "triton_available", "triton_launch_plan", "write_kv",
+    "ragged_paged_attention_triton", "ragged_paged_attention_xla", "triton_available",
+    "triton_launch_plan", "write_kv",
 ]
 
 
@@ -60,7 +63,7 @@ def get_attention_fn(backend: str, interpret: bool = False, **tuning):
     RuntimeError with the reason when it is unavailable or ``interpret`` is requested.
     """
     if backend == "xla":
-        return functools.partial(ragged_paged_attention_reference, **tuning)
+        return functools.partial(ragged_paged_attention_xla, **tuning)
     if backend == "pallas":
         return functools.partial(ragged_paged_attention, interpret=interpret, **tuning)
     if backend == "triton":

@@ -121,8 +121,8 @@ class ModelRunner:
         logits = self.model.compute_logits(params, hidden[x["logits_indices"]])
         counts, prompt_mask = _update_penalty_tables(penalty_state, x)
         sm = SamplingMetadata.from_arrays({k[len(_SAMPLE):]: v for k, v in x.items() if k.startswith(_SAMPLE)})
-        out = sample(logits, sm, counts[x["row_slots"]], prompt_mask[x["row_slots"]],
-                     max_num_logprobs=self.num_logprobs)
+        out = sample(logits, sm, counts, prompt_mask, max_num_logprobs=self.num_logprobs,
+                     row_slots=x["row_slots"], need_logprobs=x["need_logprobs"][0])
         return kv_cache, (counts, prompt_mask), out
 
     def _layout_for(self, bucket: int) -> PackLayout:
@@ -136,6 +136,7 @@ class ModelRunner:
         arrays, _ = build_step_arrays([], [], set(), bucket, rows, self.max_blocks_per_seq, self.block_size,
                                       self.slots.padding_slot)
         arrays.update(_prefixed(self.sampling_builder.padding(rows)))
+        arrays["need_logprobs"] = np.zeros(1, np.bool_)
         return arrays
 
     def variants(self) -> list[tuple[int, bool]]:
@@ -241,6 +242,7 @@ class ModelRunner:
         arrays.update(_prefixed(self.sampling_builder.build(
             [s.sampling_params for s in states], rows,
             positions=[len(s.output_token_ids) for s in states], seeds=[s.seed for s in states])))
+        arrays["need_logprobs"] = np.asarray([any(s.sampling_params.logprobs is not None for s in states)])
         plan = StepPlan(req_ids, total, bucket, rows, samples)
         return arrays, plan, states
 

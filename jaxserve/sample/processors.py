@@ -92,10 +92,18 @@ def apply_penalties(
     presence: jax.Array,
     frequency: jax.Array,
     repetition: jax.Array,
+    row_slots: jax.Array | None = None,
 ) -> jax.Array:
-    """`penalize`, skipped (with the reads of the [R, V] count and mask tables) when all are off."""
-    return lax.cond(
-        penalties_active(presence, frequency, repetition),
-        lambda: penalize(logits, output_counts, prompt_mask, presence, frequency, repetition),
-        lambda: logits,
-    )
+    """`penalize`, skipped (with the reads of the [R, V] count and mask tables) when all are off.
+
+    With ``row_slots``, ``output_counts``/``prompt_mask`` are the runner's per-slot tables and
+    the rows are gathered inside the taken branch, so a batch without penalties never reads them.
+    """
+
+    def on():
+        counts, mask = output_counts, prompt_mask
+        if row_slots is not None:
+            counts, mask = counts[row_slots], mask[row_slots]
+        return penalize(logits, counts, mask, presence, frequency, repetition)
+
+    return lax.cond(penalties_active(presence, frequency, repetition), on, lambda: logits)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve.models import ModelConfig, load_model
-from jaxserve.models.safetensors_io import SafetensorsFile, save_file as write_safetensors
+from jaxserve.models.safetensors_io import SafetensorsFile, save_file
 
 
 def copy_checkpoint(src: str, dst: Path) -> Path:
@@ -64,7 +64,7 @@ def test_missing_tensor_is_named(tiny_checkpoints, tmp_path):
     folder = copy_checkpoint(tiny_checkpoints["Qwen2ForCausalLM"], tmp_path / "missing")
     tensors = load_tensors(folder)
     del tensors["model.layers.1.mlp.up_proj.weight"]
-    write_safetensors(folder / "model.safetensors", tensors)
+    save_file(tensors, folder / "model.safetensors")
     with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.1\.mlp\.up_proj\.weight"):
         load_model(folder)
 
@@ -73,7 +73,7 @@ def test_unexpected_tensor_is_named(tiny_checkpoints, tmp_path):
     folder = copy_checkpoint(tiny_checkpoints["Qwen2ForCausalLM"], tmp_path / "extra")
     tensors = load_tensors(folder)
     tensors["model.layers.0.self_attn.mystery.weight"] = np.zeros((2, 2), np.float32)
-    write_safetensors(folder / "model.safetensors", tensors)
+    save_file(tensors, folder / "model.safetensors")
     with pytest.raises(ValueError, match=r"unexpected tensors: model\.layers\.0\.self_attn\.mystery\.weight"):
         load_model(folder)
 
@@ -82,7 +82,7 @@ def test_shape_mismatch_is_named(tiny_checkpoints, tmp_path):
     folder = copy_checkpoint(tiny_checkpoints["LlamaForCausalLM"], tmp_path / "shape")
     tensors = load_tensors(folder)
     tensors["model.norm.weight"] = np.ones((3,), np.float32)
-    write_safetensors(folder / "model.safetensors", tensors)
+    save_file(tensors, folder / "model.safetensors")
     with pytest.raises(ValueError, match=r"shape mismatch for model\.norm\.weight: checkpoint has \(3,\), config implies \(64,\)"):
         load_model(folder)
 
