@@ -74,8 +74,6 @@ class InputProcessor:
                 f"max_model_len={self.max_model_len}")
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.max_logprobs:
             raise ValueError(f"prompt_logprobs: {params.prompt_logprobs} exceeds max_logprobs={self.max_logprobs}")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs: not supported yet by jaxserve")
         for t in params.stop_token_ids or []:
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"stop_token_ids: token id {t} is outside the vocabulary [0, {self.vocab_size})")

@@ -24,6 +24,8 @@ class CachedRequestState:
     num_computed_tokens: int
     slot: int
     seed: int
+    # (token ids, logprobs, rank of the actual token) per prompt position, filled chunk by chunk
+    prompt_logprobs_rows: list | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -31,7 +31,7 @@ from jaxserve.runner.input_batch import CachedRequestState, SlotAllocator, StepP
 from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks
 from jaxserve.runner.packing import PackLayout, pack, unpack
 from jaxserve.sample.metadata import SamplingMetadata, SamplingMetadataBuilder
-from jaxserve.sample.sampler import SamplerOutput, sample
+from jaxserve.sample.sampler import SamplerOutput, gather_logprobs, sample
 
 logger = logging.getLogger("jaxserve")
 
@@ -102,6 +102,7 @@ class ModelRunner:
         self._layouts: dict[int, PackLayout] = {}
         self._compiled: dict[tuple[int, bool], Any] = {}
         self._jitted = jax.jit(self._step, static_argnames=("layout", "decode_only"), donate_argnums=(1, 2))
+        self._prompt_logprobs_jit = jax.jit(self._prompt_logprobs)
         compile_stats.install_listener()
         max_concurrency = self.num_blocks * self.block_size / max_model_len
         logger.info(
@@ -123,7 +124,16 @@ class ModelRunner:
         sm = SamplingMetadata.from_arrays({k[len(_SAMPLE):]: v for k, v in x.items() if k.startswith(_SAMPLE)})
         out = sample(logits, sm, counts, prompt_mask, max_num_logprobs=self.num_logprobs,
                      row_slots=x["row_slots"], need_logprobs=x["need_logprobs"][0])
-        return kv_cache, (counts, prompt_mask), out
+        return kv_cache, (counts, prompt_mask), out, hidden
+
+    def _prompt_logprobs(self, params, hidden, next_token_ids):
+        """Logprobs of each scheduled token's successor in the prompt, from every position's logits.
+
+        Only steps holding a ``prompt_logprobs`` request pay for this [T, V] head; it is jitted
+        per token bucket on first use rather than at warm-up, since most workloads never ask.
+        """
+        logits = self.model.compute_logits(params, hidden)
+        return gather_logprobs(logits, next_token_ids, self.num_logprobs)
 
     def _layout_for(self, bucket: int) -> PackLayout:
         if bucket not in self._layouts:
@@ -207,7 +217,8 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
                 output_token_ids=list(new.output_token_ids or []), sampling_params=params,
-                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens, slot=slot, seed=seed)
+                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens, slot=slot, seed=seed,
+                prompt_logprobs_rows=[] if params.prompt_logprobs is not None else None)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.requests[req_id]
@@ -226,9 +237,32 @@ class ModelRunner:
         buf = jax.device_put(pack(arrays, layout))  # one transfer; jnp.asarray would compile a copy
         decode_only = self.decode_attn_fn is not None and plan.num_tokens == len(plan.req_ids)
         fn = self._executable(plan.token_bucket, decode_only)
-        self.kv_cache, self.penalty_state, out = fn(self.params, self.kv_cache, self.penalty_state, buf)
+        self.kv_cache, self.penalty_state, out, hidden = fn(self.params, self.kv_cache, self.penalty_state, buf)
         self.stats.record_step(plan.num_tokens, plan.token_bucket)
+        if any(s.sampling_params.prompt_logprobs is not None for s in states):
+            self._accumulate_prompt_logprobs(hidden, arrays, plan, states, so)
         return self._collect(out, plan, states, so)
+
+    def _accumulate_prompt_logprobs(self, hidden, arrays, plan: StepPlan, states, so) -> None:
+        next_ids = np.zeros(plan.token_bucket, np.int32)
+        spans = []
+        t = 0
+        for state in states:
+            n = so.num_scheduled_tokens[state.req_id]
+            start = state.num_computed_tokens
+            prompt = state.prompt_token_ids
+            if state.sampling_params.prompt_logprobs is not None and start < len(prompt) - 1:
+                stop = min(start + n, len(prompt) - 1)  # the last prompt token predicts an output
+                next_ids[t : t + stop - start] = prompt[start + 1 : stop + 1]
+                spans.append((state, t, stop - start))
+            t += n
+        fn = self._prompt_logprobs_jit if not self.config.enforce_eager else self._prompt_logprobs
+        values, ids, ranks = jax.device_get(fn(self.params, hidden, jax.device_put(next_ids)))
+        for state, t0, count in spans:
+            k = state.sampling_params.prompt_logprobs + 1
+            rows = state.prompt_logprobs_rows
+            for i in range(t0, t0 + count):
+                rows.append((ids[i, :k].tolist(), values[i, :k].tolist(), int(ranks[i])))
 
     def _prepare_inputs(self, so: SchedulerOutput, new_slots: set[int]):
         req_ids = list(so.num_scheduled_tokens)
@@ -255,6 +289,7 @@ class ModelRunner:
         else:
             sampled = np.asarray(out.sampled_token_ids)
         sampled_lists, logprob_rows = [], []
+        prompt_logprobs: dict[str, list] = {}
         for i, (state, ok) in enumerate(zip(states, plan.samples)):
             state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
             if not ok:
@@ -264,6 +299,9 @@ class ModelRunner:
             token = int(sampled[i])
             state.output_token_ids.append(token)
             sampled_lists.append([token])
+            if state.sampling_params.prompt_logprobs is not None and state.prompt_logprobs_rows is not None:
+                prompt_logprobs[state.req_id] = state.prompt_logprobs_rows
+                state.prompt_logprobs_rows = None  # delivered once
             k = state.sampling_params.logprobs
             if k is None:
                 logprob_rows.append(None)
@@ -271,7 +309,8 @@ class ModelRunner:
                 logprob_rows.append((logprob_ids[i, : k + 1].tolist(), logprobs[i, : k + 1].tolist(), int(ranks[i])))
         return ModelRunnerOutput(
             req_ids=plan.req_ids, req_id_to_index={r: i for i, r in enumerate(plan.req_ids)},
-            sampled_token_ids=sampled_lists, logprobs=logprob_rows if want_logprobs else None)
+            sampled_token_ids=sampled_lists, logprobs=logprob_rows if want_logprobs else None,
+            prompt_logprobs_dict=prompt_logprobs)
 
 
 _SAMPLE = "sample."

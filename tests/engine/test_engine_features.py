@@ -165,3 +165,33 @@ def test_kv_cache_sizing(demo_model):
     assert cpu_default == 4 * 16 + 1
     with pytest.raises(ValueError, match="kv cache"):
         determine_num_blocks(mc, EngineConfig(kv_cache_memory=per_block), 256)
+
+
+def test_prompt_logprobs_match_transformers_across_chunks(llm, demo_model):
+    import torch
+    import transformers
+
+    prompt = np.random.default_rng(21).integers(3, 1000, 90).tolist()  # 90 > the 64-token budget
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=2,
+                                                                      prompt_logprobs=2), use_tqdm=False)[0]
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    model = transformers.AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1).numpy()
+    for p in range(1, len(prompt)):
+        entry = out.prompt_logprobs[p]
+        token = prompt[p]
+        assert entry[token].logprob == pytest.approx(float(ref[p - 1, token]), abs=1e-4)
+        assert entry[token].rank == int((ref[p - 1] > ref[p - 1, token]).sum()) + 1
+        assert set(np.argsort(-ref[p - 1])[:2].tolist()) <= set(entry)  # the top-2 are listed too
+    assert_pool_empty(llm)
+
+
+def test_parallel_samples_share_the_prompt_blocks(llm):
+    prompt = {"prompt_token_ids": np.random.default_rng(5).integers(3, 1000, 40).tolist()}  # 2 full blocks
+    before = llm.stats()["prefix_cache_hits"]
+    out = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, max_tokens=4, seed=9), use_tqdm=False)[0]
+    # the 2nd and 3rd samples find the first one's two full blocks in the cache
+    assert llm.stats()["prefix_cache_hits"] - before == 2 * 32
+    assert out.num_cached_tokens == 32
+    assert_pool_empty(llm)
