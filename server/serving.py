@@ -205,19 +205,10 @@ class CompletionHandler:
         state = self.state
         state.check_alive()
         prompts, params = self._prepare(req)
-        request_id = random_id("cmpl")
-        created = int(time.time())
-        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        generations = Generations(state.engine, prompts, params, request_id, kind,
-                                  priority=req.priority, cache_salt=req.cache_salt)
-        if req.stream:
-            if not await _start(raw_request, generations):
-                return Response(status_code=CLIENT_CLOSED)
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSEResponse(self._stream(req, generations, request_id, created, include_usage), generations)
-        outputs = await _run_non_streaming(raw_request, generations)
-        if outputs is None:
-            return Response(status_code=CLIENT_CLOSED)
+        started = await _generate(self, state, raw_request, req, prompts, params, "cmpl")
+        if isinstance(started, Response):
+            return started
+        outputs, request_id, created = started
         return JSONResponse(self._response(req, outputs, request_id, created).model_dump())
 
     def _echo_text(self, out: RequestOutput) -> str:
@@ -365,19 +356,10 @@ class ChatHandler:
         state = self.state
         state.check_alive()
         prompt, params = self._prepare(req)
-        request_id = random_id("chatcmpl")
-        created = int(time.time())
-        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        generations = Generations(state.engine, [prompt], params, request_id, kind,
-                                  priority=req.priority, cache_salt=req.cache_salt)
-        if req.stream:
-            if not await _start(raw_request, generations):
-                return Response(status_code=CLIENT_CLOSED)
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSEResponse(self._stream(req, generations, request_id, created, include_usage), generations)
-        outputs = await _run_non_streaming(raw_request, generations)
-        if outputs is None:
-            return Response(status_code=CLIENT_CLOSED)
+        started = await _generate(self, state, raw_request, req, [prompt], params, "chatcmpl")
+        if isinstance(started, Response):
+            return started
+        outputs, request_id, created = started
         ro = outputs[0]
         top_k = req.top_logprobs or 0
         choices = [ChatCompletionResponseChoice(
@@ -421,3 +403,26 @@ class ChatHandler:
         except APIError as exc:
             yield sse_error(exc)
         yield "data: [DONE]\n\n"
+
+
+async def _generate(handler, state, raw_request, req, prompts, params, id_prefix: str):
+    """Start the generations of one API request (completions or chat).
+
+    Streaming: returns the SSE response at once. Otherwise waits for every output and returns
+    ``(outputs, request_id, created)``; a client gone meanwhile gets CLIENT_CLOSED (its requests
+    were aborted).
+    """
+    request_id = random_id(id_prefix)
+    created = int(time.time())
+    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+    generations = Generations(state.engine, prompts, params, request_id, kind,
+                              priority=req.priority, cache_salt=req.cache_salt)
+    if req.stream:
+        if not await _start(raw_request, generations):
+            return Response(status_code=CLIENT_CLOSED)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _SSEResponse(handler._stream(req, generations, request_id, created, include_usage), generations)
+    outputs = await _run_non_streaming(raw_request, generations)
+    if outputs is None:
+        return Response(status_code=CLIENT_CLOSED)
+    return outputs, request_id, created
