@@ -50,7 +50,7 @@ class LLMEngine:
                                               config.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer, on_finished=self._on_finished)
         self.served_model_name = served_model_name or (config.model or "jaxserve-demo")
-        self.metrics = EngineMetrics(self.served_model_name)
+        self.metrics = EngineMetrics(self.served_model_name, self.core.runner.attention_backend)
 
     # ---- requests ------------------------------------------------------------------------------
 

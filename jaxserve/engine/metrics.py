@@ -28,7 +28,7 @@ class Metric:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, attention_backend: str = "unknown"):
         self.registry = r = CollectorRegistry()
         lbl = ["model_name"]
         self._labels = {"model_name": model_name}
@@ -49,7 +49,10 @@ class EngineMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.compiles = Gauge("jaxserve:num_compiled_step_variants", "Compiled step variants", lbl, registry=r)
         self.padding = Gauge("jaxserve:step_padding_ratio", "Share of padded token slots so far", lbl, registry=r)
+        self.backend = Gauge("jaxserve:attention_backend_info", "Attention backend in use (value 1)",
+                             lbl + ["backend"], registry=r)
         self._last: Optional[SchedulerStats] = None
+        self._l(self.backend, backend=attention_backend).set(1)
 
     def _l(self, metric, **extra):
         return metric.labels(**self._labels, **extra)

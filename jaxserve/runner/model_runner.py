@@ -194,9 +194,12 @@ class ModelRunner:
             if key not in self._compiled:
                 self._compile(key)
         self._warmed_up = True
-        logger.info("Compiled %d step variants (token buckets %s) in %.1f s (%d from the persistent cache)",
-                    len(variants), list(self.buckets.token_buckets), time.perf_counter() - start,
-                    self.stats.persistent_cache_hits)
+        summary = (f"compiled {len(variants)} step variants (token buckets {list(self.buckets.token_buckets)}) "
+                   f"in {time.perf_counter() - start:.1f} s, {self.stats.persistent_cache_hits} from the "
+                   f"persistent cache; attention backend: {self.attention_backend}")
+        logger.info(summary)
+        if show_progress:
+            print(f"jaxserve: {summary}", flush=True)
 
     # ---- state updates from the scheduler --------------------------------------------------
 

@@ -148,6 +148,8 @@ def test_metrics_have_vllm_names(llm):
         assert expected in names, expected
     generated = next(m for m in llm.get_metrics() if m.name == "jaxserve:generation_tokens_total")
     assert generated.value >= 4
+    backend = next(m for m in llm.get_metrics() if m.name == "jaxserve:attention_backend_info")
+    assert backend.labels["backend"] == "xla" and backend.value == 1
 
 
 def test_kv_cache_sizing(demo_model):
