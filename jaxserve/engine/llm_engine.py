@@ -104,15 +104,14 @@ class LLMEngine:
                 continue
             m = entry[0].metrics
             if m.first_token_time is None:
-                self.metrics.record_first_token(now - m.arrival_time)
-                self.metrics.prompt_tokens.labels(model_name=self.served_model_name).inc(len(entry[0].prompt_token_ids))
+                self.metrics.record_first_token(now - m.arrival_time, len(entry[0].prompt_token_ids))
                 itl = None
             else:
                 itl = now - m.last_token_time if m.last_token_time is not None else None
             self.metrics.record_tokens(len(out.new_token_ids), itl)
         delivered, stopped = self.output_processor.process_outputs(core_outputs)
         self.core.abort_requests(stopped)
-        self.metrics.record_step(self.core.scheduler.make_stats(), 0, self.core.runner.stats)
+        self.metrics.record_step(self.core.scheduler.make_stats(), self.core.runner.stats)  # after the aborts above
         return delivered
 
     def _on_finished(self, parent: ParentState) -> None:

@@ -57,7 +57,7 @@ class EngineMetrics:
     def _l(self, metric, **extra):
         return metric.labels(**self._labels, **extra)
 
-    def record_step(self, stats: SchedulerStats, num_prompt_tokens: int, runner_stats=None) -> None:
+    def record_step(self, stats: SchedulerStats, runner_stats=None) -> None:
         last = self._last or SchedulerStats()
         self._l(self.running).set(stats.num_running_reqs)
         self._l(self.waiting).set(stats.num_waiting_reqs)
@@ -65,7 +65,6 @@ class EngineMetrics:
         self._l(self.prefix_queries).inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
         self._l(self.prefix_hits).inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
         self._l(self.preemptions).inc(max(0, stats.num_preemptions - last.num_preemptions))
-        self._l(self.prompt_tokens).inc(num_prompt_tokens)
         if runner_stats is not None:
             self._l(self.compiles).set(runner_stats.num_compiles)
             self._l(self.padding).set(runner_stats.padding_ratio)
@@ -76,8 +75,9 @@ class EngineMetrics:
         if itl is not None:
             self._l(self.itl).observe(itl)
 
-    def record_first_token(self, ttft: float) -> None:
+    def record_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
         self._l(self.ttft).observe(ttft)
+        self._l(self.prompt_tokens).inc(num_prompt_tokens)
 
     def record_finished(self, finish_reason: str, e2e: Optional[float]) -> None:
         self._l(self.request_success, finished_reason=finish_reason).inc()

@@ -243,10 +243,10 @@ class ModelRunner:
         self.kv_cache, self.penalty_state, out, hidden = fn(self.params, self.kv_cache, self.penalty_state, buf)
         self.stats.record_step(plan.num_tokens, plan.token_bucket)
         if any(s.sampling_params.prompt_logprobs is not None for s in states):
-            self._accumulate_prompt_logprobs(hidden, arrays, plan, states, so)
+            self._accumulate_prompt_logprobs(hidden, plan, states, so)
         return self._collect(out, plan, states, so)
 
-    def _accumulate_prompt_logprobs(self, hidden, arrays, plan: StepPlan, states, so) -> None:
+    def _accumulate_prompt_logprobs(self, hidden, plan: StepPlan, states, so) -> None:
         next_ids = np.zeros(plan.token_bucket, np.int32)
         spans = []
         t = 0
