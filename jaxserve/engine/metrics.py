@@ -32,6 +32,7 @@ class EngineMetrics:
         self.registry = r = CollectorRegistry()
         lbl = ["model_name"]
         self._labels = {"model_name": model_name}
+        self._children: dict = {}
         self.running = Gauge("jaxserve:num_requests_running", "Requests in the running set", lbl, registry=r)
         self.waiting = Gauge("jaxserve:num_requests_waiting", "Requests waiting", lbl, registry=r)
         self.kv_usage = Gauge("jaxserve:kv_cache_usage_perc", "KV cache usage (1 = 100%)", lbl, registry=r)
@@ -55,7 +56,12 @@ class EngineMetrics:
         self._l(self.backend, backend=attention_backend).set(1)
 
     def _l(self, metric, **extra):
-        return metric.labels(**self._labels, **extra)
+        # Labelled children are looked up once: labels() costs more than the update itself.
+        key = (id(metric), tuple(sorted(extra.items())))
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(**self._labels, **extra)
+        return child
 
     def record_step(self, stats: SchedulerStats, runner_stats=None) -> None:
         last = self._last or SchedulerStats()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -199,7 +200,7 @@ class ModelRunner:
                    f"persistent cache; attention backend: {self.attention_backend}")
         logger.info(summary)
         if show_progress:
-            print(f"jaxserve: {summary}", flush=True)
+            print(f"jaxserve: {summary}", file=sys.stderr, flush=True)  # stdout may carry JSON
 
     # ---- state updates from the scheduler --------------------------------------------------
 
@@ -278,7 +279,8 @@ class ModelRunner:
                                             self.block_size, self.slots.padding_slot)
         arrays.update(_prefixed(self.sampling_builder.build(
             [s.sampling_params for s in states], rows,
-            positions=[len(s.output_token_ids) for s in states], seeds=[s.seed for s in states])))
+            positions=[len(s.output_token_ids) for s in states], seeds=[s.seed for s in states],
+            validate=False)))  # the input processor validated each request once, at admission
         arrays["need_logprobs"] = np.asarray([any(s.sampling_params.logprobs is not None for s in states)])
         plan = StepPlan(req_ids, total, bucket, rows, samples)
         return arrays, plan, states
