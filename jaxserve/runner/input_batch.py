@@ -95,8 +95,11 @@ def build_step_arrays(
     for r, (st, n) in enumerate(zip(states, num_scheduled)):
         start = st.num_computed_tokens
         pos = np.arange(start, start + n, dtype=np.int32)
-        all_ids = st.prompt_token_ids + st.output_token_ids if start + n > st.num_prompt_tokens else st.prompt_token_ids
-        input_ids[t : t + n] = all_ids[start : start + n]
+        if n == 1:  # a decode step: no need to build the whole token list
+            input_ids[t] = st.token_at(start)
+        else:
+            all_ids = st.prompt_token_ids + st.output_token_ids if start + n > st.num_prompt_tokens else st.prompt_token_ids
+            input_ids[t : t + n] = all_ids[start : start + n]
         positions[t : t + n] = pos
         blocks = np.asarray(st.block_ids, np.int32)
         slot_mapping[t : t + n] = blocks[pos // block_size] * block_size + pos % block_size
