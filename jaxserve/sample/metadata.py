@@ -219,7 +219,8 @@ def _row_seed(params: Any, engine_seed: int | None, row: int) -> int:
 def _fill_row(arrays: dict[str, np.ndarray], row: int, params: Any, seed: int, position: int) -> None:
     top_k = int(param(params, "top_k"))
     arrays["temperature"][row] = param(params, "temperature")
-    arrays["top_k"][row] = max(top_k, 0)  # vLLM's -1 and 0 both mean off
+    # vLLM's -1 and 0 both mean off; anything past int32 is "all tokens" too (and would overflow)
+    arrays["top_k"][row] = min(max(top_k, 0), np.iinfo(np.int32).max)
     for name in ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         arrays[name][row] = param(params, name)
     arrays["seeds"][row] = seed

@@ -123,3 +123,13 @@ def test_builder_matches_function_and_fresh_buffers():
     assert padding["bias_token_ids"].shape == (4, 4) and padding["allowed_token_ids"].shape == (4, 8)
     md = SamplingMetadata.from_arrays(a)
     assert md.seeds is a["seeds"]
+
+
+def test_huge_top_k_is_clamped_not_overflowed():
+    from types import SimpleNamespace
+
+    from jaxserve.sample.metadata import build_sampling_arrays
+
+    params = SimpleNamespace(temperature=1.0, top_k=2**40, seed=3)
+    arrays = build_sampling_arrays([params], 2, positions=[0], vocab_size=50)
+    assert arrays["top_k"][0] == np.iinfo(np.int32).max
