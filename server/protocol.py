@@ -142,9 +142,6 @@ class CompletionRequest(_SamplingFields):
         if self.best_of is not None and self.best_of != self.n:
             out.append(("best_of", f"best_of={self.best_of} different from n={self.n} is not supported "
                                    "by jaxserve (only best_of == n)"))
-        if self.echo and self.logprobs is not None:
-            out.append(("echo", "echo together with logprobs needs prompt logprobs, which jaxserve "
-                                "does not support yet; drop one of them"))
         return out
 
 

@@ -132,6 +132,34 @@ def _completion_logprobs(out: CompletionOutput, tokens: TokenText, start_offset:
     return lp
 
 
+def _prepend_prompt_logprobs(ro: RequestOutput, tokens: TokenText, generated: CompletionLogProbs) -> CompletionLogProbs:
+    """``echo`` with ``logprobs``: the prompt's tokens come first, the first one without a logprob
+    (nothing precedes it), as the OpenAI completions API reports them."""
+    lp = CompletionLogProbs()
+    offset = 0
+    plp = ro.prompt_logprobs or []  # [None, {token: Logprob}, ...]
+    for i, token_id in enumerate(ro.prompt_token_ids):
+        entry = plp[i] if i < len(plp) else None
+        text = tokens.text(token_id)
+        lp.tokens.append(text)
+        lp.text_offset.append(offset)
+        offset += len(text)
+        if not entry:
+            lp.token_logprobs.append(None)
+            lp.top_logprobs.append(None)
+            continue
+        lp.token_logprobs.append(max(entry[token_id].logprob, -9999.0) if token_id in entry else None)
+        top: dict[str, float] = {}
+        for tid, l in sorted(entry.items(), key=lambda kv: kv[1].rank or 0):
+            top.setdefault(tokens.text(tid, l.decoded_token), max(l.logprob, -9999.0))
+        lp.top_logprobs.append(top)
+    lp.tokens += generated.tokens
+    lp.token_logprobs += generated.token_logprobs
+    lp.top_logprobs += generated.top_logprobs
+    lp.text_offset += generated.text_offset
+    return lp
+
+
 def _chat_logprobs(out: CompletionOutput, tokens: TokenText, top_k: int) -> ChatLogProbs:
     content = []
     for token_id, entry in zip(out.token_ids, out.logprobs or []):
@@ -198,6 +226,8 @@ class CompletionHandler:
                     p = {"prompt": p, "prompt_token_ids": state.tokenizer.encode(p, add_special_tokens=False)}
             engine_prompts.append(p)
         kw = req.sampling_kwargs()
+        if req.echo and req.logprobs is not None:
+            kw["prompt_logprobs"] = req.logprobs  # the echoed prompt gets its logprobs too
         params = make_sampling_params(dict(kw, max_tokens=req.max_tokens, logprobs=req.logprobs))
         return engine_prompts, params
 
@@ -227,8 +257,11 @@ class CompletionHandler:
             prefix = self._echo_text(ro) if req.echo else ""
             for out in ro.outputs:
                 completion_tokens += len(out.token_ids)
-                lp = (_completion_logprobs(out, self.state.token_text, len(prefix))
-                      if req.logprobs is not None else None)
+                lp = None
+                if req.logprobs is not None:
+                    lp = _completion_logprobs(out, self.state.token_text, len(prefix))
+                    if req.echo:
+                        lp = _prepend_prompt_logprobs(ro, self.state.token_text, lp)
                 choices.append(CompletionResponseChoice(
                     index=p_index * n + out.index, text=prefix + out.text, logprobs=lp,
                     finish_reason=out.finish_reason, stop_reason=out.stop_reason))
@@ -253,7 +286,8 @@ class CompletionHandler:
                     index = p_index * n + out.index
                     completion_tokens += len(out.token_ids)
                     text = out.text
-                    if index not in offsets:
+                    first_chunk = index not in offsets
+                    if first_chunk:
                         prefix = self._echo_text(ro) if req.echo else ""
                         text = prefix + text
                         offsets[index] = len(prefix)
@@ -261,6 +295,8 @@ class CompletionHandler:
                     if req.logprobs is not None and out.logprobs:
                         lp = _completion_logprobs(out, self.state.token_text, offsets[index])
                         offsets[index] = lp.text_offset[-1] + len(lp.tokens[-1])
+                        if req.echo and first_chunk:
+                            lp = _prepend_prompt_logprobs(ro, self.state.token_text, lp)
                     if not text and not out.token_ids and out.finish_reason is None:
                         continue  # one chunk per step with new tokens, even while their text is held back
                     chunk = CompletionStreamResponse(

@@ -79,6 +79,22 @@ def test_completion_echo(openai_client):
     assert resp.choices[0].text == "Hello there" + plain.choices[0].text
 
 
+def test_completion_echo_with_logprobs_scores_the_prompt(openai_client):
+    """The loglikelihood pattern (lm-eval style): echo + logprobs returns the prompt tokens' logprobs."""
+    prompt = [15, 220, 37, 400, 9]
+    resp = openai_client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                            logprobs=2, extra_body={"ignore_eos": True})
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(prompt) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) >= 2 for t in lp.top_logprobs[1:])
+    streamed = [c.choices[0].logprobs for c in openai_client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=2, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices and c.choices[0].logprobs]
+    assert streamed[0].token_logprobs[:len(prompt)] == lp.token_logprobs[:len(prompt)]
+
+
 def test_completion_logprobs(openai_client):
     resp = openai_client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=3,
                                             extra_body={"ignore_eos": True})
