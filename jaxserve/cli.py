@@ -19,29 +19,31 @@ def _add_model_arg(p: argparse.ArgumentParser) -> None:
                    help="HF checkpoint folder (config.json + *.safetensors); default: the built-in demo model")
 
 
+def _engine_parser(sub, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand that builds an engine: the MODEL argument plus every EngineConfig flag."""
+    p = sub.add_parser(name, help=help)
+    _add_model_arg(p)
+    EngineConfig.add_cli_args(p)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description="JAX/XLA reimplementation of the vLLM V1 engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _add_model_arg(serve)
-    EngineConfig.add_cli_args(serve)
+    serve = _engine_parser(sub, "serve", "OpenAI-compatible HTTP server")
     from jaxserve_server.cli import add_server_args
 
     add_server_args(serve)
 
-    gen = sub.add_parser("generate", help="generate for a few prompts offline and print the results")
-    _add_model_arg(gen)
-    EngineConfig.add_cli_args(gen)
+    gen = _engine_parser(sub, "generate", "generate for a few prompts offline and print the results")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
 
     bench = sub.add_parser("bench", help="benchmarks (JSON on stdout)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    tp = bsub.add_parser("throughput", help="offline throughput, optionally side by side with transformers")
-    _add_model_arg(tp)
-    EngineConfig.add_cli_args(tp)
+    tp = _engine_parser(bsub, "throughput", "offline throughput, optionally side by side with transformers")
     from jaxserve.bench.throughput import add_throughput_args
 
     add_throughput_args(tp)

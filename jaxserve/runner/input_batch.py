@@ -47,8 +47,8 @@ class StepPlan:
     req_ids: list[str]
     num_tokens: int  # real (unpadded) tokens
     token_bucket: int
-    num_rows: int
     samples: list[bool]  # row i produces a token this step (its prompt/recompute is complete)
+    want_logprobs: bool  # some sampling row asked for logprobs
 
 
 class SlotAllocator:

@@ -100,6 +100,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self._rng = np.random.default_rng(config.seed)
         self.stats = compile_stats.CompileStats()
+        self._warmed_up = False  # after warm-up, any compile is an unexpected one
         self._layouts: dict[int, PackLayout] = {}
         self._compiled: dict[tuple[int, bool], Any] = {}
         self._jitted = jax.jit(self._step, static_argnames=("layout", "decode_only"), donate_argnums=(1, 2))
@@ -165,8 +166,6 @@ class ModelRunner:
             self._compile(key)
             self.stats.unexpected_compiles += self._warmed_up
         return self._compiled[key]
-
-    _warmed_up = False
 
     def _compile(self, key: tuple[int, bool]) -> None:
         bucket, decode_only = key
@@ -281,13 +280,14 @@ class ModelRunner:
             [s.sampling_params for s in states], rows,
             positions=[len(s.output_token_ids) for s in states], seeds=[s.seed for s in states],
             validate=False)))  # the input processor validated each request once, at admission
-        arrays["need_logprobs"] = np.asarray([any(s.sampling_params.logprobs is not None for s in states)])
-        plan = StepPlan(req_ids, total, bucket, rows, samples)
+        want_logprobs = any(s.sampling_params.logprobs is not None for s, ok in zip(states, samples) if ok)
+        arrays["need_logprobs"] = np.asarray([want_logprobs])
+        plan = StepPlan(req_ids, total, bucket, samples, want_logprobs)
         return arrays, plan, states
 
     def _collect(self, out: SamplerOutput, plan: StepPlan, states: list[CachedRequestState],
                  so: SchedulerOutput) -> ModelRunnerOutput:
-        want_logprobs = any(s.sampling_params.logprobs is not None for s, ok in zip(states, plan.samples) if ok)
+        want_logprobs = plan.want_logprobs
         if want_logprobs:
             sampled, logprobs, logprob_ids, ranks = jax.device_get(
                 (out.sampled_token_ids, out.logprobs, out.logprob_token_ids, out.sampled_token_rank))
