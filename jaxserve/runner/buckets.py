@@ -5,6 +5,13 @@ A step's token count ``T`` is padded up to a bucket: powers of two from ``min_to
 not a second axis: every scheduled request advances at least one token, so a step of ``T`` tokens
 holds at most ``min(T, max_num_seqs)`` requests. One axis keeps the number of compiled variants
 to about ``log2(max_num_batched_tokens)``.
+
+Decode steps (``T <= max_num_seqs``: one token per running request) also get the midpoints
+``1.5 * 2^k``. As requests finish, the running count drifts through every value; with powers of
+two alone a batch of 33 pays for 64 rows. The midpoints bound that padding at 33% instead of 50%,
+for two or three more variants. Measured with `jaxserve bench throughput` on the CPU benchmark
+model: padding 7.3% -> 4.8% of all tokens and 5-10% more output tokens/s (every 8 tokens would pad
+less, 3.6%, but its extra variants cost more start-up than they saved).
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ class BucketTable:
         buckets, t = [], min_tokens
         while t < max_num_batched_tokens:
             buckets.append(t)
+            if t * 3 // 2 <= min(max_num_seqs, max_num_batched_tokens - 1):
+                buckets.append(t * 3 // 2)
             t *= 2
         buckets.append(max_num_batched_tokens)
-        return cls(tuple(buckets), max_num_seqs)
+        return cls(tuple(sorted(set(buckets))), max_num_seqs)
 
     def num_rows(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.max_num_seqs)

@@ -27,6 +27,7 @@ from jaxserve.sample.processors import apply_allowed_token_ids, apply_logit_bias
 from jaxserve.sample.sampler import (
     SamplerOutput,
     draw,
+    first_argmax,
     gather_logprobs,
     greedy_rows,
     process_logits,
@@ -49,7 +50,7 @@ def sample_variant(logits, md, counts, prompt_mask, *, cap=256, full_sort=False,
         processed = penalize(processed, counts, prompt_mask, md.presence_penalty, md.frequency_penalty,
                              md.repetition_penalty)
     greedy = greedy_rows(md.temperature)
-    greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    greedy_ids = first_argmax(processed)
 
     def random_ids():
         scaled = processed / jnp.where(greedy, 1.0, md.temperature)[:, None]

@@ -57,6 +57,19 @@ def process_logits(
     )
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax`` over the last axis (first index of the maximum), as int32.
+
+    XLA:CPU lowers argmax to a variadic (value, index) reduce that runs ~4x slower than a plain
+    max followed by a min over the matching indices (1.3 vs 0.3 ms at [64, 8192]: a tenth of a
+    small decode step). A NaN row (no element equals the max) falls back to the last index.
+    """
+    v = x.shape[-1]
+    row_max = jnp.max(x, axis=-1, keepdims=True)
+    idx = jnp.min(jnp.where(x == row_max, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
+    return jnp.minimum(idx, v - 1)
+
+
 def greedy_rows(temperature: jax.Array) -> jax.Array:
     return temperature < SAMPLING_EPS
 
@@ -83,7 +96,7 @@ def sample_random(processed: jax.Array, md: SamplingMetadata, top_k_cap: int) ->
 def choose_tokens(processed: jax.Array, md: SamplingMetadata, top_k_cap: int) -> jax.Array:
     """Steps 4-5; an all-greedy batch never pays for the top-k/sort and the random draw."""
     greedy = greedy_rows(md.temperature)
-    greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    greedy_ids = first_argmax(processed)
     return lax.cond(
         jnp.all(greedy),
         lambda: greedy_ids,

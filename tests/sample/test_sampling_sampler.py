@@ -6,6 +6,7 @@ import numpy as np
 from tests.sample.sampler_testlib import draw_tokens, metadata, np_log_softmax, np_penalize, params, run_sample
 
 from jaxserve.sample import SamplingMetadata, build_sampling_arrays, sample
+from jaxserve.sample.sampler import first_argmax
 
 V = 1000  # > the 256 top-k cap, so flat top-p rows need the full-sort fallback
 R = 8
@@ -31,6 +32,17 @@ def test_greedy_is_argmax_in_greedy_and_mixed_batches():
     np.testing.assert_array_equal(all_greedy.sampled_token_ids, logits.argmax(-1))
     mixed = run_sample(logits, metadata([params(temperature=0.0)] * 3 + MATES, V))
     np.testing.assert_array_equal(np.asarray(mixed.sampled_token_ids)[:3], logits[:3].argmax(-1))
+
+
+def test_first_argmax_matches_numpy_on_ties_and_masked_rows():
+    logits = np.round(random_logits(R, vocab=64), 0)  # rounding makes ties common
+    logits[1, :] = -np.inf  # a fully masked row: numpy picks index 0
+    logits[2, [5, 40]] = 99.0  # a tie for the maximum: the first index wins
+    logits[3, 17] = np.inf
+    np.testing.assert_array_equal(jax.jit(first_argmax)(logits), logits.argmax(-1))
+    nan_row = np.zeros((1, 64), np.float32)
+    nan_row[0, 3] = np.nan
+    assert 0 <= int(first_argmax(nan_row)[0]) < 64  # never an out-of-range id
 
 
 def test_padding_rows_are_greedy():
