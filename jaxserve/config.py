@@ -41,6 +41,8 @@ class EngineConfig:
     """Order of admission and of preemption victims."""
     enforce_eager: bool = False
     """Run the step without jax.jit (for comparison with the compiled path)."""
+    async_scheduling: bool = False
+    """Schedule and prepare step N+1 while the device runs step N (outputs arrive one step later)."""
     attention_backend: Literal["auto", "xla", "pallas", "triton"] = "auto"
     """auto = pallas on GPU, xla elsewhere."""
     seed: int = 0

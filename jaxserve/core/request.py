@@ -82,6 +82,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Async scheduling: tokens sampled by dispatched steps whose results have not arrived yet.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 = not scheduled yet
         self.num_preemptions = 0
 

@@ -30,6 +30,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
     history_size: int = 0
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
@@ -56,6 +57,10 @@ class Scheduler:
         ``running`` (RUNNING, holding its blocks), or is gone (finished, blocks freed);
       * ``len(running) <= max_num_seqs``; scheduled tokens per step <= ``max_num_batched_tokens``;
       * a step that preempted admits no waiting request (its blocks would be taken straight back).
+    Async scheduling (vLLM's ``async_scheduling``): step N+1 is scheduled while step N runs, so a
+    request may be scheduled before its last sampled token is known. That token is counted in
+    ``num_output_placeholders`` (the runner feeds it from the device), and a request whose
+    in-flight tokens already reach ``max_tokens`` or ``max_model_len`` is not scheduled again.
     Preemption victim: the newest running request (fcfs) or the largest
     (priority, arrival_time, request_id) (priority). The oldest/best request is never a victim
     while another runs, so it always progresses: with a pool holding ``max_model_len`` tokens,
@@ -182,7 +187,11 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            pending = request.num_output_placeholders
+            if pending and self._pending_tokens_finish(request):
+                req_index += 1  # its in-flight token ends it: computing another would be wasted
+                continue
+            num_new = len(request.all_token_ids) + pending - request.num_computed_tokens
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > token_budget:
@@ -282,8 +291,12 @@ class Scheduler:
         # As in vLLM, progress is booked at schedule time: the next schedule() must not hand the
         # same tokens out again, even before this step's output arrives.
         requests = self.requests
+        placeholders = self.scheduler_config.async_scheduling
         for req_id, n in num_scheduled_tokens.items():
-            requests[req_id].num_computed_tokens += n
+            request = requests[req_id]
+            request.num_computed_tokens += n
+            if placeholders and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples a token we will not see yet
 
         self.step_counter += 1
         self._last_num_scheduled_tokens = total
@@ -292,6 +305,12 @@ class Scheduler:
         if self.history is not None:
             self.history.append(self.make_stats())
         return output
+
+    def _pending_tokens_finish(self, request: Request) -> bool:
+        """True if the tokens in flight reach ``max_tokens`` or ``max_model_len``."""
+        pending = request.num_output_placeholders
+        return (request.num_output_tokens + pending >= request.max_tokens
+                or request.num_tokens + pending >= self.max_model_len)
 
     def _pick_victim_index(self) -> int:
         """Index in ``running`` of the request to preempt: the newest (fcfs) or the worst by
@@ -330,14 +349,27 @@ class Scheduler:
         now = None
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
-            if request is None or request.status is not running_status:
-                continue  # finished/aborted (or preempted) after this step was scheduled
+            if request is None:
+                continue  # finished or aborted after this step was scheduled
             idx = index_of.get(req_id)
+            tokens = sampled[idx] if idx is not None else ()
+            if tokens and request.num_output_placeholders:
+                request.num_output_placeholders -= 1
+                if request.status is RequestStatus.PREEMPTED:
+                    # Async: preempted while this token was in flight. It is valid; keep it.
+                    finished = self._append_to_waiting(request, tokens[0])
+                    outputs.append(EngineCoreOutput(
+                        req_id, [tokens[0]], request.get_finished_reason() if finished else None,
+                        request.stop_reason, logprobs[idx] if logprobs is not None else None, None,
+                        max(request.num_cached_tokens, 0)))
+                    continue
+            if request.status is not running_status:
+                continue  # preempted after this step was scheduled
             new_token_ids: list[int] = []
             finished = False
             # A partial prefill chunk samples nothing; ignore a token the runner sent anyway.
-            if idx is not None and request.num_computed_tokens >= len(request.all_token_ids):
-                for token_id in sampled[idx]:
+            if tokens and request.num_computed_tokens >= len(request.all_token_ids):
+                for token_id in tokens:
                     request.append_output_token_id(token_id)
                     new_token_ids.append(token_id)
                     if check_stop(request, token_id):
@@ -364,6 +396,17 @@ class Scheduler:
             for request in stopped:
                 self._free_request(request, request.status, known_to_runner=True)
         return outputs
+
+    def _append_to_waiting(self, request: Request, token_id: int) -> bool:
+        """Append a late token to a preempted request; True if it finished it (then it is freed)."""
+        request.append_output_token_id(token_id)
+        if request.first_token_ts is None:
+            request.first_token_ts = time.monotonic()
+        if not self._check_stop(request, token_id):
+            return False
+        self.waiting.remove_requests([request])
+        self._free_request(request, request.status, known_to_runner=False)
+        return True
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Stop checks, in order: min_tokens, EOS, stop_token_ids, max_tokens, max_model_len.

@@ -1,4 +1,9 @@
-"""EngineCore: owns the scheduler and the model runner; one ``step()`` = schedule, execute, update."""
+"""EngineCore: owns the scheduler and the model runner; one ``step()`` = schedule, execute, update.
+
+With ``async_scheduling`` the three calls overlap across steps: schedule and dispatch step N+1,
+then collect step N and update from it. The host's scheduling and input building for N+1 run
+while the device computes step N, instead of between steps.
+"""
 
 from __future__ import annotations
 
@@ -71,12 +76,13 @@ class EngineCore:
                 max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
-                policy=config.scheduling_policy),
+                policy=config.scheduling_policy, async_scheduling=config.async_scheduling),
             num_blocks=self.runner.num_blocks, block_size=config.block_size,
             enable_caching=config.enable_prefix_caching)
         self.step_records: Optional[collections.deque[StepRecord]] = (
             collections.deque(maxlen=10_000) if record_steps else None)
         self.last_stats: SchedulerStats = self.scheduler.make_stats()
+        self._in_flight = None  # async scheduling: the dispatched step not yet collected
         self.runner.warm_up(show_progress)
         # Start-up objects (weights' host copies, tracing leftovers) never die; keeping them out of
         # the collector's generations keeps its pauses out of the per-step time.
@@ -94,11 +100,13 @@ class EngineCore:
             self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_requests()
+        return self.scheduler.has_requests() or self._in_flight is not None
 
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.config.async_scheduling:
+            return self._step_async()
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
@@ -106,6 +114,21 @@ class EngineCore:
         self.last_stats = self.scheduler.make_stats()
         if self.step_records is not None:
             self._record(scheduler_output, runner_output, outputs, time.perf_counter() - start)
+        return outputs
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """Dispatch step N+1, then collect step N: returns step N's outputs (none on the first)."""
+        start = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        dispatched = self.runner.dispatch(scheduler_output)  # an empty one only updates request states
+        previous, self._in_flight = self._in_flight, (dispatched if dispatched.out is not None else None)
+        outputs: list[EngineCoreOutput] = []
+        if previous is not None:
+            runner_output = self.runner.collect(previous)
+            outputs = self.scheduler.update_from_output(previous.scheduler_output, runner_output)
+            if self.step_records is not None:
+                self._record(previous.scheduler_output, runner_output, outputs, time.perf_counter() - start)
+        self.last_stats = self.scheduler.make_stats()
         return outputs
 
     def _record(self, so, ro, outputs, seconds: float) -> None:
@@ -117,12 +140,15 @@ class EngineCore:
             preempted_ids=sorted(so.preempted_req_ids),
             waiting_ids=[r.request_id for r in self.scheduler.waiting],
             token_bucket=self.runner.buckets.pick(so.total_num_scheduled_tokens) if so.total_num_scheduled_tokens else 0,
-            padding_ratio=stats.last_padding_ratio if so.total_num_scheduled_tokens else 0.0,
+            padding_ratio=self._padding_ratio(so.total_num_scheduled_tokens),
             sampled={r: t for r, t in zip(ro.req_ids, ro.sampled_token_ids) if t},
             finished={o.request_id: o.finish_reason for o in outputs if o.finish_reason},
             kv_cache_usage=self.last_stats.kv_cache_usage,
             seconds=seconds,
         ))
+
+    def _padding_ratio(self, num_tokens: int) -> float:
+        return 1.0 - num_tokens / self.runner.buckets.pick(num_tokens) if num_tokens else 0.0
 
     # ---- introspection -------------------------------------------------------------------------
 

@@ -76,14 +76,22 @@ def build_step_arrays(
     max_blocks_per_seq: int,
     block_size: int,
     padding_slot: int,
+    prev_row_of: dict[str, int] | None = None,
 ) -> tuple[dict[str, np.ndarray], list[bool]]:
-    """Model and attention inputs for one step (sampling arrays are added by the caller)."""
+    """Model and attention inputs for one step (sampling arrays are added by the caller).
+
+    With async scheduling a decode row's input token may still be in flight: it is the token the
+    request sampled in the previous step, at row ``prev_row_of[req_id]`` of that step's output.
+    ``prev_rows[t]`` names that row (-1: the token is in ``input_ids``) and the step reads it on
+    the device.
+    """
     t_pad, r_pad = token_bucket, num_rows
     input_ids = np.zeros(t_pad, np.int32)
     positions = np.zeros(t_pad, np.int32)
     slot_mapping = np.full(t_pad, -1, np.int32)
     token_slots = np.full(t_pad, padding_slot, np.int32)
     token_is_output = np.zeros(t_pad, np.bool_)
+    prev_rows = np.full(t_pad, -1, np.int32)
     block_tables = np.zeros((r_pad, max_blocks_per_seq), np.int32)
     kv_lens = np.zeros(r_pad, np.int32)
     query_start_loc = np.zeros(r_pad + 1, np.int32)
@@ -96,7 +104,10 @@ def build_step_arrays(
         start = st.num_computed_tokens
         pos = np.arange(start, start + n, dtype=np.int32)
         if n == 1:  # a decode step: no need to build the whole token list
-            input_ids[t] = st.token_at(start)
+            if start < st.num_tokens:
+                input_ids[t] = st.token_at(start)
+            else:  # sampled by the step still running
+                prev_rows[t] = prev_row_of[st.req_id]
         else:
             all_ids = st.prompt_token_ids + st.output_token_ids if start + n > st.num_prompt_tokens else st.prompt_token_ids
             input_ids[t : t + n] = all_ids[start : start + n]
@@ -117,6 +128,7 @@ def build_step_arrays(
     query_start_loc[len(states) + 1 :] = t
     arrays = {
         "input_ids": input_ids,
+        "prev_rows": prev_rows,
         "positions": positions,
         "slot_mapping": slot_mapping,
         "token_slots": token_slots,

@@ -1,7 +1,10 @@
 """ModelRunner: turns a ``SchedulerOutput`` into sampled tokens with one compiled step.
 
 One step = forward (paged attention + KV write) -> logits at each request's last scheduled token
--> on-device sampler. It is ``jax.jit``-compiled once per token bucket at start-up, with the KV
+-> on-device sampler. ``dispatch`` launches a step and returns at once (JAX runs it
+asynchronously); ``collect`` waits for its sampled tokens. Async scheduling dispatches step N+1
+before collecting step N: a decode row whose input token is still in flight reads it from step
+N's sampled tokens on the device (``prev_rows``), so the host never waits for it. It is ``jax.jit``-compiled once per token bucket at start-up, with the KV
 cache and the penalty tables donated so XLA updates them in place. Inputs arrive packed in one
 transfer; only sampled ids (and logprobs when asked) come back. ``enforce_eager`` runs the very
 same Python function op by op, for comparison.
@@ -9,6 +12,7 @@ same Python function op by op, for comparison.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -35,6 +39,16 @@ from jaxserve.sample.metadata import SamplingMetadata, SamplingMetadataBuilder
 from jaxserve.sample.sampler import SamplerOutput, gather_logprobs, sample
 
 logger = logging.getLogger("jaxserve")
+
+
+@dataclasses.dataclass
+class InFlightStep:
+    """A dispatched step whose sampled tokens have not been read back yet."""
+
+    scheduler_output: SchedulerOutput
+    out: SamplerOutput | None = None  # None: nothing was scheduled
+    plan: StepPlan | None = None
+    states: list[CachedRequestState] = dataclasses.field(default_factory=list)
 
 
 def resolve_attention_backend(requested: str) -> str:
@@ -98,6 +112,10 @@ class ModelRunner:
             jnp.zeros((slots + 1, self.mc.vocab_size), jnp.bool_),
         )
         self.requests: dict[str, CachedRequestState] = {}
+        # The last dispatched step's sampled ids, padded to max_num_seqs (one shape for every
+        # bucket, so it never adds a compiled variant), and each request's row in it.
+        self._prev_sampled = jnp.zeros((config.max_num_seqs,), jnp.int32)
+        self._prev_row_of: dict[str, int] = {}
         self._rng = np.random.default_rng(config.seed)
         self.stats = compile_stats.CompileStats()
         self._warmed_up = False  # after warm-up, any compile is an unexpected one
@@ -114,8 +132,11 @@ class ModelRunner:
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def _step(self, params, kv_cache, penalty_state, buf, *, layout: PackLayout, decode_only: bool = False):
+    def _step(self, params, kv_cache, penalty_state, prev_sampled, buf, *, layout: PackLayout,
+              decode_only: bool = False):
         x = unpack(buf, layout)
+        prev = x["prev_rows"]
+        x["input_ids"] = jnp.where(prev >= 0, prev_sampled[jnp.maximum(prev, 0)], x["input_ids"])
         attn_fn = self.decode_attn_fn if decode_only else self.attn_fn
         md = AttentionMetadata(
             positions=x["positions"], slot_mapping=x["slot_mapping"], block_tables=x["block_tables"],
@@ -126,7 +147,8 @@ class ModelRunner:
         sm = SamplingMetadata.from_arrays({k[len(_SAMPLE):]: v for k, v in x.items() if k.startswith(_SAMPLE)})
         out = sample(logits, sm, counts, prompt_mask, max_num_logprobs=self.num_logprobs,
                      row_slots=x["row_slots"], need_logprobs=x["need_logprobs"][0])
-        return kv_cache, (counts, prompt_mask), out, hidden
+        sampled = prev_sampled.at[: out.sampled_token_ids.shape[0]].set(out.sampled_token_ids)
+        return kv_cache, (counts, prompt_mask), out, hidden, sampled
 
     def _prompt_logprobs(self, params, hidden, next_token_ids):
         """Logprobs of each scheduled token's successor in the prompt, from every position's logits.
@@ -173,8 +195,8 @@ class ModelRunner:
         hits_before = compile_stats.persistent_cache_hits()
         start = time.perf_counter()
         buf = jax.ShapeDtypeStruct((layout.total,), jnp.int32)
-        lowered = self._jitted.trace(self.params, self.kv_cache, self.penalty_state, buf, layout=layout,
-                                     decode_only=decode_only).lower()
+        lowered = self._jitted.trace(self.params, self.kv_cache, self.penalty_state, self._prev_sampled, buf,
+                                     layout=layout, decode_only=decode_only).lower()
         self._compiled[key] = lowered.compile()
         seconds = time.perf_counter() - start
         self.stats.num_compiles += 1
@@ -232,19 +254,32 @@ class ModelRunner:
     # ---- execute -------------------------------------------------------------------------------
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its tokens (the synchronous engine loop)."""
+        return self.collect(self.dispatch(so))
+
+    def dispatch(self, so: SchedulerOutput) -> InFlightStep:
+        """Launch the step for ``so`` without waiting for it."""
         new_slots = self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+            return InFlightStep(so)
         arrays, plan, states = self._prepare_inputs(so, new_slots)
         layout = self._layout_for(plan.token_bucket)
         buf = jax.device_put(pack(arrays, layout))  # one transfer; jnp.asarray would compile a copy
         decode_only = self.decode_attn_fn is not None and plan.num_tokens == len(plan.req_ids)
         fn = self._executable(plan.token_bucket, decode_only)
-        self.kv_cache, self.penalty_state, out, hidden = fn(self.params, self.kv_cache, self.penalty_state, buf)
+        self.kv_cache, self.penalty_state, out, hidden, self._prev_sampled = fn(
+            self.params, self.kv_cache, self.penalty_state, self._prev_sampled, buf)
+        self._prev_row_of = {r: i for i, r in enumerate(plan.req_ids)}
         self.stats.record_step(plan.num_tokens, plan.token_bucket)
         if any(s.sampling_params.prompt_logprobs is not None for s in states):
             self._accumulate_prompt_logprobs(hidden, plan, states, so)
-        return self._collect(out, plan, states, so)
+        return InFlightStep(so, out, plan, states)
+
+    def collect(self, step: InFlightStep) -> ModelRunnerOutput:
+        """Wait for a dispatched step and hand its tokens to the host-side request states."""
+        if step.out is None:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        return self._collect(step.out, step.plan, step.states, step.scheduler_output)
 
     def _accumulate_prompt_logprobs(self, hidden, plan: StepPlan, states, so) -> None:
         next_ids = np.zeros(plan.token_bucket, np.int32)
@@ -275,10 +310,12 @@ class ModelRunner:
         bucket = self.buckets.pick(total)
         rows = self.buckets.num_rows(bucket)
         arrays, samples = build_step_arrays(states, counts, new_slots, bucket, rows, self.max_blocks_per_seq,
-                                            self.block_size, self.slots.padding_slot)
+                                            self.block_size, self.slots.padding_slot, self._prev_row_of)
+        # A row's draw is keyed by how many tokens its request generated before it; with async
+        # scheduling the host may not have the last of them yet, so count from the positions.
+        generated = [max(0, s.num_computed_tokens + n - s.num_prompt_tokens) for s, n in zip(states, counts)]
         arrays.update(_prefixed(self.sampling_builder.build(
-            [s.sampling_params for s in states], rows,
-            positions=[len(s.output_token_ids) for s in states], seeds=[s.seed for s in states],
+            [s.sampling_params for s in states], rows, positions=generated, seeds=[s.seed for s in states],
             validate=False)))  # the input processor validated each request once, at admission
         want_logprobs = any(s.sampling_params.logprobs is not None for s, ok in zip(states, samples) if ok)
         arrays["need_logprobs"] = np.asarray([want_logprobs])
@@ -296,7 +333,8 @@ class ModelRunner:
         sampled_lists, logprob_rows = [], []
         prompt_logprobs: dict[str, list] = {}
         for i, (state, ok) in enumerate(zip(states, plan.samples)):
-            state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
+            # num_computed_tokens is not advanced here: the scheduler's count arrives with the next
+            # step, and with async scheduling that step was prepared before this one finished.
             if not ok:
                 sampled_lists.append([])
                 logprob_rows.append(None)

@@ -412,3 +412,70 @@ def test_chunking_off_resumed_request_longer_than_budget_is_chunked():
     assert new.req_id == "b" and n == 8
     assert len(new.prompt_token_ids) + len(new.output_token_ids) > 8
     assert_all_free(s)
+
+
+# ---------------------------------------------------------------- async scheduling
+
+def _tokens(so, **sampled):
+    """A runner output giving each named request its token (others sample nothing)."""
+    ids = list(so.num_scheduled_tokens)
+    return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, [[sampled[r]] if r in sampled else [] for r in ids])
+
+
+def test_async_schedules_the_next_decode_before_the_output_arrives():
+    s = make_scheduler(async_scheduling=True, max_num_batched_tokens=16)
+    a = make_request([1, 2, 3, 4], req_id="a", max_tokens=3, ignore_eos=True)
+    s.add_request(a)
+    so1 = s.schedule()
+    assert so1.num_scheduled_tokens == {"a": 4} and a.num_output_placeholders == 1
+    so2 = s.schedule()  # step 1 still running: a decodes its in-flight token
+    assert so2.num_scheduled_tokens == {"a": 1} and a.num_output_placeholders == 2
+    assert so2.scheduled_cached_reqs.num_computed_tokens == [4]
+    s.update_from_output(so1, _tokens(so1, a=7))
+    assert a.output_token_ids == [7] and a.num_output_placeholders == 1
+    so3 = s.schedule()
+    assert so3.num_scheduled_tokens == {"a": 1}
+    # 1 known + 2 in flight = max_tokens: scheduling a again would compute a token nobody wants.
+    assert s.schedule().total_num_scheduled_tokens == 0
+    s.update_from_output(so2, _tokens(so2, a=8))
+    outs = s.update_from_output(so3, _tokens(so3, a=9))
+    assert a.output_token_ids == [7, 8, 9] and outs[0].finish_reason == "length"
+    assert a.num_output_placeholders == 0 and not s.has_unfinished_requests()
+    assert_all_free(s)
+
+
+def test_async_output_of_a_request_that_finished_meanwhile_is_dropped():
+    s = make_scheduler(async_scheduling=True)
+    s.add_request(make_request([1, 2, 3], req_id="a", eos=2))
+    so1, so2 = s.schedule(), s.schedule()
+    outs = s.update_from_output(so1, _tokens(so1, a=2))  # EOS: a finishes, its blocks are freed
+    assert [o.finish_reason for o in outs] == ["stop"]
+    assert s.update_from_output(so2, _tokens(so2, a=5)) == []  # the step already in flight
+    assert s.schedule().finished_req_ids == {"a"}
+    assert_all_free(s)
+
+
+def test_async_preempted_request_keeps_its_in_flight_token():
+    # 6 usable blocks of 2 tokens; three 4-token prompts take 2 blocks each.
+    s = make_scheduler(num_blocks=7, block_size=2, max_model_len=12, enable_caching=False,
+                       async_scheduling=True)
+    for name in "abc":
+        s.add_request(make_request([1, 2, 3, 4], req_id=name, ignore_eos=True, max_tokens=4))
+    so1 = s.schedule()
+    so2 = s.schedule()  # a needs a third block for its in-flight token: c is preempted
+    assert so2.preempted_req_ids == {"c"}
+    c = s.requests["c"]
+    outs = {o.request_id: o for o in s.update_from_output(so1, _tokens(so1, a=5, b=6, c=7))}
+    assert outs["c"].new_token_ids == [7] and not outs["c"].finished
+    assert c.output_token_ids == [7] and c.num_output_placeholders == 0 and c.status == RequestStatus.PREEMPTED
+    s.update_from_output(so2, _tokens(so2, a=5, b=6))
+    resumed = None
+    for _ in range(40):
+        so = s.schedule()
+        resumed = resumed or next((n for n in so.scheduled_new_reqs if n.req_id == "c"), None)
+        s.update_from_output(so, _tokens(so, **{r: 1 for r in so.num_scheduled_tokens}))
+        if not s.has_requests():
+            break
+    assert resumed is not None and resumed.output_token_ids[0] == 7
+    assert not s.has_requests()
+    assert_all_free(s)

@@ -197,3 +197,31 @@ def test_parallel_samples_share_the_prompt_blocks(llm):
     assert llm.stats()["prefix_cache_hits"] - before == 2 * 32
     assert out.num_cached_tokens == 32
     assert_pool_empty(llm)
+
+
+def test_async_scheduling_gives_the_sync_results(llm, demo_model):
+    """Outputs arrive a step later, but every token, stop, logprob and seeded draw is the same."""
+    prompts = random_prompts(12, seed=9, hi=120) + ["Once upon a time", "hello"]
+    greedy = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    text = llm.generate(prompts[-2:-1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    params = [SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[greedy.token_ids[6]])]  # stops early
+    params += [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=8 + i, logprobs=2) for i in range(6)]
+    params += [SamplingParams(temperature=0, max_tokens=5 + i, ignore_eos=True, presence_penalty=0.5)
+               for i in range(5)]
+    params += [SamplingParams(temperature=0, max_tokens=40, stop=[text[8:11]]),
+               SamplingParams(temperature=0, max_tokens=1)]
+
+    def run(engine):
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text,
+                 [sorted((t, round(lp.logprob, 4)) for t, lp in e.items()) for e in o.outputs[0].logprobs or []])
+                for o in outs]
+
+    async_llm = LLM(demo_model, show_progress=False, **{**ENGINE_ARGS, "async_scheduling": True})
+    expected, got = run(llm), run(async_llm)
+    assert got == expected
+    assert expected[0][1] == "stop" and expected[-2][1] == "stop"  # the early stops really happened
+    assert async_llm.stats()["compile_unexpected_compiles"] == 0
+    assert_pool_empty(async_llm)

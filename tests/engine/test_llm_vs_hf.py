@@ -75,3 +75,14 @@ def test_preemption_matches_hf(demo_model, prompts, hf_outputs):
     ours, llm = run(demo_model, prompts, max_num_batched_tokens=64, num_gpu_blocks_override=25)
     assert llm.stats()["num_preemptions"] > 0
     assert ours == hf_outputs
+
+
+@pytest.mark.parametrize("blocks", [160, 25], ids=["roomy", "preempting"])
+def test_async_scheduling_matches_hf(demo_model, prompts, hf_outputs, blocks):
+    # Step N+1 is scheduled while step N runs; decode inputs come from the device.
+    ours, llm = run(demo_model, prompts, max_num_batched_tokens=64, num_gpu_blocks_override=blocks,
+                    async_scheduling=True)
+    assert ours == hf_outputs
+    stats = llm.stats()
+    assert stats["compile_unexpected_compiles"] == 0
+    assert (stats["num_preemptions"] > 0) == (blocks == 25)
