@@ -16,8 +16,8 @@ The tokens of request r are the last q_len_r positions of its kv_len_r context, 
 (``sliding_window``: only the last W positions, the token itself included; ``soft_cap``: scores
 ``cap * tanh(score / cap)`` after scaling). Padding tokens (at and after ``qsl[num_seqs]``) give 0.
 
-Backends: ``xla`` = :func:`ragged_paged_attention_xla` (jnp, runs anywhere; query tiles for
-prefill, the per-token :func:`ragged_paged_attention_reference` for decode), ``pallas`` =
+Backends: ``xla`` = :func:`ragged_paged_attention_xla` (jnp, runs anywhere; query tiles grouped
+by the context they need; :func:`ragged_paged_attention_reference` is the oracle), ``pallas`` =
 :func:`ragged_paged_attention` (Pallas, Triton lowering; ``interpret=True`` on CPU), ``triton`` =
 :func:`ragged_paged_attention_triton` (Triton via jax_triton, GPU only).
 

@@ -46,8 +46,18 @@ def test_xla_backend_never_reads_outside_contexts(block_q):
     np.testing.assert_allclose(out, naive_attention(*args, sm_scale=SCALE), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("num_groups", [1, 2, 3, 64])
+@pytest.mark.parametrize("scenario", ["mixed", "prefix", "decode"])
+def test_xla_backend_tile_groups(scenario, num_groups):
+    """Tiles sorted by the context they need and split into loops of their own give the same result
+    for any number of groups (64: more groups than tiles, clamped to one tile each)."""
+    args = make_batch(Bucket(), SCENARIOS[scenario], seed=11)
+    out = xla_fn(sm_scale=SCALE, block_q=2, kv_chunk=8, num_groups=num_groups)(*args)
+    np.testing.assert_allclose(np.asarray(out), naive_attention(*args, sm_scale=SCALE), rtol=2e-5, atol=2e-5)
+
+
 def test_default_tiling_choice():
-    """Decode-sized buckets (T <= R) take the per-token path; larger ones are tiled. Both agree."""
+    """Decode-sized buckets (T <= R) use one-query tiles; larger ones use 8. Both agree."""
     args = make_batch(Bucket(num_tokens=32, num_reqs=8), SCENARIOS["full"], seed=10)
     tiled = xla_fn(sm_scale=SCALE)(*args)
     per_token = pk.ragged_paged_attention_reference(*args, sm_scale=SCALE)
