@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -10,7 +11,7 @@ import numpy as np
 
 from jaxserve import LLM, SamplingParams
 
-from .conftest import ENGINE_ARGS, metric, wait_idle
+from .conftest import ENGINE_ARGS, metric, start_server, stop_server, wait_idle
 
 
 def parity_prompts() -> list[list[int]]:
@@ -100,3 +101,44 @@ def test_non_streaming_client_that_disconnects_is_aborted(server):
     generated = metric(server.base, "jaxserve:generation_tokens_total") - before
     assert generated < 4 * max_tokens, generated
     assert httpx.get(f"{server.base}/health").status_code == 200
+
+
+def test_async_scheduling_server_matches_and_frees_its_blocks(tmp_path):
+    """A server with --async-scheduling streams the offline greedy text, and clients that leave
+    mid-stream (while a step for them is already in flight) still free every block."""
+    prompts = parity_prompts()
+    llm = LLM(show_progress=False, **ENGINE_ARGS)
+    expected = [o.outputs[0].text for o in llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)]
+    del llm
+    handle = start_server(["--async-scheduling"], tmp_path / "server.log")
+    try:
+        async def stream_text(client, prompt):
+            body = {"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True, "stream": True}
+            text = ""
+            async with client.stream("POST", "/completions", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        text += json.loads(line[len("data: "):])["choices"][0]["text"]
+            return text
+
+        async def leave_early(client, i):
+            body = {"prompt": [20 + i, 30, 40], "max_tokens": 200, "ignore_eos": True, "stream": True}
+            async with client.stream("POST", "/completions", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        return True
+
+        async def run():
+            async with httpx.AsyncClient(base_url=handle.url, timeout=120) as client:
+                texts = await asyncio.gather(*(stream_text(client, p) for p in prompts))
+                left = await asyncio.gather(*(leave_early(client, i) for i in range(20)))
+                return texts, left
+
+        texts, left = asyncio.run(run())
+        assert texts == expected and all(left)
+        running, usage = wait_idle(handle.base)
+        assert running == 0 and usage == 0
+    finally:
+        stop_server(handle)
+    assert "Traceback" not in handle.log_tail(200_000), handle.log_tail()
