@@ -2,7 +2,8 @@
 """End-to-end GPU check: greedy generation with each attention backend must match ``xla``.
 
 Prints one JSON object: per backend, whether its greedy tokens equal the xla backend's on the
-demo model (bfloat16 and float32), and the steps' compile counts.
+demo model (bfloat16 and float32), and the steps' compile counts; ``pallas+async`` is the pallas
+backend with async scheduling (decode inputs fed from the device).
 """
 
 from __future__ import annotations
@@ -28,16 +29,17 @@ def main() -> None:
     result: dict = {}
     for dtype in ("float32", "bfloat16"):
         tokens = {}
-        for backend in ("xla", "pallas", "triton"):
+        for backend in ("xla", "pallas", "triton", "pallas+async"):
             try:
-                llm = LLM(show_progress=False, attention_backend=backend, dtype=dtype, **ENGINE)
+                llm = LLM(show_progress=False, attention_backend=backend.split("+")[0], dtype=dtype,
+                          async_scheduling=backend.endswith("+async"), **ENGINE)
                 tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
                 result[f"{dtype}/{backend}/compiles"] = llm.stats()["compile_num_compiles"]
                 del llm
             except Exception as exc:  # keep going: report every backend
                 result[f"{dtype}/{backend}/error"] = repr(exc)[:500]
                 traceback.print_exc(file=sys.stderr)
-        for backend in ("pallas", "triton"):
+        for backend in ("pallas", "triton", "pallas+async"):
             if backend in tokens and "xla" in tokens:
                 same = sum(a == b for a, b in zip(tokens[backend], tokens["xla"]))
                 result[f"{dtype}/{backend}/greedy_equal_to_xla"] = f"{same}/{len(prompts)}"
