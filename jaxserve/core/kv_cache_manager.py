@@ -49,6 +49,10 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
 
+    def reads_prefix_cache(self, request: Request) -> bool:
+        """Whether a lookup for ``request`` consults the cache (and counts as a query)."""
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
     def get_computed_blocks(self, request: Request,
                             record_stats: bool = True) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of whole blocks, as ``(blocks, num_tokens)``.
@@ -57,7 +61,7 @@ class KVCacheManager:
         be computed to get logits. Requests asking for prompt logprobs skip the cache (cached
         positions would have no logits). Does not take references: ``allocate_slots`` does.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.reads_prefix_cache(request):
             return [], 0
         assert request.block_size == self.block_size, "request not hashed with this block_size"
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

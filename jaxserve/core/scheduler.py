@@ -244,8 +244,9 @@ class Scheduler:
                 if new_blocks is None:
                     break
                 self.waiting.pop_request()
-                if kv.log_stats:
-                    # Booked on admission only: a head that waits would be counted every step.
+                if kv.log_stats and kv.reads_prefix_cache(request):
+                    # Booked on admission only: a head that waits would be counted every step. As
+                    # in vLLM, a lookup that never reads the cache (caching off) is no query.
                     kv.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING

@@ -358,6 +358,18 @@ def test_num_cached_tokens_and_stats_history():
     assert s.reset_prefix_cache()
 
 
+def test_lookups_that_skip_the_cache_are_not_prefix_queries():
+    off = make_scheduler(block_size=4, enable_caching=False)
+    on = make_scheduler(block_size=4)
+    for s in (off, on):
+        r = runner_for(s)
+        s.add_request(make_request(list(range(9)), max_tokens=1))
+        s.add_request(make_request(list(range(9)), max_tokens=1, prompt_logprobs=1))  # bypasses the cache
+        step(s, r)
+    assert (off.make_stats().prefix_cache_requests, off.make_stats().prefix_cache_queries) == (0, 0)
+    assert (on.make_stats().prefix_cache_requests, on.make_stats().prefix_cache_queries) == (1, 9)
+
+
 def test_logprobs_and_prompt_logprobs_pass_through():
     s = make_scheduler(max_num_batched_tokens=4)
     s.add_request(make_request([1] * 6, req_id="a", prompt_logprobs=1, logprobs=1))
