@@ -19,7 +19,8 @@ The tokens of request r are the last q_len_r positions of its kv_len_r context, 
 Backends: ``xla`` = :func:`ragged_paged_attention_xla` (jnp, runs anywhere; query tiles grouped
 by the context they need; :func:`ragged_paged_attention_reference` is the oracle), ``pallas`` =
 :func:`ragged_paged_attention` (Pallas, Triton lowering; ``interpret=True`` on CPU), ``triton`` =
-:func:`ragged_paged_attention_triton` (Triton via jax_triton, GPU only).
+:func:`ragged_paged_attention_triton` (Triton via jax_triton on a GPU; ``interpret=True`` runs the
+same kernel in Triton's interpreter on CPU).
 
 For the runner: all shapes are static (bucketed T and R); every data-dependent quantity
 (``kv_lens``, ``block_tables``, ``query_start_loc``, ``num_seqs``) may be traced. ``sm_scale``,
@@ -41,7 +42,7 @@ from .ragged_paged_attention import (DecodeConfig, MixedConfig, default_decode_c
 from .reference import ragged_paged_attention_reference, write_kv
 from .xla_attention import ragged_paged_attention_xla
 from .triton_attention import (TritonLaunchPlan, ragged_paged_attention_triton, triton_available,
-                               triton_launch_plan)
+                               triton_interpret_available, triton_launch_plan)
 
 BACKENDS = ("xla", "pallas", "triton")
 
@@ -51,26 +52,26 @@ __all__ = [
     "num_q_tiles", "ragged_paged_attention", "ragged_paged_attention_decode",
     "ragged_paged_attention_mixed", "ragged_paged_attention_reference",
     "ragged_paged_attention_triton", "ragged_paged_attention_xla", "triton_available",
-    "triton_launch_plan", "write_kv",
+    "triton_interpret_available", "triton_launch_plan", "write_kv",
 ]
 
 
 def get_attention_fn(backend: str, interpret: bool = False, **tuning):
     """A callable with the contract signature for ``backend`` in {"xla", "pallas", "triton"}.
 
-    ``interpret`` applies to ``pallas`` (CPU); ``tuning`` keywords are bound into the callable
-    (e.g. ``mode="decode"``, ``block_q=16`` for pallas; ``kv_chunk`` for xla). ``triton`` raises a
-    RuntimeError with the reason when it is unavailable or ``interpret`` is requested.
+    ``interpret`` applies to ``pallas`` (Pallas interpret mode) and ``triton`` (Triton's
+    interpreter); ``tuning`` keywords are bound into the callable (e.g. ``mode="decode"``,
+    ``block_q=16`` for pallas; ``kv_chunk`` for xla). ``triton`` raises a RuntimeError with the
+    reason when it cannot run here.
     """
     if backend == "xla":
         return functools.partial(ragged_paged_attention_xla, **tuning)
     if backend == "pallas":
         return functools.partial(ragged_paged_attention, interpret=interpret, **tuning)
     if backend == "triton":
-        if interpret:
-            raise RuntimeError("the triton backend has no interpret mode")
-        ok, reason = triton_available()
+        ok, reason = triton_interpret_available() if interpret else triton_available()
         if not ok:
-            raise RuntimeError(f"the triton attention backend is unavailable: {reason}")
-        return functools.partial(ragged_paged_attention_triton, **tuning)
+            what = "cannot interpret here" if interpret else "is unavailable"
+            raise RuntimeError(f"the triton attention backend {what}: {reason}")
+        return functools.partial(ragged_paged_attention_triton, interpret=interpret, **tuning)
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")

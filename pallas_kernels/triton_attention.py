@@ -5,17 +5,31 @@ source is ``_triton_kernels.py``. Nothing here imports ``triton``/``jax_triton``
 :func:`triton_available` probes them, and :func:`ragged_paged_attention_triton` raises a
 ``RuntimeError`` with the reason when they (or a GPU) are missing. The launch geometry is computed
 by the pure-Python :func:`triton_launch_plan`, tested on CPU.
+
+``interpret=True`` runs the very same kernel source in Triton's own interpreter
+(``TRITON_INTERPRET=1``) on the host, through ``jax.pure_callback``, so it works under ``jax.jit``
+on a CPU: it needs ``triton`` and ``torch`` but neither ``jax_triton`` nor a GPU. It is slow (the
+grid runs in Python) and meant for tests. Triton chooses interpreted or compiled versions of its
+own library at its first import, so a process uses one mode: interpret mode imports triton itself
+and fails with the reason if something imported it before. Triton's interpreter computes
+``tl.dot`` on bfloat16 wrongly, so bfloat16 inputs are interpreted in float32.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import inspect
+import os
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._common import check_options, check_shapes, is_pow2, next_pow2, valid_token_mask
 from .ragged_paged_attention import (LOG2E, _tile_ends, default_mixed_config, num_q_tiles)
@@ -23,22 +37,72 @@ from .ragged_paged_attention import (LOG2E, _tile_ends, default_mixed_config, nu
 
 @functools.lru_cache(maxsize=1)
 def triton_available() -> tuple[bool, str]:
-    """``(True, "")`` when triton, jax_triton and a GPU backend are present, else the reason."""
-    try:
-        importlib.import_module("triton")
-    except Exception as e:  # noqa: BLE001 - any failure means "not available"
-        return False, f"triton is not importable ({type(e).__name__}: {e})"
-    try:
-        importlib.import_module("jax_triton")
-    except Exception as e:  # noqa: BLE001
-        return False, f"jax_triton is not importable ({type(e).__name__}: {e})"
+    """``(True, "")`` when a GPU backend, triton and jax_triton are present, else the reason.
+
+    The GPU is checked first: on a CPU machine triton is never imported here, which keeps the
+    process free to import it in interpreter mode later (see :func:`_interpreted_kernels`).
+    """
     try:
         gpus = jax.devices("gpu")
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - any failure means "not available"
         return False, f"no GPU backend in this jaxlib ({type(e).__name__}: {e})"
     if not gpus:
         return False, "no GPU device visible to jax"
+    for name in ("triton", "jax_triton"):
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001
+            return False, f"{name} is not importable ({type(e).__name__}: {e})"
     return True, ""
+
+
+@functools.lru_cache(maxsize=1)
+def triton_interpret_available() -> tuple[bool, str]:
+    """``(True, "")`` when the kernel can run in Triton's interpreter (triton and torch), else why.
+
+    Only looks the packages up: importing triton now would fix it in compiled mode.
+    """
+    for name in ("triton", "torch"):
+        if importlib.util.find_spec(name) is None:
+            return False, f"{name} is not installed"
+    if "triton" in sys.modules and not _triton_interprets():
+        return False, "triton was imported in compiled mode before the interpreter was asked for"
+    return True, ""
+
+
+def _triton_interprets() -> bool:
+    """Triton picks interpreted or compiled versions of its own library when first imported."""
+    import triton.language as tl  # noqa: PLC0415
+
+    return type(tl.sum).__name__ == "InterpretedFunction"
+
+
+@contextlib.contextmanager
+def _triton_interpret_env():
+    """Triton reads TRITON_INTERPRET when a kernel is defined and again while it runs."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+@functools.lru_cache(maxsize=1)
+def _interpreted_kernels():
+    """A private copy of ``_triton_kernels`` whose ``@triton.jit`` functions are interpreted."""
+    ok, reason = triton_interpret_available()
+    if not ok:
+        raise RuntimeError(f"the triton backend cannot interpret here: {reason}")
+    path = Path(__file__).with_name("_triton_kernels.py")
+    spec = importlib.util.spec_from_file_location(f"{__package__}._triton_kernels_interpreted", path)
+    module = importlib.util.module_from_spec(spec)
+    with _triton_interpret_env():  # the first import of triton happens here, in interpreter mode
+        spec.loader.exec_module(module)
+    return module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,11 +170,16 @@ def ragged_paged_attention_triton(q, k_cache, v_cache, kv_lens, block_tables, qu
                                   num_seqs, *, sm_scale, sliding_window=None, soft_cap=None,
                                   interpret=False, block_q=None, block_kv=None, num_warps=None,
                                   num_stages=None):
-    """Ragged paged attention through a Triton kernel (GPU only). Same contract as the others."""
+    """Ragged paged attention through a Triton kernel. Same contract as the others.
+
+    On a GPU through ``jax_triton``; with ``interpret=True`` in Triton's interpreter on the host.
+    """
     if interpret:
-        raise RuntimeError("the triton backend has no interpret mode; use backend 'pallas' "
-                           "with interpret=True on CPU")
-    jt, kernels = _require_triton()
+        ok, reason = triton_interpret_available()
+        if not ok:
+            raise RuntimeError(f"the triton backend cannot interpret here: {reason}")
+    else:
+        jt, kernels = _require_triton()
     check_options(sliding_window, soft_cap)
     t, hq, d, nb, bs, hkv, r, mb = check_shapes(q, k_cache, v_cache, kv_lens, block_tables,
                                                 query_start_loc)
@@ -121,15 +190,42 @@ def ragged_paged_attention_triton(q, k_cache, v_cache, kv_lens, block_tables, qu
                               num_warps=num_warps, num_stages=num_stages)
     query_start_loc = query_start_loc.astype(jnp.int32)
     te = _tile_ends(query_start_loc, num_seqs, r, plan.constexprs["BLOCK_Q"])
-    out_sds = jax.ShapeDtypeStruct((plan.out_rows, d), q.dtype)
-    params = inspect.signature(jt.triton_call).parameters
-    out_kw = {"out_type": out_sds} if "out_type" in params else {"out_shape": out_sds}
-    out = jt.triton_call(
-        te, query_start_loc, kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
-        q.reshape(t * hq, d), k_cache.reshape(nb * bs, hkv, d), v_cache.reshape(nb * bs, hkv, d),
-        kernel=kernels.ragged_paged_attention_kernel, grid=plan.grid, num_warps=plan.num_warps,
-        num_stages=plan.num_stages, **out_kw, **plan.constexprs)
+    operands = (te, query_start_loc, kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
+                q.reshape(t * hq, d), k_cache.reshape(nb * bs, hkv, d), v_cache.reshape(nb * bs, hkv, d))
+    if interpret:
+        out = _interpret(plan, operands, q.dtype)
+    else:
+        out_sds = jax.ShapeDtypeStruct((plan.out_rows, d), q.dtype)
+        params = inspect.signature(jt.triton_call).parameters
+        out_kw = {"out_type": out_sds} if "out_type" in params else {"out_shape": out_sds}
+        out = jt.triton_call(
+            *operands, kernel=kernels.ragged_paged_attention_kernel, grid=plan.grid,
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **out_kw, **plan.constexprs)
     out = out.reshape(t, hq, d)
     valid = valid_token_mask(query_start_loc, num_seqs, t)
     return jnp.where(valid[:, None, None], out, jnp.zeros((), q.dtype))
 
+
+
+def _interpret(plan: TritonLaunchPlan, operands, dtype):
+    """Launch the kernel in Triton's interpreter from inside a traced function (host callback)."""
+    run_dtype = jnp.float32 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
+    if run_dtype != jnp.dtype(dtype):
+        operands = operands[:4] + tuple(x.astype(run_dtype) for x in operands[4:])
+        plan = dataclasses.replace(plan, constexprs={**plan.constexprs, "IEEE": True})
+    d = operands[4].shape[-1]
+    out_sds = jax.ShapeDtypeStruct((plan.out_rows, d), run_dtype)
+    out = jax.pure_callback(functools.partial(_interpret_on_host, plan), out_sds, *operands)
+    return out.astype(dtype)
+
+
+def _interpret_on_host(plan: TritonLaunchPlan, *operands) -> np.ndarray:
+    import torch  # noqa: PLC0415 - Triton's interpreter takes torch tensors
+
+    kernel = _interpreted_kernels().ragged_paged_attention_kernel
+    tensors = [torch.from_numpy(np.array(x, copy=True)) for x in operands]
+    out = torch.zeros((plan.out_rows, tensors[4].shape[-1]), dtype=tensors[4].dtype)
+    with _triton_interpret_env():
+        kernel[plan.grid](*tensors, out, num_warps=plan.num_warps, num_stages=plan.num_stages,
+                          **plan.constexprs)
+    return out.numpy()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -11,18 +13,29 @@ import pallas_kernels
 SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=40)
 
 
-def test_pallas_interpret_matches_xla(demo_model):
+def _greedy_tokens(demo_model, **engine_args):
     rng = np.random.default_rng(2)
     # mixed lengths: chunked prefill (> 32 tokens), a 1-token prompt, decode-only steps
     prompts = [{"prompt_token_ids": rng.integers(3, 1000, n).tolist()} for n in (1, 7, 40)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    xla = LLM(demo_model, show_progress=False, attention_backend="xla", **SMALL)
-    pallas = LLM(demo_model, show_progress=False, attention_backend="pallas", interpret_kernels=True,
-                 enforce_eager=True, **SMALL)
-    assert pallas.stats()["attention_backend"] == "pallas" and xla.stats()["attention_backend"] == "xla"
-    expected = [o.outputs[0].token_ids for o in xla.generate(prompts, params, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in pallas.generate(prompts, params, use_tqdm=False)]
-    assert got == expected
+    llm = LLM(demo_model, show_progress=False, **SMALL, **engine_args)
+    assert llm.stats()["attention_backend"] == engine_args["attention_backend"]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_pallas_interpret_matches_xla(demo_model):
+    expected = _greedy_tokens(demo_model, attention_backend="xla")
+    assert _greedy_tokens(demo_model, attention_backend="pallas", interpret_kernels=True,
+                          enforce_eager=True) == expected
+
+
+def test_triton_interpreted_matches_xla(demo_model):
+    """The Triton kernel's own source, run by Triton's interpreter inside the engine's step."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    expected = _greedy_tokens(demo_model, attention_backend="xla")
+    assert _greedy_tokens(demo_model, attention_backend="triton", interpret_kernels=True,
+                          enforce_eager=True) == expected
 
 
 def test_auto_backend_is_xla_on_cpu(demo_model):
@@ -36,5 +49,5 @@ def test_triton_backend_unavailable_on_cpu_is_a_clear_error(demo_model):
     ok, reason = pallas_kernels.triton_available()
     if ok:
         pytest.skip("triton is available here")
-    with pytest.raises(RuntimeError, match="triton"):
-        LLM(demo_model, show_progress=False, attention_backend="triton", **SMALL)
+    with pytest.raises(RuntimeError, match="triton"):  # a real launch needs jax_triton and a GPU
+        LLM(demo_model, show_progress=False, attention_backend="triton", interpret_kernels=False, **SMALL)

@@ -1,18 +1,34 @@
-"""The jax_triton backend: availability reporting, its launch plan (CPU), and correctness (GPU)."""
+"""The Triton backend: availability reporting, its launch plan, the kernel run by Triton's
+interpreter on CPU (the same source jax_triton compiles on a GPU), and correctness on a GPU."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import pallas_kernels as pk
 
-from .batches import SCENARIOS, Bucket, make_batch, naive_attention
+from .batches import SCENARIOS, Bucket, make_batch, naive_attention, poison
 
 AVAILABLE, REASON = pk.triton_available()
+# Skip only when the packages are missing: triton imported in compiled mode must fail loudly.
+needs_interpreter = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
+    reason="Triton's interpreter needs triton and torch")
+TOL = {jnp.float32: 2e-5, jnp.float16: 2e-2, jnp.bfloat16: 2e-2}
+
+
+def interpreted(args, group: int, **options):
+    """The Triton kernel in Triton's interpreter, under jax.jit (a host callback in the program)."""
+    fn = jax.jit(functools.partial(pk.ragged_paged_attention_triton, interpret=True, sm_scale=0.25,
+                                   block_q=max(1, 16 // group), block_kv=16, **options))
+    return np.asarray(fn(*args)).astype(np.float32)
 
 
 def test_triton_available_reports_a_reason():
@@ -30,9 +46,39 @@ def test_unavailable_backend_raises_runtime_error():
         pk.ragged_paged_attention_triton(*args, sm_scale=0.25)
 
 
-def test_triton_has_no_interpret_mode():
-    with pytest.raises(RuntimeError, match="interpret"):
-        pk.get_attention_fn("triton", interpret=True)
+@needs_interpreter
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_triton_kernel_interpreted_matches_naive(scenario, group):
+    args = make_batch(Bucket(num_q_heads=2 * group, num_kv_heads=2), SCENARIOS[scenario], seed=3)
+    np.testing.assert_allclose(interpreted(args, group), naive_attention(*args, sm_scale=0.25),
+                               rtol=2e-5, atol=2e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_triton_kernel_interpreted_half_precision(dtype):
+    args = make_batch(Bucket(), SCENARIOS["mixed"], seed=4, dtype=dtype)
+    ref = naive_attention(*args, sm_scale=0.25)
+    np.testing.assert_allclose(interpreted(args, 2), ref, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("window,cap", [(5, None), (None, 1.5), (12, 0.7)])
+def test_triton_kernel_interpreted_window_and_softcap(window, cap):
+    args = make_batch(Bucket(), SCENARIOS["mixed"], seed=5)
+    ref = naive_attention(*args, sm_scale=0.25, sliding_window=window, soft_cap=cap)
+    np.testing.assert_allclose(interpreted(args, 2, sliding_window=window, soft_cap=cap), ref,
+                               rtol=2e-5, atol=2e-5)
+
+
+@needs_interpreter
+def test_triton_kernel_interpreted_never_reads_outside_contexts():
+    """Slots outside every context are NaN: the kernel must mask them out of its result."""
+    args = poison(make_batch(Bucket(), SCENARIOS["prefix"], seed=6))
+    out = interpreted(args, 2)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, naive_attention(*args, sm_scale=0.25), rtol=2e-5, atol=2e-5)
 
 
 def _plan(**kw):
