@@ -220,12 +220,115 @@ def _interpret(plan: TritonLaunchPlan, operands, dtype):
 
 
 def _interpret_on_host(plan: TritonLaunchPlan, *operands) -> np.ndarray:
-    import torch  # noqa: PLC0415 - Triton's interpreter takes torch tensors
-
     kernel = _interpreted_kernels().ragged_paged_attention_kernel
-    tensors = [torch.from_numpy(np.array(x, copy=True)) for x in operands]
-    out = torch.zeros((plan.out_rows, tensors[4].shape[-1]), dtype=tensors[4].dtype)
     with _triton_interpret_env():
-        kernel[plan.grid](*tensors, out, num_warps=plan.num_warps, num_stages=plan.num_stages,
-                          **plan.constexprs)
-    return out.numpy()
+        return _launch_with_torch(kernel, plan, operands, "cpu")
+
+
+def _launch_with_torch(kernel, plan: TritonLaunchPlan, operands, device: str) -> np.ndarray:
+    """Launch ``kernel`` through triton itself on torch tensors; host arrays in and out."""
+    import torch  # noqa: PLC0415 - triton launches take torch tensors
+
+    def to_torch(x):
+        x = np.asarray(x)
+        if x.dtype == jnp.bfloat16:  # numpy's bfloat16 (ml_dtypes) has no torch twin: go by bits
+            return torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16).to(device)
+        return torch.from_numpy(np.array(x, copy=True)).to(device)
+
+    tensors = [to_torch(x) for x in operands]
+    out = torch.zeros((plan.out_rows, tensors[4].shape[-1]), dtype=tensors[4].dtype, device=device)
+    kernel[plan.grid](*tensors, out, num_warps=plan.num_warps, num_stages=plan.num_stages,
+                      **plan.constexprs)
+    if out.dtype == torch.bfloat16:
+        return out.cpu().view(torch.int16).numpy().view(jnp.bfloat16)
+    return out.cpu().numpy()
+
+
+def ragged_paged_attention_triton_torch(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+                                        num_seqs, *, sm_scale, sliding_window=None, soft_cap=None,
+                                        device="cuda", **tuning) -> np.ndarray:
+    """The same kernel launched by triton on torch tensors, without jax_triton: compiled on a
+    ``"cuda"`` device (a GPU machine lacking jax_triton can still check the kernel), or in Triton's
+    interpreter on ``"cpu"``. Not jittable; host arrays in, a host ``[T, Hq, D]`` array out."""
+    check_options(sliding_window, soft_cap)
+    t, hq, d, nb, bs, hkv, r, mb = check_shapes(q, k_cache, v_cache, kv_lens, block_tables,
+                                                query_start_loc)
+    plan = triton_launch_plan(num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, num_blocks=nb,
+                              block_size=bs, num_seqs=r, max_blocks=mb, dtype=q.dtype, sm_scale=sm_scale,
+                              sliding_window=sliding_window, soft_cap=soft_cap, **tuning)
+    qsl = jnp.asarray(query_start_loc, jnp.int32)
+    te = _tile_ends(qsl, num_seqs, r, plan.constexprs["BLOCK_Q"])
+    operands = [np.asarray(x) for x in (te, qsl, jnp.asarray(kv_lens, jnp.int32),
+                                        jnp.asarray(block_tables, jnp.int32), jnp.reshape(q, (t * hq, d)),
+                                        jnp.reshape(k_cache, (nb * bs, hkv, d)),
+                                        jnp.reshape(v_cache, (nb * bs, hkv, d)))]
+    if device == "cpu":
+        kernel = _interpreted_kernels().ragged_paged_attention_kernel
+        with _triton_interpret_env():
+            out = _launch_with_torch(kernel, plan, operands, device)
+    else:
+        from . import _triton_kernels  # noqa: PLC0415
+
+        out = _launch_with_torch(_triton_kernels.ragged_paged_attention_kernel, plan, operands, device)
+    out = out.reshape(t, hq, d)
+    valid = np.asarray(valid_token_mask(qsl, num_seqs, t))
+    return np.where(valid[:, None, None], out, np.zeros((), out.dtype))
+
+
+# ---- compiling for the GPU without one --------------------------------------------------------
+
+_PTR = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}
+SM90_MAX_SHARED_BYTES = 232448  # per block on an H100/H200 (227 KiB)
+
+
+def compile_configs() -> list[dict]:
+    """Launches the runner can make with the triton backend: the default tiles of a decode bucket
+    and of a prefill bucket, and the explicit tiles the Pallas lowering tests also cover, for each
+    dtype; ``triton_launch_plan`` keywords."""
+    base = dict(num_q_heads=16, num_kv_heads=8, num_blocks=4096, max_blocks=128, sm_scale=0.125)
+    out = []
+    for dtype in ("bfloat16", "float16", "float32"):
+        for head_dim, block_size in ((128, 16), (128, 32), (64, 16)):
+            shape = dict(base, head_dim=head_dim, block_size=block_size, dtype=dtype)
+            out.append(dict(shape, num_tokens=256, num_seqs=256))  # decode bucket
+            out.append(dict(shape, num_tokens=2048, num_seqs=256))  # prefill / mixed bucket
+        out.append(dict(base, head_dim=128, block_size=16, dtype=dtype, num_tokens=2048, num_seqs=8,
+                        block_q=16, block_kv=32, num_warps=4, num_stages=2, sliding_window=4096,
+                        soft_cap=30.0))
+    return out
+
+
+def compile_for_cuda(config: dict, capability: int = 90) -> dict:
+    """Compile the kernel for one :func:`compile_configs` entry down to a cubin for
+    ``sm_<capability>`` with Triton's own compiler: no GPU needed (triton ships ptxas). Needs triton
+    in compiled mode, so not in a process that asked for the interpreter."""
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    from . import _triton_kernels  # noqa: PLC0415
+
+    plan = triton_launch_plan(**config)
+    ptr = _PTR[config["dtype"]]
+    signature = {"te_ptr": "*i32", "qsl_ptr": "*i32", "kvl_ptr": "*i32", "bt_ptr": "*i32",
+                 "q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "o_ptr": ptr}
+    signature.update({name: "constexpr" for name in plan.constexprs})
+    source = ASTSource(fn=_triton_kernels.ragged_paged_attention_kernel, signature=signature,
+                       constexprs=dict(plan.constexprs))
+    kernel = triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                            options=dict(num_warps=plan.num_warps, num_stages=plan.num_stages))
+    return {"ptx_bytes": len(kernel.asm["ptx"]), "cubin_bytes": len(kernel.asm["cubin"]),
+            "shared_bytes": int(kernel.metadata.shared), "grid": list(plan.grid)}
+
+
+if __name__ == "__main__":  # python -m pallas_kernels.triton_attention: compile every config, JSON out
+    import json
+    import sys as _sys
+
+    results = []
+    for cfg in compile_configs():
+        try:
+            results.append({"config": cfg, **compile_for_cuda(cfg)})
+        except Exception as e:  # noqa: BLE001 - report every config
+            results.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:2000]})
+    json.dump(results, _sys.stdout)

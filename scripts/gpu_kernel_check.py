@@ -111,11 +111,33 @@ def backends(interpret):
         "pallas_decode": (lambda *a, **k: pk.ragged_paged_attention(
             *a, interpret=interpret, mode="decode", **k), "", {"decode"}),
     }
-    ok, reason = pk.triton_available()
-    if interpret:
-        ok, reason = False, "smoke run: triton has no interpret mode"
-    out["triton"] = (pk.ragged_paged_attention_triton if ok else None, reason, None)
+    if interpret:  # the kernel's source in Triton's interpreter (host callback, jittable)
+        ok, reason = pk.triton_interpret_available()
+        fn = lambda *a, **k: pk.ragged_paged_attention_triton(*a, interpret=True, **k)  # noqa: E731
+    else:
+        ok, reason = pk.triton_available()
+        fn = pk.ragged_paged_attention_triton
+    out["triton"] = (fn if ok else None, reason, None)
+    if not ok and not interpret:
+        # No jax_triton on this GPU machine: still run the same kernel, launched by triton on torch
+        # tensors (correctness only: its host copies would swamp any timing).
+        ok_torch, why = _torch_cuda()
+        host = lambda *a, **k: pk.triton_attention.ragged_paged_attention_triton_torch(  # noqa: E731
+            *a, device="cuda", **k)
+        host.host_only = True
+        out["triton_torch"] = (host if ok_torch else None, why, None)
     return out
+
+
+def _torch_cuda():
+    try:
+        import torch  # noqa: PLC0415
+        import triton  # noqa: F401, PLC0415
+    except Exception as e:  # noqa: BLE001
+        return False, f"torch/triton not importable ({type(e).__name__}: {e})"
+    if not torch.cuda.is_available():
+        return False, "torch sees no CUDA device"
+    return True, ""
 
 
 _JIT_CACHE = {}
@@ -123,6 +145,8 @@ _JIT_CACHE = {}
 
 def jit_fn(fn, **static):
     """One jax.jit per (function, static options), so equal shapes reuse the compiled step."""
+    if getattr(fn, "host_only", False):  # launches outside jax: called as is
+        return lambda *a: fn(*a, **static)
     key = (fn, tuple(sorted(static.items())))
     if key not in _JIT_CACHE:
         _JIT_CACHE[key] = jax.jit(lambda *a: fn(*a, **static))
@@ -219,7 +243,7 @@ def run_timing(result, scale, interpret, deadline):
             if fn is None:
                 result["skipped"].setdefault(name, reason)
                 continue
-            if kinds is not None and not is_decode:
+            if (kinds is not None and not is_decode) or getattr(fn, "host_only", False):
                 continue
             if time.time() > deadline:
                 result["skipped"].setdefault("timing_rest", "time budget")

@@ -20,12 +20,14 @@ def test_smoke_run_prints_json(capsys):
     assert rc == 0, result["errors"]
     assert result["all_correct"] and not result["errors"]
     backends = {e["backend"] for e in result["correctness"]}
-    assert {"pallas_mixed", "pallas_decode"} <= backends
+    has_triton = importlib.util.find_spec("triton") is not None  # then it runs in its interpreter
+    assert {"pallas_mixed", "pallas_decode"} | ({"triton"} if has_triton else set()) <= backends
     assert {e["batch"] for e in result["correctness"]} == {"decode", "prefill", "mixed"}
-    assert "triton" in result["skipped"]
+    assert ("triton" in result["skipped"]) != has_triton
     # the timing section's bookkeeping on the smallest workload
     result2 = dict(timing=[], skipped={}, errors=[])
     mod.run_timing(result2, "smoke", True, deadline=float("inf"))
     assert not result2["errors"]
-    assert {e["backend"] for e in result2["timing"]} == {"xla", "pallas_mixed", "pallas_decode"}
+    assert {e["backend"] for e in result2["timing"]} == {"xla", "pallas_mixed", "pallas_decode"} | (
+        {"triton"} if has_triton else set())
     assert all(e["hbm_gb_s"] > 0 for e in result2["timing"])
