@@ -10,6 +10,7 @@ static batches; ``--backend both`` runs both in one process and reports the rati
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import time
@@ -58,6 +59,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the workload draw")
     p.add_argument("--profile", action="store_true", help="also report where the jaxserve step time goes")
+    p.add_argument("--profile-ops", type=int, default=0, metavar="N",
+                   help="also trace the run and report the N XLA operations that take the most time")
 
 
 def _ranges(args) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -70,17 +73,23 @@ def _ranges(args) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 def run_jaxserve(model_path: str, workload: Workload, engine_args: dict[str, Any], ignore_eos: bool,
-                 profile: bool = False) -> dict:
+                 profile: bool = False, profile_ops: int = 0) -> dict:
     from jaxserve import LLM, SamplingParams
+    from jaxserve.bench import op_profile
 
     start = time.perf_counter()
     llm = LLM(model_path, record_steps=profile, **engine_args)
     startup = time.perf_counter() - start
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos) for n in workload.output_lens]
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=True)
-    elapsed = time.perf_counter() - start
+    ops: dict[str, Any] = {}
+    steps_before = llm.stats()["compile_num_steps"]
+    tracing = (op_profile.trace_ops(ops, profile_ops, lambda: llm.stats()["compile_num_steps"] - steps_before)
+               if profile_ops else contextlib.nullcontext())
+    with tracing:  # the trace's own overhead lands in elapsed: compare traced runs with traced runs
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=True)
+        elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats = llm.stats()
     result = {
@@ -98,6 +107,8 @@ def run_jaxserve(model_path: str, workload: Workload, engine_args: dict[str, Any
     }
     if profile:
         result["profile"] = _step_profile(llm)
+    if profile_ops:
+        result["op_profile"] = ops
     return result
 
 
@@ -149,6 +160,11 @@ def run_hf(model_path: str, workload: Workload, batch_size: int, threads: int | 
 
 def run_throughput_cli(args) -> dict:
     from jaxserve.config import EngineConfig
+
+    if args.profile_ops:
+        from jaxserve.bench.op_profile import request_cpu_op_events
+
+        request_cpu_op_events()  # before anything starts the XLA backend
     from jaxserve.testing import default_cache_dir
 
     model = args.model
@@ -171,7 +187,8 @@ def run_throughput_cli(args) -> dict:
         "output_tokens": workload.num_output_tokens, "cpu_count": os.cpu_count(),
     }
     if args.backend in ("jaxserve", "both"):
-        result["jaxserve"] = run_jaxserve(model, workload, engine_args, args.ignore_eos, args.profile)
+        result["jaxserve"] = run_jaxserve(model, workload, engine_args, args.ignore_eos, args.profile,
+                                          args.profile_ops)
     if args.backend in ("hf", "both"):
         result["hf"] = run_hf(model, workload, args.hf_batch_size, args.torch_threads)
     if args.backend == "both":
