@@ -36,8 +36,10 @@ def _op_lines(plane_name: str, line_name: str) -> bool:
 @contextlib.contextmanager
 def trace_ops(result: dict[str, Any], top: int, num_steps_of=lambda: 0):
     """Trace the block and fill ``result`` with time per operation family (``by_kind``) and the
-    ``top`` operations. An operation is named within its program (one per bucket), so ``top``
-    rows carry the program id and how many times it ran."""
+    ``top`` operations. Times are self times: a ``while`` keeps only what its body's operations
+    on the same thread do not account for (loop control, and waits for work on other threads).
+    An operation is named within its program (one per bucket), so ``top`` rows carry the program
+    id and how many times it ran."""
     import jax
 
     folder = tempfile.mkdtemp(prefix="jaxserve-trace-")
@@ -64,14 +66,20 @@ def summarize(folder: str, top: int, num_steps: int) -> dict[str, Any]:
         for line in plane.lines:
             if not _op_lines(plane.name, line.name):
                 continue
-            for event in line.events:
-                if event.name.startswith(_NOT_OPS):
-                    continue
+            events = sorted((e for e in line.events if not e.name.startswith(_NOT_OPS)),
+                            key=lambda e: (e.start_ns, -e.duration_ns))
+            open_events: list[tuple[int, tuple]] = []  # (end, key) of the enclosing events
+            for event in events:
                 stats = dict(event.stats)
                 key = (stats.get("program_id", -1), event.name)  # op names repeat across programs
+                while open_events and open_events[-1][0] <= event.start_ns:
+                    open_events.pop()
+                if open_events:  # a loop's body op: count its time once, as its own
+                    total[open_events[-1][1]] -= event.duration_ns
                 total[key] += event.duration_ns
                 calls[key] += 1
                 runs[key[0]].add(stats.get("run_id"))
+                open_events.append((event.start_ns + event.duration_ns, key))
     if not total:
         return {"unavailable": "no operation events (on CPU, XLA_FLAGS needs " + TRACEME_FLAG + ")"}
     busy = sum(total.values())
