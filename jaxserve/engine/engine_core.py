@@ -132,7 +132,6 @@ class EngineCore:
         return outputs
 
     def _record(self, so, ro, outputs, seconds: float) -> None:
-        stats = self.runner.stats
         self.step_records.append(StepRecord(
             step=self.last_stats.step,
             scheduled=dict(so.num_scheduled_tokens),
