@@ -94,9 +94,7 @@ def _triton_interpret_env():
 @functools.lru_cache(maxsize=1)
 def _interpreted_kernels():
     """A private copy of ``_triton_kernels`` whose ``@triton.jit`` functions are interpreted."""
-    ok, reason = triton_interpret_available()
-    if not ok:
-        raise RuntimeError(f"the triton backend cannot interpret here: {reason}")
+    _require_interpreter()
     path = Path(__file__).with_name("_triton_kernels.py")
     spec = importlib.util.spec_from_file_location(f"{__package__}._triton_kernels_interpreted", path)
     module = importlib.util.module_from_spec(spec)
@@ -156,6 +154,12 @@ def triton_launch_plan(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, 
                             constexprs=constexprs)
 
 
+def _require_interpreter() -> None:
+    ok, reason = triton_interpret_available()
+    if not ok:
+        raise RuntimeError(f"the triton backend cannot interpret here: {reason}")
+
+
 def _require_triton():
     ok, reason = triton_available()
     if not ok:
@@ -175,36 +179,59 @@ def ragged_paged_attention_triton(q, k_cache, v_cache, kv_lens, block_tables, qu
     On a GPU through ``jax_triton``; with ``interpret=True`` in Triton's interpreter on the host.
     """
     if interpret:
-        ok, reason = triton_interpret_available()
-        if not ok:
-            raise RuntimeError(f"the triton backend cannot interpret here: {reason}")
+        _require_interpreter()  # at trace time, not first inside the host callback
     else:
         jt, kernels = _require_triton()
+    plan, operands = _plan_and_operands(
+        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap, block_q=block_q, block_kv=block_kv,
+        num_warps=num_warps, num_stages=num_stages)
+    if interpret:
+        out = _interpret(plan, operands, q.dtype)
+    else:
+        out_sds = jax.ShapeDtypeStruct((plan.out_rows, q.shape[-1]), q.dtype)
+        params = inspect.signature(jt.triton_call).parameters
+        out_kw = {"out_type": out_sds} if "out_type" in params else {"out_shape": out_sds}
+        out = jt.triton_call(
+            *operands, kernel=kernels.ragged_paged_attention_kernel, grid=plan.grid,
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **out_kw, **plan.constexprs)
+    return _zero_padding(out.reshape(q.shape), operands[1], num_seqs)
+
+
+def ragged_paged_attention_triton_torch(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+                                        num_seqs, *, sm_scale, sliding_window=None, soft_cap=None,
+                                        device="cuda", **tuning) -> np.ndarray:
+    """The same kernel launched by triton on torch tensors, without jax_triton: compiled on a
+    ``"cuda"`` device (a GPU machine lacking jax_triton can still check the kernel), or in Triton's
+    interpreter on ``"cpu"``. Not jittable; host arrays in, a host ``[T, Hq, D]`` array out."""
+    plan, operands = _plan_and_operands(
+        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap, **tuning)
+    out = _launch_on(device, plan, *operands)
+    return np.asarray(_zero_padding(out.reshape(q.shape), operands[1], num_seqs))
+
+
+def _plan_and_operands(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
+                       sm_scale, sliding_window, soft_cap, **tuning):
+    """The launch plan and the kernel's seven array operands (jax or numpy arrays in)."""
     check_options(sliding_window, soft_cap)
     t, hq, d, nb, bs, hkv, r, mb = check_shapes(q, k_cache, v_cache, kv_lens, block_tables,
                                                 query_start_loc)
     plan = triton_launch_plan(num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                               num_blocks=nb, block_size=bs, num_seqs=r, max_blocks=mb,
                               dtype=q.dtype, sm_scale=sm_scale, sliding_window=sliding_window,
-                              soft_cap=soft_cap, block_q=block_q, block_kv=block_kv,
-                              num_warps=num_warps, num_stages=num_stages)
-    query_start_loc = query_start_loc.astype(jnp.int32)
-    te = _tile_ends(query_start_loc, num_seqs, r, plan.constexprs["BLOCK_Q"])
-    operands = (te, query_start_loc, kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
-                q.reshape(t * hq, d), k_cache.reshape(nb * bs, hkv, d), v_cache.reshape(nb * bs, hkv, d))
-    if interpret:
-        out = _interpret(plan, operands, q.dtype)
-    else:
-        out_sds = jax.ShapeDtypeStruct((plan.out_rows, d), q.dtype)
-        params = inspect.signature(jt.triton_call).parameters
-        out_kw = {"out_type": out_sds} if "out_type" in params else {"out_shape": out_sds}
-        out = jt.triton_call(
-            *operands, kernel=kernels.ragged_paged_attention_kernel, grid=plan.grid,
-            num_warps=plan.num_warps, num_stages=plan.num_stages, **out_kw, **plan.constexprs)
-    out = out.reshape(t, hq, d)
-    valid = valid_token_mask(query_start_loc, num_seqs, t)
-    return jnp.where(valid[:, None, None], out, jnp.zeros((), q.dtype))
+                              soft_cap=soft_cap, **tuning)
+    qsl = jnp.asarray(query_start_loc, jnp.int32)
+    te = _tile_ends(qsl, num_seqs, r, plan.constexprs["BLOCK_Q"])
+    operands = (te, qsl, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(block_tables, jnp.int32),
+                jnp.reshape(q, (t * hq, d)), jnp.reshape(k_cache, (nb * bs, hkv, d)),
+                jnp.reshape(v_cache, (nb * bs, hkv, d)))
+    return plan, operands
 
+
+def _zero_padding(out, query_start_loc, num_seqs):
+    valid = valid_token_mask(query_start_loc, num_seqs, out.shape[0])
+    return jnp.where(valid[:, None, None], out, jnp.zeros((), out.dtype))
 
 
 def _interpret(plan: TritonLaunchPlan, operands, dtype):
@@ -213,16 +240,20 @@ def _interpret(plan: TritonLaunchPlan, operands, dtype):
     if run_dtype != jnp.dtype(dtype):
         operands = operands[:4] + tuple(x.astype(run_dtype) for x in operands[4:])
         plan = dataclasses.replace(plan, constexprs={**plan.constexprs, "IEEE": True})
-    d = operands[4].shape[-1]
-    out_sds = jax.ShapeDtypeStruct((plan.out_rows, d), run_dtype)
-    out = jax.pure_callback(functools.partial(_interpret_on_host, plan), out_sds, *operands)
+    out_sds = jax.ShapeDtypeStruct((plan.out_rows, operands[4].shape[-1]), run_dtype)
+    out = jax.pure_callback(functools.partial(_launch_on, "cpu", plan), out_sds, *operands)
     return out.astype(dtype)
 
 
-def _interpret_on_host(plan: TritonLaunchPlan, *operands) -> np.ndarray:
-    kernel = _interpreted_kernels().ragged_paged_attention_kernel
-    with _triton_interpret_env():
-        return _launch_with_torch(kernel, plan, operands, "cpu")
+def _launch_on(device: str, plan: TritonLaunchPlan, *operands) -> np.ndarray:
+    """Launch through triton on torch tensors: interpreted on "cpu", compiled elsewhere."""
+    if device == "cpu":
+        kernel = _interpreted_kernels().ragged_paged_attention_kernel
+        with _triton_interpret_env():
+            return _launch_with_torch(kernel, plan, operands, device)
+    from . import _triton_kernels  # noqa: PLC0415
+
+    return _launch_with_torch(_triton_kernels.ragged_paged_attention_kernel, plan, operands, device)
 
 
 def _launch_with_torch(kernel, plan: TritonLaunchPlan, operands, device: str) -> np.ndarray:
@@ -242,37 +273,6 @@ def _launch_with_torch(kernel, plan: TritonLaunchPlan, operands, device: str) ->
     if out.dtype == torch.bfloat16:
         return out.cpu().view(torch.int16).numpy().view(jnp.bfloat16)
     return out.cpu().numpy()
-
-
-def ragged_paged_attention_triton_torch(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
-                                        num_seqs, *, sm_scale, sliding_window=None, soft_cap=None,
-                                        device="cuda", **tuning) -> np.ndarray:
-    """The same kernel launched by triton on torch tensors, without jax_triton: compiled on a
-    ``"cuda"`` device (a GPU machine lacking jax_triton can still check the kernel), or in Triton's
-    interpreter on ``"cpu"``. Not jittable; host arrays in, a host ``[T, Hq, D]`` array out."""
-    check_options(sliding_window, soft_cap)
-    t, hq, d, nb, bs, hkv, r, mb = check_shapes(q, k_cache, v_cache, kv_lens, block_tables,
-                                                query_start_loc)
-    plan = triton_launch_plan(num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, num_blocks=nb,
-                              block_size=bs, num_seqs=r, max_blocks=mb, dtype=q.dtype, sm_scale=sm_scale,
-                              sliding_window=sliding_window, soft_cap=soft_cap, **tuning)
-    qsl = jnp.asarray(query_start_loc, jnp.int32)
-    te = _tile_ends(qsl, num_seqs, r, plan.constexprs["BLOCK_Q"])
-    operands = [np.asarray(x) for x in (te, qsl, jnp.asarray(kv_lens, jnp.int32),
-                                        jnp.asarray(block_tables, jnp.int32), jnp.reshape(q, (t * hq, d)),
-                                        jnp.reshape(k_cache, (nb * bs, hkv, d)),
-                                        jnp.reshape(v_cache, (nb * bs, hkv, d)))]
-    if device == "cpu":
-        kernel = _interpreted_kernels().ragged_paged_attention_kernel
-        with _triton_interpret_env():
-            out = _launch_with_torch(kernel, plan, operands, device)
-    else:
-        from . import _triton_kernels  # noqa: PLC0415
-
-        out = _launch_with_torch(_triton_kernels.ragged_paged_attention_kernel, plan, operands, device)
-    out = out.reshape(t, hq, d)
-    valid = np.asarray(valid_token_mask(qsl, num_seqs, t))
-    return np.where(valid[:, None, None], out, np.zeros((), out.dtype))
 
 
 # ---- compiling for the GPU without one --------------------------------------------------------

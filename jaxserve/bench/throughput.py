@@ -160,12 +160,12 @@ def run_hf(model_path: str, workload: Workload, batch_size: int, threads: int | 
 
 def run_throughput_cli(args) -> dict:
     from jaxserve.config import EngineConfig
+    from jaxserve.testing import default_cache_dir
 
     if args.profile_ops:
         from jaxserve.bench.op_profile import request_cpu_op_events
 
         request_cpu_op_events()  # before anything starts the XLA backend
-    from jaxserve.testing import default_cache_dir
 
     model = args.model
     if args.random_model:

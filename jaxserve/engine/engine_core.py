@@ -132,22 +132,21 @@ class EngineCore:
         return outputs
 
     def _record(self, so, ro, outputs, seconds: float) -> None:
+        tokens = so.total_num_scheduled_tokens
+        bucket = self.runner.buckets.pick(tokens) if tokens else 0
         self.step_records.append(StepRecord(
             step=self.last_stats.step,
             scheduled=dict(so.num_scheduled_tokens),
             new_request_ids=[r.req_id for r in so.scheduled_new_reqs],
             preempted_ids=sorted(so.preempted_req_ids),
             waiting_ids=[r.request_id for r in self.scheduler.waiting],
-            token_bucket=self.runner.buckets.pick(so.total_num_scheduled_tokens) if so.total_num_scheduled_tokens else 0,
-            padding_ratio=self._padding_ratio(so.total_num_scheduled_tokens),
+            token_bucket=bucket,
+            padding_ratio=1.0 - tokens / bucket if tokens else 0.0,
             sampled={r: t for r, t in zip(ro.req_ids, ro.sampled_token_ids) if t},
             finished={o.request_id: o.finish_reason for o in outputs if o.finish_reason},
             kv_cache_usage=self.last_stats.kv_cache_usage,
             seconds=seconds,
         ))
-
-    def _padding_ratio(self, num_tokens: int) -> float:
-        return 1.0 - num_tokens / self.runner.buckets.pick(num_tokens) if num_tokens else 0.0
 
     # ---- introspection -------------------------------------------------------------------------
 

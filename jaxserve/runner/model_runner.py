@@ -1,13 +1,15 @@
 """ModelRunner: turns a ``SchedulerOutput`` into sampled tokens with one compiled step.
 
 One step = forward (paged attention + KV write) -> logits at each request's last scheduled token
--> on-device sampler. ``dispatch`` launches a step and returns at once (JAX runs it
-asynchronously); ``collect`` waits for its sampled tokens. Async scheduling dispatches step N+1
-before collecting step N: a decode row whose input token is still in flight reads it from step
-N's sampled tokens on the device (``prev_rows``), so the host never waits for it. It is ``jax.jit``-compiled once per token bucket at start-up, with the KV
+-> on-device sampler. It is ``jax.jit``-compiled once per token bucket at start-up, with the KV
 cache and the penalty tables donated so XLA updates them in place. Inputs arrive packed in one
 transfer; only sampled ids (and logprobs when asked) come back. ``enforce_eager`` runs the very
 same Python function op by op, for comparison.
+
+``dispatch`` launches a step and returns at once (JAX runs it asynchronously); ``collect`` waits
+for its sampled tokens. Async scheduling dispatches step N+1 before collecting step N: a decode
+row whose input token is still in flight reads it from step N's sampled tokens on the device
+(``prev_rows``), so the host never waits for it.
 """
 
 from __future__ import annotations
