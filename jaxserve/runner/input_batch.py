@@ -3,7 +3,8 @@
 ``CachedRequestState`` mirrors what the scheduler told the runner (tokens, blocks, computed count)
 plus the runner's own bookkeeping: a persistent *slot* (the request's row in the device-resident
 penalty tables) and the seed its draws use. ``build_step_arrays`` turns one ``SchedulerOutput`` into
-fixed-shape arrays for a token bucket; the caller packs them into one transfer.
+fixed-shape arrays for a token bucket, gathering from the slot-indexed tables of
+``PersistentBatch``; the caller packs them into one transfer.
 """
 
 from __future__ import annotations
@@ -35,10 +36,6 @@ class CachedRequestState:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def token_at(self, i: int) -> int:
-        p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
-
 
 @dataclasses.dataclass
 class StepPlan:
@@ -67,68 +64,116 @@ class SlotAllocator:
         self._free.append(slot)
 
 
+class PersistentBatch:
+    """Host-side tables indexed by slot that outlive a step (vLLM's persistent ``InputBatch``).
+
+    Each running request owns one slot (see ``SlotAllocator``); its row holds every token the
+    host knows (prompt, then outputs), and its block table. Rows are written when a request is
+    admitted and appended to as it grows, so a step's inputs are a few vectorised gathers over
+    the scheduled slots instead of per-request Python. Invariants: ``num_tokens[s]`` counts the
+    tokens in ``token_ids[s]`` (a token still in flight under async scheduling is not there yet);
+    ``block_table[s, :num_blocks[s]]`` is the request's block list; the padding slot's row stays
+    all zeros (block 0 is the null block).
+    """
+
+    def __init__(self, num_slots: int, max_model_len: int, max_blocks_per_seq: int):
+        rows = num_slots + 1  # + the padding slot
+        # one spare column: a request at max_model_len still samples a last token into its row
+        self.token_ids = np.zeros((rows, max_model_len + 1), np.int32)
+        self.num_tokens = np.zeros(rows, np.int32)
+        self.num_prompt_tokens = np.zeros(rows, np.int32)
+        self.block_table = np.zeros((rows, max_blocks_per_seq), np.int32)
+        self.num_blocks = np.zeros(rows, np.int32)
+
+    def add_request(self, slot: int, prompt_token_ids: list[int], output_token_ids: list[int],
+                    block_ids: list[int]) -> None:
+        p, o = len(prompt_token_ids), len(output_token_ids)
+        self.token_ids[slot, :p] = prompt_token_ids
+        self.token_ids[slot, p : p + o] = output_token_ids
+        self.num_tokens[slot] = p + o
+        self.num_prompt_tokens[slot] = p
+        self.block_table[slot] = 0
+        self.num_blocks[slot] = 0
+        self.append_blocks(slot, block_ids)
+
+    def append_blocks(self, slot: int, block_ids: list[int]) -> None:
+        n = int(self.num_blocks[slot])
+        self.block_table[slot, n : n + len(block_ids)] = block_ids
+        self.num_blocks[slot] = n + len(block_ids)
+
+    def append_token(self, slot: int, token: int) -> None:
+        n = int(self.num_tokens[slot])
+        self.token_ids[slot, n] = token
+        self.num_tokens[slot] = n + 1
+
+
 def build_step_arrays(
-    states: list[CachedRequestState],
+    batch: PersistentBatch,
+    slots: list[int],
+    starts: list[int],
     num_scheduled: list[int],
+    prev_rows: list[int],
     new_slots: set[int],
     token_bucket: int,
     num_rows: int,
-    max_blocks_per_seq: int,
     block_size: int,
     padding_slot: int,
-    prev_row_of: dict[str, int] | None = None,
 ) -> tuple[dict[str, np.ndarray], list[bool]]:
     """Model and attention inputs for one step (sampling arrays are added by the caller).
 
-    With async scheduling a decode row's input token may still be in flight: it is the token the
-    request sampled in the previous step, at row ``prev_row_of[req_id]`` of that step's output.
-    ``prev_rows[t]`` names that row (-1: the token is in ``input_ids``) and the step reads it on
-    the device.
+    Row ``r`` is the request in slot ``slots[r]``, scheduled for ``num_scheduled[r]`` tokens from
+    position ``starts[r]``. With async scheduling a decode row's input token may still be in
+    flight: it is the token that request sampled in the previous step, at row ``prev_rows[r]`` of
+    that step's output (-1: none), and the step reads it on the device. Returns the arrays and,
+    per row, whether it samples (its prompt, or its recomputation after preemption, is complete).
     """
     t_pad, r_pad = token_bucket, num_rows
+    r = len(slots)
+    slot = np.asarray(slots, np.int32).reshape(r)
+    start = np.asarray(starts, np.int32).reshape(r)
+    n = np.asarray(num_scheduled, np.int32).reshape(r)
+    query_start_loc = np.zeros(r_pad + 1, np.int32)
+    np.cumsum(n, out=query_start_loc[1 : r + 1])
+    total = int(query_start_loc[r])
+    query_start_loc[r + 1 :] = total
+    row = np.repeat(np.arange(r, dtype=np.int32), n)  # each token's row
+    pos = start[row] + np.arange(total, dtype=np.int32) - query_start_loc[row]
+    tok_slot = slot[row]
+
     input_ids = np.zeros(t_pad, np.int32)
     positions = np.zeros(t_pad, np.int32)
     slot_mapping = np.full(t_pad, -1, np.int32)
     token_slots = np.full(t_pad, padding_slot, np.int32)
     token_is_output = np.zeros(t_pad, np.bool_)
-    prev_rows = np.full(t_pad, -1, np.int32)
-    block_tables = np.zeros((r_pad, max_blocks_per_seq), np.int32)
+    in_flight = np.full(t_pad, -1, np.int32)
+    block_tables = np.zeros((r_pad, batch.block_table.shape[1]), np.int32)
+    block_tables[:r] = batch.block_table[slot]
+
+    known = pos < batch.num_tokens[tok_slot]
+    input_ids[:total] = np.where(known, batch.token_ids[tok_slot, pos], 0)
+    if not known.all():
+        prev = np.asarray(prev_rows, np.int32).reshape(r)[row]
+        if (prev[~known] < 0).any():
+            raise RuntimeError("a scheduled token is neither known to the host nor in flight")
+        in_flight[:total] = np.where(known, -1, prev)
+    positions[:total] = pos
+    slot_mapping[:total] = block_tables[row, pos // block_size] * block_size + pos % block_size
+    token_slots[:total] = tok_slot
+    token_is_output[:total] = pos >= batch.num_prompt_tokens[tok_slot]
+
     kv_lens = np.zeros(r_pad, np.int32)
-    query_start_loc = np.zeros(r_pad + 1, np.int32)
+    kv_lens[:r] = start + n
     logits_indices = np.zeros(r_pad, np.int32)
+    logits_indices[:r] = query_start_loc[1 : r + 1] - 1
     row_slots = np.full(r_pad, padding_slot, np.int32)
+    row_slots[:r] = slot
     reset_slots = np.full(r_pad, padding_slot, np.int32)
-    samples = []
-    t = 0
-    for r, (st, n) in enumerate(zip(states, num_scheduled)):
-        start = st.num_computed_tokens
-        pos = np.arange(start, start + n, dtype=np.int32)
-        if n == 1:  # a decode step: no need to build the whole token list
-            if start < st.num_tokens:
-                input_ids[t] = st.token_at(start)
-            else:  # sampled by the step still running
-                prev_rows[t] = prev_row_of[st.req_id]
-        else:
-            all_ids = st.prompt_token_ids + st.output_token_ids if start + n > st.num_prompt_tokens else st.prompt_token_ids
-            input_ids[t : t + n] = all_ids[start : start + n]
-        positions[t : t + n] = pos
-        blocks = np.asarray(st.block_ids, np.int32)
-        slot_mapping[t : t + n] = blocks[pos // block_size] * block_size + pos % block_size
-        token_slots[t : t + n] = st.slot
-        token_is_output[t : t + n] = pos >= st.num_prompt_tokens
-        block_tables[r, : len(blocks)] = blocks
-        kv_lens[r] = start + n
-        t += n
-        query_start_loc[r + 1] = t
-        logits_indices[r] = t - 1
-        row_slots[r] = st.slot
-        if st.slot in new_slots:
-            reset_slots[r] = st.slot
-        samples.append(start + n >= st.num_tokens)
-    query_start_loc[len(states) + 1 :] = t
+    if new_slots:
+        reset_slots[:r] = np.where(np.isin(slot, list(new_slots)), slot, padding_slot)
+    samples = (start + n >= batch.num_tokens[slot]).tolist()
     arrays = {
         "input_ids": input_ids,
-        "prev_rows": prev_rows,
+        "prev_rows": in_flight,
         "positions": positions,
         "slot_mapping": slot_mapping,
         "token_slots": token_slots,
@@ -136,7 +181,7 @@ def build_step_arrays(
         "block_tables": block_tables,
         "kv_lens": kv_lens,
         "query_start_loc": query_start_loc,
-        "num_seqs": np.asarray([len(states)], np.int32),
+        "num_seqs": np.asarray([r], np.int32),
         "logits_indices": logits_indices,
         "row_slots": row_slots,
         "reset_slots": reset_slots,

@@ -34,10 +34,11 @@ from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models.llama import LlamaModel, Params
 from jaxserve.runner import compile_stats
 from jaxserve.runner.buckets import BucketTable
-from jaxserve.runner.input_batch import CachedRequestState, SlotAllocator, StepPlan, build_step_arrays
+from jaxserve.runner.input_batch import (CachedRequestState, PersistentBatch, SlotAllocator, StepPlan,
+                                         build_step_arrays)
 from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks
 from jaxserve.runner.packing import PackLayout, pack, unpack
-from jaxserve.sample.metadata import SamplingMetadata, SamplingMetadataBuilder
+from jaxserve.sample.metadata import SamplingMetadata, SamplingMetadataBuilder, SamplingTable
 from jaxserve.sample.sampler import SamplerOutput, gather_logprobs, sample
 
 logger = logging.getLogger("jaxserve")
@@ -109,6 +110,8 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(self.mc, self.num_blocks, self.block_size)
         slots = config.max_num_seqs
         self.slots = SlotAllocator(slots)
+        self.batch = PersistentBatch(slots, max_model_len, self.max_blocks_per_seq)
+        self.sampling_table = SamplingTable(slots)
         self.penalty_state = (
             jnp.zeros((slots + 1, self.mc.vocab_size), jnp.int32),
             jnp.zeros((slots + 1, self.mc.vocab_size), jnp.bool_),
@@ -169,7 +172,7 @@ class ModelRunner:
 
     def _padding_arrays(self, bucket: int) -> dict[str, np.ndarray]:
         rows = self.buckets.num_rows(bucket)
-        arrays, _ = build_step_arrays([], [], set(), bucket, rows, self.max_blocks_per_seq, self.block_size,
+        arrays, _ = build_step_arrays(self.batch, [], [], [], [], set(), bucket, rows, self.block_size,
                                       self.slots.padding_slot)
         arrays.update(_prefixed(self.sampling_builder.padding(rows)))
         arrays["need_logprobs"] = np.zeros(1, np.bool_)
@@ -246,10 +249,13 @@ class ModelRunner:
                 output_token_ids=list(new.output_token_ids or []), sampling_params=params,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens, slot=slot, seed=seed,
                 prompt_logprobs_rows=[] if params.prompt_logprobs is not None else None)
+            self.batch.add_request(slot, new.prompt_token_ids, new.output_token_ids or [], new.block_ids)
+            self.sampling_table.set_row(slot, params, seed)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.requests[req_id]
             state.block_ids.extend(new_blocks)
+            self.batch.append_blocks(state.slot, new_blocks)
             state.num_computed_tokens = num_computed
         return new_slots
 
@@ -266,7 +272,11 @@ class ModelRunner:
             return InFlightStep(so)
         arrays, plan, states = self._prepare_inputs(so, new_slots)
         layout = self._layout_for(plan.token_bucket)
-        buf = jax.device_put(pack(arrays, layout))  # one transfer; jnp.asarray would compile a copy
+        buf = pack(arrays, layout)
+        if self.config.enforce_eager:  # op by op, every numpy slice would be its own transfer
+            buf = jax.device_put(buf)
+        # Compiled: the executable takes the fresh numpy buffer as its one transfer (an explicit
+        # device_put first costs several times as much host time per step).
         decode_only = self.decode_attn_fn is not None and plan.num_tokens == len(plan.req_ids)
         fn = self._executable(plan.token_bucket, decode_only)
         self.kv_cache, self.penalty_state, out, hidden, self._prev_sampled = fn(
@@ -311,14 +321,14 @@ class ModelRunner:
         total = so.total_num_scheduled_tokens
         bucket = self.buckets.pick(total)
         rows = self.buckets.num_rows(bucket)
-        arrays, samples = build_step_arrays(states, counts, new_slots, bucket, rows, self.max_blocks_per_seq,
-                                            self.block_size, self.slots.padding_slot, self._prev_row_of)
+        starts = [s.num_computed_tokens for s in states]
+        prev = [self._prev_row_of.get(r, -1) for r in req_ids]
+        arrays, samples = build_step_arrays(self.batch, [s.slot for s in states], starts, counts, prev, new_slots,
+                                            bucket, rows, self.block_size, self.slots.padding_slot)
         # A row's draw is keyed by how many tokens its request generated before it; with async
         # scheduling the host may not have the last of them yet, so count from the positions.
-        generated = [max(0, s.num_computed_tokens + n - s.num_prompt_tokens) for s, n in zip(states, counts)]
-        arrays.update(_prefixed(self.sampling_builder.build(
-            [s.sampling_params for s in states], rows, positions=generated, seeds=[s.seed for s in states],
-            validate=False)))  # the input processor validated each request once, at admission
+        generated = [max(0, c + n - s.num_prompt_tokens) for s, c, n in zip(states, starts, counts)]
+        arrays.update(_prefixed(self.sampling_table.gather(arrays["row_slots"], generated)))
         want_logprobs = any(s.sampling_params.logprobs is not None for s, ok in zip(states, samples) if ok)
         arrays["need_logprobs"] = np.asarray([want_logprobs])
         plan = StepPlan(req_ids, total, bucket, samples, want_logprobs)
@@ -343,6 +353,8 @@ class ModelRunner:
                 continue
             token = int(sampled[i])
             state.output_token_ids.append(token)
+            if self.requests.get(state.req_id) is state:  # else finished or preempted meanwhile: its
+                self.batch.append_token(state.slot, token)  # slot may already hold another request
             sampled_lists.append([token])
             if state.sampling_params.prompt_logprobs is not None and state.prompt_logprobs_rows is not None:
                 prompt_logprobs[state.req_id] = state.prompt_logprobs_rows

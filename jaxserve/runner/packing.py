@@ -23,10 +23,7 @@ class Field:
     shape: tuple[int, ...]
     dtype: str
     offset: int
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+    size: int  # elements; stored, since pack runs every step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,18 +35,13 @@ class PackLayout:
     def of(cls, arrays: Mapping[str, np.ndarray]) -> "PackLayout":
         fields, offset = [], 0
         for name, arr in arrays.items():
-            f = Field(name, tuple(arr.shape), np.dtype(arr.dtype).name, offset)
+            f = Field(name, tuple(arr.shape), np.dtype(arr.dtype).name, offset, int(arr.size))
             fields.append(f)
             offset += f.size
         return cls(tuple(fields), offset)
 
 
-def _as_int32_words(arr: np.ndarray) -> np.ndarray:
-    if arr.dtype == np.bool_:
-        return arr.astype(np.int32).ravel()
-    if arr.dtype in (np.float32, np.uint32, np.int32):
-        return np.ascontiguousarray(arr).view(np.int32).ravel()
-    raise TypeError(f"cannot pack dtype {arr.dtype}")
+_WORD_DTYPES = (np.dtype(np.bool_), np.dtype(np.float32), np.dtype(np.uint32), np.dtype(np.int32))
 
 
 def pack(arrays: Mapping[str, np.ndarray], layout: PackLayout) -> np.ndarray:
@@ -58,7 +50,13 @@ def pack(arrays: Mapping[str, np.ndarray], layout: PackLayout) -> np.ndarray:
         arr = arrays[f.name]
         if arr.shape != f.shape:
             raise ValueError(f"{f.name}: shape {arr.shape} does not match the layout's {f.shape}")
-        buf[f.offset : f.offset + f.size] = _as_int32_words(arr)
+        if arr.dtype not in _WORD_DTYPES:
+            raise TypeError(f"{f.name}: cannot pack dtype {arr.dtype}")
+        dst = buf[f.offset : f.offset + f.size].reshape(f.shape)
+        if arr.dtype == np.bool_:
+            dst[...] = arr  # widened to 0/1
+        else:
+            dst.view(arr.dtype)[...] = arr  # bit-cast: float32/uint32 words travel as int32
     return buf
 
 

@@ -272,6 +272,31 @@ def build_sampling_arrays(
     return arrays
 
 
+class SamplingTable:
+    """Each slot's sampling row, written once when its request is admitted.
+
+    A step's arrays are then one gather by the rows' slots (plus this step's positions) instead
+    of a per-request fill. Row ``num_slots`` is the padding slot and keeps the neutral values.
+    """
+
+    def __init__(self, num_slots: int, max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS,
+                 max_allowed_tokens: int = DEFAULT_MAX_ALLOWED_TOKENS):
+        self._blank = padding_arrays(1, max_logit_bias, max_allowed_tokens)
+        self.arrays = padding_arrays(num_slots + 1, max_logit_bias, max_allowed_tokens)
+
+    def set_row(self, slot: int, params: Any, seed: int | None) -> None:
+        """Slot ``slot`` now samples with ``params``; ``seed`` is used when ``params.seed`` is None."""
+        for name, blank in self._blank.items():
+            self.arrays[name][slot] = blank[0]  # a shorter bias or allowed list leaves no stale ids
+        _fill_row(self.arrays, slot, params, _row_seed(params, seed, slot), 0)
+
+    def gather(self, row_slots: np.ndarray, positions: Sequence[int]) -> dict[str, np.ndarray]:
+        """Arrays for rows whose slots are ``row_slots`` (padding rows: the padding slot)."""
+        out = {name: arr[row_slots] for name, arr in self.arrays.items()}
+        out["positions"][: len(positions)] = positions
+        return out
+
+
 class SamplingMetadataBuilder:
     """Holds the static widths of one engine configuration; builds and validates with them."""
 
