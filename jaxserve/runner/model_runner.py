@@ -321,9 +321,13 @@ class ModelRunner:
         total = so.total_num_scheduled_tokens
         bucket = self.buckets.pick(total)
         rows = self.buckets.num_rows(bucket)
+        slots = [s.slot for s in states]
+        if not np.array_equal(self.batch.num_tokens[slots], [s.num_tokens for s in states]):
+            # a stale table row would feed wrong tokens, or never let its request sample again
+            raise RuntimeError("runner state out of sync: a slot's token row disagrees with its request")
         starts = [s.num_computed_tokens for s in states]
         prev = [self._prev_row_of.get(r, -1) for r in req_ids]
-        arrays, samples = build_step_arrays(self.batch, [s.slot for s in states], starts, counts, prev, new_slots,
+        arrays, samples = build_step_arrays(self.batch, slots, starts, counts, prev, new_slots,
                                             bucket, rows, self.block_size, self.slots.padding_slot)
         # A row's draw is keyed by how many tokens its request generated before it; with async
         # scheduling the host may not have the last of them yet, so count from the positions.
