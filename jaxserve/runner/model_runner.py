@@ -111,7 +111,8 @@ class ModelRunner:
         slots = config.max_num_seqs
         self.slots = SlotAllocator(slots)
         self.batch = PersistentBatch(slots, max_model_len, self.max_blocks_per_seq)
-        self.sampling_table = SamplingTable(slots)
+        self.sampling_table = SamplingTable(slots, self.sampling_builder.max_logit_bias,
+                                            self.sampling_builder.max_allowed_tokens)
         self.penalty_state = (
             jnp.zeros((slots + 1, self.mc.vocab_size), jnp.int32),
             jnp.zeros((slots + 1, self.mc.vocab_size), jnp.bool_),
