@@ -1,4 +1,4 @@
-"""Counters of compilation work: variants compiled, seconds spent, persistent-cache hits."""
+"""Counters of compilation work (variants compiled, seconds spent, persistent-cache hits) and of steps."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ class CompileStats:
     real_tokens: int = 0
     padded_tokens: int = 0
     last_padding_ratio: float = 0.0
+    device_wait_seconds: float = 0.0  # the host blocked on a step's sampled tokens
 
     @property
     def padding_ratio(self) -> float:

@@ -342,11 +342,13 @@ class ModelRunner:
     def _collect(self, out: SamplerOutput, plan: StepPlan, states: list[CachedRequestState],
                  so: SchedulerOutput) -> ModelRunnerOutput:
         want_logprobs = plan.want_logprobs
+        start = time.perf_counter()
         if want_logprobs:
             sampled, logprobs, logprob_ids, ranks = jax.device_get(
                 (out.sampled_token_ids, out.logprobs, out.logprob_token_ids, out.sampled_token_rank))
         else:
             sampled = np.asarray(out.sampled_token_ids)
+        self.stats.device_wait_seconds += time.perf_counter() - start
         sampled_lists, logprob_rows = [], []
         prompt_logprobs: dict[str, list] = {}
         for i, (state, ok) in enumerate(zip(states, plan.samples)):

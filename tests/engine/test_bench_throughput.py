@@ -25,6 +25,7 @@ def test_bench_throughput_both_backends_with_profiles():
     assert ours["prompt_tokens"] == workload.num_prompt_tokens
     assert result["output_throughput_ratio"] == ours["output_tokens_per_s"] / hf["output_tokens_per_s"]
     assert ours["unexpected_compiles"] == 0 and ours["num_preemptions"] == 0
+    assert 0 < ours["device_wait_s"] < ours["elapsed_s"] and ours["host_ms_per_step"] > 0
     profile = ours["profile"]
     assert sum(b["steps"] for b in profile["by_token_bucket"].values()) == profile["steps"] == ours["num_steps"]
     ops = ours["op_profile"]
