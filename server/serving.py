@@ -114,21 +114,31 @@ def make_sampling_params(kwargs: dict[str, Any]) -> SamplingParams:
         raise APIError(400, str(exc)) from None
 
 
+def _append_position(lp: CompletionLogProbs, text: str, token_id: int, entry, tokens: TokenText,
+                     offset: int) -> int:
+    """One position of a completions ``logprobs`` object (no ``entry``: no logprobs there); returns
+    the next text offset."""
+    chosen = entry.get(token_id) if entry is not None else None
+    lp.tokens.append(text)
+    lp.token_logprobs.append(None if chosen is None else max(chosen.logprob, -9999.0))
+    top: dict[str, float] | None = None
+    if entry is not None:
+        top = {}
+        for tid, l in sorted(entry.items(), key=lambda kv: kv[1].rank or 0):
+            # Distinct ids can share a display string (partial UTF-8 shows as U+FFFD): keep the likelier.
+            top.setdefault(tokens.text(tid, l.decoded_token), max(l.logprob, -9999.0))
+    lp.top_logprobs.append(top)
+    lp.text_offset.append(offset)
+    return offset + len(text)
+
+
 def _completion_logprobs(out: CompletionOutput, tokens: TokenText, start_offset: int) -> CompletionLogProbs:
     lp = CompletionLogProbs()
     offset = start_offset
     for token_id, entry in zip(out.token_ids, out.logprobs or []):
         chosen = entry.get(token_id)
         text = tokens.text(token_id, chosen.decoded_token if chosen else None)
-        lp.tokens.append(text)
-        lp.token_logprobs.append(None if chosen is None else max(chosen.logprob, -9999.0))
-        top: dict[str, float] = {}
-        for tid, l in sorted(entry.items(), key=lambda kv: kv[1].rank or 0):
-            # Distinct ids can share a display string (partial UTF-8 shows as U+FFFD): keep the likelier.
-            top.setdefault(tokens.text(tid, l.decoded_token), max(l.logprob, -9999.0))
-        lp.top_logprobs.append(top)
-        lp.text_offset.append(offset)
-        offset += len(text)
+        offset = _append_position(lp, text, token_id, entry, tokens, offset)
     return lp
 
 
@@ -139,20 +149,8 @@ def _prepend_prompt_logprobs(ro: RequestOutput, tokens: TokenText, generated: Co
     offset = 0
     plp = ro.prompt_logprobs or []  # [None, {token: Logprob}, ...]
     for i, token_id in enumerate(ro.prompt_token_ids):
-        entry = plp[i] if i < len(plp) else None
-        text = tokens.text(token_id)
-        lp.tokens.append(text)
-        lp.text_offset.append(offset)
-        offset += len(text)
-        if not entry:
-            lp.token_logprobs.append(None)
-            lp.top_logprobs.append(None)
-            continue
-        lp.token_logprobs.append(max(entry[token_id].logprob, -9999.0) if token_id in entry else None)
-        top: dict[str, float] = {}
-        for tid, l in sorted(entry.items(), key=lambda kv: kv[1].rank or 0):
-            top.setdefault(tokens.text(tid, l.decoded_token), max(l.logprob, -9999.0))
-        lp.top_logprobs.append(top)
+        entry = (plp[i] if i < len(plp) else None) or None
+        offset = _append_position(lp, tokens.text(token_id), token_id, entry, tokens, offset)
     lp.tokens += generated.tokens
     lp.token_logprobs += generated.token_logprobs
     lp.top_logprobs += generated.top_logprobs

@@ -41,7 +41,6 @@ class CompileStats:
     num_steps: int = 0
     real_tokens: int = 0
     padded_tokens: int = 0
-    last_padding_ratio: float = 0.0
     device_wait_seconds: float = 0.0  # the host blocked on a step's sampled tokens
 
     @property
@@ -53,7 +52,6 @@ class CompileStats:
         self.num_steps += 1
         self.real_tokens += real
         self.padded_tokens += bucket
-        self.last_padding_ratio = 1.0 - real / bucket
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -1,8 +1,8 @@
 """The runner's view of the requests it holds, and the padded numpy inputs of one step.
 
-``CachedRequestState`` mirrors what the scheduler told the runner (tokens, blocks, computed count)
-plus the runner's own bookkeeping: a persistent *slot* (the request's row in the device-resident
-penalty tables) and the seed its draws use. ``build_step_arrays`` turns one ``SchedulerOutput`` into
+``CachedRequestState`` mirrors what the scheduler told the runner (tokens, computed count) plus
+a persistent *slot*: the request's row in ``PersistentBatch`` (block table, tokens), in the
+sampling table (parameters, the seed its draws use) and in the device-resident penalty tables. ``build_step_arrays`` turns one ``SchedulerOutput`` into
 fixed-shape arrays for a token bucket, gathering from the slot-indexed tables of
 ``PersistentBatch``; the caller packs them into one transfer.
 """
@@ -21,10 +21,8 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: Any
-    block_ids: list[int]
     num_computed_tokens: int
     slot: int
-    seed: int
     # (token ids, logprobs, rank of the actual token) per prompt position, filled chunk by chunk
     prompt_logprobs_rows: list | None = None
 

@@ -248,14 +248,13 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
                 output_token_ids=list(new.output_token_ids or []), sampling_params=params,
-                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens, slot=slot, seed=seed,
+                num_computed_tokens=new.num_computed_tokens, slot=slot,
                 prompt_logprobs_rows=[] if params.prompt_logprobs is not None else None)
             self.batch.add_request(slot, new.prompt_token_ids, new.output_token_ids or [], new.block_ids)
             self.sampling_table.set_row(slot, params, seed)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.requests[req_id]
-            state.block_ids.extend(new_blocks)
             self.batch.append_blocks(state.slot, new_blocks)
             state.num_computed_tokens = num_computed
         return new_slots

@@ -244,7 +244,6 @@ def build_sampling_arrays(
     max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS,
     max_allowed_tokens: int = DEFAULT_MAX_ALLOWED_TOKENS,
     max_num_logprobs: int | None = None,
-    validate: bool = True,
 ) -> dict[str, np.ndarray]:
     """Numpy arrays for SamplingMetadata, keyed by field name, `num_rows` rows.
 
@@ -252,7 +251,6 @@ def build_sampling_arrays(
     rows past `len(params_list)` are padding. `positions[i]` is row i's number of generated output
     tokens; `seeds[i]` is used when `params_list[i].seed` is None. Every array is freshly allocated:
     on CPU a device array may alias its numpy source, so buffers are never reused between steps.
-    ``validate=False`` skips the per-row checks, for callers that validated at admission.
     """
     if len(params_list) > num_rows:
         _fail("num_rows", f"{len(params_list)} requests do not fit in {num_rows} rows")
@@ -264,9 +262,8 @@ def build_sampling_arrays(
     for row, params in enumerate(params_list):
         if params is None:
             continue
-        if validate:
-            validate_sampling_params(params, vocab_size=vocab_size, max_logit_bias=max_logit_bias,
-                                     max_allowed_tokens=max_allowed_tokens, max_num_logprobs=max_num_logprobs)
+        validate_sampling_params(params, vocab_size=vocab_size, max_logit_bias=max_logit_bias,
+                                 max_allowed_tokens=max_allowed_tokens, max_num_logprobs=max_num_logprobs)
         seed = _row_seed(params, None if seeds is None else seeds[row], row)
         _fill_row(arrays, row, params, seed, int(positions[row]))
     return arrays
@@ -330,7 +327,6 @@ class SamplingMetadataBuilder:
         *,
         positions: Sequence[int],
         seeds: Sequence[int | None] | None = None,
-        validate: bool = True,
     ) -> dict[str, np.ndarray]:
         """See `build_sampling_arrays`."""
         return build_sampling_arrays(
@@ -342,7 +338,6 @@ class SamplingMetadataBuilder:
             max_logit_bias=self.max_logit_bias,
             max_allowed_tokens=self.max_allowed_tokens,
             max_num_logprobs=self.max_num_logprobs,
-            validate=validate,
         )
 
     def padding(self, num_rows: int) -> dict[str, np.ndarray]:
