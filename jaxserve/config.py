@@ -12,7 +12,7 @@ import dataclasses
 import os
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton")
+ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu")
 
 
 @dataclasses.dataclass
@@ -43,8 +43,8 @@ class EngineConfig:
     """Run the step without jax.jit (for comparison with the compiled path)."""
     async_scheduling: bool = False
     """Schedule and prepare step N+1 while the device runs step N (outputs arrive one step later)."""
-    attention_backend: Literal["auto", "xla", "pallas", "triton"] = "auto"
-    """auto = pallas on GPU, xla elsewhere."""
+    attention_backend: Literal["auto", "xla", "pallas", "triton", "cpu"] = "auto"
+    """auto = pallas on GPU; on a CPU, cpu (the C++ kernel) when it builds here, else xla."""
     seed: int = 0
     """Seed of the engine's RNG (draws seeds for unseeded requests)."""
     kv_cache_memory: int | None = None

@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pallas_kernels._common import default_cache_dir  # noqa: F401  (re-exported: the cache folder of every jaxserve artefact)
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
@@ -118,12 +120,6 @@ def build_tiny_checkpoint(
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(folder), safe_serialization=True, **save_kwargs)
     return folder
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("JAXSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxserve")
-    return Path(root)
 
 
 def demo_model_path() -> Path:

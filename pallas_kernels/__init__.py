@@ -20,7 +20,8 @@ Backends: ``xla`` = :func:`ragged_paged_attention_xla` (jnp, runs anywhere; quer
 by the context they need; :func:`ragged_paged_attention_reference` is the oracle), ``pallas`` =
 :func:`ragged_paged_attention` (Pallas, Triton lowering; ``interpret=True`` on CPU), ``triton`` =
 :func:`ragged_paged_attention_triton` (Triton via jax_triton on a GPU; ``interpret=True`` runs the
-same kernel in Triton's interpreter on CPU).
+same kernel in Triton's interpreter on CPU), ``cpu`` = :func:`ragged_paged_attention_cpu` (a C++
+kernel called through XLA's FFI, built on first use; the fast path on a CPU).
 
 For the runner: all shapes are static (bucketed T and R); every data-dependent quantity
 (``kv_lens``, ``block_tables``, ``query_start_loc``, ``num_seqs``) may be traced. ``sm_scale``,
@@ -39,30 +40,32 @@ from .ragged_paged_attention import (DecodeConfig, MixedConfig, default_decode_c
                                      default_mixed_config, lower_for_cuda, lowerable_configs,
                                      num_q_tiles, ragged_paged_attention,
                                      ragged_paged_attention_decode, ragged_paged_attention_mixed)
+from .cpu_attention import cpu_attention_available, ragged_paged_attention_cpu
 from .reference import ragged_paged_attention_reference, write_kv
 from .xla_attention import ragged_paged_attention_xla
 from .triton_attention import (TritonLaunchPlan, ragged_paged_attention_triton, triton_available,
                                triton_interpret_available, triton_launch_plan)
 
-BACKENDS = ("xla", "pallas", "triton")
+BACKENDS = ("xla", "pallas", "triton", "cpu")
 
 __all__ = [
-    "BACKENDS", "DecodeConfig", "MixedConfig", "TritonLaunchPlan", "default_decode_config",
+    "BACKENDS", "cpu_attention_available", "DecodeConfig", "default_decode_config",
     "default_mixed_config", "get_attention_fn", "lower_for_cuda", "lowerable_configs",
-    "num_q_tiles", "ragged_paged_attention", "ragged_paged_attention_decode",
-    "ragged_paged_attention_mixed", "ragged_paged_attention_reference",
-    "ragged_paged_attention_triton", "ragged_paged_attention_xla", "triton_available",
-    "triton_interpret_available", "triton_launch_plan", "write_kv",
+    "MixedConfig", "num_q_tiles", "ragged_paged_attention", "ragged_paged_attention_cpu",
+    "ragged_paged_attention_decode", "ragged_paged_attention_mixed",
+    "ragged_paged_attention_reference", "ragged_paged_attention_triton",
+    "ragged_paged_attention_xla", "triton_available", "triton_interpret_available",
+    "triton_launch_plan", "TritonLaunchPlan", "write_kv",
 ]
 
 
 def get_attention_fn(backend: str, interpret: bool = False, **tuning):
-    """A callable with the contract signature for ``backend`` in {"xla", "pallas", "triton"}.
+    """A callable with the contract signature for ``backend`` in :data:`BACKENDS`.
 
     ``interpret`` applies to ``pallas`` (Pallas interpret mode) and ``triton`` (Triton's
     interpreter); ``tuning`` keywords are bound into the callable (e.g. ``mode="decode"``,
-    ``block_q=16`` for pallas; ``kv_chunk`` for xla). ``triton`` raises a RuntimeError with the
-    reason when it cannot run here.
+    ``block_q=16`` for pallas; ``kv_chunk`` for xla). ``triton`` and ``cpu`` raise a RuntimeError
+    with the reason when they cannot run here.
     """
     if backend == "xla":
         return functools.partial(ragged_paged_attention_xla, **tuning)
@@ -74,4 +77,9 @@ def get_attention_fn(backend: str, interpret: bool = False, **tuning):
             what = "cannot interpret here" if interpret else "is unavailable"
             raise RuntimeError(f"the triton attention backend {what}: {reason}")
         return functools.partial(ragged_paged_attention_triton, interpret=interpret, **tuning)
+    if backend == "cpu":
+        ok, reason = cpu_attention_available()
+        if not ok:
+            raise RuntimeError(f"the cpu attention backend is unavailable: {reason}")
+        return functools.partial(ragged_paged_attention_cpu, **tuning)
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")

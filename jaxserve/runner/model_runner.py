@@ -57,7 +57,13 @@ class InFlightStep:
 def resolve_attention_backend(requested: str) -> str:
     if requested != "auto":
         return requested
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if jax.default_backend() == "gpu":
+        return "pallas"
+    ok, reason = pallas_kernels.cpu_attention_available()
+    if ok:
+        return "cpu"
+    logger.warning("attention backend auto: using xla, since the cpu kernel is unavailable (%s)", reason)
+    return "xla"
 
 
 def enable_persistent_compilation_cache(cache_dir: str | None) -> None:

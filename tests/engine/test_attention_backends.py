@@ -38,11 +38,26 @@ def test_triton_interpreted_matches_xla(demo_model):
                           enforce_eager=True) == expected
 
 
-def test_auto_backend_is_xla_on_cpu(demo_model):
-    from jaxserve.runner.model_runner import resolve_attention_backend
+def test_cpu_kernel_matches_xla(demo_model):
+    """The C++ kernel inside the compiled step, and in eager mode, gives xla's greedy tokens."""
+    expected = _greedy_tokens(demo_model, attention_backend="xla")
+    assert _greedy_tokens(demo_model, attention_backend="cpu") == expected
+    assert _greedy_tokens(demo_model, attention_backend="cpu", enforce_eager=True) == expected
 
-    assert resolve_attention_backend("auto") == "xla"
-    assert resolve_attention_backend("pallas") == "pallas"
+
+def test_auto_backend_on_cpu_is_the_cpu_kernel_else_xla(demo_model, monkeypatch):
+    from jaxserve.runner import model_runner
+
+    assert model_runner.resolve_attention_backend("auto") == "cpu"
+    assert model_runner.resolve_attention_backend("pallas") == "pallas"
+    monkeypatch.setattr(pallas_kernels, "cpu_attention_available", lambda: (False, "no compiler"))
+    assert model_runner.resolve_attention_backend("auto") == "xla"
+
+
+def test_cpu_backend_unavailable_is_a_clear_error(demo_model, monkeypatch):
+    monkeypatch.setattr(pallas_kernels, "cpu_attention_available", lambda: (False, "no C++ compiler found"))
+    with pytest.raises(RuntimeError, match="cpu attention backend is unavailable: no C\\+\\+ compiler"):
+        LLM(demo_model, show_progress=False, attention_backend="cpu", **SMALL)
 
 
 def test_triton_backend_unavailable_on_cpu_is_a_clear_error(demo_model):

@@ -149,7 +149,7 @@ def test_metrics_have_vllm_names(llm):
     generated = next(m for m in llm.get_metrics() if m.name == "jaxserve:generation_tokens_total")
     assert generated.value >= 4
     backend = next(m for m in llm.get_metrics() if m.name == "jaxserve:attention_backend_info")
-    assert backend.labels["backend"] == "xla" and backend.value == 1
+    assert backend.labels["backend"] == llm.stats()["attention_backend"] == "cpu" and backend.value == 1
 
 
 def test_kv_cache_sizing(demo_model):

@@ -1,0 +1,404 @@
+// Ragged paged attention for the CPU, called by XLA through its FFI (the `cpu` backend).
+//
+// Why C++ here when every other backend is jnp, Pallas or Triton: on the CPU, XLA can only
+// express paged attention as a gather of each tile's pages into a fresh array followed by small
+// batched dots. The gather writes and re-reads every context position it touches, and in a
+// decode step that traffic (about 1 KB per position per layer, f32) is most of the step. This
+// kernel reads each K/V row straight from its page, once per work item, and keeps the scores,
+// the online softmax and the output accumulator in a few KB of stack.
+//
+// Contract: that of pallas_kernels (see __init__.py). Work items are (request, KV head, tile of
+// up to kTileRows / G queries); each owns its output rows, so items never share writes. They are
+// claimed from an atomic counter by the calling thread and by helpers scheduled on XLA's
+// intra-op thread pool, most expensive first.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Rows (query, head) per work item: a prefill tile reuses each K/V row it loads this many times,
+// while its scores and accumulator stay within the L1 cache.
+constexpr int kTileRows = 64;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float load(float x) { return x; }
+inline float load(uint16_t bf16) {
+  uint32_t bits = uint32_t(bf16) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline void store(float* dst, float x) { *dst = x; }
+inline void store(uint16_t* dst, float x) {  // round to nearest even, NaN kept quiet
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    *dst = uint16_t((bits >> 16) | 0x40);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *dst = uint16_t(bits >> 16);
+}
+
+// exp for x <= 0 (scores minus their running max), written so that the loop around it
+// vectorizes: Cody-Waite range reduction and a degree-6 polynomial, within 2 ulp of expf.
+// Inputs below -87 (including -inf, a masked score) give exactly 0.
+inline float exp_nonpositive(float x) {
+  const float clamped = std::max(x, -87.0f);
+  const float n = std::nearbyint(clamped * 1.44269504088896341f);
+  const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+struct Problem {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  const int32_t* kv_lens;
+  const int32_t* block_tables;
+  const int32_t* query_start_loc;
+  int64_t num_tokens, num_q_heads, head_dim, num_blocks, block_size, num_kv_heads, max_blocks;
+  float sm_scale;
+  int32_t window;  // 0: none
+  float soft_cap;  // 0: none
+};
+
+struct WorkItem {
+  int32_t req, q_begin, q_end;  // q_begin/q_end: token indices into q
+  int64_t cost;
+};
+
+// A K/V row as float: f32 rows are read in place, bf16 rows converted into `buf`.
+inline const float* as_f32(const float* src, float*, int) { return src; }
+inline const float* as_f32(const uint16_t* src, float* buf, int n) {
+  for (int i = 0; i < n; ++i) buf[i] = load(src[i]);
+  return buf;
+}
+
+// acc[0:D] = alpha * acc + sum_j p[j] * v[j * stride : j * stride + D], the accumulator held in
+// registers when D is a compile-time constant.
+template <int kD>
+inline void accumulate_row(float* acc, float alpha, const float* p, const float* v, int n, int64_t stride, int D_) {
+#if defined(__AVX512F__)
+  if constexpr (kD > 0 && kD % 16 == 0) {
+    constexpr int kV = kD / 16;
+    const __m512 scale = _mm512_set1_ps(alpha);
+    __m512 a[kV];
+    for (int i = 0; i < kV; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), scale);
+    for (int j = 0; j < n; ++j) {
+      const __m512 pj = _mm512_set1_ps(p[j]);
+      for (int i = 0; i < kV; ++i) a[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + j * stride + 16 * i), a[i]);
+    }
+    for (int i = 0; i < kV; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
+    return;
+  }
+#endif
+  const int D = kD > 0 ? kD : D_;
+  for (int d = 0; d < D; ++d) acc[d] *= alpha;
+  for (int j = 0; j < n; ++j)
+    for (int d = 0; d < D; ++d) acc[d] += p[j] * v[j * stride + d];
+}
+
+#if defined(__AVX512F__)
+constexpr bool kHaveAvx512 = true;
+// out[0:16] = dot(q, k + j * stride) for j < 16. The 16 dot products are reduced together: a
+// transpose-and-add tree turns 16 vectors of partial sums into one vector of totals in 45
+// shuffles and adds, where 16 separate horizontal sums would take about 130.
+template <int kD>
+inline void score16_avx512(const float* q, const float* k, int64_t stride, float* out) {
+  constexpr int kV = kD / 16;
+  __m512 qv[kV];
+  for (int i = 0; i < kV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+  __m512 v[16];
+  for (int j = 0; j < 16; ++j) {
+    const float* kj = k + j * stride;
+    __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
+    for (int i = 1; i < kV; ++i) s = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kj + 16 * i), s);
+    v[j] = s;
+  }
+  __m512 s1[8], s2[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's sums of vectors 4i..4i+3
+    s2[i] = _mm512_add_ps(_mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0x44),
+                          _mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0xEE));
+  const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], 0x44), _mm512_shuffle_f32x4(s2[0], s2[1], 0xEE));
+  const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], 0x44), _mm512_shuffle_f32x4(s2[2], s2[3], 0xEE));
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD)));
+}
+#else
+constexpr bool kHaveAvx512 = false;
+template <int kD>
+inline void score16_avx512(const float*, const float*, int64_t, float*) {}
+#endif
+
+// One work item: queries [q_begin, q_end) of request `req`, all heads. Rows of the tile are
+// (query, q head); a page's K/V rows ([Hkv, D] per position, contiguous) are read once for all.
+//
+// Batch invariance: a row's result must not depend on which tile it lands in (tiles follow the
+// step's chunking, and a seeded sample must not change with the batch). So every row is scored
+// by the same code whatever the tile's size, and the softmax and the P.V sum run over whole
+// pages: the positions a tile adds past a row's own (later queries' keys) enter as exact zeros.
+template <typename T, int kD>
+void attend(const Problem& pb, const WorkItem& it) {
+  const int D = kD > 0 ? kD : int(pb.head_dim);
+  const int HQ = int(pb.num_q_heads), G = int(pb.num_q_heads / pb.num_kv_heads);
+  const int BS = int(pb.block_size);
+  const int nq = it.q_end - it.q_begin;
+  const int rows = nq * HQ;
+  const T* q = static_cast<const T*>(pb.q);
+  const T* kc = static_cast<const T*>(pb.k);
+  const T* vc = static_cast<const T*>(pb.v);
+  T* out = static_cast<T*>(pb.out);
+  const int32_t* table = pb.block_tables + int64_t(it.req) * pb.max_blocks;
+  const int ctx = pb.kv_lens[it.req];
+  const int qsl0 = pb.query_start_loc[it.req];
+  const int q_len = pb.query_start_loc[it.req + 1] - qsl0;
+  const int first_pos = ctx - q_len + (it.q_begin - qsl0);  // context position of q_begin
+  const int64_t row_stride = pb.num_kv_heads * D;  // elements between positions within a page
+  constexpr bool kVectorScores = kHaveAvx512 && std::is_same_v<T, float> && kD > 0 && kD % 16 == 0;
+  const bool vector_scores = kVectorScores && BS % 16 == 0;
+
+  // Per-thread scratch, grown on demand: items run on XLA's pool threads, whose stacks are small.
+  thread_local std::vector<float> scratch;
+  thread_local std::vector<int> head_off;  // row -> offset of its KV head in a [Hkv, D] row
+  scratch.resize(size_t(rows) * (2 * D + BS + 3) + row_stride);
+  head_off.resize(rows);
+  float* qs = scratch.data();      // [rows, D], pre-scaled
+  float* acc = qs + rows * D;      // [rows, D]
+  float* scores = acc + rows * D;  // [rows, BS]: position within the page
+  float* m = scores + rows * BS;
+  float* l = m + rows;
+  float* alpha = l + rows;       // this page's rescale of each row's accumulator
+  float* kv_buf = alpha + rows;  // one K row converted from bf16
+
+  for (int row = 0; row < rows; ++row) {
+    const T* src = q + (int64_t(it.q_begin) * HQ + row) * D;  // rows are q's own [T, Hq] order
+    for (int d = 0; d < D; ++d) qs[row * D + d] = load(src[d]) * pb.sm_scale;
+    head_off[row] = ((row % HQ) / G) * D;
+    m[row] = kNegInf;
+    l[row] = 0.0f;
+  }
+  std::fill(acc, acc + rows * D, 0.0f);
+
+  const int last_pos = first_pos + nq - 1;
+  const int k_begin = pb.window > 0 ? std::max(0, first_pos - pb.window + 1) : 0;
+  const int k_end = std::min(last_pos + 1, ctx);
+  for (int page = k_begin / BS; page * BS < k_end; ++page) {
+    const int page_start = page * BS;
+    const int valid = std::min(BS, ctx - page_start);  // positions holding this request's K/V
+    const int64_t page_base = std::clamp<int64_t>(table[page], 0, pb.num_blocks - 1) * BS * row_stride;
+
+    bool scored = false;
+    if constexpr (kVectorScores) {
+      if (vector_scores) {
+        // Whole pages, 16 positions at a time; stale positions past the context are scored
+        // from whatever they hold (even NaN) and masked below.
+        for (int row = 0; row < rows; ++row)
+          for (int sub = 0; sub < BS; sub += 16)
+            score16_avx512<kD>(qs + row * D, kc + page_base + sub * row_stride + head_off[row], row_stride,
+                               scores + row * BS + sub);
+        scored = true;
+      }
+    }
+    if (!scored) {
+      for (int jj = 0; jj < valid; ++jj) {
+        const float* kr = as_f32(kc + page_base + jj * row_stride, kv_buf, int(row_stride));
+        for (int row = 0; row < rows; ++row) {
+          const float* qr = qs + row * D;
+          const float* kh = kr + head_off[row];
+          float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+          for (int d = 0; d < D; ++d) s += qr[d] * kh[d];
+          scores[row * BS + jj] = s;
+        }
+      }
+      for (int row = 0; row < rows; ++row) std::fill(scores + row * BS + valid, scores + (row + 1) * BS, 0.0f);
+    }
+
+    for (int row = 0; row < rows; ++row) {
+      float* sr = scores + row * BS;
+      const int pos = first_pos + row / HQ;  // < ctx, so stale positions are never visible
+      const int lo = pb.window > 0 ? pos - pb.window + 1 : 0;
+      if (pb.soft_cap > 0.0f)
+        for (int jj = 0; jj < BS; ++jj) sr[jj] = pb.soft_cap * std::tanh(sr[jj] / pb.soft_cap);
+      float block_max = kNegInf;
+#pragma omp simd reduction(max : block_max)
+      for (int jj = 0; jj < BS; ++jj) {
+        const int j = page_start + jj;
+        const float s = (j <= pos && j >= lo) ? sr[jj] : kNegInf;
+        sr[jj] = s;
+        block_max = std::max(block_max, s);
+      }
+      if (block_max == kNegInf) {  // nothing visible to this row in this page
+        std::fill(sr, sr + BS, 0.0f);
+        alpha[row] = 1.0f;
+        continue;
+      }
+      const float m_new = std::max(m[row], block_max);
+      alpha[row] = exp_nonpositive(m[row] - m_new);  // m = -inf: alpha = 0
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int jj = 0; jj < BS; ++jj) {
+        const float p = exp_nonpositive(sr[jj] - m_new);
+        sr[jj] = p;
+        sum += p;
+      }
+      l[row] = l[row] * alpha[row] + sum;
+      m[row] = m_new;
+    }
+
+    // P.V over the positions that hold K/V (p is 0 for the invisible ones; stale rows past the
+    // context are never read, since 0 * NaN would poison the sum).
+    if constexpr (std::is_same_v<T, float>) {
+      for (int row = 0; row < rows; ++row)  // rows outer: the accumulator stays in registers
+        accumulate_row<kD>(acc + row * D, alpha[row], scores + row * BS, vc + page_base + head_off[row], valid,
+                           row_stride, D);
+    } else {
+      for (int row = 0; row < rows; ++row)
+        for (int d = 0; d < D; ++d) acc[row * D + d] *= alpha[row];
+      for (int jj = 0; jj < valid; ++jj) {
+        const float* vr = as_f32(vc + page_base + jj * row_stride, kv_buf, int(row_stride));
+        for (int row = 0; row < rows; ++row) {
+          const float p = scores[row * BS + jj];
+          const float* vh = vr + head_off[row];
+          float* ar = acc + row * D;
+#pragma omp simd
+          for (int d = 0; d < D; ++d) ar[d] += p * vh[d];
+        }
+      }
+    }
+  }
+
+  for (int row = 0; row < rows; ++row) {
+    T* dst = out + (int64_t(it.q_begin) * HQ + row) * D;
+    const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+    for (int d = 0; d < D; ++d) store(dst + d, acc[row * D + d] * inv);
+  }
+}
+
+template <typename T>
+void attend_any(const Problem& pb, const WorkItem& it) {
+  switch (pb.head_dim) {
+    case 32: return attend<T, 32>(pb, it);
+    case 64: return attend<T, 64>(pb, it);
+    case 128: return attend<T, 128>(pb, it);
+    default: return attend<T, 0>(pb, it);
+  }
+}
+
+// Shared by the caller and its helpers; helpers hold it by shared_ptr, so one that starts after
+// the call returned finds no work left and touches nothing else.
+struct Job {
+  Problem problem;
+  std::vector<WorkItem> items;
+  bool bf16 = false;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void work() {
+    const int64_t n = int64_t(items.size());
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+      if (bf16) attend_any<uint16_t>(problem, items[i]);
+      else attend_any<float>(problem, items[i]);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                          ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
+                          ffi::Buffer<ffi::S32> block_tables,
+                          ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> num_seqs,
+                          ffi::Result<ffi::AnyBuffer> out, float sm_scale, int32_t sliding_window,
+                          float soft_cap) {
+  const auto dtype = q.element_type();
+  if (dtype != ffi::F32 && dtype != ffi::BF16)
+    return ffi::Error::InvalidArgument("cpu paged attention supports float32 and bfloat16 only");
+  if (k_cache.element_type() != dtype || v_cache.element_type() != dtype ||
+      out->element_type() != dtype)
+    return ffi::Error::InvalidArgument("q, k_cache, v_cache and out must share one dtype");
+  const auto qd = q.dimensions();
+  const auto kd = k_cache.dimensions();
+  const auto bd = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2)
+    return ffi::Error::InvalidArgument("expected q [T, Hq, D], caches [NB, BS, Hkv, D], tables [R, MB]");
+  const int64_t hq = qd[1], d = qd[2], bs = kd[1], hkv = kd[2], r = bd[0];
+  if (kd[3] != d || hq % hkv != 0)
+    return ffi::Error::InvalidArgument("head_dim of q and caches differ, or Hq % Hkv != 0");
+  const int32_t tile_q = int32_t(std::max<int64_t>(1, kTileRows / hq));
+
+  auto job = std::make_shared<Job>();
+  job->bf16 = dtype == ffi::BF16;
+  job->problem = Problem{q.untyped_data(), k_cache.untyped_data(), v_cache.untyped_data(),
+                         out->untyped_data(), kv_lens.typed_data(), block_tables.typed_data(),
+                         query_start_loc.typed_data(), qd[0], hq, d, kd[0], bs, hkv, bd[1],
+                         sm_scale, sliding_window, soft_cap};
+  std::memset(out->untyped_data(), 0, out->size_bytes());  // padding tokens give 0
+
+  const int32_t* qsl = query_start_loc.typed_data();
+  const int64_t ns = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, r);
+  for (int32_t req = 0; req < ns; ++req) {
+    const int32_t a = std::max(qsl[req], 0), b = std::min<int64_t>(qsl[req + 1], qd[0]);
+    const int32_t ctx = kv_lens.typed_data()[req];
+    for (int32_t t = a; t < b; t += tile_q) {
+      const int32_t e = std::min(t + tile_q, b);
+      const int64_t end = int64_t(ctx) - (qsl[req + 1] - qsl[req]) + (e - qsl[req]);  // causal reach
+      const int64_t reach = sliding_window > 0 ? std::min<int64_t>(end, sliding_window + tile_q) : end;
+      job->items.push_back({req, t, e, reach * (e - t + 4)});
+    }
+  }
+  std::sort(job->items.begin(), job->items.end(),
+            [](const WorkItem& x, const WorkItem& y) { return x.cost > y.cost; });
+
+  const int64_t n = int64_t(job->items.size());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
+  job->work();
+  while (job->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionCpu, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));

@@ -1,0 +1,130 @@
+"""The ``cpu`` backend (C++ kernel through XLA's FFI) against the naive oracle.
+
+The kernel has three ways to score a page, chosen by shape, and each gets its own cases here:
+head_dim 16 / block_size 8 takes the portable loops; head_dim 32, 64 or 128 with 16-position
+pages takes the AVX-512 tree reduction for decode-sized tiles and the transposed page for prefill
+tiles; head_dim 48 takes the portable loops with a runtime head_dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import cpu_attention
+
+from .batches import SCENARIOS, Bucket, make_batch, naive_attention, poison
+
+SCALE = 0.25
+
+if shutil.which(os.environ.get("CXX", "g++")) is None:
+    pytest.skip("no C++ compiler to build the cpu kernel with", allow_module_level=True)
+
+SHAPES = {  # (head_dim, block_size)
+    "portable": (16, 8),
+    "avx512-d32": (32, 16),
+    "avx512-d64-bs32": (64, 32),
+    "runtime-d48": (48, 16),
+    "d128": (128, 16),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_fn(**options):
+    return jax.jit(functools.partial(pk.ragged_paged_attention_cpu, **options))
+
+
+def bucket(shape: str, heads=(4, 2), **kw) -> Bucket:
+    d, bs = SHAPES[shape]
+    return Bucket(num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=d, block_size=bs,
+                  max_blocks=64 // bs, **kw)
+
+
+def check(args, rtol=2e-5, atol=2e-5, **options):
+    out = np.asarray(cpu_fn(sm_scale=SCALE, **options)(*args).astype(jnp.float32))
+    ref = naive_attention(*args, sm_scale=SCALE, **options)
+    np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol)
+    return out
+
+
+def test_kernel_builds_and_registers():
+    ok, reason = pk.cpu_attention_available()
+    assert ok, reason
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("heads", [(4, 2), (8, 1), (4, 4)])
+def test_cpu_backend_matches_naive(shape, scenario, heads):
+    check(make_batch(bucket(shape, heads), SCENARIOS[scenario], seed=3))
+
+
+@pytest.mark.parametrize("shape", ["portable", "avx512-d32"])
+@pytest.mark.parametrize("window,cap", [(5, None), (None, 1.5), (12, 0.7), (1, None)])
+def test_cpu_backend_window_and_softcap(shape, window, cap):
+    for scenario in ("mixed", "prefix", "decode"):
+        check(make_batch(bucket(shape), SCENARIOS[scenario], seed=4), sliding_window=window, soft_cap=cap)
+
+
+@pytest.mark.parametrize("shape", ["portable", "avx512-d32", "avx512-d64-bs32"])
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_cpu_backend_never_reads_outside_contexts(shape, scenario):
+    """NaN in every slot outside the contexts (the AVX-512 path scores whole pages, stale tails
+    included, and must mask them) and in the padding queries; padding tokens give exactly 0."""
+    args = poison(make_batch(bucket(shape), SCENARIOS[scenario], seed=5))
+    out = check(args)
+    assert np.isfinite(out).all()
+    n_valid = int(np.asarray(args[5])[int(np.asarray(args[6])[0])])
+    assert (out[n_valid:] == 0).all()
+
+
+@pytest.mark.parametrize("shape", ["portable", "avx512-d32"])
+def test_cpu_backend_random_batches(shape):
+    """Twenty random ragged batches through one compiled call: prompts, chunks over a prefix,
+    decodes, in any order, with padding rows and tokens."""
+    b = bucket(shape, (8, 2), num_tokens=64, num_reqs=8, num_blocks=80)
+    rng = np.random.default_rng(0)
+    for i in range(20):
+        n = int(rng.integers(1, b.num_reqs + 1))
+        budget, reqs = b.num_tokens, []
+        for _ in range(n):
+            q_len = int(rng.integers(1, max(2, min(budget, 20)) + 1)) if budget > 0 else 0
+            if q_len == 0 or q_len > budget:
+                break
+            budget -= q_len
+            reqs.append((q_len, int(rng.integers(q_len, 65))))
+        check(make_batch(b, reqs, seed=100 + i))
+
+
+def test_cpu_backend_bfloat16():
+    args = make_batch(bucket("avx512-d32"), SCENARIOS["mixed"], dtype=jnp.bfloat16, seed=6)
+    out = cpu_fn(sm_scale=SCALE)(*args)
+    assert out.dtype == jnp.bfloat16
+    ref = naive_attention(*args, sm_scale=SCALE)
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_cpu_backend_scalar_num_seqs():
+    check(make_batch(bucket("avx512-d32"), SCENARIOS["mixed"], seed=7, num_seqs_scalar=True))
+
+
+def test_cpu_backend_rejects_other_dtypes():
+    args = make_batch(bucket("portable"), SCENARIOS["decode"], dtype=jnp.float16)
+    with pytest.raises(ValueError, match="float16"):
+        pk.ragged_paged_attention_cpu(*args, sm_scale=SCALE)
+
+
+def test_build_is_reused_and_a_missing_compiler_is_named(monkeypatch):
+    first = cpu_attention.build_library()
+    stamp = first.stat().st_mtime_ns
+    assert cpu_attention.build_library() == first and first.stat().st_mtime_ns == stamp
+    monkeypatch.setenv("CXX", "no-such-compiler-jaxserve")
+    with pytest.raises(RuntimeError, match="no-such-compiler-jaxserve"):
+        cpu_attention.build_library()
