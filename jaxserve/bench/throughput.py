@@ -3,7 +3,7 @@
 The workload is drawn once from a seeded generator (prompt lengths, output lengths, token ids)
 and fed as token ids to each backend, every request producing exactly its output length
 (``ignore_eos``). ``--backend jaxserve`` times ``LLM.generate`` after warm-up (compilation is
-reported apart); ``--backend hf`` runs transformers (PyTorch) greedy ``generate`` over left-padded
+reported apart; text is detokenized unless ``--disable-detokenize``, vLLM's flag); ``--backend hf`` runs transformers (PyTorch) greedy ``generate`` over left-padded
 static batches; ``--backend both`` runs both in one process and reports the ratio.
 """
 
@@ -55,6 +55,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-range-ratio", type=float, default=0.0)
     p.add_argument("--token-id-range", type=int, nargs=2, default=[10, 8000])
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--disable-detokenize", action="store_true",
+                   help="vLLM's flag: return token ids only (no text), as the hf backend does")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the workload draw")
@@ -73,14 +75,15 @@ def _ranges(args) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 def run_jaxserve(model_path: str, workload: Workload, engine_args: dict[str, Any], ignore_eos: bool,
-                 profile: bool = False, profile_ops: int = 0) -> dict:
+                 profile: bool = False, profile_ops: int = 0, detokenize: bool = True) -> dict:
     from jaxserve import LLM, SamplingParams
     from jaxserve.bench import op_profile
 
     start = time.perf_counter()
     llm = LLM(model_path, record_steps=profile, **engine_args)
     startup = time.perf_counter() - start
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos) for n in workload.output_lens]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos, detokenize=detokenize)
+              for n in workload.output_lens]
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     ops: dict[str, Any] = {}
     steps_before = llm.stats()["compile_num_steps"]
@@ -109,7 +112,7 @@ def run_jaxserve(model_path: str, workload: Workload, engine_args: dict[str, Any
         "host_ms_per_step": 1e3 * (elapsed - stats["compile_device_wait_seconds"] + wait_before)
                             / max(1, stats["compile_num_steps"] - steps_before),
         "num_preemptions": stats["num_preemptions"], "attention_backend": stats["attention_backend"],
-        "token_buckets": stats["token_buckets"],
+        "token_buckets": stats["token_buckets"], "detokenize": detokenize,
     }
     if profile:
         result["profile"] = _step_profile(llm)
@@ -194,7 +197,7 @@ def run_throughput_cli(args) -> dict:
     }
     if args.backend in ("jaxserve", "both"):
         result["jaxserve"] = run_jaxserve(model, workload, engine_args, args.ignore_eos, args.profile,
-                                          args.profile_ops)
+                                          args.profile_ops, detokenize=not args.disable_detokenize)
     if args.backend in ("hf", "both"):
         result["hf"] = run_hf(model, workload, args.hf_batch_size, args.torch_threads)
     if args.backend == "both":
