@@ -165,9 +165,10 @@ def build_step_arrays(
     logits_indices[:r] = query_start_loc[1 : r + 1] - 1
     row_slots = np.full(r_pad, padding_slot, np.int32)
     row_slots[:r] = slot
-    reset_slots = np.full(r_pad, padding_slot, np.int32)
+    reset_slots = np.full(r_pad, padding_slot, np.int32)  # the new requests' slots first
     if new_slots:
-        reset_slots[:r] = np.where(np.isin(slot, list(new_slots)), slot, padding_slot)
+        fresh = slot[np.isin(slot, list(new_slots))]
+        reset_slots[: len(fresh)] = fresh
     samples = (start + n >= batch.num_tokens[slot]).tolist()
     arrays = {
         "input_ids": input_ids,

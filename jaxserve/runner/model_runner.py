@@ -398,10 +398,32 @@ def _update_penalty_tables(penalty_state, x):
     preemption) add to the counts. By the time a row samples, all of its earlier outputs have
     been fed back as inputs, so the counts are exact without any host-side bookkeeping.
     """
-    counts, prompt_mask = penalty_state
-    counts = counts.at[x["reset_slots"]].set(0)
-    prompt_mask = prompt_mask.at[x["reset_slots"]].set(False)
+    counts, prompt_mask = _clear_slots(*penalty_state, x["reset_slots"])
     is_out = x["token_is_output"]
     counts = counts.at[x["token_slots"], x["input_ids"]].add(is_out.astype(jnp.int32))
     prompt_mask = prompt_mask.at[x["token_slots"], x["input_ids"]].max(~is_out)
+    return counts, prompt_mask
+
+
+def _clear_slots(counts, prompt_mask, reset_slots):
+    """Zero the table rows of ``reset_slots`` (new requests first, then the padding slot).
+
+    A loop that stops at the first padding entry: most steps admit no request and pay nothing,
+    where a scatter of [R, V] zeros would write the whole update every step.
+    """
+    padding_slot = counts.shape[0] - 1
+    n, v = reset_slots.shape[0], counts.shape[1]
+
+    def more(carry):
+        i = carry[0]
+        return (i < n) & (reset_slots[jnp.minimum(i, n - 1)] != padding_slot)
+
+    def clear(carry):
+        i, c, m = carry
+        row = (reset_slots[i], 0)
+        c = jax.lax.dynamic_update_slice(c, jnp.zeros((1, v), c.dtype), row)
+        m = jax.lax.dynamic_update_slice(m, jnp.zeros((1, v), m.dtype), row)
+        return i + 1, c, m
+
+    _, counts, prompt_mask = jax.lax.while_loop(more, clear, (jnp.int32(0), counts, prompt_mask))
     return counts, prompt_mask

@@ -225,3 +225,17 @@ def test_async_scheduling_gives_the_sync_results(llm, demo_model):
     assert expected[0][1] == "stop" and expected[-2][1] == "stop"  # the early stops really happened
     assert async_llm.stats()["compile_unexpected_compiles"] == 0
     assert_pool_empty(async_llm)
+
+
+def test_penalty_counts_of_a_reused_slot_start_from_zero(demo_model):
+    """A request admitted into a slot that earlier penalized requests used sees only its own
+    tokens: its greedy output equals the one it gets in a fresh slot."""
+    llm = LLM(demo_model, show_progress=False, **{**ENGINE_ARGS, "max_num_seqs": 2})
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, frequency_penalty=1.5,
+                            presence_penalty=1.0, repetition_penalty=1.5)
+    target, fillers = random_prompts(1, seed=21, hi=40), random_prompts(2, seed=22, hi=40)
+    fresh = llm.generate(target, params, use_tqdm=False)[0].outputs[0].token_ids
+    llm.generate(fillers, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, frequency_penalty=1.0),
+                 use_tqdm=False)
+    assert llm.generate(target, params, use_tqdm=False)[0].outputs[0].token_ids == fresh
+    assert_pool_empty(llm)
