@@ -57,17 +57,27 @@ def process_logits(
     )
 
 
-def first_argmax(x: jax.Array) -> jax.Array:
+def first_argmax(x: jax.Array, segment: int = 128) -> jax.Array:
     """``jnp.argmax`` over the last axis (first index of the maximum), as int32.
 
-    XLA:CPU lowers argmax to a variadic (value, index) reduce that runs ~4x slower than a plain
-    max followed by a min over the matching indices (1.3 vs 0.3 ms at [64, 8192]: a tenth of a
-    small decode step). A NaN row (no element equals the max) falls back to the last index.
+    XLA:CPU lowers argmax to a variadic (value, index) reduce that runs ~4x slower than plain
+    reductions. Here the row is cut into segments of ``segment``: the row's max comes from the
+    segments' maxima, then only the first segment holding it is searched for the index. At
+    [64, 8192] under jit: 0.08-0.15 ms, against 0.23-0.30 ms for a max followed by a min over
+    the whole row and 1.2 ms for ``jnp.argmax``. A row holding NaN gives some index in range.
     """
-    v = x.shape[-1]
-    row_max = jnp.max(x, axis=-1, keepdims=True)
-    idx = jnp.min(jnp.where(x == row_max, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
-    return jnp.minimum(idx, v - 1)
+    r, v = x.shape
+    nseg = -(-v // segment)
+    if nseg * segment != v:  # pad with -inf, which never wins unless the whole row is -inf
+        x = jnp.pad(x, ((0, 0), (0, nseg * segment - v)), constant_values=-jnp.inf)
+    seg = x.reshape(r, nseg, segment)
+    seg_max = jnp.max(seg, axis=-1)
+    row_max = jnp.max(seg_max, axis=-1, keepdims=True)
+    first_seg = jnp.min(jnp.where(seg_max == row_max, jnp.arange(nseg, dtype=jnp.int32), nseg), axis=-1)
+    first_seg = jnp.minimum(first_seg, nseg - 1)
+    values = jnp.take_along_axis(seg, first_seg[:, None, None], axis=1)[:, 0]
+    offset = jnp.min(jnp.where(values == row_max, jnp.arange(segment, dtype=jnp.int32), segment), axis=-1)
+    return jnp.minimum(first_seg * segment + offset, v - 1)
 
 
 def greedy_rows(temperature: jax.Array) -> jax.Array:

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from tests.sample.sampler_testlib import draw_tokens, metadata, np_log_softmax, np_penalize, params, run_sample
 
 from jaxserve.sample import SamplingMetadata, build_sampling_arrays, sample
@@ -34,15 +35,18 @@ def test_greedy_is_argmax_in_greedy_and_mixed_batches():
     np.testing.assert_array_equal(np.asarray(mixed.sampled_token_ids)[:3], logits[:3].argmax(-1))
 
 
-def test_first_argmax_matches_numpy_on_ties_and_masked_rows():
-    logits = np.round(random_logits(R, vocab=64), 0)  # rounding makes ties common
+@pytest.mark.parametrize("vocab", [64, 128, 1000, 8192])  # one segment, exact segments, a padded tail
+def test_first_argmax_matches_numpy_on_ties_and_masked_rows(vocab):
+    logits = np.round(random_logits(R, vocab=vocab), 0)  # rounding makes ties common
     logits[1, :] = -np.inf  # a fully masked row: numpy picks index 0
-    logits[2, [5, 40]] = 99.0  # a tie for the maximum: the first index wins
+    logits[2, [5, vocab - 3]] = 99.0  # a tie for the maximum across segments: the first index wins
     logits[3, 17] = np.inf
+    logits[4, -1] = 99.0  # the maximum in the padded last segment
+    logits[5, 130 % vocab] = logits[5, 131 % vocab] = 99.0  # a tie inside one segment
     np.testing.assert_array_equal(jax.jit(first_argmax)(logits), logits.argmax(-1))
-    nan_row = np.zeros((1, 64), np.float32)
+    nan_row = np.zeros((1, vocab), np.float32)
     nan_row[0, 3] = np.nan
-    assert 0 <= int(first_argmax(nan_row)[0]) < 64  # never an out-of-range id
+    assert 0 <= int(first_argmax(nan_row)[0]) < vocab  # never an out-of-range id
 
 
 def test_padding_rows_are_greedy():
