@@ -215,7 +215,19 @@ void attend(const Problem& pb, const WorkItem& it) {
     const int page_start = page * BS;
     const int valid = std::min(BS, ctx - page_start);  // positions holding this request's K/V
     const int64_t page_base = std::clamp<int64_t>(table[page], 0, pb.num_blocks - 1) * BS * row_stride;
-
+    if ((page + 1) * BS < k_end) {
+      // The next page into L2 while this one is computed: pages are scattered over the pool, so
+      // the hardware prefetcher cannot follow, and each page start would wait on DRAM. (Measured
+      // on the 2-core CPU, 64 decode rows over 59 MB of pages: 10-12% less time; prefetching
+      // into L1, or non-temporal, did not help.)
+      const int64_t next = std::clamp<int64_t>(table[page + 1], 0, pb.num_blocks - 1) * BS * row_stride;
+      const char* nk = reinterpret_cast<const char*>(kc + next);
+      const char* nv = reinterpret_cast<const char*>(vc + next);
+      for (int64_t o = 0; o < BS * row_stride * int64_t(sizeof(T)); o += 64) {
+        __builtin_prefetch(nk + o, 0, 2);  // locality 2: into L2 (x86 prefetcht1)
+        __builtin_prefetch(nv + o, 0, 2);
+      }
+    }
     bool scored = false;
     if constexpr (kVectorScores) {
       if (vector_scores) {
