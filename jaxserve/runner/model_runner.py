@@ -227,6 +227,7 @@ class ModelRunner:
         for key in tqdm(variants, desc="Compiling step buckets", disable=not show_progress, unit="variant"):
             if key not in self._compiled:
                 self._compile(key)
+            self._run_padding_step(*key)
         self._warmed_up = True
         summary = (f"compiled {len(variants)} step variants (token buckets {list(self.buckets.token_buckets)}) "
                    f"in {time.perf_counter() - start:.1f} s, {self.stats.persistent_cache_hits} from the "
@@ -234,6 +235,16 @@ class ModelRunner:
         logger.info(summary)
         if show_progress:
             print(f"jaxserve: {summary}", file=sys.stderr, flush=True)  # stdout may carry JSON
+
+    def _run_padding_step(self, bucket: int, decode_only: bool) -> None:
+        """Execute a compiled variant once on padding only: no request, no KV write, no sample
+        used. A variant's first run pays one-time costs (its buffers' first allocation and page
+        faults) that would otherwise land on the first requests; vLLM's dummy runs at start-up
+        do the same."""
+        buf = pack(self._padding_arrays(bucket), self._layout_for(bucket))
+        self.kv_cache, self.penalty_state, out, _, self._prev_sampled = self._compiled[(bucket, decode_only)](
+            self.params, self.kv_cache, self.penalty_state, self._prev_sampled, buf)
+        jax.block_until_ready(out)
 
     # ---- state updates from the scheduler --------------------------------------------------
 
