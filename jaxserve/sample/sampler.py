@@ -11,7 +11,8 @@ Order (vLLM V1's sampler, `vllm/v1/sample/sampler.py`):
      `jax.random.categorical` from key `fold_in(PRNGKey(seed), position)`, vmapped per row, so a
      seeded request's token depends only on its own logits, seed and position.
 
-Three `lax.cond`s keep the common batches cheap: an all-greedy batch skips step 5 entirely, a batch
+`lax.cond`s keep the common batches cheap: a batch that is all greedy with nothing to process and
+no logprobs takes only the argmax; otherwise an all-greedy batch skips step 5 entirely, a batch
 without penalties skips reading the [R, V] count and mask tables, and a batch without allowed
 lists or logit bias skips those two [R, V] passes.
 
@@ -32,7 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxserve.sample.metadata import SAMPLING_EPS, SamplingMetadata
-from jaxserve.sample.processors import apply_allowed_and_bias, apply_penalties
+from jaxserve.sample.processors import (apply_allowed_and_bias, apply_penalties, penalties_active,
+                                         restrictions_active)
 from jaxserve.sample.truncation import DEFAULT_TOP_K_CAP, top_k_sorted, truncate, truncation_threshold
 
 
@@ -153,16 +155,28 @@ def sample(
     `max_num_logprobs` and `top_k_cap` are static.
     """
     logits = logits.astype(jnp.float32)
-    processed = process_logits(logits, md, output_counts, prompt_mask, row_slots)
-    sampled = choose_tokens(processed, md, top_k_cap)
+    r = logits.shape[0]
+    k = max_num_logprobs + 1 if max_num_logprobs else 1
+
+    def no_logprobs():
+        return jnp.zeros((r, k), jnp.float32), jnp.zeros((r, k), jnp.int32), jnp.zeros((r,), jnp.int32)
+
+    def full() -> SamplerOutput:
+        processed = process_logits(logits, md, output_counts, prompt_mask, row_slots)
+        sampled = choose_tokens(processed, md, top_k_cap)
+        if need_logprobs is None:
+            logprobs, token_ids, rank = gather_logprobs(logits, sampled, max_num_logprobs)
+        else:
+            logprobs, token_ids, rank = lax.cond(
+                need_logprobs, lambda: gather_logprobs(logits, sampled, max_num_logprobs), no_logprobs)
+        return SamplerOutput(sampled, logprobs, token_ids, rank)
+
     if need_logprobs is None:
-        logprobs, token_ids, rank = gather_logprobs(logits, sampled, max_num_logprobs)
-    else:
-        k = max_num_logprobs + 1 if max_num_logprobs else 1
-        r = logits.shape[0]
-        logprobs, token_ids, rank = lax.cond(
-            need_logprobs,
-            lambda: gather_logprobs(logits, sampled, max_num_logprobs),
-            lambda: (jnp.zeros((r, k), jnp.float32), jnp.zeros((r, k), jnp.int32), jnp.zeros((r,), jnp.int32)),
-        )
-    return SamplerOutput(sampled, logprobs, token_ids, rank)
+        return full()
+    # The common batch (all greedy, nothing to process, no logprobs) takes the argmax and nothing
+    # else. One cond around everything also spares a copy of the [R, V] logits: the processing
+    # conds cannot update the logits in place while the raw ones stay alive for logprobs.
+    plain = (~jnp.asarray(need_logprobs, jnp.bool_) & jnp.all(greedy_rows(md.temperature))
+             & ~restrictions_active(md.allowed_token_ids, md.has_allowed, md.bias_token_ids)
+             & ~penalties_active(md.presence_penalty, md.frequency_penalty, md.repetition_penalty))
+    return lax.cond(plain, lambda: SamplerOutput(first_argmax(logits), *no_logprobs()), full)

@@ -163,3 +163,31 @@ def test_sample_lowers_for_cuda():
     lowered = fn.trace(jnp.zeros((R, V)), md, jnp.zeros((R, V), jnp.int32), jnp.zeros((R, V), bool)).lower(
         lowering_platforms=("cuda",))
     assert "stablehlo.case" in lowered.as_text()
+
+
+GREEDY_PENALTY = params(temperature=0.0, frequency_penalty=1.0)
+
+
+@pytest.mark.parametrize("mate", [None, GREEDY_PENALTY, *MATES])
+def test_need_logprobs_switch_keeps_the_tokens(mate):
+    """With ``need_logprobs`` given, an all-greedy batch with nothing to process takes the argmax
+    alone; one row with a penalty, bias, allowed list or random draw sends the batch through the
+    full path. Either way the tokens are those of the ungated sampler, and logprobs come only
+    when asked for."""
+    rows = [params(temperature=0.0)] * (R - 1) + [mate or params(temperature=0.0)]
+    md = metadata(rows, V)
+    logits = random_logits(R, seed=5)
+    logits[-1, 10], logits[-1, 100] = 16.0, 15.0  # token 10 wins unless its history is penalized
+    counts = np.zeros((R, V), np.int32)
+    counts[:, :50] = 2  # history that a penalty row must see
+    prompt_mask = np.zeros((R, V), bool)
+    prompt_mask[:, 50:90] = True
+    reference = run_sample(logits, md, counts, prompt_mask)
+    gated = jax.jit(sample, static_argnames=("max_num_logprobs",))
+    for need in (False, True):
+        out = gated(jnp.asarray(logits), md, jnp.asarray(counts), jnp.asarray(prompt_mask), max_num_logprobs=3,
+                    need_logprobs=jnp.asarray(need))
+        np.testing.assert_array_equal(out.sampled_token_ids, reference.sampled_token_ids)
+        assert (np.asarray(out.logprobs) != 0).any() == need
+    if mate is GREEDY_PENALTY:
+        assert int(reference.sampled_token_ids[-1]) == 100
