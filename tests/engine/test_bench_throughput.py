@@ -25,6 +25,7 @@ def test_bench_throughput_both_backends_with_profiles():
     assert ours["prompt_tokens"] == workload.num_prompt_tokens
     assert result["output_throughput_ratio"] == ours["output_tokens_per_s"] / hf["output_tokens_per_s"]
     assert ours["unexpected_compiles"] == 0 and ours["num_preemptions"] == 0
+    assert ours["detokenize"] is True and ours["attention_backend"] == "cpu"
     assert 0 < ours["device_wait_s"] < ours["elapsed_s"] and ours["host_ms_per_step"] > 0
     profile = ours["profile"]
     assert sum(b["steps"] for b in profile["by_token_bucket"].values()) == profile["steps"] == ours["num_steps"]
@@ -34,6 +35,30 @@ def test_bench_throughput_both_backends_with_profiles():
     assert all(row["ms"] > 0 and 0 < row["share"] <= 1 and row["program_runs"] >= 1 for row in ops["top"])
     assert abs(sum(k["share"] for k in ops["by_kind"].values()) - 1) < 1e-6
     assert any(op_kind(row["op"]) in ops["by_kind"] for row in ops["top"])
+
+
+def test_disable_detokenize_returns_token_ids_only(demo_model, monkeypatch):
+    """vLLM's ``--disable-detokenize``: the requests carry ``detokenize=False`` (no text)."""
+    from jaxserve.bench import throughput
+    from jaxserve.cli import build_parser
+    from jaxserve.engine.llm import LLM
+
+    texts = []
+    generate = LLM.generate
+
+    def recording_generate(self, *args, **kwargs):
+        outputs = generate(self, *args, **kwargs)
+        texts.extend(o.outputs[0].text for o in outputs)
+        return outputs
+
+    monkeypatch.setattr(LLM, "generate", recording_generate)
+    args = build_parser().parse_args(
+        ["bench", "throughput", str(demo_model), "--num-prompts", "2", "--input-len-range", "4", "8",
+         "--output-len-range", "3", "4", "--token-id-range", "3", "400", "--max-model-len", "64",
+         "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--disable-detokenize"])
+    result = throughput.run_throughput_cli(args)["jaxserve"]
+    assert result["detokenize"] is False and result["output_tokens"] > 0
+    assert texts == ["", ""]
 
 
 def test_op_kind_strips_the_instance_number():
