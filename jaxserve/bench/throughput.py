@@ -3,8 +3,9 @@
 The workload is drawn once from a seeded generator (prompt lengths, output lengths, token ids)
 and fed as token ids to each backend, every request producing exactly its output length
 (``ignore_eos``). ``--backend jaxserve`` times ``LLM.generate`` after warm-up (compilation is
-reported apart; text is detokenized unless ``--disable-detokenize``, vLLM's flag); ``--backend hf`` runs transformers (PyTorch) greedy ``generate`` over left-padded
-static batches; ``--backend both`` runs both in one process and reports the ratio.
+reported apart; text is detokenized unless ``--disable-detokenize``, vLLM's flag); ``--backend
+hf`` runs transformers (PyTorch) greedy ``generate`` over left-padded static batches; ``--backend
+both`` runs both in one process and reports the ratio.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 ``CachedRequestState`` mirrors what the scheduler told the runner (tokens, computed count) plus
 a persistent *slot*: the request's row in ``PersistentBatch`` (block table, tokens), in the
-sampling table (parameters, the seed its draws use) and in the device-resident penalty tables. ``build_step_arrays`` turns one ``SchedulerOutput`` into
-fixed-shape arrays for a token bucket, gathering from the slot-indexed tables of
-``PersistentBatch``; the caller packs them into one transfer.
+sampling table (parameters, the seed its draws use) and in the device-resident penalty tables.
+``build_step_arrays`` turns one ``SchedulerOutput`` into fixed-shape arrays for a token bucket,
+gathering from the slot-indexed tables of ``PersistentBatch``; the caller packs them into one
+transfer.
 """
 
 from __future__ import annotations

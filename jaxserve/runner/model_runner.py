@@ -242,9 +242,15 @@ class ModelRunner:
         faults) that would otherwise land on the first requests; vLLM's dummy runs at start-up
         do the same."""
         buf = pack(self._padding_arrays(bucket), self._layout_for(bucket))
-        self.kv_cache, self.penalty_state, out, _, self._prev_sampled = self._compiled[(bucket, decode_only)](
-            self.params, self.kv_cache, self.penalty_state, self._prev_sampled, buf)
+        out, _ = self._launch(self._compiled[(bucket, decode_only)], buf)
         jax.block_until_ready(out)
+
+    def _launch(self, fn, buf) -> tuple[SamplerOutput, jax.Array]:
+        """Run a step function on a packed input buffer; the donated state is replaced by its
+        updated version. Returns the sampler's output and the hidden states."""
+        self.kv_cache, self.penalty_state, out, hidden, self._prev_sampled = fn(
+            self.params, self.kv_cache, self.penalty_state, self._prev_sampled, buf)
+        return out, hidden
 
     # ---- state updates from the scheduler --------------------------------------------------
 
@@ -295,9 +301,7 @@ class ModelRunner:
         # Compiled: the executable takes the fresh numpy buffer as its one transfer (an explicit
         # device_put first costs several times as much host time per step).
         decode_only = self.decode_attn_fn is not None and plan.num_tokens == len(plan.req_ids)
-        fn = self._executable(plan.token_bucket, decode_only)
-        self.kv_cache, self.penalty_state, out, hidden, self._prev_sampled = fn(
-            self.params, self.kv_cache, self.penalty_state, self._prev_sampled, buf)
+        out, hidden = self._launch(self._executable(plan.token_bucket, decode_only), buf)
         self._prev_row_of = {r: i for i, r in enumerate(plan.req_ids)}
         self.stats.record_step(plan.num_tokens, plan.token_bucket)
         if any(s.sampling_params.prompt_logprobs is not None for s in states):

@@ -87,7 +87,7 @@ struct Problem {
   const int32_t* kv_lens;
   const int32_t* block_tables;
   const int32_t* query_start_loc;
-  int64_t num_tokens, num_q_heads, head_dim, num_blocks, block_size, num_kv_heads, max_blocks;
+  int64_t num_q_heads, head_dim, num_blocks, block_size, num_kv_heads, max_blocks;
   float sm_scale;
   int32_t window;  // 0: none
   float soft_cap;  // 0: none
@@ -387,7 +387,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   job->bf16 = dtype == ffi::BF16;
   job->problem = Problem{q.untyped_data(), k_cache.untyped_data(), v_cache.untyped_data(),
                          out->untyped_data(), kv_lens.typed_data(), block_tables.typed_data(),
-                         query_start_loc.typed_data(), qd[0], hq, d, kd[0], bs, hkv, bd[1],
+                         query_start_loc.typed_data(), hq, d, kd[0], bs, hkv, bd[1],
                          sm_scale, sliding_window, soft_cap};
   std::memset(out->untyped_data(), 0, out->size_bytes());  // padding tokens give 0
 
