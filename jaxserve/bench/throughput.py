@@ -5,7 +5,9 @@ and fed as token ids to each backend, every request producing exactly its output
 (``ignore_eos``). ``--backend jaxserve`` times ``LLM.generate`` after warm-up (compilation is
 reported apart; text is detokenized unless ``--disable-detokenize``, vLLM's flag); ``--backend
 hf`` runs transformers (PyTorch) greedy ``generate`` over left-padded static batches; ``--backend
-both`` runs both in one process and reports the ratio.
+both`` runs both in one process and reports the ratio. With ``--num-iters N`` each backend times
+the workload N times, the two taking turns, and reports its median iteration; the ratio is that of
+the medians, and ``iteration_ratios`` lists each turn's own.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import os
 import time
 from typing import Any
@@ -58,6 +61,9 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--disable-detokenize", action="store_true",
                    help="vLLM's flag: return token ids only (no text), as the hf backend does")
+    p.add_argument("--num-iters", type=int, default=1,
+                   help="time the workload this many times per backend, the backends taking turns; "
+                        "each backend reports its median iteration")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the workload draw")
@@ -75,51 +81,59 @@ def _ranges(args) -> tuple[tuple[int, int], tuple[int, int]]:
     return inp, out
 
 
-def run_jaxserve(model_path: str, workload: Workload, engine_args: dict[str, Any], ignore_eos: bool,
-                 profile: bool = False, profile_ops: int = 0, detokenize: bool = True) -> dict:
-    from jaxserve import LLM, SamplingParams
-    from jaxserve.bench import op_profile
+class JaxserveBench:
+    """The engine built once; each ``run_once`` times ``LLM.generate`` over the whole workload."""
 
-    start = time.perf_counter()
-    llm = LLM(model_path, record_steps=profile, **engine_args)
-    startup = time.perf_counter() - start
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos, detokenize=detokenize)
-              for n in workload.output_lens]
-    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
-    ops: dict[str, Any] = {}
-    steps_before = llm.stats()["compile_num_steps"]
-    wait_before = llm.stats()["compile_device_wait_seconds"]
-    tracing = (op_profile.trace_ops(ops, profile_ops, lambda: llm.stats()["compile_num_steps"] - steps_before)
-               if profile_ops else contextlib.nullcontext())
-    with tracing:  # the trace's own overhead lands in elapsed: compare traced runs with traced runs
+    def __init__(self, model_path: str, workload: Workload, engine_args: dict[str, Any], ignore_eos: bool,
+                 profile: bool = False, detokenize: bool = True):
+        from jaxserve import LLM, SamplingParams
+
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=True)
+        self.llm = LLM(model_path, record_steps=profile, **engine_args)
+        self.startup_s = time.perf_counter() - start
+        self.workload, self.detokenize = workload, detokenize
+        self.params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos, detokenize=detokenize)
+                       for n in workload.output_lens]
+        self.prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+
+    def run_once(self) -> dict:
+        # Every iteration starts from an empty prefix cache: a repeat must not reuse the KV of the
+        # one before (the benchmark's prompts are the same each time).
+        self.llm.reset_prefix_cache()
+        before = self.llm.stats()
+        start = time.perf_counter()
+        outputs = self.llm.generate(self.prompts, self.params, use_tqdm=True)
         elapsed = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    stats = llm.stats()
-    result = {
-        "backend": "jaxserve", "elapsed_s": elapsed, "startup_s": startup,
-        "output_tokens": produced, "prompt_tokens": workload.num_prompt_tokens,
-        "output_tokens_per_s": produced / elapsed,
-        "total_tokens_per_s": (produced + workload.num_prompt_tokens) / elapsed,
-        "requests_per_s": len(outputs) / elapsed,
-        "num_compiles": stats["compile_num_compiles"], "compile_s": stats["compile_compile_seconds"],
-        "persistent_cache_hits": stats["compile_persistent_cache_hits"],
-        "unexpected_compiles": stats["compile_unexpected_compiles"],
-        "padding_ratio": stats["compile_padding_ratio"], "num_steps": stats["compile_num_steps"],
-        # The rest of elapsed is host work: scheduling, inputs, outputs (with async scheduling it
-        # overlaps the device's work instead of adding to it).
-        "device_wait_s": stats["compile_device_wait_seconds"] - wait_before,
-        "host_ms_per_step": 1e3 * (elapsed - stats["compile_device_wait_seconds"] + wait_before)
-                            / max(1, stats["compile_num_steps"] - steps_before),
-        "num_preemptions": stats["num_preemptions"], "attention_backend": stats["attention_backend"],
-        "token_buckets": stats["token_buckets"], "detokenize": detokenize,
-    }
-    if profile:
-        result["profile"] = _step_profile(llm)
-    if profile_ops:
-        result["op_profile"] = ops
-    return result
+        after = self.llm.stats()
+        steps = after["compile_num_steps"] - before["compile_num_steps"]
+        wait = after["compile_device_wait_seconds"] - before["compile_device_wait_seconds"]
+        return {
+            "elapsed_s": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+            "num_requests": len(outputs), "num_steps": steps, "device_wait_s": wait,
+            # The rest of elapsed is host work: scheduling, inputs, outputs (with async scheduling
+            # it overlaps the device's work instead of adding to it).
+            "host_ms_per_step": 1e3 * (elapsed - wait) / max(1, steps),
+        }
+
+    def summary(self, it: dict) -> dict:
+        stats = self.llm.stats()
+        return {
+            "backend": "jaxserve", "elapsed_s": it["elapsed_s"], "startup_s": self.startup_s,
+            **_rates(it, self.workload), "requests_per_s": it["num_requests"] / it["elapsed_s"],
+            "num_compiles": stats["compile_num_compiles"], "compile_s": stats["compile_compile_seconds"],
+            "persistent_cache_hits": stats["compile_persistent_cache_hits"],
+            "unexpected_compiles": stats["compile_unexpected_compiles"],
+            "padding_ratio": stats["compile_padding_ratio"], "num_steps": it["num_steps"],
+            "device_wait_s": it["device_wait_s"], "host_ms_per_step": it["host_ms_per_step"],
+            "num_preemptions": stats["num_preemptions"], "attention_backend": stats["attention_backend"],
+            "token_buckets": stats["token_buckets"], "detokenize": self.detokenize,
+        }
+
+
+def _rates(it: dict, workload: Workload) -> dict:
+    return {"output_tokens": it["output_tokens"], "prompt_tokens": workload.num_prompt_tokens,
+            "output_tokens_per_s": it["output_tokens"] / it["elapsed_s"],
+            "total_tokens_per_s": (it["output_tokens"] + workload.num_prompt_tokens) / it["elapsed_s"]}
 
 
 def _step_profile(llm) -> dict:
@@ -136,46 +150,69 @@ def _step_profile(llm) -> dict:
     }
 
 
-def run_hf(model_path: str, workload: Workload, batch_size: int, threads: int | None) -> dict:
-    import torch
-    import transformers
+class HFBench:
+    """transformers greedy ``generate`` over left-padded static batches of the workload, in order."""
 
-    if threads:
-        torch.set_num_threads(threads)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    produced = 0
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for b in range(0, len(workload.prompts), batch_size):
-            batch = workload.prompts[b : b + batch_size]
-            olens = workload.output_lens[b : b + batch_size]
-            width = max(len(p) for p in batch)
-            ids = torch.zeros((len(batch), width), dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for i, p in enumerate(batch):  # left padding, as decoder-only batching needs
-                ids[i, width - len(p):] = torch.tensor(p)
-                mask[i, width - len(p):] = 1
-            n = max(olens)
-            model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
-                           min_new_tokens=n, pad_token_id=0)
-            produced += sum(olens)  # tokens past a request's own length are not counted
-    elapsed = time.perf_counter() - start
-    return {
-        "backend": "hf", "elapsed_s": elapsed, "output_tokens": produced,
-        "prompt_tokens": workload.num_prompt_tokens, "output_tokens_per_s": produced / elapsed,
-        "total_tokens_per_s": (produced + workload.num_prompt_tokens) / elapsed,
-        "batch_size": batch_size, "torch_threads": torch.get_num_threads(),
-    }
+    def __init__(self, model_path: str, workload: Workload, batch_size: int, threads: int | None):
+        import torch
+        import transformers
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.workload, self.batch_size = workload, batch_size
+
+    def run_once(self) -> dict:
+        import torch
+
+        produced = 0
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for b in range(0, len(self.workload.prompts), self.batch_size):
+                batch = self.workload.prompts[b : b + self.batch_size]
+                olens = self.workload.output_lens[b : b + self.batch_size]
+                width = max(len(p) for p in batch)
+                ids = torch.zeros((len(batch), width), dtype=torch.long)
+                mask = torch.zeros((len(batch), width), dtype=torch.long)
+                for i, p in enumerate(batch):  # left padding, as decoder-only batching needs
+                    ids[i, width - len(p):] = torch.tensor(p)
+                    mask[i, width - len(p):] = 1
+                n = max(olens)
+                self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
+                                    min_new_tokens=n, pad_token_id=0)
+                produced += sum(olens)  # tokens past a request's own length are not counted
+        return {"elapsed_s": time.perf_counter() - start, "output_tokens": produced}
+
+    def summary(self, it: dict) -> dict:
+        import torch
+
+        return {"backend": "hf", "elapsed_s": it["elapsed_s"], **_rates(it, self.workload),
+                "batch_size": self.batch_size, "torch_threads": torch.get_num_threads()}
+
+
+def _median(iterations: list[dict]) -> dict:
+    """The iteration of median speed (the slower middle one when there are two)."""
+    return sorted(iterations, key=lambda it: it["elapsed_s"])[len(iterations) // 2]
+
+
+def run_iterations(benches: dict[str, Any], num_iters: int) -> dict[str, list[dict]]:
+    """Each bench's ``run_once`` ``num_iters`` times, the backends taking turns (A B A B ...), so
+    that a slow spell of a shared machine lands on both instead of on one backend's only run."""
+    runs: dict[str, list[dict]] = {name: [] for name in benches}
+    for _ in range(num_iters):
+        for name, bench in benches.items():
+            gc.collect()  # neither backend pays for the other's garbage
+            runs[name].append(bench.run_once())
+    return runs
 
 
 def run_throughput_cli(args) -> dict:
+    from jaxserve.bench import op_profile
     from jaxserve.config import EngineConfig
     from jaxserve.testing import default_cache_dir
 
     if args.profile_ops:
-        from jaxserve.bench.op_profile import request_cpu_op_events
-
-        request_cpu_op_events()  # before anything starts the XLA backend
+        op_profile.request_cpu_op_events()  # before anything starts the XLA backend
 
     model = args.model
     if args.random_model:
@@ -196,12 +233,31 @@ def run_throughput_cli(args) -> dict:
         "output_len_range": list(out), "prompt_tokens": workload.num_prompt_tokens,
         "output_tokens": workload.num_output_tokens, "cpu_count": os.cpu_count(),
     }
+    benches: dict[str, Any] = {}
     if args.backend in ("jaxserve", "both"):
-        result["jaxserve"] = run_jaxserve(model, workload, engine_args, args.ignore_eos, args.profile,
-                                          args.profile_ops, detokenize=not args.disable_detokenize)
+        benches["jaxserve"] = JaxserveBench(model, workload, engine_args, args.ignore_eos, args.profile,
+                                            detokenize=not args.disable_detokenize)
     if args.backend in ("hf", "both"):
-        result["hf"] = run_hf(model, workload, args.hf_batch_size, args.torch_threads)
+        benches["hf"] = HFBench(model, workload, args.hf_batch_size, args.torch_threads)
+    ops: dict[str, Any] = {}
+    runs: dict[str, list[dict]] = {}
+    steps_of = lambda: sum(it["num_steps"] for it in runs.get("jaxserve", []))  # noqa: E731
+    tracing = (op_profile.trace_ops(ops, args.profile_ops, steps_of)
+               if args.profile_ops and "jaxserve" in benches else contextlib.nullcontext())
+    with tracing:  # the trace's own overhead lands in elapsed: compare traced runs with traced runs
+        runs.update(run_iterations(benches, args.num_iters))
+    result["num_iters"] = args.num_iters
+    for name, bench in benches.items():
+        result[name] = bench.summary(_median(runs[name]))
+        result[name]["iterations_output_tokens_per_s"] = [it["output_tokens"] / it["elapsed_s"] for it in runs[name]]
+    if "jaxserve" in benches:
+        if args.profile:
+            result["jaxserve"]["profile"] = _step_profile(benches["jaxserve"].llm)
+        if args.profile_ops:
+            result["jaxserve"]["op_profile"] = ops
     if args.backend == "both":
-        result["output_throughput_ratio"] = (result["jaxserve"]["output_tokens_per_s"]
-                                             / result["hf"]["output_tokens_per_s"])
+        ours, hf = result["jaxserve"], result["hf"]
+        result["output_throughput_ratio"] = ours["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        result["iteration_ratios"] = [a / b for a, b in zip(ours["iterations_output_tokens_per_s"],
+                                                            hf["iterations_output_tokens_per_s"])]
     return result
