@@ -97,22 +97,32 @@ class LLMEngine:
 
     def step(self) -> list[tuple[ParentState, RequestOutput]]:
         core_outputs = self.core.step()
-        now = time.monotonic()
-        for out in core_outputs:
-            entry = self.output_processor.child_to_parent.get(out.request_id)
-            if entry is None or not out.new_token_ids:
-                continue
-            m = entry[0].metrics
-            if m.first_token_time is None:
-                self.metrics.record_first_token(now - m.arrival_time, len(entry[0].prompt_token_ids))
-                itl = None
-            else:
-                itl = now - m.last_token_time if m.last_token_time is not None else None
-            self.metrics.record_tokens(len(out.new_token_ids), itl)
+        self._record_iteration(core_outputs, time.monotonic())
         delivered, stopped = self.output_processor.process_outputs(core_outputs)
         self.core.abort_requests(stopped)
         self.metrics.record_step(self.core.scheduler.make_stats(), self.core.runner.stats)  # after the aborts above
         return delivered
+
+    def _record_iteration(self, core_outputs, now: float) -> None:
+        """The step's token counts and latencies, read before the output processor stamps them."""
+        num_tokens, num_prompt_tokens, itls, ttfts = 0, 0, [], []
+        firsts: set[str] = set()
+        child_to_parent = self.output_processor.child_to_parent
+        for out in core_outputs:
+            entry = child_to_parent.get(out.request_id)
+            if entry is None or not out.new_token_ids:
+                continue
+            num_tokens += len(out.new_token_ids)
+            parent = entry[0]
+            m = parent.metrics
+            if m.first_token_time is None:
+                if parent.request_id not in firsts:  # n > 1: a parent's first token counts once
+                    firsts.add(parent.request_id)
+                    ttfts.append(now - m.arrival_time)
+                    num_prompt_tokens += len(parent.prompt_token_ids)
+            elif m.last_token_time is not None:
+                itls.append(now - m.last_token_time)
+        self.metrics.record_iteration(num_tokens, itls, ttfts, num_prompt_tokens)
 
     def _on_finished(self, parent: ParentState) -> None:
         reasons = [c.finish_reason for c in parent.children]

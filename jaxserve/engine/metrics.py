@@ -2,15 +2,20 @@
 
 ``/metrics`` renders the registry; ``LLM.get_metrics()`` returns the same samples as plain records.
 Gauges are refreshed from the scheduler's stats after each step; counters and histograms are fed
-from step stats and from requests as they finish.
+once per step with that step's tokens and latencies (as vLLM's per-iteration stats are), and from
+requests as they finish.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import threading
+from typing import Optional, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from jaxserve.core.stats import SchedulerStats
 
@@ -25,6 +30,42 @@ class Metric:
     value: float  # gauge/counter value; histogram: sum
     count: Optional[int] = None  # histogram sample count
     labels: Optional[dict[str, str]] = None
+
+
+class BatchedHistogram:
+    """A Prometheus histogram fed a whole step's samples at once.
+
+    One numpy pass per step replaces one locked update per token (the inter-token latency has a
+    sample per generated token). Bucket ``i`` counts samples ``<= buckets[i]``, as Prometheus'
+    ``le`` does; the last bucket is +Inf. Registered as a collector, it renders like any other
+    histogram of the registry.
+    """
+
+    def __init__(self, name: str, documentation: str, labels: dict[str, str], buckets: Sequence[float],
+                 registry: CollectorRegistry):
+        self.name, self.documentation, self.labels = name, documentation, dict(labels)
+        self.bounds = np.asarray(buckets, np.float64)
+        self.counts = np.zeros(len(buckets) + 1, np.int64)
+        self.total = 0.0
+        self._lock = threading.Lock()  # /metrics reads from the server's thread
+        registry.register(self)
+
+    def observe(self, values: Sequence[float]) -> None:
+        if len(values) == 0:
+            return
+        v = np.asarray(values, np.float64)
+        counts = np.bincount(np.searchsorted(self.bounds, v, side="left"), minlength=len(self.counts))
+        with self._lock:
+            self.counts += counts
+            self.total += float(v.sum())
+
+    def collect(self):
+        with self._lock:
+            cumulative, total = np.cumsum(self.counts), self.total
+        family = HistogramMetricFamily(self.name, self.documentation, labels=list(self.labels))
+        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        family.add_metric(list(self.labels.values()), list(zip(les, cumulative.tolist())), total)
+        yield family
 
 
 class EngineMetrics:
@@ -42,12 +83,12 @@ class EngineMetrics:
         self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prefill tokens processed", lbl, registry=r)
         self.generation_tokens = Counter("jaxserve:generation_tokens", "Generated tokens", lbl, registry=r)
         self.request_success = Counter("jaxserve:request_success", "Finished requests", lbl + ["finished_reason"], registry=r)
-        self.ttft = Histogram("jaxserve:time_to_first_token_seconds", "Time to first token", lbl,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("jaxserve:inter_token_latency_seconds", "Inter-token latency", lbl,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("jaxserve:e2e_request_latency_seconds", "End-to-end request latency", lbl,
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = BatchedHistogram("jaxserve:time_to_first_token_seconds", "Time to first token",
+                                     self._labels, _LATENCY_BUCKETS, r)
+        self.itl = BatchedHistogram("jaxserve:inter_token_latency_seconds", "Inter-token latency",
+                                    self._labels, _LATENCY_BUCKETS, r)
+        self.e2e = BatchedHistogram("jaxserve:e2e_request_latency_seconds", "End-to-end request latency",
+                                    self._labels, _LATENCY_BUCKETS, r)
         self.compiles = Gauge("jaxserve:num_compiled_step_variants", "Compiled step variants", lbl, registry=r)
         self.padding = Gauge("jaxserve:step_padding_ratio", "Share of padded token slots so far", lbl, registry=r)
         self.backend = Gauge("jaxserve:attention_backend_info", "Attention backend in use (value 1)",
@@ -76,19 +117,21 @@ class EngineMetrics:
             self._l(self.padding).set(runner_stats.padding_ratio)
         self._last = stats
 
-    def record_tokens(self, num_tokens: int, itl: Optional[float]) -> None:
-        self._l(self.generation_tokens).inc(num_tokens)
-        if itl is not None:
-            self._l(self.itl).observe(itl)
-
-    def record_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
-        self._l(self.ttft).observe(ttft)
-        self._l(self.prompt_tokens).inc(num_prompt_tokens)
+    def record_iteration(self, num_generation_tokens: int, itls: Sequence[float], ttfts: Sequence[float],
+                         num_prompt_tokens: int) -> None:
+        """One step's new tokens: their count, the inter-token latencies of requests past their
+        first token, and the time to first token of those that got it (with their prompt sizes)."""
+        if num_generation_tokens:
+            self._l(self.generation_tokens).inc(num_generation_tokens)
+        if num_prompt_tokens:
+            self._l(self.prompt_tokens).inc(num_prompt_tokens)
+        self.itl.observe(itls)
+        self.ttft.observe(ttfts)
 
     def record_finished(self, finish_reason: str, e2e: Optional[float]) -> None:
         self._l(self.request_success, finished_reason=finish_reason).inc()
         if e2e is not None:
-            self._l(self.e2e).observe(e2e)
+            self.e2e.observe([e2e])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -152,6 +152,25 @@ def test_metrics_have_vllm_names(llm):
     assert backend.labels["backend"] == llm.stats()["attention_backend"] == "cpu" and backend.value == 1
 
 
+def test_step_tokens_and_first_tokens_are_counted_once_per_parent(llm):
+    def value(name):
+        return sum(m.value for m in llm.get_metrics() if m.name == name)
+
+    def count(name):
+        return sum(m.count for m in llm.get_metrics() if m.name == name)
+
+    tokens, prompt, ttft, itl = (value("jaxserve:generation_tokens_total"), value("jaxserve:prompt_tokens_total"),
+                                 count("jaxserve:time_to_first_token_seconds"),
+                                 count("jaxserve:inter_token_latency_seconds"))
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}],
+                       SamplingParams(n=2, max_tokens=5, ignore_eos=True, temperature=1.0, seed=3), use_tqdm=False)
+    assert sum(len(c.token_ids) for c in out[0].outputs) == 10
+    assert value("jaxserve:generation_tokens_total") - tokens == 10
+    assert value("jaxserve:prompt_tokens_total") - prompt == 4  # one prompt, shared by both samples
+    assert count("jaxserve:time_to_first_token_seconds") - ttft == 1
+    assert count("jaxserve:inter_token_latency_seconds") - itl == 8  # 4 later tokens per sample
+
+
 def test_kv_cache_sizing(demo_model):
     from jaxserve.config import EngineConfig
     from jaxserve.models import ModelConfig
