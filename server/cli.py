@@ -57,6 +57,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from jaxserve.config import EngineConfig
     from jaxserve.engine.async_llm import AsyncLLM
+    from jaxserve.engine.gc_heap import freeze_startup_heap
     from jaxserve_server.app import build_app
 
     if args.max_waiting < 1:
@@ -75,6 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
     config = EngineConfig.from_cli_args(args, model=args.model)
     engine = AsyncLLM.from_config(config, served_model_name=args.served_model_name,
                                   max_waiting=args.max_waiting, show_progress=True)
+    freeze_startup_heap()
     try:
         app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                         chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,

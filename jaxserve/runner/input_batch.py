@@ -100,10 +100,14 @@ class PersistentBatch:
         self.block_table[slot, n : n + len(block_ids)] = block_ids
         self.num_blocks[slot] = n + len(block_ids)
 
-    def append_token(self, slot: int, token: int) -> None:
-        n = int(self.num_tokens[slot])
-        self.token_ids[slot, n] = token
-        self.num_tokens[slot] = n + 1
+    def append_tokens(self, slots: list[int], tokens: list[int]) -> None:
+        """One new token for each of ``slots`` (distinct), as one scatter."""
+        if not slots:
+            return
+        rows = np.asarray(slots, np.intp)
+        n = self.num_tokens[rows]
+        self.token_ids[rows, n] = tokens
+        self.num_tokens[rows] = n + 1
 
 
 def build_step_arrays(

@@ -278,7 +278,8 @@ class ModelRunner:
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.requests[req_id]
-            self.batch.append_blocks(state.slot, new_blocks)
+            if new_blocks:
+                self.batch.append_blocks(state.slot, new_blocks)
             state.num_computed_tokens = num_computed
         return new_slots
 
@@ -371,17 +372,19 @@ class ModelRunner:
         self.stats.device_wait_seconds += time.perf_counter() - start
         sampled_lists, logprob_rows = [], []
         prompt_logprobs: dict[str, list] = {}
-        for i, (state, ok) in enumerate(zip(states, plan.samples)):
+        live_slots, live_tokens = [], []
+        tokens = sampled[: len(states)].tolist()
+        for i, (state, ok, token) in enumerate(zip(states, plan.samples, tokens)):
             # num_computed_tokens is not advanced here: the scheduler's count arrives with the next
             # step, and with async scheduling that step was prepared before this one finished.
             if not ok:
                 sampled_lists.append([])
                 logprob_rows.append(None)
                 continue
-            token = int(sampled[i])
             state.output_token_ids.append(token)
             if self.requests.get(state.req_id) is state:  # else finished or preempted meanwhile: its
-                self.batch.append_token(state.slot, token)  # slot may already hold another request
+                live_slots.append(state.slot)  # slot may already hold another request
+                live_tokens.append(token)
             sampled_lists.append([token])
             if state.sampling_params.prompt_logprobs is not None and state.prompt_logprobs_rows is not None:
                 prompt_logprobs[state.req_id] = state.prompt_logprobs_rows
@@ -391,6 +394,7 @@ class ModelRunner:
                 logprob_rows.append(None)
             else:
                 logprob_rows.append((logprob_ids[i, : k + 1].tolist(), logprobs[i, : k + 1].tolist(), int(ranks[i])))
+        self.batch.append_tokens(live_slots, live_tokens)
         return ModelRunnerOutput(
             req_ids=plan.req_ids, req_id_to_index={r: i for i, r in enumerate(plan.req_ids)},
             sampled_token_ids=sampled_lists, logprobs=logprob_rows if want_logprobs else None,

@@ -73,10 +73,13 @@ def test_step_arrays_match_a_per_request_oracle():
     total = want["query_start_loc"][-1]
     assert (arrays["token_slots"][total:] == PAD).all() and (arrays["slot_mapping"][total:] == -1).all()
 
-    # a sampled token lands in the request's row; the next decode reads it from the host
-    batch.append_token(1, 77)
+    # sampled tokens land in their requests' rows; the next decode reads them from the host
+    before = batch.num_tokens.copy()
+    batch.append_tokens([1, 3], [77, 78])
+    assert (batch.num_tokens - before).tolist() == [0, 1, 0, 1] + [0] * (len(before) - 4)
     arrays, _ = build_step_arrays(batch, [1], [6], [1], [-1], set(), 1, 1, BS, PAD)
     assert arrays["input_ids"][0] == 77 and arrays["prev_rows"][0] == -1
+    assert batch.token_ids[3, before[3]] == 78
 
 
 def test_a_token_neither_known_nor_in_flight_is_an_error():
