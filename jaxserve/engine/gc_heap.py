@@ -12,8 +12,8 @@ def freeze_startup_heap() -> None:
     the engine), and each full collection walks them all: about 80 ms on the 2-core CPU, landing
     on whichever step triggers it. Frozen, they are skipped, and a full pass scans only what
     serving allocates; vLLM's engine process does the same after start-up. Only for a process
-    that keeps its engine to the end (the CLI's ``serve`` and ``bench``): a frozen object that
-    later becomes cyclic garbage is never collected.
+    that keeps its engine to the end (the CLI's ``serve``): a frozen object that later becomes
+    cyclic garbage is never collected.
     """
     gc.collect()
     gc.freeze()
