@@ -149,7 +149,7 @@ def _prepend_prompt_logprobs(ro: RequestOutput, tokens: TokenText, generated: Co
     offset = 0
     plp = ro.prompt_logprobs or []  # [None, {token: Logprob}, ...]
     for i, token_id in enumerate(ro.prompt_token_ids):
-        entry = (plp[i] if i < len(plp) else None) or None
+        entry = (plp[i] if i < len(plp) else None) or None  # the first position's None, or {}: no logprobs
         offset = _append_position(lp, tokens.text(token_id), token_id, entry, tokens, offset)
     lp.tokens += generated.tokens
     lp.token_logprobs += generated.token_logprobs

@@ -243,7 +243,10 @@ def run_throughput_cli(args) -> dict:
         benches["hf"] = HFBench(model, workload, args.hf_batch_size, args.torch_threads)
     ops: dict[str, Any] = {}
     runs: dict[str, list[dict]] = {}
-    steps_of = lambda: sum(it["num_steps"] for it in runs.get("jaxserve", []))  # noqa: E731
+
+    def steps_of() -> int:  # read when the trace ends: every traced jaxserve iteration's steps
+        return sum(it["num_steps"] for it in runs.get("jaxserve", []))
+
     tracing = (op_profile.trace_ops(ops, args.profile_ops, steps_of)
                if args.profile_ops and "jaxserve" in benches else contextlib.nullcontext())
     with tracing:  # the trace's own overhead lands in elapsed: compare traced runs with traced runs
