@@ -59,6 +59,10 @@ class EngineConfig:
     """JAX persistent compilation cache folder; default is under the user cache; 'off' disables it."""
     interpret_kernels: bool | None = None
     """Run Pallas kernels in interpret mode (default: on when not on a GPU)."""
+    scan_layers: bool | None = None
+    """Decoder layers under lax.scan over stacked weights (compile time flat in depth), or unrolled
+    over per-layer weights (no weight slicing per step; longer compiles for deep models).
+    Default: unrolled up to 8 layers, scanned above."""
 
     def __post_init__(self) -> None:
         self.validate()

@@ -126,6 +126,7 @@ class JaxserveBench:
             "padding_ratio": stats["compile_padding_ratio"], "num_steps": it["num_steps"],
             "device_wait_s": it["device_wait_s"], "host_ms_per_step": it["host_ms_per_step"],
             "num_preemptions": stats["num_preemptions"], "attention_backend": stats["attention_backend"],
+            "scan_layers": stats["scan_layers"],
             "token_buckets": stats["token_buckets"], "detokenize": self.detokenize,
         }
 

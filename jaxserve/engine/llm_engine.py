@@ -144,6 +144,7 @@ class LLMEngine:
             "prefix_cache_hits": s.prefix_cache_hits,
             "num_preemptions": s.num_preemptions,
             "attention_backend": self.core.runner.attention_backend,
+            "scan_layers": self.core.runner.scan_layers,
             "token_buckets": list(self.core.runner.buckets.token_buckets),
             **{f"compile_{k}": v for k, v in self.core.runner.stats.as_dict().items()},
         }

@@ -94,6 +94,7 @@ class ModelRunner:
         self.config = config
         self.model = model
         self.params = params
+        self.scan_layers = not isinstance(params["layers"], (list, tuple))
         self.mc = model.config
         self.max_model_len = max_model_len
         self.block_size = config.block_size
@@ -231,7 +232,8 @@ class ModelRunner:
         self._warmed_up = True
         summary = (f"compiled {len(variants)} step variants (token buckets {list(self.buckets.token_buckets)}) "
                    f"in {time.perf_counter() - start:.1f} s, {self.stats.persistent_cache_hits} from the "
-                   f"persistent cache; attention backend: {self.attention_backend}")
+                   f"persistent cache; attention backend: {self.attention_backend}; layers "
+                   f"{'scanned' if self.scan_layers else 'unrolled'}")
         logger.info(summary)
         if show_progress:
             print(f"jaxserve: {summary}", file=sys.stderr, flush=True)  # stdout may carry JSON

@@ -40,6 +40,13 @@ def test_no_compile_after_warm_up(llm):
     assert_pool_empty(llm)
 
 
+def test_default_layer_layout_follows_depth(llm):
+    from jaxserve.models.llama import default_scan_layers
+
+    depth = llm.llm_engine.model_config.num_hidden_layers
+    assert llm.stats()["scan_layers"] is default_scan_layers(depth) is (depth > 8)
+
+
 def test_eager_matches_compiled(llm, demo_model):
     prompts = random_prompts(5, seed=11, hi=90)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

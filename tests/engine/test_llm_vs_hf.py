@@ -70,6 +70,15 @@ def test_whole_prefill_matches_hf(demo_model, prompts, hf_outputs):
     assert ours == hf_outputs
 
 
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_both_layer_layouts_match_hf(demo_model, prompts, hf_outputs, scan_layers):
+    # The demo model is shallow enough to be unrolled by default; both layouts must agree.
+    ours, llm = run(demo_model, prompts, max_num_batched_tokens=64, scan_layers=scan_layers)
+    assert ours == hf_outputs
+    assert llm.stats()["scan_layers"] is scan_layers
+    assert llm.stats()["compile_unexpected_compiles"] == 0
+
+
 def test_preemption_matches_hf(demo_model, prompts, hf_outputs):
     # 24 usable blocks (384 tokens) cannot hold 18 requests of up to 184 tokens at once.
     ours, llm = run(demo_model, prompts, max_num_batched_tokens=64, num_gpu_blocks_override=25)

@@ -72,21 +72,23 @@ def prompt(length: int, seed: int = 0, vocab: int = 500) -> list[int]:
     return np.random.default_rng(seed).integers(3, vocab, length).tolist()
 
 
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("length", [1, 9, 70])
-def test_logits_match_transformers(tiny_checkpoints, arch, length):
+def test_logits_match_transformers(tiny_checkpoints, arch, length, scan_layers):
     folder = tiny_checkpoints[arch]
     ids = prompt(length, seed=length)
-    model, params = load_model(folder)
+    model, params = load_model(folder, scan_layers=scan_layers)
     ours = PagedSequence(model, params).feed(ids)
     np.testing.assert_allclose(ours, hf_logits(folder, ids), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_greedy_continuation_matches_transformers(tiny_checkpoints, arch):
+def test_greedy_continuation_matches_transformers(tiny_checkpoints, arch, scan_layers):
     folder = tiny_checkpoints[arch]
     ids = prompt(13, seed=7)
-    model, params = load_model(folder)
+    model, params = load_model(folder, scan_layers=scan_layers)
     seq = PagedSequence(model, params)
     logits = seq.feed(ids)
     ours = []
@@ -94,6 +96,26 @@ def test_greedy_continuation_matches_transformers(tiny_checkpoints, arch):
         ours.append(int(logits[-1].argmax()))
         logits = seq.feed([ours[-1]])
     assert ours == hf_greedy(folder, ids, 32)
+
+
+def test_scanned_and_unrolled_layouts_agree(qwen3_checkpoint):
+    model, stacked = load_model(qwen3_checkpoint, scan_layers=True)
+    _, per_layer = load_model(qwen3_checkpoint, scan_layers=False)
+    assert isinstance(per_layer["layers"], list) and len(per_layer["layers"]) == model.config.num_hidden_layers
+    for i, lp in enumerate(per_layer["layers"]):
+        assert lp.keys() == stacked["layers"].keys()
+        for name, w in lp.items():
+            np.testing.assert_array_equal(w, stacked["layers"][name][i])
+    ids = prompt(37, seed=9)
+    np.testing.assert_allclose(PagedSequence(model, per_layer).feed(ids), PagedSequence(model, stacked).feed(ids),
+                               atol=1e-5, rtol=0)
+
+
+def test_default_layout_by_depth():
+    from jaxserve.models.llama import UNROLL_MAX_LAYERS, default_scan_layers
+
+    assert not default_scan_layers(1) and not default_scan_layers(UNROLL_MAX_LAYERS)
+    assert default_scan_layers(UNROLL_MAX_LAYERS + 1) and default_scan_layers(28)
 
 
 def test_two_chunks_equal_one_pass(qwen3_checkpoint):
