@@ -6,7 +6,7 @@ request through the metadata. The weights' layout picks how the layers run:
 - stacked (a leading layer axis): under ``lax.scan``, so a 28-layer model compiles as fast as a
   1-layer one, with the KV cache in the scan carry so that XLA updates it in place. The price is
   paid every step: each layer's weights are sliced out of the stack, and on XLA:CPU a slice is a
-  copy (on the CPU benchmark model, 7% of the device time of a 64-token decode step).
+  copy (on the CPU benchmark model, 8% of the device time of a 64-token decode step).
 - a list of per-layer dicts: unrolled, each matmul reading its own weights. Compiling takes
   about as long at 4 layers, 1.75x as long at 28.
 
@@ -30,9 +30,10 @@ Params = dict[str, Any]
 KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [L, num_blocks, block_size, Hkv, D]
 
 # Deepest model unrolled by default. Measured on the 4-layer CPU benchmark model, in one process
-# with the two layouts taking turns: the same speed when the machine is quiet, 12-15% faster when
-# other tenants load it (less memory traffic per step); compile time equal. At 28 layers the
-# unrolled compile takes 1.75x as long, which every start-up pays.
+# with the two layouts taking turns: unrolled gave 2.4% more output tokens/s over 14 quiet turns,
+# and 12-17% more in three turns when other tenants loaded the machine (it moves 25 MB less per
+# 64-row decode step); compile time about equal. At 28 layers the unrolled compile takes 1.75x as
+# long, which every start-up pays.
 UNROLL_MAX_LAYERS = 8
 
 
