@@ -51,3 +51,34 @@ def test_lowers_auto_mode_and_big_buckets():
     assert _is_triton(pk.lower_for_cuda(
         dict(mode="mixed", dtype="bfloat16", head_dim=128, block_size=16), num_tokens=8192,
         num_seqs=8, num_blocks=4096, max_blocks=128))
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_whole_decoder_lowers_for_cuda_in_both_layer_layouts(qwen3_checkpoint, scan_layers):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.layers.attention import AttentionMetadata
+    from jaxserve.models import load_model
+
+    model, params = load_model(qwen3_checkpoint, scan_layers=scan_layers)
+    cfg = model.config
+    attn = pk.get_attention_fn("pallas", interpret=False)
+    sds = jax.ShapeDtypeStruct
+    tokens, rows, max_blocks = 32, 8, 16
+    md = AttentionMetadata(
+        positions=sds((tokens,), jnp.int32), slot_mapping=sds((tokens,), jnp.int32),
+        block_tables=sds((rows, max_blocks), jnp.int32), kv_lens=sds((rows,), jnp.int32),
+        query_start_loc=sds((rows + 1,), jnp.int32), num_seqs=sds((1,), jnp.int32))
+    pool = sds((cfg.num_hidden_layers, 64, 16, cfg.num_key_value_heads, cfg.head_dim), jnp.float32)
+
+    def step(params, ids, kv, md):
+        hidden, kv = model.forward(params, ids, kv, md, attn)
+        return model.compute_logits(params, hidden), kv
+
+    text = jax.jit(step).trace(params, sds((tokens,), jnp.int32), (pool, pool), md).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert _is_triton(text)
+    # The scan body holds the one kernel call; unrolled, each layer has its own.
+    calls = text.count("custom_call @__gpu$xla.gpu.triton") + text.count("custom_call @triton_kernel_call")
+    assert calls == (1 if scan_layers else cfg.num_hidden_layers)
