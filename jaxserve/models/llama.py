@@ -41,6 +41,11 @@ def default_scan_layers(num_layers: int) -> bool:
     return num_layers > UNROLL_MAX_LAYERS
 
 
+def layers_are_stacked(params: Params) -> bool:
+    """True for the scanned layout (a dict of stacks), False for a list of per-layer dicts."""
+    return not isinstance(params["layers"], (list, tuple))
+
+
 class LlamaModel:
     """Stateless model: weights are a pytree passed to every call, the config is static."""
 
@@ -70,12 +75,12 @@ class LlamaModel:
             return (h, k_pool, v_pool), None
 
         carry = (hidden, k_cache.reshape(pool_shape), v_cache.reshape(pool_shape))
-        if isinstance(params["layers"], (list, tuple)):  # unrolled over per-layer weights
-            for i, lp in enumerate(params["layers"]):
-                carry, _ = layer_step(carry, (lp, jnp.int32(i)))
-        else:
+        if layers_are_stacked(params):
             layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
             carry, _ = jax.lax.scan(layer_step, carry, (params["layers"], layer_ids))
+        else:
+            for i, lp in enumerate(params["layers"]):
+                carry, _ = layer_step(carry, (lp, jnp.int32(i)))
         hidden, k_pool, v_pool = carry
         return hidden, (k_pool.reshape(k_cache.shape), v_pool.reshape(v_cache.shape))
 

@@ -31,7 +31,7 @@ import pallas_kernels
 from jaxserve.config import EngineConfig
 from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.layers.attention import AttentionMetadata
-from jaxserve.models.llama import LlamaModel, Params
+from jaxserve.models.llama import LlamaModel, Params, layers_are_stacked
 from jaxserve.runner import compile_stats
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.input_batch import (CachedRequestState, PersistentBatch, SlotAllocator, StepPlan,
@@ -94,7 +94,7 @@ class ModelRunner:
         self.config = config
         self.model = model
         self.params = params
-        self.scan_layers = not isinstance(params["layers"], (list, tuple))
+        self.scan_layers = layers_are_stacked(params)
         self.mc = model.config
         self.max_model_len = max_model_len
         self.block_size = config.block_size
