@@ -131,9 +131,13 @@ class JaxserveBench:
         }
 
 
+def _output_rate(it: dict) -> float:
+    return it["output_tokens"] / it["elapsed_s"]
+
+
 def _rates(it: dict, workload: Workload) -> dict:
     return {"output_tokens": it["output_tokens"], "prompt_tokens": workload.num_prompt_tokens,
-            "output_tokens_per_s": it["output_tokens"] / it["elapsed_s"],
+            "output_tokens_per_s": _output_rate(it),
             "total_tokens_per_s": (it["output_tokens"] + workload.num_prompt_tokens) / it["elapsed_s"]}
 
 
@@ -255,7 +259,7 @@ def run_throughput_cli(args) -> dict:
     result["num_iters"] = args.num_iters
     for name, bench in benches.items():
         result[name] = bench.summary(_median(runs[name]))
-        result[name]["iterations_output_tokens_per_s"] = [it["output_tokens"] / it["elapsed_s"] for it in runs[name]]
+        result[name]["iterations_output_tokens_per_s"] = [_output_rate(it) for it in runs[name]]
     if "jaxserve" in benches:
         if args.profile:
             result["jaxserve"]["profile"] = _step_profile(benches["jaxserve"].llm)

@@ -32,8 +32,8 @@ KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [L, num_blocks, block_size
 # Deepest model unrolled by default. Measured on the 4-layer CPU benchmark model, in one process
 # with the two layouts taking turns (14 turns each, twice): unrolled gave 2.4% and 1.5% more output
 # tokens/s, and 7-17% more in the turns when other tenants loaded the machine (it moves 25 MB less
-# per 64-row decode step); compile time about equal. At 28 layers the unrolled compile takes 1.75x
-# as long, which every start-up pays.
+# per 64-row decode step). Deeper models stay scanned for the compile time (module docstring),
+# which every start-up pays.
 UNROLL_MAX_LAYERS = 8
 
 
