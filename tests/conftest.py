@@ -13,6 +13,18 @@ from jaxserve.testing import TINY_CONFIGS, build_tiny_checkpoint  # noqa: E402
 ARCHITECTURES = tuple(TINY_CONFIGS)
 
 
+def pytest_sessionstart(session):
+    """Without a GPU, Triton can only interpret, and it fixes its mode at its first import. The
+    CUDA-lowering tests import it indirectly (through Pallas), so whichever test ran first would
+    decide; importing the interpreted kernels now makes any subset of the suite behave alike."""
+    import jax
+
+    from pallas_kernels import triton_attention
+
+    if jax.default_backend() == "cpu" and triton_attention.triton_interpret_available()[0]:
+        triton_attention._interpreted_kernels()
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
     """One random tiny checkpoint folder per supported architecture."""
