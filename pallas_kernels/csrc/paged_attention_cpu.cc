@@ -105,25 +105,34 @@ inline const float* as_f32(const uint16_t* src, float* buf, int n) {
   return buf;
 }
 
-// acc[0:D] = alpha * acc + sum_j p[j] * v[j * stride : j * stride + D], the accumulator held in
-// registers when D is a compile-time constant.
-template <int kD>
-inline void accumulate_row(float* acc, float alpha, const float* p, const float* v, int n, int64_t stride, int D_) {
+// For kR rows r: acc_r[0:D] = alpha[r] * acc_r + sum_j p_r[j] * v_r[j * stride : j * stride + D].
+// Rows lie kD apart in acc and p_stride apart in p; v[r] is row r's first V row. The rows'
+// accumulators are held in registers together: one row alone is a chain of dependent FMAs per
+// register (each waits ~4 cycles for the last), while kR rows interleaved keep the FMA unit busy.
+// Each row's arithmetic is the same whatever kR, so results never depend on the blocking.
+template <int kD, int kR>
+inline void accumulate_rows(float* acc, const float* alpha, const float* p, int p_stride, const float* const* v,
+                            int n, int64_t stride) {
 #if defined(__AVX512F__)
-  if constexpr (kD > 0 && kD % 16 == 0) {
-    constexpr int kV = kD / 16;
-    const __m512 scale = _mm512_set1_ps(alpha);
-    __m512 a[kV];
-    for (int i = 0; i < kV; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), scale);
-    for (int j = 0; j < n; ++j) {
-      const __m512 pj = _mm512_set1_ps(p[j]);
-      for (int i = 0; i < kV; ++i) a[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + j * stride + 16 * i), a[i]);
-    }
-    for (int i = 0; i < kV; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
-    return;
+  constexpr int kV = kD / 16;
+  __m512 a[kR][kV];
+  for (int r = 0; r < kR; ++r) {
+    const __m512 scale = _mm512_set1_ps(alpha[r]);
+    for (int i = 0; i < kV; ++i) a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * kD + 16 * i), scale);
   }
+  for (int j = 0; j < n; ++j)
+    for (int r = 0; r < kR; ++r) {
+      const __m512 pj = _mm512_set1_ps(p[r * p_stride + j]);
+      for (int i = 0; i < kV; ++i) a[r][i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v[r] + j * stride + 16 * i), a[r][i]);
+    }
+  for (int r = 0; r < kR; ++r)
+    for (int i = 0; i < kV; ++i) _mm512_storeu_ps(acc + r * kD + 16 * i, a[r][i]);
 #endif
-  const int D = kD > 0 ? kD : D_;
+}
+
+// The same for one row of any D, in portable loops (bf16 pages are converted by the caller).
+inline void accumulate_row_portable(float* acc, float alpha, const float* p, const float* v, int n, int64_t stride,
+                                    int D) {
   for (int d = 0; d < D; ++d) acc[d] *= alpha;
   for (int j = 0; j < n; ++j)
     for (int d = 0; d < D; ++d) acc[d] += p[j] * v[j * stride + d];
@@ -162,29 +171,21 @@ template <int kD>
 inline void score16_avx512(const float*, const float*, int64_t, float*) {}
 #endif
 
-// The sum of a page's weights. A fixed order either way (so a row's sum never depends on its
-// tile); with AVX-512, 16 lanes at a time, where gcc would otherwise keep the loop's reduction
-// as a chain of 16 dependent scalar adds.
-inline float sum_page(const float* p, int n) {
-#if defined(__AVX512F__)
-  if (n % 16 == 0) {
-    __m512 acc = _mm512_loadu_ps(p);
-    for (int j = 16; j < n; j += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(p + j));
-    return _mm512_reduce_add_ps(acc);
-  }
-#endif
-  float sum = 0.0f;
-  for (int j = 0; j < n; ++j) sum += p[j];
-  return sum;
-}
-
 // One work item: queries [q_begin, q_end) of request `req`, all heads. Rows of the tile are
 // (query, q head); a page's K/V rows ([Hkv, D] per position, contiguous) are read once for all.
 //
 // Batch invariance: a row's result must not depend on which tile it lands in (tiles follow the
 // step's chunking, and a seeded sample must not change with the batch). So every row is scored
 // by the same code whatever the tile's size, and the softmax and the P.V sum run over whole
-// pages: the positions a tile adds past a row's own (later queries' keys) enter as exact zeros.
+// pages: the positions a tile adds past a row's own (later queries' keys) enter as exact zeros
+// (a page a row cannot see rescales it by exactly 1 and adds exactly 0).
+//
+// Each page is taken in passes over all the tile's rows (scores; masks and maxima; weights;
+// P.V), not row by row: a row's online-softmax update is a chain of dependent operations, and
+// rows side by side in one pass let the core overlap their chains. The softmax denominator is
+// kept as 16 partial sums per row (by position mod 16) and added up once at the end. Measured
+// against the row-by-row loop, alternating builds on the 2-core CPU, four layers: 64 decode rows
+// over 55 MB of pages 1.9-2.1 ms against 2.7-3.0; seven 144-token prompts 4.4-4.8 against 5.6-6.7.
 template <typename T, int kD>
 void attend(const Problem& pb, const WorkItem& it) {
   const int D = kD > 0 ? kD : int(pb.head_dim);
@@ -208,14 +209,16 @@ void attend(const Problem& pb, const WorkItem& it) {
   // Per-thread scratch, grown on demand: items run on XLA's pool threads, whose stacks are small.
   thread_local std::vector<float> scratch;
   thread_local std::vector<int> head_off;  // row -> offset of its KV head in a [Hkv, D] row
-  scratch.resize(size_t(rows) * (2 * D + BS + 3) + row_stride);
+  constexpr int kLanes = 16;
+  scratch.resize(size_t(rows) * (2 * D + BS + kLanes + 3) + row_stride);
   head_off.resize(rows);
   float* qs = scratch.data();      // [rows, D], pre-scaled
   float* acc = qs + rows * D;      // [rows, D]
   float* scores = acc + rows * D;  // [rows, BS]: position within the page
-  float* m = scores + rows * BS;
-  float* l = m + rows;
-  float* alpha = l + rows;       // this page's rescale of each row's accumulator
+  float* l = scores + rows * BS;   // [rows, kLanes]: the softmax denominator by position mod 16
+  float* m = l + rows * kLanes;    // running max of each row's visible scores
+  float* shift = m + rows;       // what this page's scores are exponentiated against
+  float* alpha = shift + rows;   // this page's rescale of each row's accumulator and sums
   float* kv_buf = alpha + rows;  // one K row converted from bf16
 
   for (int row = 0; row < rows; ++row) {
@@ -223,9 +226,9 @@ void attend(const Problem& pb, const WorkItem& it) {
     for (int d = 0; d < D; ++d) qs[row * D + d] = load(src[d]) * pb.sm_scale;
     head_off[row] = ((row % HQ) / G) * D;
     m[row] = kNegInf;
-    l[row] = 0.0f;
   }
   std::fill(acc, acc + rows * D, 0.0f);
+  std::fill(l, l + rows * kLanes, 0.0f);
 
   const int last_pos = first_pos + nq - 1;
   const int k_begin = pb.window > 0 ? std::max(0, first_pos - pb.window + 1) : 0;
@@ -276,6 +279,7 @@ void attend(const Problem& pb, const WorkItem& it) {
       for (int row = 0; row < rows; ++row) std::fill(scores + row * BS + valid, scores + (row + 1) * BS, 0.0f);
     }
 
+    // Masks (causal, window) and each row's new running max.
     for (int row = 0; row < rows; ++row) {
       float* sr = scores + row * BS;
       const int pos = first_pos + row / HQ;  // < ctx, so stale positions are never visible
@@ -290,25 +294,50 @@ void attend(const Problem& pb, const WorkItem& it) {
         sr[jj] = s;
         block_max = std::max(block_max, s);
       }
-      if (block_max == kNegInf) {  // nothing visible to this row in this page
-        std::fill(sr, sr + BS, 0.0f);
-        alpha[row] = 1.0f;
-        continue;
-      }
       const float m_new = std::max(m[row], block_max);
-      alpha[row] = exp_nonpositive(m[row] - m_new);  // m = -inf: alpha = 0
-#pragma omp simd
-      for (int jj = 0; jj < BS; ++jj) sr[jj] = exp_nonpositive(sr[jj] - m_new);
-      l[row] = l[row] * alpha[row] + sum_page(sr, BS);
+      shift[row] = m_new == kNegInf ? 0.0f : m_new;  // a row that has seen nothing yet stays at 0
+      alpha[row] = m[row] - shift[row];              // <= 0, or -inf: exponentiated below
       m[row] = m_new;
+    }
+#pragma omp simd
+    for (int row = 0; row < rows; ++row) alpha[row] = exp_nonpositive(alpha[row]);
+
+    // Weights, and the denominator's partial sums.
+    for (int row = 0; row < rows; ++row) {
+      float* sr = scores + row * BS;
+      float* lr = l + row * kLanes;
+      const float sh = shift[row], a = alpha[row];
+#pragma omp simd
+      for (int jj = 0; jj < BS; ++jj) sr[jj] = exp_nonpositive(sr[jj] - sh);  // masked: exactly 0
+#pragma omp simd
+      for (int lane = 0; lane < kLanes; ++lane) lr[lane] *= a;
+      if (BS % kLanes == 0) {
+        for (int c = 0; c < BS; c += kLanes)
+#pragma omp simd
+          for (int lane = 0; lane < kLanes; ++lane) lr[lane] += sr[c + lane];
+      } else {
+        for (int jj = 0; jj < BS; ++jj) lr[(page_start + jj) % kLanes] += sr[jj];
+      }
     }
 
     // P.V over the positions that hold K/V (p is 0 for the invisible ones; stale rows past the
     // context are never read, since 0 * NaN would poison the sum).
-    if constexpr (std::is_same_v<T, float>) {
-      for (int row = 0; row < rows; ++row)  // rows outer: the accumulator stays in registers
-        accumulate_row<kD>(acc + row * D, alpha[row], scores + row * BS, vc + page_base + head_off[row], valid,
-                           row_stride, D);
+    if constexpr (kVectorScores) {
+      constexpr int kR = kD >= 128 ? 1 : 128 / kD;  // rows per pass: 8 accumulator registers
+      const float* v_rows[kR];
+      int row = 0;
+      for (; row + kR <= rows; row += kR) {
+        for (int r = 0; r < kR; ++r) v_rows[r] = vc + page_base + head_off[row + r];
+        accumulate_rows<kD, kR>(acc + row * D, alpha + row, scores + row * BS, BS, v_rows, valid, row_stride);
+      }
+      for (; row < rows; ++row) {
+        v_rows[0] = vc + page_base + head_off[row];
+        accumulate_rows<kD, 1>(acc + row * D, alpha + row, scores + row * BS, BS, v_rows, valid, row_stride);
+      }
+    } else if constexpr (std::is_same_v<T, float>) {
+      for (int row = 0; row < rows; ++row)
+        accumulate_row_portable(acc + row * D, alpha[row], scores + row * BS, vc + page_base + head_off[row],
+                                valid, row_stride, D);
     } else {
       for (int row = 0; row < rows; ++row)
         for (int d = 0; d < D; ++d) acc[row * D + d] *= alpha[row];
@@ -327,7 +356,9 @@ void attend(const Problem& pb, const WorkItem& it) {
 
   for (int row = 0; row < rows; ++row) {
     T* dst = out + (int64_t(it.q_begin) * HQ + row) * D;
-    const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+    float sum = 0.0f;
+    for (int lane = 0; lane < kLanes; ++lane) sum += l[row * kLanes + lane];
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
     for (int d = 0; d < D; ++d) store(dst + d, acc[row * D + d] * inv);
   }
 }

@@ -1,9 +1,9 @@
 """The ``cpu`` backend (C++ kernel through XLA's FFI) against the naive oracle.
 
-The kernel has three ways to score a page, chosen by shape, and each gets its own cases here:
-head_dim 16 / block_size 8 takes the portable loops; head_dim 32, 64 or 128 with 16-position
-pages takes the AVX-512 tree reduction for decode-sized tiles and the transposed page for prefill
-tiles; head_dim 48 takes the portable loops with a runtime head_dim.
+The kernel takes different paths by shape, and each gets its own cases here: head_dim 16 /
+block_size 8 takes the portable loops; head_dim 32, 64 or 128 scores pages of 16 or 32 positions
+by AVX-512 tree reductions and sums P.V over several rows at once (8, 2 or 1 per pass by
+head_dim); head_dim 48 takes the portable loops with a runtime head_dim.
 """
 
 from __future__ import annotations
@@ -128,3 +128,27 @@ def test_build_is_reused_and_a_missing_compiler_is_named(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler-jaxserve")
     with pytest.raises(RuntimeError, match="no-such-compiler-jaxserve"):
         cpu_attention.build_library()
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("window", [None, 7])
+def test_cpu_backend_rows_do_not_depend_on_their_tile(shape, window):
+    """A query's output is bit-identical whether it is computed inside a prefill chunk (a tile of
+    several queries) or alone as a decode row over the same context: seeded sampling must not
+    change with how the scheduler cut the batch."""
+    d, bs = SHAPES[shape]
+    b = Bucket(num_tokens=32, num_reqs=16, num_q_heads=8, num_kv_heads=2, head_dim=d, block_size=bs,
+               max_blocks=64 // bs, num_blocks=64 // bs + 4)
+    chunk, ctx = 13, 40  # queries at positions 27..39, past a 27-token prefix
+    q, kc, vc, kv_lens, tables, qsl, _ = make_batch(b, [(chunk, ctx)], seed=9)
+    options = dict(sliding_window=window)
+    together = np.asarray(cpu_fn(sm_scale=SCALE, **options)(q, kc, vc, kv_lens, tables, qsl, jnp.array([1], jnp.int32)))
+    alone_lens = np.zeros(b.num_reqs, np.int32)
+    alone_lens[:chunk] = np.arange(ctx - chunk + 1, ctx + 1)
+    alone_tables = np.repeat(np.asarray(tables)[:1], b.num_reqs, axis=0)
+    alone_qsl = np.minimum(np.arange(b.num_reqs + 1), chunk).astype(np.int32)
+    alone = np.asarray(cpu_fn(sm_scale=SCALE, **options)(
+        q, kc, vc, jnp.asarray(alone_lens), jnp.asarray(alone_tables), jnp.asarray(alone_qsl),
+        jnp.array([chunk], jnp.int32)))
+    np.testing.assert_array_equal(alone[:chunk], together[:chunk])
+    check((q, kc, vc, kv_lens, tables, qsl, jnp.array([1], jnp.int32)), **options)
