@@ -110,6 +110,7 @@ inline const float* as_f32(const uint16_t* src, float* buf, int n) {
 // accumulators are held in registers together: one row alone is a chain of dependent FMAs per
 // register (each waits ~4 cycles for the last), while kR rows interleaved keep the FMA unit busy.
 // Each row's arithmetic is the same whatever kR, so results never depend on the blocking.
+// AVX-512 only (the caller checks kVectorScores); other builds take accumulate_row_portable.
 template <int kD, int kR>
 inline void accumulate_rows(float* acc, const float* alpha, const float* p, int p_stride, const float* const* v,
                             int n, int64_t stride) {
@@ -302,7 +303,8 @@ void attend(const Problem& pb, const WorkItem& it) {
 #pragma omp simd
     for (int row = 0; row < rows; ++row) alpha[row] = exp_nonpositive(alpha[row]);
 
-    // Weights, and the denominator's partial sums.
+    // Weights, and the denominator's partial sums, in one pass: summing in a pass of its own
+    // measured 7% faster on prefill tiles but 20% slower on decode ones.
     for (int row = 0; row < rows; ++row) {
       float* sr = scores + row * BS;
       float* lr = l + row * kLanes;
