@@ -11,13 +11,21 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+# The public API: what the server, notebooks and users import, and nothing below it.
 _LAZY = {
     "SamplingParams": "jaxserve.core.sampling_params",
     "EngineConfig": "jaxserve.config",
     "LLM": "jaxserve.engine.llm",
+    "AsyncLLM": "jaxserve.engine.async_llm",
     "RequestOutput": "jaxserve.engine.outputs",
     "CompletionOutput": "jaxserve.engine.outputs",
-    "AsyncLLM": "jaxserve.engine.async_llm",
+    "Logprob": "jaxserve.engine.outputs",
+    "RequestMetrics": "jaxserve.engine.outputs",
+    "RequestOutputKind": "jaxserve.engine.outputs",
+    "PromptType": "jaxserve.engine.processor",
+    "InvalidRequestError": "jaxserve.exceptions",
+    "EngineDeadError": "jaxserve.exceptions",
+    "EngineOverloadedError": "jaxserve.exceptions",
 }
 
 __all__ = list(_LAZY) + ["__version__"]

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+from jaxserve import envs
 
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu")
 
@@ -106,9 +107,7 @@ class EngineConfig:
             return None
         if self.compilation_cache_dir:
             return self.compilation_cache_dir
-        from jaxserve.testing import default_cache_dir
-
-        return str(default_cache_dir() / "xla")
+        return str(envs.cache_dir() / "xla")
 
     # ---- CLI -------------------------------------------------------------------------------
 
@@ -153,7 +152,3 @@ def _field_docs(cls) -> dict[str, str]:
             docs[node.target.id] = str(nxt.value.value)
     return docs
 
-
-def env_flag(name: str, default: bool = False) -> bool:
-    value = os.environ.get(name)
-    return default if value is None else value.lower() in ("1", "true", "yes", "on")

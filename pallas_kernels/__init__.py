@@ -59,13 +59,13 @@ __all__ = [
 ]
 
 
-def get_attention_fn(backend: str, interpret: bool = False, **tuning):
+def get_attention_fn(backend: str, interpret: bool = False, build_dir=None, **tuning):
     """A callable with the contract signature for ``backend`` in :data:`BACKENDS`.
 
     ``interpret`` applies to ``pallas`` (Pallas interpret mode) and ``triton`` (Triton's
     interpreter); ``tuning`` keywords are bound into the callable (e.g. ``mode="decode"``,
-    ``block_q=16`` for pallas; ``kv_chunk`` for xla). ``triton`` and ``cpu`` raise a RuntimeError
-    with the reason when they cannot run here.
+    ``block_q=16`` for pallas; ``kv_chunk`` for xla). ``build_dir`` is where ``cpu`` builds its
+    library. ``triton`` and ``cpu`` raise a RuntimeError with the reason when they cannot run here.
     """
     if backend == "xla":
         return functools.partial(ragged_paged_attention_xla, **tuning)
@@ -78,7 +78,7 @@ def get_attention_fn(backend: str, interpret: bool = False, **tuning):
             raise RuntimeError(f"the triton attention backend {what}: {reason}")
         return functools.partial(ragged_paged_attention_triton, interpret=interpret, **tuning)
     if backend == "cpu":
-        ok, reason = cpu_attention_available()
+        ok, reason = cpu_attention_available(build_dir)
         if not ok:
             raise RuntimeError(f"the cpu attention backend is unavailable: {reason}")
         return functools.partial(ragged_paged_attention_cpu, **tuning)

@@ -11,13 +11,6 @@ import jax.numpy as jnp
 INT32_MAX = 2**31 - 1
 
 
-def default_cache_dir() -> Path:
-    """jaxserve's cache folder: ``$JAXSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/jaxserve``."""
-    root = os.environ.get("JAXSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxserve")
-    return Path(root)
-
-
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (and >= 1)."""
     n = int(n)

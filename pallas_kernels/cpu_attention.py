@@ -6,8 +6,8 @@ most of the attention time. ``csrc/paged_attention_cpu.cc`` reads each K/V row f
 once per work item and keeps scores and the online softmax in cache-sized scratch, spreading work
 items over XLA's own intra-op threads.
 
-The library is built on first use with the system C++ compiler (``$CXX``, else ``g++``) into
-``<cache>/kernels`` under a name that hashes the source, the flags, jaxlib's version and the CPU
+The library is built on first use with the system C++ compiler (``$CXX``, else ``g++``) into a
+build folder (the caller's, else :func:`default_build_dir`) under a name that hashes the source, the flags, jaxlib's version and the CPU
 (``-march=native``), so an upgrade or another machine never loads a stale build. When no compiler
 is found or the build fails, :func:`cpu_attention_available` says why and ``auto`` picks ``xla``.
 """
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._common import check_options, check_shapes, default_cache_dir
+from ._common import check_options, check_shapes
 
 TARGET = "jaxserve_paged_attention_cpu"
 SYMBOL = "JaxservePagedAttentionCpu"
@@ -49,7 +49,12 @@ def _cpu_identity() -> str:
         return platform.processor() or platform.machine()
 
 
-def library_path(compiler: str) -> Path:
+def default_build_dir() -> Path:
+    """``$XDG_CACHE_HOME/pallas_kernels`` (``~/.cache/pallas_kernels``); jaxserve passes its own."""
+    return Path(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))) / "pallas_kernels"
+
+
+def library_path(compiler: str, build_dir: Path) -> Path:
     """Where the build for this source, compiler, jaxlib and CPU lives."""
     import jaxlib
 
@@ -57,15 +62,15 @@ def library_path(compiler: str) -> Path:
     for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
                  jaxlib.__version__.encode(), _cpu_identity().encode()):
         key.update(part)
-    return default_cache_dir() / "kernels" / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+    return build_dir / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
 
 
-def build_library() -> Path:
+def build_library(build_dir: Path | None = None) -> Path:
     """Compile the kernel unless this exact build exists; returns the shared library's path."""
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         raise RuntimeError(f"no C++ compiler found (looked for {os.environ.get('CXX', 'g++')!r}; set CXX)")
-    target = library_path(compiler)
+    target = library_path(compiler, build_dir or default_build_dir())
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -79,7 +84,7 @@ def build_library() -> Path:
     return target
 
 
-def register() -> None:
+def register(build_dir: Path | None = None) -> None:
     """Build (once per machine) and register the FFI target with XLA (once per process)."""
     with _lock:
         if _state.get("registered"):
@@ -87,7 +92,7 @@ def register() -> None:
         if "error" in _state:
             raise RuntimeError(_state["error"])
         try:
-            lib = ctypes.cdll.LoadLibrary(str(build_library()))
+            lib = ctypes.cdll.LoadLibrary(str(build_library(build_dir)))
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
         except (RuntimeError, OSError, AttributeError) as e:
             _state["error"] = str(e)
@@ -95,12 +100,12 @@ def register() -> None:
         _state["registered"] = True
 
 
-def cpu_attention_available() -> tuple[bool, str]:
-    """(True, "") when the kernel is built and registered, else (False, the reason)."""
+def cpu_attention_available(build_dir: Path | None = None) -> tuple[bool, str]:
+    """(True, "") when the kernel is built (into ``build_dir``) and registered, else (False, the reason)."""
     if jax.default_backend() != "cpu":
         return False, f"the default JAX backend is {jax.default_backend()}, not cpu"
     try:
-        register()
+        register(build_dir)
     except RuntimeError as e:
         return False, str(e)
     return True, ""

@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Optional
 
+from jaxserve import envs
 from jaxserve_server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 logger = logging.getLogger("jaxserve.server")
@@ -71,7 +72,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"jaxserve: {exc}", file=sys.stderr)
         return 2
-    api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY") or None
+    api_key = args.api_key or envs.api_key()
 
     config = EngineConfig.from_cli_args(args, model=args.model)
     engine = AsyncLLM.from_config(config, served_model_name=args.served_model_name,

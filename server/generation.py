@@ -17,7 +17,7 @@ import logging
 from typing import Any, AsyncIterator, Awaitable, Optional, Sequence
 
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.engine.exceptions import EngineDeadError, EngineOverloadedError
+from jaxserve.exceptions import EngineDeadError, EngineOverloadedError
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve_server.errors import APIError, bad_request_from_value_error
 

@@ -44,6 +44,6 @@ ENGINE_ARGS = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64
 
 @pytest.fixture(scope="session")
 def demo_model() -> str:
-    from jaxserve.testing import demo_model_path
+    from jaxserve.models.demo import demo_model_path
 
     return str(demo_model_path())

@@ -215,8 +215,8 @@ def run_iterations(benches: dict[str, Any], num_iters: int) -> dict[str, list[di
 
 def run_throughput_cli(args) -> dict:
     from jaxserve.bench import op_profile
+    from jaxserve import envs
     from jaxserve.config import EngineConfig
-    from jaxserve.testing import default_cache_dir
 
     if args.profile_ops:
         op_profile.request_cpu_op_events()  # before anything starts the XLA backend
@@ -225,10 +225,10 @@ def run_throughput_cli(args) -> dict:
     if args.random_model:
         from jaxserve.bench.random_model import build_random_checkpoint
 
-        model = str(build_random_checkpoint(default_cache_dir() / "models" / f"random-{args.random_model}",
+        model = str(build_random_checkpoint(envs.cache_dir() / "models" / f"random-{args.random_model}",
                                             args.random_model))
     if model is None:
-        from jaxserve.testing import demo_model_path
+        from jaxserve.models.demo import demo_model_path
 
         model = str(demo_model_path())
     inp, out = _ranges(args)

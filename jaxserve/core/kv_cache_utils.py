@@ -15,6 +15,8 @@ import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Optional
 
+from jaxserve import envs
+
 if TYPE_CHECKING:
     from jaxserve.core.request import Request
 
@@ -30,7 +32,7 @@ def set_seed(seed: Optional[object] = None) -> BlockHash:
     """
     global NONE_HASH
     if seed is None:
-        seed = os.environ.get("JAXSERVE_HASH_SEED")
+        seed = envs.hash_seed()
     seed_bytes = os.urandom(32) if seed is None else _encode(seed)
     NONE_HASH = hashlib.sha256(b"jaxserve-none-hash\x00" + seed_bytes).digest()
     return NONE_HASH

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Optional
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.engine.exceptions import EngineDeadError, EngineOverloadedError
+from jaxserve.exceptions import EngineDeadError, EngineOverloadedError
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.processor import PromptType

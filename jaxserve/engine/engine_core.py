@@ -43,7 +43,7 @@ class StepRecord:
 def resolve_model_path(config: EngineConfig) -> str:
     if config.model:
         return config.model
-    from jaxserve.testing import demo_model_path
+    from jaxserve.models.demo import demo_model_path
 
     return str(demo_model_path())
 

@@ -28,6 +28,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 import pallas_kernels
+from jaxserve import envs
 from jaxserve.config import EngineConfig
 from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.layers.attention import AttentionMetadata
@@ -59,11 +60,16 @@ def resolve_attention_backend(requested: str) -> str:
         return requested
     if jax.default_backend() == "gpu":
         return "pallas"
-    ok, reason = pallas_kernels.cpu_attention_available()
+    ok, reason = pallas_kernels.cpu_attention_available(kernel_build_dir())
     if ok:
         return "cpu"
     logger.warning("attention backend auto: using xla, since the cpu kernel is unavailable (%s)", reason)
     return "xla"
+
+
+def kernel_build_dir():
+    """Where kernels built on first use (the ``cpu`` backend's library) live."""
+    return envs.cache_dir() / "kernels"
 
 
 def enable_persistent_compilation_cache(cache_dir: str | None) -> None:
@@ -104,7 +110,8 @@ class ModelRunner:
         interpret = config.interpret_kernels
         if interpret is None:
             interpret = jax.default_backend() != "gpu"
-        self.attn_fn = pallas_kernels.get_attention_fn(self.attention_backend, interpret=interpret)
+        self.attn_fn = pallas_kernels.get_attention_fn(self.attention_backend, interpret=interpret,
+                                                       build_dir=kernel_build_dir())
         # Pallas has a decode-only kernel (split-K over pages); steps where every request advances
         # one token get their own compiled variant that uses it.
         self.decode_attn_fn = (pallas_kernels.get_attention_fn("pallas", interpret=interpret, mode="decode")

@@ -50,12 +50,12 @@ def test_auto_backend_on_cpu_is_the_cpu_kernel_else_xla(demo_model, monkeypatch)
 
     assert model_runner.resolve_attention_backend("auto") == "cpu"
     assert model_runner.resolve_attention_backend("pallas") == "pallas"
-    monkeypatch.setattr(pallas_kernels, "cpu_attention_available", lambda: (False, "no compiler"))
+    monkeypatch.setattr(pallas_kernels, "cpu_attention_available", lambda *_: (False, "no compiler"))
     assert model_runner.resolve_attention_backend("auto") == "xla"
 
 
 def test_cpu_backend_unavailable_is_a_clear_error(demo_model, monkeypatch):
-    monkeypatch.setattr(pallas_kernels, "cpu_attention_available", lambda: (False, "no C++ compiler found"))
+    monkeypatch.setattr(pallas_kernels, "cpu_attention_available", lambda *_: (False, "no C++ compiler found"))
     with pytest.raises(RuntimeError, match="cpu attention backend is unavailable: no C\\+\\+ compiler"):
         LLM(demo_model, show_progress=False, attention_backend="cpu", **SMALL)
 

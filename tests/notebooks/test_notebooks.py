@@ -36,9 +36,9 @@ def test_notebooks_exist():
 
 @pytest.fixture(scope="session")
 def notebook_cache_dir() -> str:
-    from jaxserve.testing import default_cache_dir
+    from jaxserve import envs
 
-    return os.environ.get("JAXSERVE_CACHE_DIR") or str(default_cache_dir())
+    return str(envs.cache_dir())
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from jaxserve.engine.exceptions import EngineDeadError, EngineOverloadedError
+from jaxserve.exceptions import EngineDeadError, EngineOverloadedError
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from jaxserve_server.app import build_app
 
@@ -249,7 +249,7 @@ class ScriptedEngine:
 def demo_tokenizer():
     from transformers import AutoTokenizer
 
-    from jaxserve.testing import demo_model_path
+    from jaxserve.models.demo import demo_model_path
 
     return AutoTokenizer.from_pretrained(str(demo_model_path()))
 

@@ -1,0 +1,32 @@
+"""The errors jaxserve raises to its callers; a leaf module every layer may import.
+
+``InvalidRequestError`` is the one type for a request the engine refuses: it names the field
+(OpenAI's ``param``) and, where OpenAI has one, the error ``code``. The server maps it to a 400
+in one place; offline callers can catch it as the ``ValueError`` it also is.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class InvalidRequestError(ValueError):
+    """A request that cannot be served as given. ``str(err)`` is ``"<param>: <reason>"``."""
+
+    def __init__(self, param: str, reason: str, *, code: Optional[str] = None):
+        super().__init__(f"{param}: {reason}")
+        self.param = param
+        self.reason = reason
+        self.code = code
+
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""OpenAI's code for a prompt plus output that does not fit the model's context."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; no request can be served (HTTP 503)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (HTTP 503); retry later."""
