@@ -4,4 +4,4 @@ import sys
 
 from jaxserve_server.cli import main
 
-sys.exit(main())
+sys.exit(main(["serve", *sys.argv[1:]]))

@@ -1,114 +1,99 @@
-"""``jaxserve serve [MODEL]``: server flags, engine start-up, uvicorn.
+"""The ``jaxserve`` command: ``serve``, ``generate`` and ``bench {throughput,scheduler,serve}``.
 
-Engine flags (``--max-model-len`` ...) are added by ``jaxserve.cli`` from ``EngineConfig``; this
-module adds the server's own and runs the server. ``--port 0`` picks a free port; the URL line
-printed once the socket is bound always carries the real one.
+It lives with the server because ``serve`` needs it, and the server sits above the engine.
+Engine flags come from ``EngineConfig`` one-to-one (``--max-num-seqs`` ...), so every entry point
+accepts the same names as vLLM's.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import json
 import logging
-import os
 import sys
-from typing import Optional
 
-from jaxserve import envs
-from jaxserve_server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
-
-logger = logging.getLogger("jaxserve.server")
+from jaxserve import EngineConfig
 
 
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default: 8000)")
-    g.add_argument("--served-model-name", default=None,
-                   help="model name clients send and responses carry (default: the model path, or "
-                        "'jaxserve-demo' for the built-in demo model)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on every route except /health, /metrics "
-                        "and /version (default: JAXSERVE_API_KEY from the environment, else no auth)")
-    g.add_argument("--chat-template", default=None,
-                   help="chat template: a file path or the Jinja template itself (default: the tokenizer's)")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="uvicorn's log level (default: info)")
-    g.add_argument("--max-waiting", type=int, default=1024,
-                   help="most requests waiting for the engine; beyond that new requests get 503 (default: 1024)")
-    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                   help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BODY_BYTES})")
+def _add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF checkpoint folder (config.json + *.safetensors); default: the built-in demo model")
 
 
-def load_chat_template(value: Optional[str]) -> Optional[str]:
-    """A file path, or an inline Jinja template; anything else is a start-up error."""
-    if value is None:
-        return None
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+def _engine_parser(sub, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand that builds an engine: the MODEL argument plus every EngineConfig flag."""
+    p = sub.add_parser(name, help=help)
+    _add_model_arg(p)
+    EngineConfig.add_cli_args(p)
+    return p
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxserve", description="JAX/XLA reimplementation of the vLLM V1 engine")
+    sub = parser.add_subparsers(dest="command", required=True)
 
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine.async_llm import AsyncLLM
-    from jaxserve.engine.gc_heap import freeze_startup_heap
-    from jaxserve_server.app import build_app
+    serve = _engine_parser(sub, "serve", "OpenAI-compatible HTTP server")
+    from jaxserve_server.serve import add_server_args
 
-    if args.max_waiting < 1:
-        print("jaxserve: --max-waiting must be at least 1", file=sys.stderr)
-        return 2
-    if args.max_request_body_bytes < 1:
-        print("jaxserve: --max-request-body-bytes must be at least 1", file=sys.stderr)
-        return 2
-    try:
-        chat_template = load_chat_template(args.chat_template)
-    except (OSError, ValueError) as exc:
-        print(f"jaxserve: {exc}", file=sys.stderr)
-        return 2
-    api_key = args.api_key or envs.api_key()
+    add_server_args(serve)
 
-    config = EngineConfig.from_cli_args(args, model=args.model)
-    engine = AsyncLLM.from_config(config, served_model_name=args.served_model_name,
-                                  max_waiting=args.max_waiting, show_progress=True)
-    freeze_startup_heap()
-    try:
-        app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
-                        chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,
-                        model_root=args.model)
-        uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                   timeout_keep_alive=30, lifespan="off")
-        server = _make_server(uv_config, app.state.jaxserve.model_name)
-        asyncio.run(server.serve())
-    finally:
-        engine.shutdown()
+    gen = _engine_parser(sub, "generate", "generate for a few prompts offline and print the results")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+
+    bench = sub.add_parser("bench", help="benchmarks (JSON on stdout)")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    tp = _engine_parser(bsub, "throughput", "offline throughput, optionally side by side with transformers")
+    from jaxserve.bench.throughput import add_throughput_args
+
+    add_throughput_args(tp)
+    sched = bsub.add_parser("scheduler", help="microseconds per schedule+update step, no model")
+    sched.add_argument("--num-running", type=int, nargs="+", default=[64, 256, 1024])
+    sched.add_argument("--steps", type=int, default=200)
+    from jaxserve.bench.serve_bench import add_serve_bench_args
+
+    add_serve_bench_args(bsub.add_parser("serve", help="load generator against a running server"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        from jaxserve_server.serve import run_serve
+
+        return run_serve(args) or 0
+    if args.command == "generate":
+        return _generate(args)
+    if args.bench_command == "throughput":
+        from jaxserve.bench.throughput import run_throughput_cli
+
+        result = run_throughput_cli(args)
+    elif args.bench_command == "scheduler":
+        from jaxserve.bench.scheduler_bench import run_scheduler_bench
+
+        result = run_scheduler_bench(num_running=tuple(args.num_running), steps=args.steps)
+    else:
+        from jaxserve.bench.serve_bench import run_serve_bench_cli
+
+        result = run_serve_bench_cli(args)
+    print(json.dumps(result, indent=2))
     return 0
 
 
-def _make_server(config, model_name: str):
-    """A uvicorn.Server that announces the URL (with the bound port) once it accepts connections."""
-    import uvicorn
+def _generate(args) -> int:
+    from jaxserve import LLM, SamplingParams
 
-    class Server(uvicorn.Server):
-        async def startup(self, sockets=None):
-            await super().startup(sockets=sockets)
-            if self.should_exit or not self.servers:
-                return
-            host, port = self.servers[0].sockets[0].getsockname()[:2]
-            shown = f"[{host}]" if ":" in host else host
-            print(f"jaxserve: serving {model_name} at http://{shown}:{port}/v1", flush=True)
-
-    return Server(config)
+    config = EngineConfig.from_cli_args(args, model=args.model)
+    llm = LLM(**vars(config))
+    prompts = args.prompt or ["Hello, my name is", "The capital of France is", "JAX compiles"]
+    outputs = llm.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))
+    for out in outputs:
+        print(json.dumps({"prompt": out.prompt, "text": out.outputs[0].text,
+                          "finish_reason": out.outputs[0].finish_reason}, ensure_ascii=False))
+    return 0
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m jaxserve_server``: the same as ``jaxserve serve``."""
-    from jaxserve.cli import main as jaxserve_main
-
-    return jaxserve_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,14 +13,21 @@ import hashlib
 import os
 import struct
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 from jaxserve import envs
 
-if TYPE_CHECKING:
-    from jaxserve.core.request import Request
-
 BlockHash = bytes
+
+
+class HashedTokens(Protocol):
+    """What hashing reads of a request (``Request`` is one): its tokens and its extra keys."""
+
+    all_token_ids: list[int]
+    block_size: Optional[int]
+    block_hashes: list[BlockHash]
+    lora_name: Optional[str]
+    cache_salt: Optional[str]
 
 NONE_HASH: BlockHash = b""
 
@@ -70,7 +77,7 @@ def hash_block_tokens(parent_hash: Optional[BlockHash], token_ids: Sequence[int]
     return h.digest()
 
 
-def generate_block_hash_extra_keys(request: "Request", start: int, end: int) -> Optional[tuple]:
+def generate_block_hash_extra_keys(request: HashedTokens, start: int, end: int) -> Optional[tuple]:
     """Keys besides the tokens that decide whether a block's KV can be shared.
 
     The LoRA adapter changes every block's KV, so it keys every block. ``cache_salt`` keys only the
@@ -85,9 +92,10 @@ def generate_block_hash_extra_keys(request: "Request", start: int, end: int) -> 
     return tuple(keys) if keys else None
 
 
-def update_block_hashes(request: "Request") -> None:
+def update_block_hashes(request: HashedTokens) -> None:
     """Extend ``request.block_hashes`` over the newly completed full blocks of its tokens."""
     bs = request.block_size
+    assert bs is not None, "hashing needs the request's block size"
     tokens = request.all_token_ids
     hashes = request.block_hashes
     parent = hashes[-1] if hashes else None
@@ -100,7 +108,7 @@ def update_block_hashes(request: "Request") -> None:
         start = end
 
 
-def hash_request_tokens(block_size: int, request: "Request") -> list[BlockHash]:
+def hash_request_tokens(block_size: int, request: HashedTokens) -> list[BlockHash]:
     """All full-block hashes of a request, from scratch (tests and tools)."""
     hashes: list[BlockHash] = []
     parent = None

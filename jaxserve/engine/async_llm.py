@@ -11,19 +11,48 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import threading
-import time
-from typing import Any, AsyncIterator, Optional
+from typing import AsyncIterator, Optional, Union
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.exceptions import EngineDeadError, EngineOverloadedError
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
-from jaxserve.engine.processor import PromptType
+from jaxserve.engine.processor import ProcessedRequest, PromptType
 
 logger = logging.getLogger("jaxserve")
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputTarget:
+    """Where one request's outputs go: an asyncio queue, fed from the loop thread."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def deliver(self, item: Union[RequestOutput, BaseException]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the caller's loop is closed: nobody is listening any more
+
+
+@dataclasses.dataclass(frozen=True)
+class AddRequest:
+    processed: ProcessedRequest
+    output_kind: RequestOutputKind
+    target: OutputTarget
+
+
+@dataclasses.dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+InboxItem = Union[AddRequest, AbortRequest]
 
 
 class AsyncLLM:
@@ -34,7 +63,7 @@ class AsyncLLM:
         self.max_model_len = engine.max_model_len
         self.served_model_name = engine.served_model_name
         self.max_waiting = max_waiting
-        self._inbox: collections.deque = collections.deque()
+        self._inbox: collections.deque[InboxItem] = collections.deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
@@ -55,16 +84,12 @@ class AsyncLLM:
     def is_dead(self) -> bool:
         return self._dead is not None
 
-    @property
-    def errored(self) -> bool:
-        return self.is_dead
-
     def check_health(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop failed: {self._dead!r}")
 
     def num_waiting(self) -> int:
-        return self.engine.core.last_stats.num_waiting_reqs + self._pending_adds
+        return self.engine.num_waiting_requests() + self._pending_adds
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -80,8 +105,7 @@ class AsyncLLM:
         processed = self.engine.process_request(request_id, prompt, sampling_params, priority=priority,
                                                 cache_salt=cache_salt)
         queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        self._submit(("add", processed, output_kind, (loop, queue)))
+        self._submit(AddRequest(processed, output_kind, OutputTarget(asyncio.get_running_loop(), queue)))
         finished = False
         try:
             while True:
@@ -94,14 +118,14 @@ class AsyncLLM:
                     break
         finally:
             if not finished:
-                self._submit(("abort", request_id))
+                self._submit(AbortRequest(request_id))
 
     async def abort(self, request_id: str) -> None:
-        self._submit(("abort", request_id))
+        self._submit(AbortRequest(request_id))
 
-    def _submit(self, item: tuple) -> None:
+    def _submit(self, item: InboxItem) -> None:
         with self._lock:
-            if item[0] == "add":
+            if isinstance(item, AddRequest):
                 self._pending_adds += 1
             self._inbox.append(item)
         self._wake.set()
@@ -114,7 +138,7 @@ class AsyncLLM:
                 self._drain_inbox()
                 if self.engine.has_unfinished_requests():
                     for parent, out in self.engine.step():
-                        self._deliver(parent.queue, out)
+                        parent.queue.deliver(out)
                 else:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
@@ -128,39 +152,29 @@ class AsyncLLM:
                 if not self._inbox:
                     return
                 item = self._inbox.popleft()
-                if item[0] == "add":
+                if isinstance(item, AddRequest):
                     self._pending_adds -= 1
-            if item[0] == "add":
-                _, processed, kind, queue = item
+            if isinstance(item, AddRequest):
                 try:
-                    self.engine.add_processed_request(processed, output_kind=kind, queue=queue)
+                    self.engine.add_processed_request(item.processed, output_kind=item.output_kind,
+                                                      queue=item.target)
                 except ValueError as exc:
-                    self._deliver(queue, exc)
+                    item.target.deliver(exc)
             else:
-                self.engine.abort_request([item[1]])
-
-    @staticmethod
-    def _deliver(target: Any, item: Any) -> None:
-        if target is None:
-            return
-        loop, queue = target
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:
-            pass  # the caller's loop is closed: nobody is listening any more
+                self.engine.abort_request([item.request_id])
 
     def _fail_all(self, exc: BaseException) -> None:
         self._dead = exc
         error = EngineDeadError(f"the engine loop failed: {exc!r}")
-        for parent in list(self.engine.output_processor.parents.values()):
-            self._deliver(parent.queue, error)
+        for target in self.engine.forget_all_requests():
+            target.deliver(error)
         with self._lock:
             pending = list(self._inbox)
             self._inbox.clear()
             self._pending_adds = 0
         for item in pending:
-            if item[0] == "add":
-                self._deliver(item[3], error)
+            if isinstance(item, AddRequest):
+                item.target.deliver(error)
 
     # ---- introspection / lifecycle -----------------------------------------------------------
 

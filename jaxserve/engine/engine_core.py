@@ -8,7 +8,6 @@ while the device computes step N, instead of between steps.
 from __future__ import annotations
 
 import collections
-import gc
 import dataclasses
 import logging
 import time
@@ -84,10 +83,6 @@ class EngineCore:
         self.last_stats: SchedulerStats = self.scheduler.make_stats()
         self._in_flight = None  # async scheduling: the dispatched step not yet collected
         self.runner.warm_up(show_progress)
-        # Start-up objects (weights' host copies, tracing leftovers) never die; keeping them out of
-        # the collector's generations keeps its pauses out of the per-step time.
-        gc.collect()
-        gc.freeze()
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -152,6 +147,29 @@ class EngineCore:
 
     def kv_cache_usage(self) -> float:
         return self.scheduler.kv_cache_manager.usage
+
+    @property
+    def attention_backend(self) -> str:
+        return self.runner.attention_backend
+
+    @property
+    def compile_stats(self):
+        return self.runner.stats
+
+    def stats(self) -> dict:
+        """Scheduler, cache and runner counters in one flat dict."""
+        s = self.scheduler.make_stats()
+        return {
+            "num_requests_running": s.num_running_reqs,
+            "num_requests_waiting": s.num_waiting_reqs,
+            "kv_cache_usage_perc": s.kv_cache_usage,
+            "num_free_blocks": s.num_free_blocks,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "num_preemptions": s.num_preemptions,
+            **self.runner.describe(),
+            **{f"compile_{k}": v for k, v in self.runner.stats.as_dict().items()},
+        }
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

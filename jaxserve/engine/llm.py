@@ -87,7 +87,7 @@ class LLM:
     @property
     def step_records(self):
         """Per-step records (who ran, tokens, bucket, ...) when built with ``record_steps=True``."""
-        return self.llm_engine.core.step_records
+        return self.llm_engine.step_records
 
     def get_metrics(self) -> list[Metric]:
         return self.llm_engine.metrics.snapshot()
@@ -96,7 +96,7 @@ class LLM:
         return self.llm_engine.stats()
 
     def reset_prefix_cache(self) -> bool:
-        return self.llm_engine.core.reset_prefix_cache()
+        return self.llm_engine.reset_prefix_cache()
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

@@ -50,7 +50,7 @@ class LLMEngine:
                                               config.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer, on_finished=self._on_finished)
         self.served_model_name = served_model_name or (config.model or "jaxserve-demo")
-        self.metrics = EngineMetrics(self.served_model_name, self.core.runner.attention_backend)
+        self.metrics = EngineMetrics(self.served_model_name, self.core.attention_backend)
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -93,6 +93,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.core.has_unfinished_requests()
 
+    def num_waiting_requests(self) -> int:
+        """Requests waiting in the scheduler as of the last step."""
+        return self.core.last_stats.num_waiting_reqs
+
+    def forget_all_requests(self) -> list[Any]:
+        """Drop every request's output state after a fatal error; returns their queues (the
+        ``queue`` each was added with) so the caller can tell them. The core is not touched."""
+        return [parent.queue for parent in self.output_processor.forget_all() if parent.queue is not None]
+
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[tuple[ParentState, RequestOutput]]:
@@ -100,7 +109,7 @@ class LLMEngine:
         self._record_iteration(core_outputs, time.monotonic())
         delivered, stopped = self.output_processor.process_outputs(core_outputs)
         self.core.abort_requests(stopped)
-        self.metrics.record_step(self.core.scheduler.make_stats(), self.core.runner.stats)  # after the aborts above
+        self.metrics.record_step(self.core.scheduler.make_stats(), self.core.compile_stats)  # after the aborts above
         return delivered
 
     def _record_iteration(self, core_outputs, now: float) -> None:
@@ -133,18 +142,12 @@ class LLMEngine:
 
     def stats(self) -> dict:
         """Scheduler, cache and compile counters in one dict (also the basis of /metrics)."""
-        s = self.core.scheduler.make_stats()
-        return {
-            "num_requests_running": s.num_running_reqs,
-            "num_requests_waiting": s.num_waiting_reqs,
-            "kv_cache_usage_perc": s.kv_cache_usage,
-            "num_free_blocks": s.num_free_blocks,
-            "num_gpu_blocks": self.core.runner.num_blocks,
-            "prefix_cache_queries": s.prefix_cache_queries,
-            "prefix_cache_hits": s.prefix_cache_hits,
-            "num_preemptions": s.num_preemptions,
-            "attention_backend": self.core.runner.attention_backend,
-            "scan_layers": self.core.runner.scan_layers,
-            "token_buckets": list(self.core.runner.buckets.token_buckets),
-            **{f"compile_{k}": v for k, v in self.core.runner.stats.as_dict().items()},
-        }
+        return self.core.stats()
+
+    @property
+    def step_records(self):
+        """Per-step records when built with ``record_steps=True``, else None."""
+        return self.core.step_records
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()

@@ -80,6 +80,13 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
 
+    def forget_all(self) -> list[ParentState]:
+        """Drop every request (the engine died); returns them."""
+        parents = list(self.parents.values())
+        self.parents.clear()
+        self.child_to_parent.clear()
+        return parents
+
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forget parents; returns the core ids of their unfinished children (to abort in the core)."""
         core_ids = []

@@ -150,6 +150,11 @@ class ModelRunner:
             "attention backend: %s", self.num_blocks, self.block_size, self.num_blocks * self.block_size,
             max_concurrency, max_model_len, self.attention_backend)
 
+    def describe(self) -> dict:
+        """What this runner was built with: pool size, backend, layer layout, token buckets."""
+        return {"num_gpu_blocks": self.num_blocks, "attention_backend": self.attention_backend,
+                "scan_layers": self.scan_layers, "token_buckets": list(self.buckets.token_buckets)}
+
     # ---- the step ------------------------------------------------------------------------------
 
     def _step(self, params, kv_cache, penalty_state, prev_sampled, buf, *, layout: PackLayout,

@@ -46,7 +46,7 @@ class ServerHandle:
 
 
 def start_server(extra: list[str], log_path: Path) -> ServerHandle:
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", *engine_flags(), "--host", "127.0.0.1", "--port", "0",
+    cmd = [sys.executable, "-m", "jaxserve_server.cli", "serve", *engine_flags(), "--host", "127.0.0.1", "--port", "0",
            "--uvicorn-log-level", "warning", *extra]
     log = open(log_path, "wb")
     env = {k: v for k, v in os.environ.items() if k != "JAXSERVE_API_KEY"}

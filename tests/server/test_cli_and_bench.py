@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from jaxserve.bench.serve_bench import prefix_repetition_dataset, random_dataset
-from jaxserve_server.cli import load_chat_template
+from jaxserve_server.serve import load_chat_template
 
 # Pasted verbatim into the README; the test only swaps in the fixture server's port.
 README_CURL = """curl http://127.0.0.1:8000/v1/completions \\
@@ -39,7 +39,7 @@ def test_readme_curl_example(server, command):
 
 
 def test_bench_serve_against_the_server(server):
-    cmd = [sys.executable, "-m", "jaxserve.cli", "bench", "serve", "--base-url", server.url, "--num-prompts", "20",
+    cmd = [sys.executable, "-m", "jaxserve_server.cli", "bench", "serve", "--base-url", server.url, "--num-prompts", "20",
            "--random-input-len", "32", "--random-output-len", "8", "--random-range-ratio", "0.5",
            "--request-rate", "50", "--max-concurrency", "8", "--seed", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
@@ -77,7 +77,7 @@ def test_datasets_are_seeded():
 
 
 def test_serve_flags_parse():
-    from jaxserve.cli import build_parser
+    from jaxserve_server.cli import build_parser
 
     args = build_parser().parse_args([
         "serve", "/some/model", "--host", "0.0.0.0", "--port", "9000", "--served-model-name", "m",
@@ -105,7 +105,7 @@ def test_bench_serve_reports_an_unreachable_server():
     import socket
 
     from jaxserve.bench.serve_bench import run_serve_bench_cli
-    from jaxserve.cli import build_parser
+    from jaxserve_server.cli import build_parser
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -1,0 +1,107 @@
+"""``jaxserve serve [MODEL]``: server flags, engine start-up, uvicorn.
+
+Engine flags (``--max-model-len`` ...) are added by ``jaxserve_server.cli`` from ``EngineConfig``;
+this module adds the server's own and runs the server. ``--port 0`` picks a free port; the URL line
+printed once the socket is bound always carries the real one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from typing import Optional
+
+from jaxserve import envs
+from jaxserve_server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
+
+logger = logging.getLogger("jaxserve.server")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default: 8000)")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name clients send and responses carry (default: the model path, or "
+                        "'jaxserve-demo' for the built-in demo model)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on every route except /health, /metrics "
+                        "and /version (default: JAXSERVE_API_KEY from the environment, else no auth)")
+    g.add_argument("--chat-template", default=None,
+                   help="chat template: a file path or the Jinja template itself (default: the tokenizer's)")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (default: info)")
+    g.add_argument("--max-waiting", type=int, default=1024,
+                   help="most requests waiting for the engine; beyond that new requests get 503 (default: 1024)")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BODY_BYTES})")
+
+
+def load_chat_template(value: Optional[str]) -> Optional[str]:
+    """A file path, or an inline Jinja template; anything else is a start-up error."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from jaxserve import AsyncLLM, EngineConfig
+    from jaxserve_server.app import build_app
+    from jaxserve_server.gc_heap import freeze_startup_heap
+
+    if args.max_waiting < 1:
+        print("jaxserve: --max-waiting must be at least 1", file=sys.stderr)
+        return 2
+    if args.max_request_body_bytes < 1:
+        print("jaxserve: --max-request-body-bytes must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        chat_template = load_chat_template(args.chat_template)
+    except (OSError, ValueError) as exc:
+        print(f"jaxserve: {exc}", file=sys.stderr)
+        return 2
+    api_key = args.api_key or envs.api_key()
+
+    config = EngineConfig.from_cli_args(args, model=args.model)
+    engine = AsyncLLM.from_config(config, served_model_name=args.served_model_name,
+                                  max_waiting=args.max_waiting, show_progress=True)
+    freeze_startup_heap()
+    try:
+        app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
+                        chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,
+                        model_root=args.model)
+        uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                   timeout_keep_alive=30, lifespan="off")
+        server = _make_server(uv_config, app.state.jaxserve.model_name)
+        asyncio.run(server.serve())
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _make_server(config, model_name: str):
+    """A uvicorn.Server that announces the URL (with the bound port) once it accepts connections."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if self.should_exit or not self.servers:
+                return
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            print(f"jaxserve: serving {model_name} at http://{shown}:{port}/v1", flush=True)
+
+    return Server(config)
+
