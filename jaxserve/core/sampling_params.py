@@ -1,7 +1,8 @@
 """Per-request sampling parameters (field names and defaults follow vLLM).
 
-Validation happens in ``__post_init__``: every ``ValueError`` names the offending field so that the
-HTTP layer can turn it into a 400 with a useful message.
+``__post_init__`` checks what a request's parameters mean on their own (ranges, types); what
+depends on the engine (vocabulary, ``max_model_len``, static widths) is checked by the engine's
+``InputProcessor``. Both raise ``InvalidRequestError`` naming the field; no check lives twice.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import enum
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from jaxserve.exceptions import InvalidRequestError
+
 # Below this temperature sampling is treated as argmax; dividing logits by ~0 would overflow.
-_SAMPLING_EPS = 1e-5
+SAMPLING_EPS = 1e-5
 
 
 class SamplingType(enum.IntEnum):
@@ -72,7 +75,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
         self._verify_args()
-        if self.temperature < _SAMPLING_EPS:
+        if self.temperature < SAMPLING_EPS:
             self.top_p = 1.0
             self.top_k = 0
             self.min_p = 0.0
@@ -82,60 +85,62 @@ class SamplingParams:
         # JSON object keys arrive as strings ("50256": -100); accept them.
         try:
             return {int(k): float(v) for k, v in dict(bias).items()}
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"logit_bias must map token ids to floats, got {bias!r}") from e
+        except (TypeError, ValueError):
+            raise InvalidRequestError("logit_bias", f"must map token ids to floats, got {bias!r}") from None
 
     def _verify_args(self) -> None:
+        def fail(field: str, reason: str) -> None:
+            raise InvalidRequestError(field, reason)
+
         if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
+            fail("n", f"must be at least 1, got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+                fail(name, f"must be in [-2, 2], got {v}")
         if not self.repetition_penalty > 0.0:
-            raise ValueError(
-                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
+            fail("repetition_penalty", f"must be greater than zero, got {self.repetition_penalty}")
         if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+            fail("temperature", f"must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            fail("top_p", f"must be in (0, 1], got {self.top_p}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disable), or at least 1, got {self.top_k}")
+            fail("top_k", f"must be -1 or 0 (disable), or at least 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            fail("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+            fail("seed", f"must be an integer or None, got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            fail("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(
-                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}")
+            fail("min_tokens", f"must be greater than or equal to 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be less than or equal to "
-                             f"max_tokens={self.max_tokens}, got {self.min_tokens}")
+            fail("min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}, "
+                               f"got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 0):
-                raise ValueError(f"{name} must be non-negative, got {v}")
+                fail(name, f"must be non-negative, got {v}")
         if any(not isinstance(s, str) for s in self.stop):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            fail("stop", f"must be a string or a list of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop):
-            raise ValueError("stop cannot contain an empty string")
+            fail("stop", "cannot contain an empty string")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(
-                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            fail("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids!r}")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
-                raise ValueError("allowed_token_ids must not be empty")
+                fail("allowed_token_ids", "must not be empty (no token could be sampled)")
             if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
-                raise ValueError(f"allowed_token_ids must be non-negative integers, "
-                                 f"got {self.allowed_token_ids!r}")
-        if self.logit_bias is not None and any(t < 0 for t in self.logit_bias):
-            raise ValueError(f"logit_bias token ids must be non-negative, got {self.logit_bias!r}")
+                fail("allowed_token_ids", f"must be non-negative integers, got {self.allowed_token_ids!r}")
+        if self.logit_bias is not None:
+            if any(t < 0 for t in self.logit_bias):
+                fail("logit_bias", f"token ids must be non-negative, got {self.logit_bias!r}")
+            if any(v != v or v in (float("inf"), float("-inf")) for v in self.logit_bias.values()):
+                fail("logit_bias", f"biases must be finite, got {self.logit_bias!r}")
 
     @property
     def sampling_type(self) -> SamplingType:
-        if self.temperature < _SAMPLING_EPS:
+        if self.temperature < SAMPLING_EPS:
             return SamplingType.GREEDY
         if self.seed is not None:
             return SamplingType.RANDOM_SEED
@@ -144,13 +149,6 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.sampling_type == SamplingType.GREEDY
-
-    @property
-    def output_text_buffer_length(self) -> int:
-        """Characters the detokenizer must hold back so a stop string is never half-emitted."""
-        if self.stop and not self.include_stop_str_in_output:
-            return max(len(s) for s in self.stop) - 1
-        return 0
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)

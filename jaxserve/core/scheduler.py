@@ -16,6 +16,7 @@ from jaxserve.core.request_queue import create_request_queue
 from jaxserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                         NewRequestData, SchedulerOutput)
 from jaxserve.core.stats import SchedulerStats
+from jaxserve.exceptions import InvalidRequestError
 
 
 @dataclass
@@ -112,18 +113,18 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in
 
     def add_request(self, request: Request) -> None:
-        """Queue a request. Raises ValueError (naming the problem) for one that can never run."""
+        """Queue a request.
+
+        Preconditions, checked by the engine's input processor (the one place that validates
+        requests): ``0 < num_prompt_tokens < max_model_len``, and without chunked prefill
+        ``num_prompt_tokens <= max_num_batched_tokens``. Only a request id already in use, a
+        conflict with this scheduler's state, raises (``InvalidRequestError``)."""
         n = request.num_prompt_tokens
         if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if n == 0:
-            raise ValueError("prompt must contain at least one token")
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens, max_model_len={self.max_model_len} leaves "
-                             f"no room for an output token (prompt must be < max_model_len)")
-        if not self.scheduler_config.enable_chunked_prefill and n > self.max_num_batched_tokens:
-            raise ValueError(f"prompt has {n} tokens, more than max_num_batched_tokens="
-                             f"{self.max_num_batched_tokens} with chunked prefill disabled")
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
+        assert 0 < n < self.max_model_len, f"prompt of {n} tokens with max_model_len={self.max_model_len}"
+        assert self.scheduler_config.enable_chunked_prefill or n <= self.max_num_batched_tokens, (
+            f"prompt of {n} tokens over max_num_batched_tokens={self.max_num_batched_tokens} without chunking")
         if request.max_tokens is None:
             request.max_tokens = self.max_model_len - n
         if self.kv_cache_manager.enable_caching:

@@ -96,7 +96,7 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: Optional[str] = None,
                        output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> AsyncIterator[RequestOutput]:
-        """Stream outputs of one request. Raises ValueError (bad input) before the first output,
+        """Stream outputs of one request. Raises InvalidRequestError (bad input) before the first output,
         EngineOverloadedError when the waiting queue is full, EngineDeadError if the loop failed.
         Leaving the iteration early (client gone, cancellation) aborts the request."""
         self.check_health()

@@ -60,7 +60,8 @@ def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) ->
 class EngineCore:
     def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False):
         from jaxserve.models import load_model
-        from jaxserve.runner.model_runner import ModelRunner, enable_persistent_compilation_cache
+        from jaxserve.runner.compilation import enable_persistent_compilation_cache
+        from jaxserve.runner.model_runner import ModelRunner
 
         self.config = config
         self.model_path = resolve_model_path(config)

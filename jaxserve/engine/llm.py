@@ -13,6 +13,7 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import Metric
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.processor import PromptType
+from jaxserve.exceptions import InvalidRequestError
 
 
 class LLM:
@@ -114,5 +115,5 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
         return [params] * n
     params = list(params)
     if len(params) != n:
-        raise ValueError(f"sampling_params: got {len(params)} for {n} prompts")
+        raise InvalidRequestError("sampling_params", f"got {len(params)} for {n} prompts")
     return params

@@ -18,6 +18,7 @@ from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.engine.output_processor import OutputProcessor, ParentState
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.processor import InputProcessor, ProcessedRequest, PromptType
+from jaxserve.exceptions import InvalidRequestError
 
 logger = logging.getLogger("jaxserve")
 
@@ -46,8 +47,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or self.core.model_path)
         self.model_config = self.core.model_config
         self.max_model_len = self.core.max_model_len
-        self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len,
-                                              config.max_logprobs)
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len, config)
         self.output_processor = OutputProcessor(self.tokenizer, on_finished=self._on_finished)
         self.served_model_name = served_model_name or (config.model or "jaxserve-demo")
         self.metrics = EngineMetrics(self.served_model_name, self.core.attention_backend)
@@ -57,7 +57,7 @@ class LLMEngine:
     def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                         priority: int = 0, cache_salt: Optional[str] = None,
                         arrival_time: Optional[float] = None) -> ProcessedRequest:
-        """Tokenize and validate (raises ValueError naming the field); touches no engine state."""
+        """Tokenize and validate (raises InvalidRequestError naming the field); touches no engine state."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
         return self.input_processor.process(request_id, prompt, params, arrival, priority, cache_salt)
 
@@ -66,7 +66,7 @@ class LLMEngine:
                               queue: Any = None) -> ParentState:
         request_id = processed.request_id
         if request_id in self.output_processor.parents:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         parent = self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids,
             [r.request_id for r in processed.core_requests], [r.sampling_params for r in processed.core_requests],

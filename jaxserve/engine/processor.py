@@ -1,7 +1,9 @@
 """Input processing shared by ``LLM`` and ``AsyncLLM``: prompt -> token ids -> core ``Request``s.
 
-Everything that can be wrong with a request is checked here, before it reaches the core, and
-raised as a ValueError naming the field; a bad request fails alone.
+The one place a request is checked against the engine (vocabulary, ``max_model_len``, the
+sampler's static widths, the token budget), before it reaches the core: ``SamplingParams``
+checks only what its fields mean alone. Both raise ``InvalidRequestError`` naming the field;
+a bad request fails alone.
 """
 
 from __future__ import annotations
@@ -9,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Union
 
+from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.exceptions import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
 from jaxserve.models.config import ModelConfig
-from jaxserve.sample.metadata import SamplingMetadataBuilder
+from jaxserve.sample.metadata import DEFAULT_MAX_ALLOWED_TOKENS, DEFAULT_MAX_LOGIT_BIAS
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -30,14 +34,15 @@ def child_request_id(index: int, request_id: str) -> str:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, max_logprobs: int):
+    def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, config: EngineConfig):
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_model_len = max_model_len
-        self.max_logprobs = max_logprobs
+        self.max_logprobs = config.max_logprobs
+        # Without chunked prefill a prompt must fit one step's token budget.
+        self.max_prompt_tokens = (max_model_len - 1 if config.enable_chunked_prefill
+                                  else min(max_model_len - 1, config.max_num_batched_tokens))
         self.vocab_size = model_config.vocab_size
-        self.sampling_validator = SamplingMetadataBuilder(vocab_size=model_config.vocab_size,
-                                                          max_num_logprobs=max_logprobs)
         tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         eos_ids = list(model_config.eos_token_ids)
         self.eos_token_id = tok_eos if tok_eos is not None else (eos_ids[0] if eos_ids else None)
@@ -51,33 +56,58 @@ class InputProcessor:
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt: a text prompt needs a tokenizer; pass token ids instead")
+                raise InvalidRequestError("prompt", "a text prompt needs a tokenizer; pass token ids instead")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
-        raise ValueError(f"prompt: expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        raise InvalidRequestError(
+            "prompt", f"expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        n = len(prompt_token_ids)
+        """Raise ``InvalidRequestError`` if this engine cannot serve the request as given."""
+        self._check_prompt(prompt_token_ids, params)
+        self._check_token_ids("stop_token_ids", params.stop_token_ids or [])
+        if params.logit_bias:
+            self._check_width("logit_bias", len(params.logit_bias), "max_logit_bias", DEFAULT_MAX_LOGIT_BIAS)
+            self._check_token_ids("logit_bias", params.logit_bias)
+        if params.allowed_token_ids is not None:
+            self._check_width("allowed_token_ids", len(params.allowed_token_ids), "max_allowed_tokens",
+                              DEFAULT_MAX_ALLOWED_TOKENS)
+            self._check_token_ids("allowed_token_ids", params.allowed_token_ids)
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, field)
+            if value is not None and value > self.max_logprobs:
+                raise InvalidRequestError(field, f"{value} exceeds max_logprobs={self.max_logprobs}")
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        n = len(ids)
         if n == 0:
-            raise ValueError("prompt: the prompt is empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        self._check_token_ids("prompt", ids)
         if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt: the prompt has {n} tokens, but max_model_len is {self.max_model_len} "
-                f"(prompt plus at least one output token must fit)")
+            raise InvalidRequestError(
+                "prompt", f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} "
+                          f"(prompt plus at least one output token must fit)", code=CONTEXT_LENGTH_EXCEEDED)
+        if n > self.max_prompt_tokens:
+            raise InvalidRequestError(
+                "prompt", f"the prompt has {n} tokens, more than max_num_batched_tokens="
+                          f"{self.max_prompt_tokens} with chunked prefill disabled")
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens: {params.max_tokens} output tokens plus the {n}-token prompt exceed "
-                f"max_model_len={self.max_model_len}")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > self.max_logprobs:
-            raise ValueError(f"prompt_logprobs: {params.prompt_logprobs} exceeds max_logprobs={self.max_logprobs}")
-        for t in params.stop_token_ids or []:
+            raise InvalidRequestError(
+                "max_tokens", f"{params.max_tokens} output tokens plus the {n}-token prompt exceed "
+                              f"max_model_len={self.max_model_len}", code=CONTEXT_LENGTH_EXCEEDED)
+
+    def _check_token_ids(self, field: str, ids) -> None:
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise InvalidRequestError(field, f"token ids must be integers, got {t!r}")
             if not 0 <= t < self.vocab_size:
-                raise ValueError(f"stop_token_ids: token id {t} is outside the vocabulary [0, {self.vocab_size})")
-        self.sampling_validator.validate(params)
+                raise InvalidRequestError(field, f"token id {t} is outside the vocabulary [0, {self.vocab_size})")
+
+    @staticmethod
+    def _check_width(field: str, length: int, width_name: str, width: int) -> None:
+        if length > width:
+            raise InvalidRequestError(field, f"{length} entries exceed the sampler's static width {width_name}={width}")
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float,
                 priority: int = 0, cache_salt: Optional[str] = None) -> ProcessedRequest:

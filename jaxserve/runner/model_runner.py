@@ -1,10 +1,10 @@
 """ModelRunner: turns a ``SchedulerOutput`` into sampled tokens with one compiled step.
 
 One step = forward (paged attention + KV write) -> logits at each request's last scheduled token
--> on-device sampler. It is ``jax.jit``-compiled once per token bucket at start-up, with the KV
-cache and the penalty tables donated so XLA updates them in place. Inputs arrive packed in one
-transfer; only sampled ids (and logprobs when asked) come back. ``enforce_eager`` runs the very
-same Python function op by op, for comparison.
+-> on-device sampler. It is ``jax.jit``-compiled once per token bucket at start-up
+(:mod:`.compilation`), with the device state (KV cache, penalty tables) donated so XLA updates it
+in place. Inputs arrive packed in one transfer; only sampled ids (and logprobs when asked) come
+back. ``enforce_eager`` runs the very same Python function op by op, for comparison.
 
 ``dispatch`` launches a step and returns at once (JAX runs it asynchronously); ``collect`` waits
 for its sampled tokens. Async scheduling dispatches step N+1 before collecting step N: a decode
@@ -17,29 +17,31 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import sys
 import time
-from typing import Any
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 import pallas_kernels
 from jaxserve import envs
 from jaxserve.config import EngineConfig
+from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models.llama import LlamaModel, Params, layers_are_stacked
-from jaxserve.runner import compile_stats
 from jaxserve.runner.buckets import BucketTable
+from jaxserve.runner.compilation import CompiledSteps, StepVariant
+from jaxserve.runner.compile_stats import CompileStats
+from jaxserve.runner.device_state import DeviceState, StepOutput
 from jaxserve.runner.input_batch import (CachedRequestState, PersistentBatch, SlotAllocator, StepPlan,
                                          build_step_arrays)
 from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks
 from jaxserve.runner.packing import PackLayout, pack, unpack
-from jaxserve.sample.metadata import SamplingMetadata, SamplingMetadataBuilder, SamplingTable
+from jaxserve.sample.metadata import SamplingMetadata, SamplingTable
+from jaxserve.sample.penalties import PenaltyTables, update_penalty_tables
 from jaxserve.sample.sampler import SamplerOutput, gather_logprobs, sample
 
 logger = logging.getLogger("jaxserve")
@@ -67,32 +69,9 @@ def resolve_attention_backend(requested: str) -> str:
     return "xla"
 
 
-def kernel_build_dir():
+def kernel_build_dir() -> Path:
     """Where kernels built on first use (the ``cpu`` backend's library) live."""
     return envs.cache_dir() / "kernels"
-
-
-def enable_persistent_compilation_cache(cache_dir: str | None) -> None:
-    """Point JAX's persistent compilation cache at ``cache_dir`` (process-wide setting).
-
-    JAX opens its cache once per process; a later engine asking for another folder gets the
-    cache re-initialised so its programs really land there.
-    """
-    if not cache_dir:
-        return
-    os.makedirs(cache_dir, exist_ok=True)
-    previous = jax.config.jax_compilation_cache_dir
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    if previous and previous != cache_dir:
-        try:
-            from jax._src import compilation_cache as _cc
-
-            _cc.reset_cache()
-        except (ImportError, AttributeError):  # private API; the folder change then waits for a restart
-            logger.warning("compilation cache already open at %s; %s takes effect on restart", previous, cache_dir)
-    # Small programs are never cached otherwise, and ours are small on CPU.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 class ModelRunner:
@@ -104,7 +83,7 @@ class ModelRunner:
         self.mc = model.config
         self.max_model_len = max_model_len
         self.block_size = config.block_size
-        self.max_blocks_per_seq = -(-max_model_len // config.block_size)
+        self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
         self.buckets = BucketTable.build(config.max_num_batched_tokens, config.max_num_seqs)
         self.attention_backend = resolve_attention_backend(config.attention_backend)
         interpret = config.interpret_kernels
@@ -117,38 +96,33 @@ class ModelRunner:
         self.decode_attn_fn = (pallas_kernels.get_attention_fn("pallas", interpret=interpret, mode="decode")
                                if self.attention_backend == "pallas" else None)
         self.num_logprobs = max(1, config.max_logprobs)
-        self.sampling_builder = SamplingMetadataBuilder(
-            vocab_size=self.mc.vocab_size, max_num_logprobs=config.max_logprobs)
 
         self.num_blocks = determine_num_blocks(self.mc, config, max_model_len)
-        self.kv_cache = allocate_kv_cache(self.mc, self.num_blocks, self.block_size)
         slots = config.max_num_seqs
         self.slots = SlotAllocator(slots)
         self.batch = PersistentBatch(slots, max_model_len, self.max_blocks_per_seq)
-        self.sampling_table = SamplingTable(slots, self.sampling_builder.max_logit_bias,
-                                            self.sampling_builder.max_allowed_tokens)
-        self.penalty_state = (
-            jnp.zeros((slots + 1, self.mc.vocab_size), jnp.int32),
-            jnp.zeros((slots + 1, self.mc.vocab_size), jnp.bool_),
-        )
+        self.sampling_table = SamplingTable(slots)
+        self.state = DeviceState(
+            kv_cache=allocate_kv_cache(self.mc, self.num_blocks, self.block_size),
+            penalties=PenaltyTables.zeros(slots, self.mc.vocab_size),
+            prev_sampled=jnp.zeros((slots,), jnp.int32))
         self.requests: dict[str, CachedRequestState] = {}
-        # The last dispatched step's sampled ids, padded to max_num_seqs (one shape for every
-        # bucket, so it never adds a compiled variant), and each request's row in it.
-        self._prev_sampled = jnp.zeros((config.max_num_seqs,), jnp.int32)
-        self._prev_row_of: dict[str, int] = {}
+        self._prev_row_of: dict[str, int] = {}  # each request's row in state.prev_sampled
         self._rng = np.random.default_rng(config.seed)
-        self.stats = compile_stats.CompileStats()
-        self._warmed_up = False  # after warm-up, any compile is an unexpected one
+        self.stats = CompileStats()
         self._layouts: dict[int, PackLayout] = {}
-        self._compiled: dict[tuple[int, bool], Any] = {}
-        self._jitted = jax.jit(self._step, static_argnames=("layout", "decode_only"), donate_argnums=(1, 2))
+        jitted = jax.jit(self._step, static_argnames=("layout", "decode_only"), donate_argnums=(1,))
+        self.steps = CompiledSteps(jitted, self._trace_args, self.stats)
         self._prompt_logprobs_jit = jax.jit(self._prompt_logprobs)
-        compile_stats.install_listener()
         max_concurrency = self.num_blocks * self.block_size / max_model_len
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max concurrency %.1fx at %d tokens/request; "
             "attention backend: %s", self.num_blocks, self.block_size, self.num_blocks * self.block_size,
             max_concurrency, max_model_len, self.attention_backend)
+
+    @property
+    def kv_cache(self):
+        return self.state.kv_cache
 
     def describe(self) -> dict:
         """What this runner was built with: pool size, backend, layer layout, token buckets."""
@@ -157,23 +131,24 @@ class ModelRunner:
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def _step(self, params, kv_cache, penalty_state, prev_sampled, buf, *, layout: PackLayout,
-              decode_only: bool = False):
-        x = unpack(buf, layout)
+    def _step(self, params, state: DeviceState, buf, *, layout: PackLayout, decode_only: bool = False) -> StepOutput:
+        groups = unpack(buf, layout)
+        x = groups["model"]
         prev = x["prev_rows"]
-        x["input_ids"] = jnp.where(prev >= 0, prev_sampled[jnp.maximum(prev, 0)], x["input_ids"])
+        input_ids = jnp.where(prev >= 0, state.prev_sampled[jnp.maximum(prev, 0)], x["input_ids"])
         attn_fn = self.decode_attn_fn if decode_only else self.attn_fn
         md = AttentionMetadata(
             positions=x["positions"], slot_mapping=x["slot_mapping"], block_tables=x["block_tables"],
             kv_lens=x["kv_lens"], query_start_loc=x["query_start_loc"], num_seqs=x["num_seqs"])
-        hidden, kv_cache = self.model.forward(params, x["input_ids"], kv_cache, md, attn_fn)
+        hidden, kv_cache = self.model.forward(params, input_ids, state.kv_cache, md, attn_fn)
         logits = self.model.compute_logits(params, hidden[x["logits_indices"]])
-        counts, prompt_mask = _update_penalty_tables(penalty_state, x)
-        sm = SamplingMetadata.from_arrays({k[len(_SAMPLE):]: v for k, v in x.items() if k.startswith(_SAMPLE)})
-        out = sample(logits, sm, counts, prompt_mask, max_num_logprobs=self.num_logprobs,
-                     row_slots=x["row_slots"], need_logprobs=x["need_logprobs"][0])
-        sampled = prev_sampled.at[: out.sampled_token_ids.shape[0]].set(out.sampled_token_ids)
-        return kv_cache, (counts, prompt_mask), out, hidden, sampled
+        penalties = update_penalty_tables(state.penalties, reset_slots=x["reset_slots"], token_slots=x["token_slots"],
+                                          input_ids=input_ids, token_is_output=x["token_is_output"])
+        out = sample(logits, SamplingMetadata.from_arrays(groups["sampling"]), penalties.output_counts,
+                     penalties.prompt_mask, max_num_logprobs=self.num_logprobs, row_slots=x["row_slots"],
+                     need_logprobs=x["need_logprobs"][0])
+        prev_sampled = state.prev_sampled.at[: out.sampled_token_ids.shape[0]].set(out.sampled_token_ids)
+        return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden)
 
     def _prompt_logprobs(self, params, hidden, next_token_ids):
         """Logprobs of each scheduled token's successor in the prompt, from every position's logits.
@@ -186,62 +161,41 @@ class ModelRunner:
 
     def _layout_for(self, bucket: int) -> PackLayout:
         if bucket not in self._layouts:
-            arrays = self._padding_arrays(bucket)
-            self._layouts[bucket] = PackLayout.of(arrays)
+            self._layouts[bucket] = PackLayout.of(self._padding_inputs(bucket))
         return self._layouts[bucket]
 
-    def _padding_arrays(self, bucket: int) -> dict[str, np.ndarray]:
+    def _padding_inputs(self, bucket: int) -> dict[str, dict[str, np.ndarray]]:
         rows = self.buckets.num_rows(bucket)
         arrays, _ = build_step_arrays(self.batch, [], [], [], [], set(), bucket, rows, self.block_size,
                                       self.slots.padding_slot)
-        arrays.update(_prefixed(self.sampling_builder.padding(rows)))
         arrays["need_logprobs"] = np.zeros(1, np.bool_)
-        return arrays
+        return {"model": arrays, "sampling": self.sampling_table.padding(rows)}
 
-    def variants(self) -> list[tuple[int, bool]]:
-        """Every (token bucket, decode-only) pair compiled at warm-up."""
-        out = [(b, False) for b in self.buckets.token_buckets]
+    def variants(self) -> list[StepVariant]:
+        """Every step variant compiled at warm-up."""
+        out = [StepVariant(b) for b in self.buckets.token_buckets]
         if self.decode_attn_fn is not None:
-            out += [(b, True) for b in self.buckets.token_buckets if b <= self.buckets.max_num_seqs]
+            out += [StepVariant(b, True) for b in self.buckets.token_buckets if b <= self.buckets.max_num_seqs]
         return out
 
-    def _executable(self, bucket: int, decode_only: bool):
-        if self.config.enforce_eager:
-            return functools.partial(self._step, layout=self._layout_for(bucket), decode_only=decode_only)
-        key = (bucket, decode_only)
-        if key not in self._compiled:
-            self._compile(key)
-            self.stats.unexpected_compiles += self._warmed_up
-        return self._compiled[key]
-
-    def _compile(self, key: tuple[int, bool]) -> None:
-        bucket, decode_only = key
-        layout = self._layout_for(bucket)
-        hits_before = compile_stats.persistent_cache_hits()
-        start = time.perf_counter()
+    def _trace_args(self, variant: StepVariant) -> tuple[tuple, dict]:
+        layout = self._layout_for(variant.bucket)
         buf = jax.ShapeDtypeStruct((layout.total,), jnp.int32)
-        lowered = self._jitted.trace(self.params, self.kv_cache, self.penalty_state, self._prev_sampled, buf,
-                                     layout=layout, decode_only=decode_only).lower()
-        self._compiled[key] = lowered.compile()
-        seconds = time.perf_counter() - start
-        self.stats.num_compiles += 1
-        self.stats.compile_seconds += seconds
-        name = f"{bucket}{'-decode' if decode_only else ''}"
-        self.stats.compile_seconds_per_bucket[name] = seconds
-        self.stats.persistent_cache_hits += compile_stats.persistent_cache_hits() - hits_before
+        return (self.params, self.state, buf), {"layout": layout, "decode_only": variant.decode_only}
+
+    def _executable(self, variant: StepVariant):
+        if self.config.enforce_eager:
+            return functools.partial(self._step, layout=self._layout_for(variant.bucket),
+                                     decode_only=variant.decode_only)
+        return self.steps.get(variant)
 
     def warm_up(self, show_progress: bool = True) -> None:
-        """Compile every bucket of the table now, so no request ever waits for a compile."""
+        """Compile every variant of the table now, so no request ever waits for a compile."""
         if self.config.enforce_eager:
-            self._warmed_up = True
             return
         start = time.perf_counter()
         variants = self.variants()
-        for key in tqdm(variants, desc="Compiling step buckets", disable=not show_progress, unit="variant"):
-            if key not in self._compiled:
-                self._compile(key)
-            self._run_padding_step(*key)
-        self._warmed_up = True
+        self.steps.warm_up(variants, self._run_padding_step, show_progress)
         summary = (f"compiled {len(variants)} step variants (token buckets {list(self.buckets.token_buckets)}) "
                    f"in {time.perf_counter() - start:.1f} s, {self.stats.persistent_cache_hits} from the "
                    f"persistent cache; attention backend: {self.attention_backend}; layers "
@@ -250,21 +204,17 @@ class ModelRunner:
         if show_progress:
             print(f"jaxserve: {summary}", file=sys.stderr, flush=True)  # stdout may carry JSON
 
-    def _run_padding_step(self, bucket: int, decode_only: bool) -> None:
-        """Execute a compiled variant once on padding only: no request, no KV write, no sample
-        used. A variant's first run pays one-time costs (its buffers' first allocation and page
-        faults) that would otherwise land on the first requests; vLLM's dummy runs at start-up
-        do the same."""
-        buf = pack(self._padding_arrays(bucket), self._layout_for(bucket))
-        out, _ = self._launch(self._compiled[(bucket, decode_only)], buf)
-        jax.block_until_ready(out)
+    def _run_padding_step(self, variant: StepVariant) -> None:
+        """Execute a compiled variant once on padding only: no request, no KV write, no sample used."""
+        buf = pack(self._padding_inputs(variant.bucket), self._layout_for(variant.bucket))
+        jax.block_until_ready(self._launch(self.steps.get(variant), buf).sampler)
 
-    def _launch(self, fn, buf) -> tuple[SamplerOutput, jax.Array]:
+    def _launch(self, fn, buf) -> StepOutput:
         """Run a step function on a packed input buffer; the donated state is replaced by its
-        updated version. Returns the sampler's output and the hidden states."""
-        self.kv_cache, self.penalty_state, out, hidden, self._prev_sampled = fn(
-            self.params, self.kv_cache, self.penalty_state, self._prev_sampled, buf)
-        return out, hidden
+        updated version."""
+        result = fn(self.params, self.state, buf)
+        self.state = result.state
+        return result
 
     # ---- state updates from the scheduler --------------------------------------------------
 
@@ -308,20 +258,19 @@ class ModelRunner:
         new_slots = self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return InFlightStep(so)
-        arrays, plan, states = self._prepare_inputs(so, new_slots)
-        layout = self._layout_for(plan.token_bucket)
-        buf = pack(arrays, layout)
+        groups, plan, states = self._prepare_inputs(so, new_slots)
+        buf = pack(groups, self._layout_for(plan.token_bucket))
         if self.config.enforce_eager:  # op by op, every numpy slice would be its own transfer
             buf = jax.device_put(buf)
         # Compiled: the executable takes the fresh numpy buffer as its one transfer (an explicit
         # device_put first costs several times as much host time per step).
         decode_only = self.decode_attn_fn is not None and plan.num_tokens == len(plan.req_ids)
-        out, hidden = self._launch(self._executable(plan.token_bucket, decode_only), buf)
+        result = self._launch(self._executable(StepVariant(plan.token_bucket, decode_only)), buf)
         self._prev_row_of = {r: i for i, r in enumerate(plan.req_ids)}
         self.stats.record_step(plan.num_tokens, plan.token_bucket)
         if any(s.sampling_params.prompt_logprobs is not None for s in states):
-            self._accumulate_prompt_logprobs(hidden, plan, states, so)
-        return InFlightStep(so, out, plan, states)
+            self._accumulate_prompt_logprobs(result.hidden, plan, states, so)
+        return InFlightStep(so, result.sampler, plan, states)
 
     def collect(self, step: InFlightStep) -> ModelRunnerOutput:
         """Wait for a dispatched step and hand its tokens to the host-side request states."""
@@ -368,11 +317,11 @@ class ModelRunner:
         # A row's draw is keyed by how many tokens its request generated before it; with async
         # scheduling the host may not have the last of them yet, so count from the positions.
         generated = [max(0, c + n - s.num_prompt_tokens) for s, c, n in zip(states, starts, counts)]
-        arrays.update(_prefixed(self.sampling_table.gather(arrays["row_slots"], generated)))
         want_logprobs = any(s.sampling_params.logprobs is not None for s, ok in zip(states, samples) if ok)
         arrays["need_logprobs"] = np.asarray([want_logprobs])
+        groups = {"model": arrays, "sampling": self.sampling_table.gather(arrays["row_slots"], generated)}
         plan = StepPlan(req_ids, total, bucket, samples, want_logprobs)
-        return arrays, plan, states
+        return groups, plan, states
 
     def _collect(self, out: SamplerOutput, plan: StepPlan, states: list[CachedRequestState],
                  so: SchedulerOutput) -> ModelRunnerOutput:
@@ -413,50 +362,3 @@ class ModelRunner:
             req_ids=plan.req_ids, req_id_to_index={r: i for i, r in enumerate(plan.req_ids)},
             sampled_token_ids=sampled_lists, logprobs=logprob_rows if want_logprobs else None,
             prompt_logprobs_dict=prompt_logprobs)
-
-
-_SAMPLE = "sample."
-
-
-def _prefixed(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Sampling arrays share the packed buffer with model inputs; keep their names apart."""
-    return {_SAMPLE + k: v for k, v in arrays.items()}
-
-
-def _update_penalty_tables(penalty_state, x):
-    """Keep per-slot output-token counts and prompt-token masks on device.
-
-    A new request's slot is cleared first; then every fed token lands in its request's row:
-    prompt positions set the prompt mask, output positions (including recomputed ones after a
-    preemption) add to the counts. By the time a row samples, all of its earlier outputs have
-    been fed back as inputs, so the counts are exact without any host-side bookkeeping.
-    """
-    counts, prompt_mask = _clear_slots(*penalty_state, x["reset_slots"])
-    is_out = x["token_is_output"]
-    counts = counts.at[x["token_slots"], x["input_ids"]].add(is_out.astype(jnp.int32))
-    prompt_mask = prompt_mask.at[x["token_slots"], x["input_ids"]].max(~is_out)
-    return counts, prompt_mask
-
-
-def _clear_slots(counts, prompt_mask, reset_slots):
-    """Zero the table rows of ``reset_slots`` (new requests first, then the padding slot).
-
-    A loop that stops at the first padding entry: most steps admit no request and pay nothing,
-    where a scatter of [R, V] zeros would write the whole update every step.
-    """
-    padding_slot = counts.shape[0] - 1
-    n, v = reset_slots.shape[0], counts.shape[1]
-
-    def more(carry):
-        i = carry[0]
-        return (i < n) & (reset_slots[jnp.minimum(i, n - 1)] != padding_slot)
-
-    def clear(carry):
-        i, c, m = carry
-        row = (reset_slots[i], 0)
-        c = jax.lax.dynamic_update_slice(c, jnp.zeros((1, v), c.dtype), row)
-        m = jax.lax.dynamic_update_slice(m, jnp.zeros((1, v), m.dtype), row)
-        return i + 1, c, m
-
-    _, counts, prompt_mask = jax.lax.while_loop(more, clear, (jnp.int32(0), counts, prompt_mask))
-    return counts, prompt_mask

@@ -1,10 +1,10 @@
 """All per-step host arrays travel in ONE host-to-device transfer.
 
-The runner builds a dict of small numpy arrays (token ids, positions, slot mapping, block tables,
-sampling parameters ...). Each would be its own transfer, and on a GPU the fixed cost per copy
-dominates such small arrays. ``pack`` lays them end to end in one int32 buffer (float32 and uint32
-bit-cast, bool widened); inside the compiled step ``unpack`` slices them back out at static
-offsets, which XLA folds away.
+The runner builds small numpy arrays in named groups (model inputs; sampling parameters). Each
+would be its own transfer, and on a GPU the fixed cost per copy dominates such small arrays.
+``pack`` lays them end to end in one int32 buffer (float32 and uint32 bit-cast, bool widened);
+inside the compiled step ``unpack`` slices them back out at static offsets, which XLA folds away,
+into the same groups.
 """
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+Groups = Mapping[str, Mapping[str, np.ndarray]]
+
 
 @dataclasses.dataclass(frozen=True)
 class Field:
+    group: str
     name: str
     shape: tuple[int, ...]
     dtype: str
@@ -32,26 +35,27 @@ class PackLayout:
     total: int
 
     @classmethod
-    def of(cls, arrays: Mapping[str, np.ndarray]) -> "PackLayout":
+    def of(cls, groups: Groups) -> "PackLayout":
         fields, offset = [], 0
-        for name, arr in arrays.items():
-            f = Field(name, tuple(arr.shape), np.dtype(arr.dtype).name, offset, int(arr.size))
-            fields.append(f)
-            offset += f.size
+        for group, arrays in groups.items():
+            for name, arr in arrays.items():
+                f = Field(group, name, tuple(arr.shape), np.dtype(arr.dtype).name, offset, int(arr.size))
+                fields.append(f)
+                offset += f.size
         return cls(tuple(fields), offset)
 
 
 _WORD_DTYPES = (np.dtype(np.bool_), np.dtype(np.float32), np.dtype(np.uint32), np.dtype(np.int32))
 
 
-def pack(arrays: Mapping[str, np.ndarray], layout: PackLayout) -> np.ndarray:
+def pack(groups: Groups, layout: PackLayout) -> np.ndarray:
     buf = np.empty(layout.total, np.int32)
     for f in layout.fields:
-        arr = arrays[f.name]
+        arr = groups[f.group][f.name]
         if arr.shape != f.shape:
-            raise ValueError(f"{f.name}: shape {arr.shape} does not match the layout's {f.shape}")
+            raise ValueError(f"{f.group}.{f.name}: shape {arr.shape} does not match the layout's {f.shape}")
         if arr.dtype not in _WORD_DTYPES:
-            raise TypeError(f"{f.name}: cannot pack dtype {arr.dtype}")
+            raise TypeError(f"{f.group}.{f.name}: cannot pack dtype {arr.dtype}")
         dst = buf[f.offset : f.offset + f.size].reshape(f.shape)
         if arr.dtype == np.bool_:
             dst[...] = arr  # widened to 0/1
@@ -60,14 +64,15 @@ def pack(arrays: Mapping[str, np.ndarray], layout: PackLayout) -> np.ndarray:
     return buf
 
 
-def unpack(buf: jax.Array, layout: PackLayout) -> dict[str, jax.Array]:
-    out = {}
+def unpack(buf: jax.Array, layout: PackLayout) -> dict[str, dict[str, jax.Array]]:
+    out: dict[str, dict[str, jax.Array]] = {}
     for f in layout.fields:
         words = buf[f.offset : f.offset + f.size].reshape(f.shape)
         if f.dtype == "bool":
-            out[f.name] = words != 0
+            value = words != 0
         elif f.dtype == "int32":
-            out[f.name] = words
+            value = words
         else:
-            out[f.name] = jax.lax.bitcast_convert_type(words, jnp.dtype(f.dtype))
+            value = jax.lax.bitcast_convert_type(words, jnp.dtype(f.dtype))
+        out.setdefault(f.group, {})[f.name] = value
     return out

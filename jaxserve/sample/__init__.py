@@ -3,11 +3,9 @@
 from jaxserve.sample.metadata import (
     DEFAULT_MAX_ALLOWED_TOKENS,
     DEFAULT_MAX_LOGIT_BIAS,
-    SAMPLING_EPS,
     SamplingMetadata,
-    SamplingMetadataBuilder,
-    build_sampling_arrays,
-    validate_sampling_params,
+    SamplingTable,
+    sampling_arrays,
 )
 from jaxserve.sample.sampler import SamplerOutput, sample
 from jaxserve.sample.truncation import DEFAULT_TOP_K_CAP
@@ -16,11 +14,9 @@ __all__ = [
     "DEFAULT_MAX_ALLOWED_TOKENS",
     "DEFAULT_MAX_LOGIT_BIAS",
     "DEFAULT_TOP_K_CAP",
-    "SAMPLING_EPS",
     "SamplerOutput",
     "SamplingMetadata",
-    "SamplingMetadataBuilder",
-    "build_sampling_arrays",
+    "SamplingTable",
     "sample",
-    "validate_sampling_params",
+    "sampling_arrays",
 ]

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 import time
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxserve.sample.metadata import SamplingMetadata, build_sampling_arrays
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.sample.metadata import SamplingMetadata, sampling_arrays
 from jaxserve.sample.processors import apply_allowed_token_ids, apply_logit_bias, penalize
 from jaxserve.sample.sampler import (
     SamplerOutput,
@@ -84,8 +84,8 @@ def scenario_metadata(name: str, rows: int, vocab: int) -> SamplingMetadata:
         "penalties+top_k=50": dict(temperature=0.8, top_k=50, presence_penalty=0.5, frequency_penalty=0.5,
                                    repetition_penalty=1.2),
     }[name]
-    params = [SimpleNamespace(seed=i, **fields) for i in range(rows)]
-    arrays = build_sampling_arrays(params, rows, positions=[0] * rows, vocab_size=vocab)
+    params = [SamplingParams(seed=i, **fields) for i in range(rows)]
+    arrays = sampling_arrays(params, rows, positions=[0] * rows)
     return SamplingMetadata.from_arrays({k: jnp.asarray(v) for k, v in arrays.items()})
 
 

@@ -1,53 +1,39 @@
-"""Per-row sampling parameters as fixed-shape arrays, and the host-side builder that fills them.
+"""Per-row sampling parameters as fixed-shape arrays, and the table that fills them.
 
 The sampler runs inside the runner's compiled step, so every array here has a static shape:
 `R` rows (the padded request bucket) and, for the two sparse per-request lists, a static width:
 
-* `bias_token_ids` / `bias_values`: `[R, B]`, `B = max_logit_bias` (default 64). A dense
-  `[R, V]` bias would move R*V floats host->device every step (256 x 151936 x 4 B = 155 MB);
-  the sparse form moves R*B pairs (256 x 64 x 8 B = 128 KB) and is scattered on device.
+* `bias_token_ids` / `bias_values`: `[R, B]`, `B = max_logit_bias`. A dense `[R, V]` bias would
+  move R*V floats host->device every step; the sparse form moves R*B pairs, scattered on device.
   Unused slots hold token id -1 and value 0.
-* `allowed_token_ids`: `[R, A]`, `A = max_allowed_tokens` (default 256), plus `has_allowed[R]`.
-  The boolean `[R, V]` mask is built on device from these ids. Unused slots hold -1.
+* `allowed_token_ids`: `[R, A]`, `A = max_allowed_tokens`, plus `has_allowed[R]`. The boolean
+  `[R, V]` mask is built on device from these ids. Unused slots hold -1.
 
-A request whose `logit_bias` or `allowed_token_ids` is longer than its width is rejected by
-`validate_sampling_params` with a ValueError naming the field: raise both widths in the config
-(one more compile-time constant, a few KB more per step) rather than truncating silently.
+A request whose `logit_bias` or `allowed_token_ids` is longer than its width is refused by the
+engine's input processor (``InvalidRequestError`` naming the field) rather than truncated.
 
-This module is numpy + stdlib only: the engine validates requests with it before anything runs.
+Rows are filled in one place, ``SamplingTable.set_row``: the runner writes a request's row when
+it is admitted and gathers a step's rows by slot; ``sampling_arrays`` builds arrays for a plain
+list of requests (tests, the sampler benchmark) through the same table.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, NamedTuple, Sequence
+import dataclasses
+from typing import Any, Optional, Sequence
 
+import jax
 import numpy as np
+
+from jaxserve.core.sampling_params import SAMPLING_EPS, SamplingParams
 
 DEFAULT_MAX_LOGIT_BIAS = 64
 DEFAULT_MAX_ALLOWED_TOKENS = 256
 
-# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them would overflow.
-SAMPLING_EPS = 1e-5
 
-# Duck-typed SamplingParams fields and the value an object without the attribute (or with None)
-# gets. These are vLLM's defaults; `seed` None means "the engine picks one".
-PARAM_DEFAULTS: dict[str, Any] = {
-    "temperature": 1.0,
-    "top_k": 0,
-    "top_p": 1.0,
-    "min_p": 0.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "seed": None,
-    "logit_bias": None,
-    "allowed_token_ids": None,
-    "logprobs": None,
-}
-
-
-class SamplingMetadata(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
     """One row per request; padding rows are greedy with every option off.
 
     temperature: f32[R]          < SAMPLING_EPS => greedy
@@ -80,9 +66,13 @@ class SamplingMetadata(NamedTuple):
     has_allowed: Any
 
     @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
     def from_arrays(cls, arrays: dict[str, Any]) -> "SamplingMetadata":
-        """Wrap the builder's dict (numpy, or the same dict after one device transfer)."""
-        return cls(**{name: arrays[name] for name in cls._fields})
+        """Wrap a table's dict (numpy, or the same dict after one device transfer)."""
+        return cls(**{name: arrays[name] for name in cls.fields()})
 
 
 def padding_arrays(num_rows: int, max_logit_bias: int, max_allowed_tokens: int) -> dict[str, np.ndarray]:
@@ -105,168 +95,17 @@ def padding_arrays(num_rows: int, max_logit_bias: int, max_allowed_tokens: int) 
     }
 
 
-def param(params: Any, name: str) -> Any:
-    """A SamplingParams-like field, or its default when absent or None."""
-    value = getattr(params, name, None)
-    return PARAM_DEFAULTS[name] if value is None else value
-
-
-def _fail(field: str, message: str) -> None:
-    raise ValueError(f"{field}: {message}")
-
-
-def _check_range(params: Any, field: str, lo: float, hi: float, *, lo_open: bool = False) -> float:
-    """The float value of `field`, or a ValueError naming it (NaN fails every comparison)."""
-    value = float(param(params, field))
-    above_lo = value > lo if lo_open else value >= lo
-    if not (above_lo and value <= hi):
-        bracket = "(" if lo_open else "["
-        _fail(field, f"must be in {bracket}{lo}, {hi}], got {value}")
-    return value
-
-
-def _check_token_id(field: str, token_id: Any, vocab_size: int) -> int:
-    if isinstance(token_id, bool) or not isinstance(token_id, (int, np.integer)):
-        _fail(field, f"token ids must be integers, got {token_id!r}")
-    if not 0 <= int(token_id) < vocab_size:
-        _fail(field, f"token id {int(token_id)} is outside the vocabulary [0, {vocab_size})")
-    return int(token_id)
-
-
-def _check_logit_bias(params: Any, vocab_size: int, max_logit_bias: int) -> None:
-    bias = param(params, "logit_bias")
-    if not bias:
-        return
-    if len(bias) > max_logit_bias:
-        _fail("logit_bias", f"{len(bias)} entries exceed the static width max_logit_bias={max_logit_bias}")
-    for token_id, value in bias.items():
-        _check_token_id("logit_bias", token_id, vocab_size)
-        if not math.isfinite(float(value)):
-            _fail("logit_bias", f"bias for token {token_id} must be finite, got {value}")
-
-
-def _check_allowed_token_ids(params: Any, vocab_size: int, max_allowed_tokens: int) -> None:
-    allowed = getattr(params, "allowed_token_ids", None)
-    if allowed is None:
-        return
-    if len(allowed) == 0:
-        _fail("allowed_token_ids", "must not be empty (no token could be sampled)")
-    if len(allowed) > max_allowed_tokens:
-        _fail(
-            "allowed_token_ids",
-            f"{len(allowed)} ids exceed the static width max_allowed_tokens={max_allowed_tokens}",
-        )
-    for token_id in allowed:
-        _check_token_id("allowed_token_ids", token_id, vocab_size)
-
-
-def _check_integer(params: Any, field: str) -> int:
-    value = param(params, field)
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        _fail(field, f"must be an integer, got {value!r}")
-    return int(value)
-
-
-def validate_sampling_params(
-    params: Any,
-    *,
-    vocab_size: int,
-    max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS,
-    max_allowed_tokens: int = DEFAULT_MAX_ALLOWED_TOKENS,
-    max_num_logprobs: int | None = None,
-) -> None:
-    """Raise ValueError('<field>: ...') if the sampler cannot honour `params` as given.
-
-    Ranges follow vLLM's SamplingParams checks. Call it when a request is admitted, so that a bad
-    request fails alone instead of inside a batched step.
-    """
-    _check_range(params, "temperature", 0.0, math.inf)
-    top_k = _check_integer(params, "top_k")
-    if top_k < -1:
-        _fail("top_k", f"must be -1 or 0 (off) or positive, got {top_k}")
-    _check_range(params, "top_p", 0.0, 1.0, lo_open=True)
-    _check_range(params, "min_p", 0.0, 1.0)
-    _check_range(params, "presence_penalty", -2.0, 2.0)
-    _check_range(params, "frequency_penalty", -2.0, 2.0)
-    _check_range(params, "repetition_penalty", 0.0, math.inf, lo_open=True)
-    seed = getattr(params, "seed", None)
-    if seed is not None:
-        _check_integer(params, "seed")
-    _check_logit_bias(params, vocab_size, max_logit_bias)
-    _check_allowed_token_ids(params, vocab_size, max_allowed_tokens)
-    logprobs = getattr(params, "logprobs", None)
-    if logprobs is not None:
-        n = _check_integer(params, "logprobs")
-        limit = math.inf if max_num_logprobs is None else max_num_logprobs
-        if not 0 <= n <= limit:
-            _fail("logprobs", f"must be in [0, {max_num_logprobs}] (max_num_logprobs), got {n}")
-
-
-def _row_seed(params: Any, engine_seed: int | None, row: int) -> int:
+def _row_seed(params: SamplingParams, engine_seed: Optional[int]) -> int:
     """The request's own seed, else the one the engine drew for it; taken modulo 2**32.
 
     Greedy rows never draw, so they may have neither (they get 0).
     """
-    seed = getattr(params, "seed", None)
-    seed = engine_seed if seed is None else seed
-    if seed is None and float(param(params, "temperature")) < SAMPLING_EPS:
-        return 0
+    seed = engine_seed if params.seed is None else params.seed
     if seed is None:
-        _fail("seed", f"row {row} has no seed: pass seeds= with one drawn by the engine for unseeded requests")
+        if params.temperature < SAMPLING_EPS:
+            return 0
+        raise ValueError("an unseeded random request needs the seed the engine drew for it")
     return int(seed) & 0xFFFFFFFF
-
-
-def _fill_row(arrays: dict[str, np.ndarray], row: int, params: Any, seed: int, position: int) -> None:
-    top_k = int(param(params, "top_k"))
-    arrays["temperature"][row] = param(params, "temperature")
-    # vLLM's -1 and 0 both mean off; anything past int32 is "all tokens" too (and would overflow)
-    arrays["top_k"][row] = min(max(top_k, 0), np.iinfo(np.int32).max)
-    for name in ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        arrays[name][row] = param(params, name)
-    arrays["seeds"][row] = seed
-    arrays["positions"][row] = position
-    bias = param(params, "logit_bias") or {}
-    arrays["bias_token_ids"][row, : len(bias)] = list(bias.keys())
-    arrays["bias_values"][row, : len(bias)] = list(bias.values())
-    allowed = getattr(params, "allowed_token_ids", None)
-    if allowed is not None:
-        arrays["allowed_token_ids"][row, : len(allowed)] = list(allowed)
-        arrays["has_allowed"][row] = True
-
-
-def build_sampling_arrays(
-    params_list: Sequence[Any],
-    num_rows: int,
-    *,
-    positions: Sequence[int],
-    seeds: Sequence[int | None] | None = None,
-    vocab_size: int,
-    max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS,
-    max_allowed_tokens: int = DEFAULT_MAX_ALLOWED_TOKENS,
-    max_num_logprobs: int | None = None,
-) -> dict[str, np.ndarray]:
-    """Numpy arrays for SamplingMetadata, keyed by field name, `num_rows` rows.
-
-    Row i comes from `params_list[i]` (a SamplingParams-like object, or None for an empty slot);
-    rows past `len(params_list)` are padding. `positions[i]` is row i's number of generated output
-    tokens; `seeds[i]` is used when `params_list[i].seed` is None. Every array is freshly allocated:
-    on CPU a device array may alias its numpy source, so buffers are never reused between steps.
-    """
-    if len(params_list) > num_rows:
-        _fail("num_rows", f"{len(params_list)} requests do not fit in {num_rows} rows")
-    if len(positions) != len(params_list):
-        _fail("positions", f"expected {len(params_list)} positions, got {len(positions)}")
-    if seeds is not None and len(seeds) != len(params_list):
-        _fail("seeds", f"expected {len(params_list)} seeds, got {len(seeds)}")
-    arrays = padding_arrays(num_rows, max_logit_bias, max_allowed_tokens)
-    for row, params in enumerate(params_list):
-        if params is None:
-            continue
-        validate_sampling_params(params, vocab_size=vocab_size, max_logit_bias=max_logit_bias,
-                                 max_allowed_tokens=max_allowed_tokens, max_num_logprobs=max_num_logprobs)
-        seed = _row_seed(params, None if seeds is None else seeds[row], row)
-        _fill_row(arrays, row, params, seed, int(positions[row]))
-    return arrays
 
 
 class SamplingTable:
@@ -278,68 +117,64 @@ class SamplingTable:
 
     def __init__(self, num_slots: int, max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS,
                  max_allowed_tokens: int = DEFAULT_MAX_ALLOWED_TOKENS):
+        self.padding_slot = num_slots
+        self.max_logit_bias = max_logit_bias
+        self.max_allowed_tokens = max_allowed_tokens
         self._blank = padding_arrays(1, max_logit_bias, max_allowed_tokens)
         self.arrays = padding_arrays(num_slots + 1, max_logit_bias, max_allowed_tokens)
 
-    def set_row(self, slot: int, params: Any, seed: int | None) -> None:
-        """Slot ``slot`` now samples with ``params``; ``seed`` is used when ``params.seed`` is None."""
+    def set_row(self, slot: int, params: SamplingParams, seed: Optional[int]) -> None:
+        """Slot ``slot`` now samples with ``params``; ``seed`` is used when ``params.seed`` is None.
+
+        ``params`` must already be validated for this engine (widths, vocabulary)."""
+        a = self.arrays
         for name, blank in self._blank.items():
-            self.arrays[name][slot] = blank[0]  # a shorter bias or allowed list leaves no stale ids
-        _fill_row(self.arrays, slot, params, _row_seed(params, seed, slot), 0)
+            a[name][slot] = blank[0]  # a shorter bias or allowed list leaves no stale ids
+        a["temperature"][slot] = params.temperature
+        # vLLM's -1 and 0 both mean off; anything past int32 is "all tokens" too (and would overflow)
+        a["top_k"][slot] = min(max(params.top_k, 0), np.iinfo(np.int32).max)
+        for name in ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            a[name][slot] = getattr(params, name)
+        a["seeds"][slot] = _row_seed(params, seed)
+        bias = params.logit_bias or {}
+        a["bias_token_ids"][slot, : len(bias)] = list(bias.keys())
+        a["bias_values"][slot, : len(bias)] = list(bias.values())
+        if params.allowed_token_ids is not None:
+            a["allowed_token_ids"][slot, : len(params.allowed_token_ids)] = params.allowed_token_ids
+            a["has_allowed"][slot] = True
 
     def gather(self, row_slots: np.ndarray, positions: Sequence[int]) -> dict[str, np.ndarray]:
-        """Arrays for rows whose slots are ``row_slots`` (padding rows: the padding slot)."""
+        """Arrays for rows whose slots are ``row_slots`` (padding rows: the padding slot);
+        ``positions[i]`` is row i's number of generated output tokens. Freshly allocated: on a
+        CPU a device array may alias its numpy source, so no buffer is reused between steps."""
         out = {name: arr[row_slots] for name, arr in self.arrays.items()}
         out["positions"][: len(positions)] = positions
         return out
 
-
-class SamplingMetadataBuilder:
-    """Holds the static widths of one engine configuration; builds and validates with them."""
-
-    def __init__(
-        self,
-        *,
-        vocab_size: int,
-        max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS,
-        max_allowed_tokens: int = DEFAULT_MAX_ALLOWED_TOKENS,
-        max_num_logprobs: int | None = None,
-    ):
-        self.vocab_size = vocab_size
-        self.max_logit_bias = max_logit_bias
-        self.max_allowed_tokens = max_allowed_tokens
-        self.max_num_logprobs = max_num_logprobs
-
-    def validate(self, params: Any) -> None:
-        """Raise ValueError('<field>: ...') for a request this configuration cannot sample."""
-        validate_sampling_params(
-            params,
-            vocab_size=self.vocab_size,
-            max_logit_bias=self.max_logit_bias,
-            max_allowed_tokens=self.max_allowed_tokens,
-            max_num_logprobs=self.max_num_logprobs,
-        )
-
-    def build(
-        self,
-        params_list: Sequence[Any],
-        num_rows: int,
-        *,
-        positions: Sequence[int],
-        seeds: Sequence[int | None] | None = None,
-    ) -> dict[str, np.ndarray]:
-        """See `build_sampling_arrays`."""
-        return build_sampling_arrays(
-            params_list,
-            num_rows,
-            positions=positions,
-            seeds=seeds,
-            vocab_size=self.vocab_size,
-            max_logit_bias=self.max_logit_bias,
-            max_allowed_tokens=self.max_allowed_tokens,
-            max_num_logprobs=self.max_num_logprobs,
-        )
-
     def padding(self, num_rows: int) -> dict[str, np.ndarray]:
-        """All-padding arrays of this configuration's shapes (for warm-up compiles)."""
-        return padding_arrays(num_rows, self.max_logit_bias, self.max_allowed_tokens)
+        """All-padding arrays of this table's widths (for warm-up compiles)."""
+        return self.gather(np.full(num_rows, self.padding_slot, np.int32), [])
+
+
+def sampling_arrays(
+    params_list: Sequence[Optional[SamplingParams]],
+    num_rows: int,
+    *,
+    positions: Sequence[int],
+    seeds: Optional[Sequence[Optional[int]]] = None,
+    max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS,
+    max_allowed_tokens: int = DEFAULT_MAX_ALLOWED_TOKENS,
+) -> dict[str, np.ndarray]:
+    """Arrays for ``params_list`` in rows ``0..len-1`` (None: a padding row), padded to
+    ``num_rows``, built through a ``SamplingTable`` (tests and the sampler benchmark)."""
+    if len(params_list) > num_rows:
+        raise ValueError(f"{len(params_list)} requests do not fit in {num_rows} rows")
+    if len(positions) != len(params_list) or (seeds is not None and len(seeds) != len(params_list)):
+        raise ValueError("positions (and seeds, if given) need one entry per request")
+    table = SamplingTable(len(params_list), max_logit_bias, max_allowed_tokens)
+    row_slots = np.full(num_rows, table.padding_slot, np.int32)
+    for slot, params in enumerate(params_list):
+        if params is not None:
+            table.set_row(slot, params, None if seeds is None else seeds[slot])
+            row_slots[slot] = slot
+    return table.gather(row_slots, positions)

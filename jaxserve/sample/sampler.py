@@ -26,19 +26,22 @@ threefry bits) is ~2 s of every random batch. R=64, V=8192: greedy 3.9 ms, top_k
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxserve.sample.metadata import SAMPLING_EPS, SamplingMetadata
+from jaxserve.core.sampling_params import SAMPLING_EPS
+from jaxserve.sample.metadata import SamplingMetadata
 from jaxserve.sample.processors import (apply_allowed_and_bias, apply_penalties, penalties_active,
                                          restrictions_active)
 from jaxserve.sample.truncation import DEFAULT_TOP_K_CAP, top_k_sorted, truncate, truncation_threshold
 
 
-class SamplerOutput(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
     """K = max_num_logprobs (static). Column 0 of the logprob arrays is the sampled token."""
 
     sampled_token_ids: jax.Array  # i32[R]

@@ -1,6 +1,9 @@
+import math
+
 import pytest
 
 from jaxserve.core import SamplingParams, SamplingType
+from jaxserve.exceptions import InvalidRequestError
 
 
 def test_defaults_match_vllm():
@@ -36,14 +39,20 @@ def test_defaults_match_vllm():
     (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(logit_bias={"x": 1}), "logit_bias"),
     (dict(seed=1.5), "seed"),
+    (dict(temperature=math.nan), "temperature"),
+    (dict(top_k=2.5), "top_k"),
+    (dict(logit_bias={1: math.inf}), "logit_bias"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"),
 ])
 def test_validation_names_field(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(InvalidRequestError, match=rf"^{field}: ") as err:
         SamplingParams(**kwargs)
+    assert err.value.param == field and err.value.code is None
+    assert isinstance(err.value, ValueError)  # callers catching ValueError, as with vLLM, still do
 
 
 def test_temperature_message():
-    with pytest.raises(ValueError, match="temperature must be non-negative, got -1"):
+    with pytest.raises(ValueError, match="temperature: must be non-negative, got -1"):
         SamplingParams(temperature=-1)
 
 
@@ -70,8 +79,3 @@ def test_clone_is_deep():
     assert p.stop == ["a"] and p.stop_token_ids == [1] and q == SamplingParams(
         stop=["a", "b"], stop_token_ids=[1, 2])
 
-
-def test_output_text_buffer_length():
-    assert SamplingParams(stop=["ab", "abcd"]).output_text_buffer_length == 3
-    assert SamplingParams(stop=["abcd"], include_stop_str_in_output=True
-                          ).output_text_buffer_length == 0

@@ -2,6 +2,7 @@ import pytest
 
 from jaxserve.core import (KVCacheManager, ModelRunnerOutput, RequestStatus, Scheduler,
                            SchedulerConfig)
+from jaxserve.exceptions import InvalidRequestError
 
 from tests.core.core_testing import (FakeRunner, assert_all_free, check_pool_invariants,
                                      make_request, make_scheduler, run_step)
@@ -21,17 +22,19 @@ def step(sched, runner):
 
 # ---------------------------------------------------------------- admission and budget
 
-def test_add_request_rejections():
+def test_add_request_preconditions_and_id_conflict():
+    """Input validation is the engine's input processor's; the scheduler asserts its
+    preconditions and refuses only what conflicts with its own state (a request id in use)."""
     s = make_scheduler(max_model_len=16, max_num_batched_tokens=8)
-    with pytest.raises(ValueError, match="at least one token"):
+    with pytest.raises(AssertionError):
         s.add_request(make_request([]))
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(AssertionError, match="max_model_len"):
         s.add_request(make_request([1] * 16))
     s.add_request(make_request([1] * 15, req_id="x"))  # chunked prefill: longer than budget is ok
-    with pytest.raises(ValueError, match="already in use"):
+    with pytest.raises(InvalidRequestError, match="^request_id: 'x' is already in use"):
         s.add_request(make_request([1], req_id="x"))
     off = make_scheduler(max_model_len=16, max_num_batched_tokens=8, enable_chunked_prefill=False)
-    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+    with pytest.raises(AssertionError, match="max_num_batched_tokens"):
         off.add_request(make_request([1] * 9))
     assert s.get_num_unfinished_requests() == 1
 

@@ -33,16 +33,20 @@ def test_pack_roundtrip_all_dtypes():
         "seed": np.asarray([2**32 - 1, 7], np.uint32),
         "flag": np.asarray([True, False, True]),
     }
-    layout = PackLayout.of(arrays)
-    buf = pack(arrays, layout)
-    assert buf.dtype == np.int32 and buf.shape == (6 + 3 + 2 + 3,)
+    # two groups may use the same name: each comes back in its own group
+    groups = {"model": arrays, "sampling": {"ids": np.asarray([9, 8], np.int32)}}
+    layout = PackLayout.of(groups)
+    buf = pack(groups, layout)
+    assert buf.dtype == np.int32 and buf.shape == (6 + 3 + 2 + 3 + 2,)
     out = jax.jit(lambda b: unpack(b, layout))(jnp.asarray(buf))
-    for name, arr in arrays.items():
-        assert out[name].dtype == arr.dtype
-        np.testing.assert_array_equal(np.asarray(out[name]), arr)
+    assert set(out) == {"model", "sampling"}
+    for group, members in groups.items():
+        for name, arr in members.items():
+            assert out[group][name].dtype == arr.dtype
+            np.testing.assert_array_equal(np.asarray(out[group][name]), arr)
 
 
 def test_pack_rejects_wrong_shape():
-    layout = PackLayout.of({"a": np.zeros(4, np.int32)})
-    with pytest.raises(ValueError, match="a: shape"):
-        pack({"a": np.zeros(5, np.int32)}, layout)
+    layout = PackLayout.of({"g": {"a": np.zeros(4, np.int32)}})
+    with pytest.raises(ValueError, match="g.a: shape"):
+        pack({"g": {"a": np.zeros(5, np.int32)}}, layout)

@@ -5,7 +5,7 @@ import pytest
 
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.runner.input_batch import PersistentBatch, build_step_arrays
-from jaxserve.sample.metadata import SamplingTable, build_sampling_arrays
+from jaxserve.sample.metadata import SamplingTable, sampling_arrays
 
 BS, MAX_LEN, SLOTS = 4, 32, 6
 PAD = SLOTS
@@ -109,7 +109,6 @@ def test_sampling_table_gather_equals_a_fresh_build_and_leaves_nothing_stale():
         table.set_row(slot, p, s)
     rows = np.array([4, 2, 0, PAD, PAD], np.int32)
     got = table.gather(rows, positions=[0, 3, 8])
-    want = build_sampling_arrays(params, 5, positions=[0, 3, 8], seeds=seeds, vocab_size=100,
-                                 max_logit_bias=4, max_allowed_tokens=4)
+    want = sampling_arrays(params, 5, positions=[0, 3, 8], seeds=seeds, max_logit_bias=4, max_allowed_tokens=4)
     for name, value in want.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)

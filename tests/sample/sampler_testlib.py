@@ -7,29 +7,31 @@ tests share a few shapes: DRAWS rows for statistics and K logprobs everywhere.
 from __future__ import annotations
 
 from functools import partial
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.sample import SamplingMetadata, build_sampling_arrays, sample
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.sample import SamplingMetadata, sample, sampling_arrays
 
 
 DRAWS = 8000  # draws per statistical test (rows of one request at positions 0..DRAWS-1)
 K = 5  # logprobs returned by default
 
 
-def params(**fields) -> SimpleNamespace:
-    """A SamplingParams stand-in (the builder duck-types; missing fields take vLLM defaults)."""
+def params(**fields) -> SamplingParams:
+    """SamplingParams seeded by default, so a random row always has its seed."""
     fields.setdefault("seed", 0)
-    return SimpleNamespace(**fields)
+    return SamplingParams(**fields)
 
 
 def metadata(params_list, vocab_size: int, num_rows: int | None = None, positions=None, **widths) -> SamplingMetadata:
+    """The sampler's metadata for ``params_list`` (``vocab_size`` is the logits' width; the
+    tables do not depend on it)."""
     num_rows = len(params_list) if num_rows is None else num_rows
     positions = [0] * len(params_list) if positions is None else positions
-    arrays = build_sampling_arrays(params_list, num_rows, positions=positions, vocab_size=vocab_size, **widths)
+    arrays = sampling_arrays(params_list, num_rows, positions=positions, **widths)
     return SamplingMetadata.from_arrays({k: jnp.asarray(v) for k, v in arrays.items()})
 
 

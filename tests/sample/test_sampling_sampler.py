@@ -1,12 +1,14 @@
 """The sampler end to end: greedy, seeded reproducibility and batch independence, logprobs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from tests.sample.sampler_testlib import draw_tokens, metadata, np_log_softmax, np_penalize, params, run_sample
 
-from jaxserve.sample import SamplingMetadata, build_sampling_arrays, sample
+from jaxserve.sample import SamplingMetadata, sample, sampling_arrays
 from jaxserve.sample.sampler import first_argmax
 
 V = 1000  # > the 256 top-k cap, so flat top-p rows need the full-sort fallback
@@ -97,7 +99,7 @@ def test_vmap_over_positions_matches_rows_at_those_positions():
     md1 = metadata([params(**fields)], V)
 
     def one(position):
-        md = md1._replace(positions=jnp.full((1,), position, jnp.int32))
+        md = dataclasses.replace(md1, positions=jnp.full((1,), position, jnp.int32))
         zeros = jnp.zeros((1, V), jnp.int32)
         return sample(jnp.asarray(logits)[None], md, zeros, zeros > 0, max_num_logprobs=0).sampled_token_ids[0]
 
@@ -149,7 +151,7 @@ def test_zero_logprobs_returns_the_sampled_column_only():
 
 
 def test_sample_accepts_the_builders_numpy_arrays():
-    arrays = build_sampling_arrays([params(temperature=0.0)], R, positions=[0], vocab_size=V)
+    arrays = sampling_arrays([params(temperature=0.0)], R, positions=[0])
     logits = random_logits(R, seed=10)
     out = run_sample(logits, SamplingMetadata.from_arrays(arrays))
     assert out.sampled_token_ids.dtype == jnp.int32 and out.logprobs.shape == (R, 6)

@@ -1,0 +1,35 @@
+"""What the compiled step carries from one step to the next, and what it returns.
+
+Both are registered dataclasses (pytrees): the step takes ``DeviceState`` donated and returns
+its updated version inside ``StepOutput``, so XLA updates the KV cache and the penalty tables in
+place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxserve.sample.penalties import PenaltyTables
+from jaxserve.sample.sampler import SamplerOutput
+
+KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [L, num_blocks, block_size, Hkv, D]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DeviceState:
+    kv_cache: KVCache
+    penalties: PenaltyTables
+    # The last step's sampled ids, padded to max_num_seqs (one shape for every bucket): with
+    # async scheduling a decode row reads its input token here instead of from the host.
+    prev_sampled: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    state: DeviceState
+    sampler: SamplerOutput
+    hidden: jax.Array  # [T, hidden] of every scheduled token (prompt logprobs need them)
