@@ -13,8 +13,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from jaxserve.exceptions import EngineDeadError, EngineOverloadedError
-from jaxserve.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from jaxserve import CompletionOutput, EngineDeadError, EngineOverloadedError, RequestOutput, RequestOutputKind
 from jaxserve_server.app import build_app
 
 from .conftest import MAX_BODY_BYTES, assert_error, wait_idle
