@@ -20,6 +20,8 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_
 MAX_N = 128
 # Largest number of prompts in one /v1/completions request.
 MAX_PROMPTS = 1024
+# logit_bias values are limited to [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT], as in the OpenAI API.
+LOGIT_BIAS_LIMIT = 100.0
 _INT64 = 2**63
 _INT32_MAX = 2**31 - 1
 _FLOAT32_MAX = 3.4e38
@@ -76,8 +78,9 @@ class _SamplingFields(_Request):
                 int(key)
             except ValueError:
                 raise ValueError(f"keys must be token ids, got {key!r}") from None
-            if not -100.0 <= value <= 100.0:
-                raise ValueError(f"values must be in [-100, 100], got {value} for token {key}")
+            if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"values must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], "
+                                 f"got {value} for token {key}")
         return v
 
     def sampling_kwargs(self) -> dict[str, Any]:
