@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import jaxserve
-from jaxserve_server.errors import APIError, install_handlers
+from jaxserve_server.errors import ENGINE_DEAD, APIError, install_handlers
 from jaxserve_server.middleware import AuthMiddleware, BodyLimitMiddleware
 from jaxserve_server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
@@ -88,7 +88,7 @@ def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optio
     @app.get("/health")
     async def health():
         if engine.is_dead:
-            raise APIError(503, "the engine is dead (its loop failed)", code="engine_dead")
+            raise APIError(503, "the engine is dead (its loop failed)", code=ENGINE_DEAD)
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -23,6 +23,8 @@ logger = logging.getLogger("jaxserve.server")
 
 # OpenAI's code for a prompt plus output that does not fit the model's context.
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+# Code of every 503 caused by a failed engine loop (requests, /health alike).
+ENGINE_DEAD = "engine_dead"
 # Validation errors listed one by one in a 400's message; the rest are counted.
 MAX_LISTED_ERRORS = 5
 
@@ -102,7 +104,7 @@ def engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineOverloadedError):
         return APIError(503, str(exc), code="overloaded")
     if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), code="engine_dead")
+        return APIError(503, str(exc), code=ENGINE_DEAD)
     logger.error("generation failed: %r", exc)
     return APIError(500, f"internal error during generation: {type(exc).__name__}: {exc}")
 

@@ -10,6 +10,7 @@ starts: a refused request is an error status, never a stream that opens and fail
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -78,7 +79,7 @@ class SSEResponse(StreamingResponse):
                 await aclose()
 
 
-class OpenAIServing:
+class OpenAIServing(ABC):
     """Base of the generation endpoints; a subclass supplies the three endpoint-specific steps.
 
     ``__call__`` always answers with a ``Response``: a JSON body, an SSE stream, or
@@ -92,18 +93,18 @@ class OpenAIServing:
     def __init__(self, state: ServerState):
         self.state = state
 
+    @abstractmethod
     def prepare(self, req) -> tuple[list[Any], SamplingParams]:
         """Check the request; return the engine prompts and the sampling parameters for all of them."""
-        raise NotImplementedError
 
+    @abstractmethod
     def response_body(self, req, outputs: list[RequestOutput], ids: ResponseIds) -> BaseModel:
         """The non-streaming body from every prompt's final output, in prompt order."""
-        raise NotImplementedError
 
+    @abstractmethod
     def stream_chunks(self, req, generations: Generations, ids: ResponseIds,
                       include_usage: bool) -> AsyncIterator[BaseModel]:
         """The chunks of a stream, the usage chunk last when ``include_usage``."""
-        raise NotImplementedError
 
     async def __call__(self, req, raw_request: Request) -> Response:
         self.state.check_alive()

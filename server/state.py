@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from jaxserve_server.errors import APIError
+from jaxserve_server.errors import ENGINE_DEAD, APIError
 from jaxserve_server.logprobs import TokenText
 
 
@@ -40,4 +40,4 @@ class ServerState:
 
     def check_alive(self) -> None:
         if self.engine.is_dead:
-            raise APIError(503, "the engine is dead (its loop failed); restart the server", code="engine_dead")
+            raise APIError(503, "the engine is dead (its loop failed); restart the server", code=ENGINE_DEAD)
