@@ -13,44 +13,16 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import jaxserve
-from jaxserve_server.errors import APIError, install_handlers
+from jaxserve_server.errors import ENGINE_DEAD, APIError, install_handlers
 from jaxserve_server.middleware import AuthMiddleware, BodyLimitMiddleware
 from jaxserve_server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
                                      TokenizeCompletionRequest, TokenizeResponse)
-from jaxserve_server.serving import ChatHandler, CompletionHandler, TokenText, render_chat
+from jaxserve_server.serving_chat import OpenAIServingChat, render_chat
+from jaxserve_server.serving_completion import OpenAIServingCompletion
+from jaxserve_server.state import ServerState
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
-
-
-class ServerState:
-    """What every handler needs: the engine, the names it answers to, the tokenizer."""
-
-    def __init__(self, engine, *, served_model_name: Optional[str] = None, chat_template: Optional[str] = None,
-                 model_root: Optional[str] = None):
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.model_name = served_model_name or engine.served_model_name
-        self.model_root = model_root or self.model_name
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.model_config.vocab_size
-        self.chat_template = chat_template
-        self.token_text = TokenText(self.tokenizer)
-
-    def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
-                           param="model", code="model_not_found")
-
-    @staticmethod
-    def check_unsupported(problems: list[tuple[str, str]]) -> None:
-        if problems:
-            param, message = problems[0]
-            raise APIError(400, message, param=param, code="unsupported_parameter")
-
-    def check_alive(self) -> None:
-        if self.engine.is_dead:
-            raise APIError(503, "the engine is dead (its loop failed); restart the server", code="engine_dead")
 
 
 def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
@@ -62,8 +34,8 @@ def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optio
     app = FastAPI(title="jaxserve", version=jaxserve.__version__)
     app.state.jaxserve = state
     install_handlers(app)
-    completions = CompletionHandler(state)
-    chat = ChatHandler(state)
+    completions = OpenAIServingCompletion(state)
+    chat = OpenAIServingChat(state)
 
     def model_card() -> ModelCard:
         return ModelCard(id=state.model_name, root=state.model_root, max_model_len=state.max_model_len)
@@ -116,7 +88,7 @@ def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optio
     @app.get("/health")
     async def health():
         if engine.is_dead:
-            raise APIError(503, "the engine is dead (its loop failed)", code="engine_dead")
+            raise APIError(503, "the engine is dead (its loop failed)", code=ENGINE_DEAD)
         return Response(status_code=200)
 
     @app.get("/metrics")

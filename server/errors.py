@@ -1,8 +1,9 @@
 """OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
 
-``APIError`` is raised by the handlers; the exception handlers installed by ``install_handlers``
-also turn FastAPI's request validation errors (422 there) into 400s and Starlette's 404/405
-into the same body shape.
+``APIError`` is raised by the handlers; ``engine_error`` maps what the engine raises to it (a
+refused request is 400, an overloaded or dead engine 503). The exception handlers installed by
+``install_handlers`` also turn FastAPI's request validation errors (422 there) into 400s and
+Starlette's 404/405 into the same body shape.
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jaxserve import EngineDeadError, EngineOverloadedError, InvalidRequestError
+
 logger = logging.getLogger("jaxserve.server")
+
+# OpenAI's code for a prompt plus output that does not fit the model's context.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+# Code of every 503 caused by a failed engine loop (requests, /health alike).
+ENGINE_DEAD = "engine_dead"
+# Validation errors listed one by one in a 400's message; the rest are counted.
+MAX_LISTED_ERRORS = 5
 
 _TYPES = {
     400: "invalid_request_error",
@@ -60,16 +70,43 @@ def sse_error(exc: APIError) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
+def invalid_request(exc: InvalidRequestError) -> APIError:
+    """The 400 for a request the engine refused: ``param`` and ``code`` come from the exception."""
+    return APIError(400, str(exc), param=exc.param, code=exc.code)
+
+
+def bad_request(exc: ValueError) -> APIError:
+    """The 400 for a ``ValueError`` raised on the request's input (``SamplingParams``, the engine)."""
+    if isinstance(exc, InvalidRequestError):
+        return invalid_request(exc)
+    # Fallback while some engine checks still raise a plain ValueError: the field is read from the text.
+    return bad_request_from_value_error(exc)
+
+
 def bad_request_from_value_error(exc: ValueError) -> APIError:
-    """ValueErrors from SamplingParams / the engine name their field first ("max_tokens: ...")
-    or in the text ("top_p must be in ..."); surface the field as ``param``."""
+    """Plain ValueErrors name their field first ("max_tokens: ...") or in the text ("top_p must
+    be in ..."); surface the field as ``param``."""
     message = str(exc)
     head = message.split(":", 1)[0].strip()
     param = head if head.isidentifier() else message.split(" ", 1)[0]
     if not param.isidentifier():
         param = None
-    code = "context_length_exceeded" if "max_model_len" in message else None
+    code = CONTEXT_LENGTH_EXCEEDED if "max_model_len" in message else None
     return APIError(400, message, param=param, code=code)
+
+
+def engine_error(exc: BaseException) -> APIError:
+    """Map an exception from ``generate`` to the HTTP error the client gets."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return bad_request(exc)
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(503, str(exc), code="overloaded")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code=ENGINE_DEAD)
+    logger.error("generation failed: %r", exc)
+    return APIError(500, f"internal error during generation: {type(exc).__name__}: {exc}")
 
 
 # Fields typed as unions: pydantic reports one error per alternative; say what is accepted instead.
@@ -90,7 +127,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
         parts.append(f"{name}: {_UNION_HINTS[name]}")
         first_param = first_param or name
     errors = [e for e in errors if not (len(e.get("loc", ())) >= 2 and str(e["loc"][1]) in union_fields)]
-    for err in errors[:5]:
+    for err in errors[:MAX_LISTED_ERRORS]:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         where = ".".join(loc)
         kind = err.get("type", "")
@@ -106,8 +143,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
         if first_param is None and loc:
             first_param = loc[0]
         parts.append(msg)
-    if len(errors) > 5:
-        parts.append(f"... and {len(errors) - 5} more")
+    if len(errors) > MAX_LISTED_ERRORS:
+        parts.append(f"... and {len(errors) - MAX_LISTED_ERRORS} more")
     return "; ".join(parts) or "invalid request", first_param
 
 

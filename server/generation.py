@@ -13,38 +13,24 @@ request in the engine and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any, AsyncIterator, Awaitable, Optional, Sequence
 
-from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.exceptions import EngineDeadError, EngineOverloadedError
-from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
-from jaxserve_server.errors import APIError, bad_request_from_value_error
+from jaxserve import RequestOutput, RequestOutputKind, SamplingParams
+from jaxserve_server.errors import engine_error
 
-logger = logging.getLogger("jaxserve.server")
-
-_DONE = object()
+_DONE = object()  # queued by a prompt's pump once its engine stream has ended
+# How long wait_for_disconnect sleeps after an unexpected message, so that it never spins.
+_RECEIVE_RETRY_S = 0.01
 
 
 class ClientDisconnected(Exception):
     """The HTTP client went away before the response was ready."""
 
 
-def engine_error(exc: BaseException) -> APIError:
-    """Map an exception from ``generate`` to the HTTP error the client gets."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, ValueError):
-        return bad_request_from_value_error(exc)
-    if isinstance(exc, EngineOverloadedError):
-        return APIError(503, str(exc), code="overloaded")
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), code="engine_dead")
-    logger.error("generation failed: %r", exc)
-    return APIError(500, f"internal error during generation: {type(exc).__name__}: {exc}")
-
-
 class Generations:
+    """The engine requests of one API request, one per prompt. Their ids are ``request_id`` for a
+    single prompt and ``request_id-<i>`` for several; outputs are ``(prompt_index, output)``."""
+
     def __init__(self, engine, prompts: Sequence[Any], params: SamplingParams, request_id: str,
                  kind: RequestOutputKind, *, priority: int = 0, cache_salt: Optional[str] = None):
         self.request_ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
@@ -120,7 +106,7 @@ async def wait_for_disconnect(receive) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
-        await asyncio.sleep(0.01)  # not expected after the body; never spin
+        await asyncio.sleep(_RECEIVE_RETRY_S)  # not expected after the body
 
 
 async def race_disconnect(receive, work: Awaitable[Any]) -> Any:

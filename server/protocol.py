@@ -20,6 +20,10 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_
 MAX_N = 128
 # Largest number of prompts in one /v1/completions request.
 MAX_PROMPTS = 1024
+# /v1/completions' max_tokens when the request leaves it out, as in the OpenAI API.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+# logit_bias values are limited to [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT], as in the OpenAI API.
+LOGIT_BIAS_LIMIT = 100.0
 _INT64 = 2**63
 _INT32_MAX = 2**31 - 1
 _FLOAT32_MAX = 3.4e38
@@ -76,8 +80,9 @@ class _SamplingFields(_Request):
                 int(key)
             except ValueError:
                 raise ValueError(f"keys must be token ids, got {key!r}") from None
-            if not -100.0 <= value <= 100.0:
-                raise ValueError(f"values must be in [-100, 100], got {value} for token {key}")
+            if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"values must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], "
+                                 f"got {value} for token {key}")
         return v
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -118,7 +123,7 @@ PromptInput = Union[StrictStr, list[StrictInt], list[StrictStr], list[list[Stric
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
-    max_tokens: Optional[int] = Field(16, ge=0)
+    max_tokens: Optional[int] = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=0)
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0)
     best_of: Optional[int] = None

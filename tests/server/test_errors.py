@@ -2,7 +2,8 @@
 
 Against the real server: 400 (bad parameters, unsupported fields, too-long prompts, bad JSON),
 404, 405, 413, 503 (a full waiting queue). In-process, against the same app factory with a scripted
-engine: 401 (API key), 503 for a dead engine, an error event inside a broken stream.
+engine: 401 (API key), 503 for a dead engine, an error event inside a broken stream, and the 400 of
+an ``InvalidRequestError`` with its own ``param`` and ``code``.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from jaxserve.exceptions import EngineDeadError, EngineOverloadedError
-from jaxserve.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from jaxserve import (CompletionOutput, EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestOutput,
+                      RequestOutputKind)
 from jaxserve_server.app import build_app
+from jaxserve_server.errors import CONTEXT_LENGTH_EXCEEDED, bad_request, engine_error, error_body
 
 from .conftest import MAX_BODY_BYTES, assert_error, wait_idle
 
@@ -353,3 +355,49 @@ def test_served_model_name(demo_tokenizer):
     assert call(app, "GET", "/v1/models").json()["data"][0]["id"] == "my-model"
     assert call(app, "POST", "/v1/completions", json={"model": "my-model", "prompt": "x"}).status_code == 200
     assert_error(call(app, "POST", "/v1/completions", json={"model": "scripted", "prompt": "x"}), 404)
+
+
+# ---- InvalidRequestError: the engine's typed refusal ---------------------------------------------
+
+
+def test_invalid_request_error_maps_its_param_and_code():
+    err = bad_request(InvalidRequestError("max_tokens", "too many", code=CONTEXT_LENGTH_EXCEEDED))
+    assert (err.status, err.param, err.code, err.message) == (400, "max_tokens", CONTEXT_LENGTH_EXCEEDED,
+                                                              "max_tokens: too many")
+    # The fields come from the exception, not its text: this text would parse to another param and code.
+    tricky = InvalidRequestError("stop", "top_p exceeds max_model_len")
+    for mapped in (bad_request(tricky), engine_error(tricky)):
+        assert (mapped.status, mapped.param, mapped.code) == (400, "stop", None)
+    body = error_body(err.status, err.message, param=err.param, code=err.code)
+    assert body["error"]["type"] == "invalid_request_error"
+
+
+def test_plain_value_errors_fall_back_to_the_text():
+    err = bad_request(ValueError("top_p must be in (0, 1], got 0"))
+    assert (err.status, err.param, err.code) == (400, "top_p", None)
+
+
+class RefusingEngine(ScriptedEngine):
+    """Refuses every request the way the engine's validation does."""
+
+    async def generate(self, prompt, params, request_id, **kw):
+        raise InvalidRequestError("prompt", "the prompt is refused", code="refused_for_test")
+        yield  # an async generator, like AsyncLLM.generate: the error comes on first iteration
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_invalid_request_reaches_the_client(demo_tokenizer, stream):
+    app = build_app(RefusingEngine(demo_tokenizer))
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": CHAT})):
+        err = assert_error(call(app, "POST", path, json=dict(body, stream=stream)), 400, param="prompt")
+        assert err["code"] == "refused_for_test" and err["message"] == "prompt: the prompt is refused"
+
+
+def test_context_length_errors_carry_openai_code(http):
+    too_long = [("/v1/completions", {"prompt": list(range(10, 310))}),
+                ("/v1/completions", {"prompt": list(range(10, 20)), "max_tokens": 250}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "river " * 400}]}),
+                ("/v1/completions", {"prompt": list(range(10, 310)), "stream": True})]
+    for path, body in too_long:
+        err = assert_error(http.post(path, json=body), 400)
+        assert err["code"] == CONTEXT_LENGTH_EXCEEDED, (path, err)
