@@ -21,8 +21,6 @@ from jaxserve import EngineDeadError, EngineOverloadedError, InvalidRequestError
 
 logger = logging.getLogger("jaxserve.server")
 
-# OpenAI's code for a prompt plus output that does not fit the model's context.
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 # Code of every 503 caused by a failed engine loop (requests, /health alike).
 ENGINE_DEAD = "engine_dead"
 # Validation errors listed one by one in a 400's message; the rest are counted.
@@ -76,23 +74,14 @@ def invalid_request(exc: InvalidRequestError) -> APIError:
 
 
 def bad_request(exc: ValueError) -> APIError:
-    """The 400 for a ``ValueError`` raised on the request's input (``SamplingParams``, the engine)."""
+    """The 400 for a ``ValueError`` raised on the request's input (``SamplingParams``, the engine).
+
+    The engine's refusals are ``InvalidRequestError``s and carry their field; any other
+    ``ValueError`` (a tokenizer refusing its input, say) still belongs to the request, but names
+    no field."""
     if isinstance(exc, InvalidRequestError):
         return invalid_request(exc)
-    # Fallback while some engine checks still raise a plain ValueError: the field is read from the text.
-    return bad_request_from_value_error(exc)
-
-
-def bad_request_from_value_error(exc: ValueError) -> APIError:
-    """Plain ValueErrors name their field first ("max_tokens: ...") or in the text ("top_p must
-    be in ..."); surface the field as ``param``."""
-    message = str(exc)
-    head = message.split(":", 1)[0].strip()
-    param = head if head.isidentifier() else message.split(" ", 1)[0]
-    if not param.isidentifier():
-        param = None
-    code = CONTEXT_LENGTH_EXCEEDED if "max_model_len" in message else None
-    return APIError(400, message, param=param, code=code)
+    return APIError(400, str(exc))
 
 
 def engine_error(exc: BaseException) -> APIError:

@@ -17,7 +17,8 @@ import pytest
 from jaxserve import (CompletionOutput, EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestOutput,
                       RequestOutputKind)
 from jaxserve_server.app import build_app
-from jaxserve_server.errors import CONTEXT_LENGTH_EXCEEDED, bad_request, engine_error, error_body
+from jaxserve.exceptions import CONTEXT_LENGTH_EXCEEDED
+from jaxserve_server.errors import bad_request, engine_error, error_body
 
 from .conftest import MAX_BODY_BYTES, assert_error, wait_idle
 
@@ -372,9 +373,9 @@ def test_invalid_request_error_maps_its_param_and_code():
     assert body["error"]["type"] == "invalid_request_error"
 
 
-def test_plain_value_errors_fall_back_to_the_text():
-    err = bad_request(ValueError("top_p must be in (0, 1], got 0"))
-    assert (err.status, err.param, err.code) == (400, "top_p", None)
+def test_plain_value_errors_are_400s_without_a_guessed_field():
+    err = bad_request(ValueError("top_p: must be in (0, 1], got 0"))
+    assert (err.status, err.param, err.code, err.message) == (400, None, None, "top_p: must be in (0, 1], got 0")
 
 
 class RefusingEngine(ScriptedEngine):
