@@ -159,15 +159,6 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
-    def get_num_common_prefix_blocks(self, request: Request, num_running_requests: int) -> int:
-        """Leading blocks of ``request`` shared by all running requests (for cascade attention)."""
-        n = 0
-        for block in self.req_to_blocks.get(request.request_id, ()):
-            if block.ref_cnt != num_running_requests:
-                break
-            n += 1
-        return n
-
     def reset_prefix_cache(self) -> bool:
         ok = self.block_pool.reset_prefix_cache()
         if ok and self.log_stats:

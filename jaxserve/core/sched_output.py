@@ -40,10 +40,6 @@ class CachedRequestData:
     new_block_ids: list[list[int]]   # blocks appended this step
     num_computed_tokens: list[int]   # before this step's tokens
 
-    @classmethod
-    def make_empty(cls) -> "CachedRequestData":
-        return cls([], [], [])
-
     @property
     def num_reqs(self) -> int:
         return len(self.req_ids)
@@ -57,7 +53,6 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]      # finished/aborted since the last step: the runner drops them
     preempted_req_ids: set[str]     # preempted this step: the runner drops them
-    num_common_prefix_blocks: int = 0
 
     @property
     def is_empty(self) -> bool:

@@ -276,9 +276,6 @@ class Scheduler:
             new_block_ids=[[b.block_id for b in new_blocks_of[r.request_id]]
                            for r in scheduled_running],
             num_computed_tokens=[r.num_computed_tokens for r in scheduled_running])
-        num_common_prefix_blocks = (
-            kv.get_num_common_prefix_blocks(self.running[0], len(self.running))
-            if self.running and kv.enable_caching else 0)
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
@@ -286,8 +283,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=total,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted},
-            num_common_prefix_blocks=num_common_prefix_blocks)
+            preempted_req_ids={r.request_id for r in preempted})
         self.finished_req_ids = set()
 
         # As in vLLM, progress is booked at schedule time: the next schedule() must not hand the

@@ -43,7 +43,6 @@ class RequestMetrics:
     """Times in seconds on the monotonic clock; latencies are differences of them."""
 
     arrival_time: float
-    first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None

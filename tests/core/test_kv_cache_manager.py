@@ -122,13 +122,12 @@ def test_free_withdraws_blocks_whose_kv_was_never_written():
     assert not mgr.block_pool.cached_block_hash_to_block
 
 
-def test_reset_prefix_cache_and_common_prefix():
+def test_reset_prefix_cache():
     mgr = KVCacheManager(16, 4, 64)
     a = new(mgr, list(range(9)))
     b = new(mgr, list(range(8)) + [3, 3])
     admit(mgr, a)
     admit(mgr, b)
-    assert mgr.get_num_common_prefix_blocks(a, 2) == 2
     assert not mgr.reset_prefix_cache()
     mgr.free(a)
     mgr.free(b)
