@@ -13,7 +13,7 @@ tiles would run every tile to the longest context in the batch: a decode batch w
 32..384 tokens would do twice its work, and a prefill tile near a prompt's start (causal: it needs
 one chunk) would walk the whole prompt. So tiles are sorted by the chunks they need and split into
 ``num_groups`` equal groups, each with its own loop bound. Cost: an argsort of the tiles and a
-gather of their queries; saves ~20% of a decode step's attention and up to half of a prefill's.
+gather of their queries, repaid many times over on mixed context lengths.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ import jax.numpy as jnp
 
 from ._common import check_options, check_shapes, scalar_num_seqs
 
-# Measured on the 2-core CPU with the cpu-bench model (jaxserve bench throughput): small context
-# chunks win (1.9x over 512-position chunks: less padding past the longest context, and the
-# gathered pages stay in cache), 8-query tiles beat 16 and 32, and 4 groups beat 1, 2 and 8.
+# The fastest of the sizes tried on the CPU (docs/benchmarks.md): small context chunks pad less
+# past the longest context and keep the gathered pages in cache.
 DEFAULT_KV_CHUNK = 32
 DEFAULT_BLOCK_Q = 8
 DEFAULT_NUM_GROUPS = 4

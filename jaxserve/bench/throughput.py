@@ -211,7 +211,7 @@ def run_iterations(benches: dict[str, Any], num_iters: int) -> dict[str, list[di
     for _ in range(num_iters):
         for name, bench in benches.items():
             # Neither backend pays for the other's garbage, and with the counts reset no full
-            # collection (about 80 ms here) can land inside a timed iteration.
+            # collection can land inside a timed iteration.
             gc.collect()
             runs[name].append(bench.run_once())
     return runs

@@ -9,9 +9,7 @@ to about ``log2(max_num_batched_tokens)``.
 Decode steps (``T <= max_num_seqs``: one token per running request) also get the midpoints
 ``1.5 * 2^k``. As requests finish, the running count drifts through every value; with powers of
 two alone a batch of 33 pays for 64 rows. The midpoints bound that padding at 33% instead of 50%,
-for two or three more variants. Measured with `jaxserve bench throughput` on the CPU benchmark
-model: padding 7.3% -> 4.8% of all tokens and 5-10% more output tokens/s (every 8 tokens would pad
-less, 3.6%, but its extra variants cost more start-up than they saved).
+for two or three more variants (``docs/benchmarks.md`` has the figures).
 """
 
 from __future__ import annotations

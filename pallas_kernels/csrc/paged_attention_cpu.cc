@@ -184,9 +184,8 @@ inline void score16_avx512(const float*, const float*, int64_t, float*) {}
 // Each page is taken in passes over all the tile's rows (scores; masks and maxima; weights;
 // P.V), not row by row: a row's online-softmax update is a chain of dependent operations, and
 // rows side by side in one pass let the core overlap their chains. The softmax denominator is
-// kept as 16 partial sums per row (by position mod 16) and added up once at the end. Measured
-// against the row-by-row loop, alternating builds on the 2-core CPU, four layers: 64 decode rows
-// over 55 MB of pages 1.9-2.1 ms against 2.7-3.0; seven 144-token prompts 4.4-4.8 against 5.6-6.7.
+// kept as 16 partial sums per row (by position mod 16) and added up once at the end
+// (docs/benchmarks.md compares it with the row-by-row loop).
 template <typename T, int kD>
 void attend(const Problem& pb, const WorkItem& it) {
   const int D = kD > 0 ? kD : int(pb.head_dim);
@@ -241,9 +240,8 @@ void attend(const Problem& pb, const WorkItem& it) {
     // The next pages into L2 while this one is computed: pages are scattered over the pool, so
     // the hardware prefetcher cannot follow them. Each of the next kPrefetchPages pages is asked
     // for again at every page: a prefetch finding the miss queue full is dropped, and asking
-    // again is cheap once a line is there. Measured on the 2-core CPU, 64 decode rows over 59 MB
-    // of pages: no prefetch 4.9 ms, the next page once 3.6-4.3 ms, any single page further
-    // ahead 3.7-3.8 ms, the next three pages each time 2.8-3.0 ms (four: no better).
+    // again is cheap once a line is there. Three pages ahead was the fastest distance tried
+    // (docs/benchmarks.md).
     for (int ahead = 1; ahead <= kPrefetchPages && (page + ahead) * BS < k_end; ++ahead) {
       const int64_t next = std::clamp<int64_t>(table[page + ahead], 0, pb.num_blocks - 1) * BS * row_stride;
       const char* nk = reinterpret_cast<const char*>(kc + next);
@@ -303,8 +301,8 @@ void attend(const Problem& pb, const WorkItem& it) {
 #pragma omp simd
     for (int row = 0; row < rows; ++row) alpha[row] = exp_nonpositive(alpha[row]);
 
-    // Weights, and the denominator's partial sums, in one pass: summing in a pass of its own
-    // measured 7% faster on prefill tiles but 20% slower on decode ones.
+    // Weights, and the denominator's partial sums, in one pass: a pass of its own helps prefill
+    // tiles a little and costs decode ones more.
     for (int row = 0; row < rows; ++row) {
       float* sr = scores + row * BS;
       float* lr = l + row * kLanes;
