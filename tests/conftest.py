@@ -8,9 +8,7 @@ import pytest
 
 os.environ.setdefault("JAXSERVE_HASH_SEED", "0")
 
-from jaxserve.testing import TINY_CONFIGS, build_tiny_checkpoint  # noqa: E402
-
-ARCHITECTURES = tuple(TINY_CONFIGS)
+from tests.tiny_models import build_tiny_checkpoints  # noqa: E402
 
 
 def pytest_sessionstart(session):
@@ -28,18 +26,12 @@ def pytest_sessionstart(session):
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
     """One random tiny checkpoint folder per supported architecture."""
-    root = tmp_path_factory.mktemp("tiny")
-    return {arch: str(build_tiny_checkpoint(root / arch, arch, seed=1)) for arch in ARCHITECTURES}
+    return build_tiny_checkpoints(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="session")
 def qwen3_checkpoint(tiny_checkpoints) -> str:
     return tiny_checkpoints["Qwen3ForCausalLM"]
-
-
-# One engine shape for the engine tests: every LLM built with it after the first is served by
-# the persistent compilation cache.
-ENGINE_ARGS = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, num_gpu_blocks_override=160)
 
 
 @pytest.fixture(scope="session")

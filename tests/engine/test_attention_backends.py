@@ -9,8 +9,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 import pallas_kernels
-
-SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=40)
+from tests.shapes import BACKEND_COMPARISON_SHAPE as SMALL
 
 
 def _greedy_tokens(demo_model, **engine_args):

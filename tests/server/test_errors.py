@@ -17,7 +17,7 @@ from jaxserve.exceptions import EngineDeadError, EngineOverloadedError
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from jaxserve_server.app import build_app
 
-from .conftest import MAX_BODY_BYTES, assert_error, wait_idle
+from tests.server.server_testing import MAX_BODY_BYTES, assert_error, wait_idle
 
 CHAT = [{"role": "user", "content": "hi"}]
 
