@@ -1,4 +1,8 @@
-"""The tiny test checkpoints: their architectures and a builder for one folder of each."""
+"""The tiny test checkpoints: their architectures and a builder for one folder of each.
+
+Imports jax (through ``jaxserve.models``), so the root conftest imports this module only inside
+its fixtures: the core tests must run without jax.
+"""
 
 from __future__ import annotations
 

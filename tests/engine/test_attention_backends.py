@@ -10,6 +10,9 @@ import pytest
 from jaxserve import LLM, SamplingParams
 import pallas_kernels
 from tests.shapes import BACKEND_COMPARISON_SHAPE as SMALL
+from tests.triton_mode import pin_triton_interpreter
+
+pin_triton_interpreter()  # at collection, before any test can import Triton in compiled mode
 
 
 def _greedy_tokens(demo_model, **engine_args):
