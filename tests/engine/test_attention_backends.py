@@ -9,8 +9,10 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 import pallas_kernels
+from tests.shapes import BACKEND_COMPARISON_SHAPE as SMALL
+from tests.triton_mode import pin_triton_interpreter
 
-SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=40)
+pin_triton_interpreter()  # at collection, before any test can import Triton in compiled mode
 
 
 def _greedy_tokens(demo_model, **engine_args):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from tests.conftest import ENGINE_ARGS
+from tests.shapes import ENGINE_TESTS_SHAPE as ENGINE_ARGS
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import transformers
 
 from jaxserve import LLM, SamplingParams
 
-from tests.conftest import ENGINE_ARGS
+from tests.shapes import ENGINE_TESTS_SHAPE as ENGINE_ARGS
 
 MAX_TOKENS = 24
 

@@ -15,7 +15,7 @@ import pallas_kernels
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models import load_model
 from jaxserve.testing import build_tiny_checkpoint
-from tests.conftest import ARCHITECTURES
+from tests.tiny_models import ARCHITECTURES
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64

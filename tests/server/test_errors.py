@@ -20,7 +20,7 @@ from jaxserve_server.app import build_app
 from jaxserve.exceptions import CONTEXT_LENGTH_EXCEEDED
 from jaxserve_server.errors import bad_request, engine_error, error_body
 
-from .conftest import MAX_BODY_BYTES, assert_error, wait_idle
+from tests.server.server_testing import MAX_BODY_BYTES, assert_error, wait_idle
 
 CHAT = [{"role": "user", "content": "hi"}]
 

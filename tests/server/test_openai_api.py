@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import ENGINE_ARGS
+from tests.shapes import SERVER_SHAPE as ENGINE_ARGS
 
 MODEL = "jaxserve-demo"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello to the river."}]

@@ -11,7 +11,8 @@ import numpy as np
 
 from jaxserve import LLM, SamplingParams
 
-from .conftest import ENGINE_ARGS, metric, start_server, stop_server, wait_idle
+from tests.server.server_testing import metric, start_server, stop_server, wait_idle
+from tests.shapes import SERVER_SHAPE as ENGINE_ARGS
 
 
 def parity_prompts() -> list[list[int]]:
