@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 import pallas_kernels
-from tests.shapes import BACKEND_COMPARISON_SHAPE as SMALL
+from tests.shapes import BACKEND_COMPARISON_SHAPE
 from tests.triton_mode import pin_triton_interpreter
 
 pin_triton_interpreter()  # at collection, before any test can import Triton in compiled mode
@@ -20,7 +20,7 @@ def _greedy_tokens(demo_model, **engine_args):
     # mixed lengths: chunked prefill (> 32 tokens), a 1-token prompt, decode-only steps
     prompts = [{"prompt_token_ids": rng.integers(3, 1000, n).tolist()} for n in (1, 7, 40)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    llm = LLM(demo_model, show_progress=False, **SMALL, **engine_args)
+    llm = LLM(demo_model, show_progress=False, **BACKEND_COMPARISON_SHAPE, **engine_args)
     assert llm.stats()["attention_backend"] == engine_args["attention_backend"]
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
@@ -59,7 +59,7 @@ def test_auto_backend_on_cpu_is_the_cpu_kernel_else_xla(demo_model, monkeypatch)
 def test_cpu_backend_unavailable_is_a_clear_error(demo_model, monkeypatch):
     monkeypatch.setattr(pallas_kernels, "cpu_attention_available", lambda *_: (False, "no C++ compiler found"))
     with pytest.raises(RuntimeError, match="cpu attention backend is unavailable: no C\\+\\+ compiler"):
-        LLM(demo_model, show_progress=False, attention_backend="cpu", **SMALL)
+        LLM(demo_model, show_progress=False, attention_backend="cpu", **BACKEND_COMPARISON_SHAPE)
 
 
 def test_triton_backend_unavailable_on_cpu_is_a_clear_error(demo_model):
@@ -67,4 +67,4 @@ def test_triton_backend_unavailable_on_cpu_is_a_clear_error(demo_model):
     if ok:
         pytest.skip("triton is available here")
     with pytest.raises(RuntimeError, match="triton"):  # a real launch needs jax_triton and a GPU
-        LLM(demo_model, show_progress=False, attention_backend="triton", interpret_kernels=False, **SMALL)
+        LLM(demo_model, show_progress=False, attention_backend="triton", interpret_kernels=False, **BACKEND_COMPARISON_SHAPE)

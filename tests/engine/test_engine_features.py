@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from tests.shapes import ENGINE_TESTS_SHAPE as ENGINE_ARGS
+from tests.shapes import ENGINE_TESTS_SHAPE
 
 
 @pytest.fixture(scope="module")
 def llm(demo_model):
-    return LLM(demo_model, show_progress=False, **ENGINE_ARGS)
+    return LLM(demo_model, show_progress=False, **ENGINE_TESTS_SHAPE)
 
 
 def assert_pool_empty(llm: LLM) -> None:
@@ -51,7 +51,7 @@ def test_eager_matches_compiled(llm, demo_model):
     prompts = random_prompts(5, seed=11, hi=90)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     compiled = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    eager = LLM(demo_model, show_progress=False, enforce_eager=True, **ENGINE_ARGS)
+    eager = LLM(demo_model, show_progress=False, enforce_eager=True, **ENGINE_TESTS_SHAPE)
     assert eager.stats()["compile_num_compiles"] == 0
     assert [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)] == compiled
 
@@ -245,7 +245,7 @@ def test_async_scheduling_gives_the_sync_results(llm, demo_model):
                  [sorted((t, round(lp.logprob, 4)) for t, lp in e.items()) for e in o.outputs[0].logprobs or []])
                 for o in outs]
 
-    async_llm = LLM(demo_model, show_progress=False, **{**ENGINE_ARGS, "async_scheduling": True})
+    async_llm = LLM(demo_model, show_progress=False, **{**ENGINE_TESTS_SHAPE, "async_scheduling": True})
     expected, got = run(llm), run(async_llm)
     assert got == expected
     assert expected[0][1] == "stop" and expected[-2][1] == "stop"  # the early stops really happened
@@ -256,7 +256,7 @@ def test_async_scheduling_gives_the_sync_results(llm, demo_model):
 def test_penalty_counts_of_a_reused_slot_start_from_zero(demo_model):
     """A request admitted into a slot that earlier penalized requests used sees only its own
     tokens: its greedy output equals the one it gets in a fresh slot."""
-    llm = LLM(demo_model, show_progress=False, **{**ENGINE_ARGS, "max_num_seqs": 2})
+    llm = LLM(demo_model, show_progress=False, **{**ENGINE_TESTS_SHAPE, "max_num_seqs": 2})
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, frequency_penalty=1.5,
                             presence_penalty=1.0, repetition_penalty=1.5)
     target, fillers = random_prompts(1, seed=21, hi=40), random_prompts(2, seed=22, hi=40)

@@ -10,7 +10,7 @@ import transformers
 
 from jaxserve import LLM, SamplingParams
 
-from tests.shapes import ENGINE_TESTS_SHAPE as ENGINE_ARGS
+from tests.shapes import ENGINE_TESTS_SHAPE
 
 MAX_TOKENS = 24
 
@@ -44,7 +44,7 @@ def hf_outputs(demo_model, prompts):
 
 
 def run(checkpoint: str, prompts, **engine_args) -> tuple[list[list[int]], LLM]:
-    llm = LLM(checkpoint, show_progress=False, **{**ENGINE_ARGS, **engine_args})
+    llm = LLM(checkpoint, show_progress=False, **{**ENGINE_TESTS_SHAPE, **engine_args})
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)

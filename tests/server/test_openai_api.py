@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.shapes import SERVER_SHAPE as ENGINE_ARGS
+from tests.shapes import SERVER_SHAPE
 
 MODEL = "jaxserve-demo"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello to the river."}]
@@ -34,7 +34,7 @@ def test_models_list(openai_client, http):
     raw = http.get("/v1/models").json()
     assert raw["object"] == "list"
     card = raw["data"][0]
-    assert card["object"] == "model" and card["max_model_len"] == ENGINE_ARGS["max_model_len"]
+    assert card["object"] == "model" and card["max_model_len"] == SERVER_SHAPE["max_model_len"]
     assert openai_client.models.retrieve(MODEL).id == MODEL
 
 
@@ -214,7 +214,7 @@ def test_chat_default_max_tokens_fills_the_context(openai_client, http):
     n_prompt = http.post("/tokenize", json={"messages": CHAT}).json()["count"]
     resp = openai_client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0,
                                                  extra_body={"ignore_eos": True})
-    assert resp.usage.completion_tokens == ENGINE_ARGS["max_model_len"] - n_prompt
+    assert resp.usage.completion_tokens == SERVER_SHAPE["max_model_len"] - n_prompt
     assert resp.choices[0].finish_reason == "length"
 
 
@@ -323,7 +323,7 @@ def test_tokenize_detokenize(http):
     assert r.status_code == 200
     body = r.json()
     assert body["count"] == len(body["tokens"]) == len(body["token_strs"])
-    assert body["max_model_len"] == ENGINE_ARGS["max_model_len"]
+    assert body["max_model_len"] == SERVER_SHAPE["max_model_len"]
     back = http.post("/detokenize", json={"tokens": body["tokens"]})
     assert back.json() == {"prompt": "hello world"}
 
