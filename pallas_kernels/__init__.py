@@ -36,15 +36,28 @@ from __future__ import annotations
 
 import functools
 
-from .ragged_paged_attention import (DecodeConfig, MixedConfig, default_decode_config,
-                                     default_mixed_config, lower_for_cuda, lowerable_configs,
-                                     num_q_tiles, ragged_paged_attention,
-                                     ragged_paged_attention_decode, ragged_paged_attention_mixed)
 from .cpu_attention import cpu_attention_available, ragged_paged_attention_cpu
+from .ragged_paged_attention import (
+    DecodeConfig,
+    MixedConfig,
+    default_decode_config,
+    default_mixed_config,
+    lower_for_cuda,
+    lowerable_configs,
+    num_q_tiles,
+    ragged_paged_attention,
+    ragged_paged_attention_decode,
+    ragged_paged_attention_mixed,
+)
 from .reference import ragged_paged_attention_reference, write_kv
+from .triton_attention import (
+    TritonLaunchPlan,
+    ragged_paged_attention_triton,
+    triton_available,
+    triton_interpret_available,
+    triton_launch_plan,
+)
 from .xla_attention import ragged_paged_attention_xla
-from .triton_attention import (TritonLaunchPlan, ragged_paged_attention_triton, triton_available,
-                               triton_interpret_available, triton_launch_plan)
 
 BACKENDS = ("xla", "pallas", "triton", "cpu")
 

@@ -7,8 +7,9 @@ once per work item and keeps scores and the online softmax in cache-sized scratc
 items over XLA's own intra-op threads.
 
 The library is built on first use with the system C++ compiler (``$CXX``, else ``g++``) into a
-build folder (the caller's, else :func:`default_build_dir`) under a name that hashes the source, the flags, jaxlib's version and the CPU
-(``-march=native``), so an upgrade or another machine never loads a stale build. When no compiler
+build folder (the caller's, else :func:`default_build_dir`) under a name that hashes the source,
+the flags, jaxlib's version and the CPU (``-march=native``), so an upgrade or another machine
+never loads a stale build. When no compiler
 is found or the build fails, :func:`cpu_attention_available` says why and ``auto`` picks ``xla``.
 """
 

@@ -47,8 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import (INT32_MAX, cdiv, check_options, check_shapes, is_pow2, next_pow2,
-                      scalar_num_seqs, valid_token_mask)
+from ._common import INT32_MAX, cdiv, check_options, check_shapes, is_pow2, next_pow2, scalar_num_seqs, valid_token_mask
 
 LOG2E = 1.4426950408889634
 NUM_SMS_H200 = 132

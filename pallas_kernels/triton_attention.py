@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._common import check_options, check_shapes, is_pow2, next_pow2, valid_token_mask
-from .ragged_paged_attention import (LOG2E, _tile_ends, default_mixed_config, num_q_tiles)
+from .ragged_paged_attention import LOG2E, _tile_ends, default_mixed_config, num_q_tiles
 
 
 @functools.lru_cache(maxsize=1)
@@ -72,7 +72,7 @@ def triton_interpret_available() -> tuple[bool, str]:
 
 def _triton_interprets() -> bool:
     """Triton picks interpreted or compiled versions of its own library when first imported."""
-    import triton.language as tl  # noqa: PLC0415
+    import triton.language as tl
 
     return type(tl.sum).__name__ == "InterpretedFunction"
 
@@ -164,9 +164,9 @@ def _require_triton():
     ok, reason = triton_available()
     if not ok:
         raise RuntimeError(f"the triton attention backend is unavailable: {reason}")
-    import jax_triton  # noqa: PLC0415 - lazy by design
+    import jax_triton
 
-    from . import _triton_kernels  # noqa: PLC0415
+    from . import _triton_kernels
     return jax_triton, _triton_kernels
 
 
@@ -251,14 +251,14 @@ def _launch_on(device: str, plan: TritonLaunchPlan, *operands) -> np.ndarray:
         kernel = _interpreted_kernels().ragged_paged_attention_kernel
         with _triton_interpret_env():
             return _launch_with_torch(kernel, plan, operands, device)
-    from . import _triton_kernels  # noqa: PLC0415
+    from . import _triton_kernels
 
     return _launch_with_torch(_triton_kernels.ragged_paged_attention_kernel, plan, operands, device)
 
 
 def _launch_with_torch(kernel, plan: TritonLaunchPlan, operands, device: str) -> np.ndarray:
     """Launch ``kernel`` through triton itself on torch tensors; host arrays in and out."""
-    import torch  # noqa: PLC0415 - triton launches take torch tensors
+    import torch
 
     def to_torch(x):
         x = np.asarray(x)
@@ -302,11 +302,11 @@ def compile_for_cuda(config: dict, capability: int = 90) -> dict:
     """Compile the kernel for one :func:`compile_configs` entry down to a cubin for
     ``sm_<capability>`` with Triton's own compiler: no GPU needed (triton ships ptxas). Needs triton
     in compiled mode, so not in a process that asked for the interpreter."""
-    import triton  # noqa: PLC0415
-    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
-    from triton.compiler import ASTSource  # noqa: PLC0415
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
 
-    from . import _triton_kernels  # noqa: PLC0415
+    from . import _triton_kernels
 
     plan = triton_launch_plan(**config)
     ptr = _PTR[config["dtype"]]

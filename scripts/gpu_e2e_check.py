@@ -15,9 +15,9 @@ import traceback
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve import LLM, SamplingParams
 
 ENGINE = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256, num_gpu_blocks_override=512)
 
@@ -36,7 +36,7 @@ def main() -> None:
                 tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
                 result[f"{dtype}/{backend}/compiles"] = llm.stats()["compile_num_compiles"]
                 del llm
-            except Exception as exc:  # keep going: report every backend
+            except Exception as exc:  # noqa: BLE001 - keep going: report every backend
                 result[f"{dtype}/{backend}/error"] = repr(exc)[:500]
                 traceback.print_exc(file=sys.stderr)
         for backend in ("pallas", "triton", "pallas+async"):

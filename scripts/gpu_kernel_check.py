@@ -25,11 +25,11 @@ import traceback
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import pallas_kernels as pk  # noqa: E402
+import pallas_kernels as pk
 
 PEAK_HBM_BYTES_S = 4.8e12
 
@@ -131,8 +131,8 @@ def backends(interpret):
 
 def _torch_cuda():
     try:
-        import torch  # noqa: PLC0415
-        import triton  # noqa: F401, PLC0415
+        import torch
+        import triton  # noqa: F401
     except Exception as e:  # noqa: BLE001
         return False, f"torch/triton not importable ({type(e).__name__}: {e})"
     if not torch.cuda.is_available():

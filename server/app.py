@@ -15,9 +15,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import jaxserve
 from jaxserve_server.errors import ENGINE_DEAD, APIError, install_handlers
 from jaxserve_server.middleware import AuthMiddleware, BodyLimitMiddleware
-from jaxserve_server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
-                                     TokenizeCompletionRequest, TokenizeResponse)
+from jaxserve_server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
 from jaxserve_server.serving_chat import OpenAIServingChat, render_chat
 from jaxserve_server.serving_completion import OpenAIServingCompletion
 from jaxserve_server.state import ServerState

@@ -13,8 +13,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator,
-                      model_serializer)
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_serializer
 
 # Largest n a request may ask for (each sample is one core request).
 MAX_N = 128

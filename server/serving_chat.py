@@ -12,9 +12,16 @@ from jaxserve import RequestOutput, SamplingParams
 from jaxserve_server.errors import APIError
 from jaxserve_server.generation import Generations
 from jaxserve_server.logprobs import chat_logprobs
-from jaxserve_server.protocol import (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
-                                     ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessage,
-                                     ChatResponseMessage, DeltaMessage)
+from jaxserve_server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    DeltaMessage,
+)
 from jaxserve_server.serving_engine import OpenAIServing, ResponseIds, make_sampling_params, usage
 from jaxserve_server.state import ServerState
 

@@ -12,8 +12,13 @@ from jaxserve import RequestOutput, SamplingParams
 from jaxserve_server.errors import APIError
 from jaxserve_server.generation import Generations
 from jaxserve_server.logprobs import completion_logprobs, prepend_prompt_logprobs
-from jaxserve_server.protocol import (MAX_PROMPTS, CompletionRequest, CompletionResponse, CompletionResponseChoice,
-                                     CompletionStreamResponse)
+from jaxserve_server.protocol import (
+    MAX_PROMPTS,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+)
 from jaxserve_server.serving_engine import OpenAIServing, ResponseIds, make_sampling_params, usage
 
 

@@ -12,8 +12,7 @@ import json
 import time
 from collections.abc import Sequence
 
-from jaxserve.core import (ModelRunnerOutput, Request, SamplingParams, Scheduler,
-                           SchedulerConfig)
+from jaxserve.core import ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerConfig
 from jaxserve.core.kv_cache_utils import cdiv
 
 

@@ -76,8 +76,9 @@ def _ranges(args) -> tuple[tuple[int, int], tuple[int, int]]:
     def around(mean, ratio):
         return max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
 
-    inp = around(args.random_input_len, args.random_range_ratio) if args.random_input_len else tuple(args.input_len_range)
-    out = around(args.random_output_len, args.random_range_ratio) if args.random_output_len else tuple(args.output_len_range)
+    ratio = args.random_range_ratio
+    inp = around(args.random_input_len, ratio) if args.random_input_len else tuple(args.input_len_range)
+    out = around(args.random_output_len, ratio) if args.random_output_len else tuple(args.output_len_range)
     return inp, out
 
 
@@ -218,8 +219,8 @@ def run_iterations(benches: dict[str, Any], num_iters: int) -> dict[str, list[di
 
 
 def run_throughput_cli(args) -> dict:
-    from jaxserve.bench import op_profile
     from jaxserve import envs
+    from jaxserve.bench import op_profile
     from jaxserve.config import EngineConfig
 
     if args.profile_ops:

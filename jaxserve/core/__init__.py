@@ -3,14 +3,22 @@ never jax, so it is tested in milliseconds."""
 
 from jaxserve.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.kv_cache_utils import (BlockHash, generate_block_hash_extra_keys,
-                                          hash_block_tokens, hash_request_tokens)
+from jaxserve.core.kv_cache_utils import (
+                                          BlockHash,
+                                          generate_block_hash_extra_keys,
+                                          hash_block_tokens,
+                                          hash_request_tokens,
+)
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.request_queue import (FCFSRequestQueue, PriorityRequestQueue,
-                                         create_request_queue)
+from jaxserve.core.request_queue import FCFSRequestQueue, PriorityRequestQueue, create_request_queue
 from jaxserve.core.sampling_params import SamplingParams, SamplingType
-from jaxserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                                        NewRequestData, SchedulerOutput)
+from jaxserve.core.sched_output import (
+                                          CachedRequestData,
+                                          EngineCoreOutput,
+                                          ModelRunnerOutput,
+                                          NewRequestData,
+                                          SchedulerOutput,
+)
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 from jaxserve.core.stats import PrefixCacheStats, SchedulerStats
 

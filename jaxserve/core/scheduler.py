@@ -13,8 +13,13 @@ from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import create_request_queue
-from jaxserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                                        NewRequestData, SchedulerOutput)
+from jaxserve.core.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from jaxserve.core.stats import SchedulerStats
 from jaxserve.exceptions import InvalidRequestError
 

@@ -18,10 +18,10 @@ from typing import AsyncIterator, Optional, Union
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.exceptions import EngineDeadError, EngineOverloadedError
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.processor import ProcessedRequest, PromptType
+from jaxserve.exceptions import EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger("jaxserve")
 
@@ -142,7 +142,7 @@ class AsyncLLM:
                 else:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
-        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, visibly
+        except BaseException as exc:
             logger.exception("engine loop failed")
             self._fail_all(exc)
 

@@ -77,12 +77,14 @@ class EngineMetrics:
         self.running = Gauge("jaxserve:num_requests_running", "Requests in the running set", lbl, registry=r)
         self.waiting = Gauge("jaxserve:num_requests_waiting", "Requests waiting", lbl, registry=r)
         self.kv_usage = Gauge("jaxserve:kv_cache_usage_perc", "KV cache usage (1 = 100%)", lbl, registry=r)
-        self.prefix_queries = Counter("jaxserve:prefix_cache_queries", "Prefix cache queries, in tokens", lbl, registry=r)
+        self.prefix_queries = Counter("jaxserve:prefix_cache_queries", "Prefix cache queries, in tokens", lbl,
+                                      registry=r)
         self.prefix_hits = Counter("jaxserve:prefix_cache_hits", "Prefix cache hits, in tokens", lbl, registry=r)
         self.preemptions = Counter("jaxserve:num_preemptions", "Preemptions", lbl, registry=r)
         self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prefill tokens processed", lbl, registry=r)
         self.generation_tokens = Counter("jaxserve:generation_tokens", "Generated tokens", lbl, registry=r)
-        self.request_success = Counter("jaxserve:request_success", "Finished requests", lbl + ["finished_reason"], registry=r)
+        self.request_success = Counter("jaxserve:request_success", "Finished requests", [*lbl, "finished_reason"],
+                                       registry=r)
         self.ttft = BatchedHistogram("jaxserve:time_to_first_token_seconds", "Time to first token",
                                      self._labels, _LATENCY_BUCKETS, r)
         self.itl = BatchedHistogram("jaxserve:inter_token_latency_seconds", "Inter-token latency",

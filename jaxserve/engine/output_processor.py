@@ -14,8 +14,7 @@ from typing import Any, Callable, Optional
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.sched_output import EngineCoreOutput
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
-                                     RequestOutputKind)
+from jaxserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestOutputKind
 from jaxserve.engine.stop_strings import find_stop, partial_stop_len
 
 
@@ -100,7 +99,8 @@ class OutputProcessor:
                     core_ids.append(child.core_id)
         return core_ids
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[tuple[ParentState, RequestOutput]], list[str]]:
+    def process_outputs(
+            self, outputs: list[EngineCoreOutput]) -> tuple[list[tuple[ParentState, RequestOutput]], list[str]]:
         """Returns ``(request outputs to deliver, core ids stopped by a stop string)``."""
         now = time.monotonic()
         # DELTA outputs carry one child each, so two children advancing in one step are two

@@ -27,8 +27,7 @@ from jax import lax
 
 from jaxserve.core.sampling_params import SAMPLING_EPS
 from jaxserve.sample.metadata import SamplingMetadata
-from jaxserve.sample.processors import (apply_allowed_and_bias, apply_penalties, penalties_active,
-                                         restrictions_active)
+from jaxserve.sample.processors import apply_allowed_and_bias, apply_penalties, penalties_active, restrictions_active
 from jaxserve.sample.truncation import DEFAULT_TOP_K_CAP, top_k_sorted, truncate, truncation_threshold
 
 

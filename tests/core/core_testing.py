@@ -6,8 +6,15 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Optional
 
-from jaxserve.core import (KVCacheManager, ModelRunnerOutput, Request, SamplingParams, Scheduler,
-                           SchedulerConfig, SchedulerOutput)
+from jaxserve.core import (
+    KVCacheManager,
+    ModelRunnerOutput,
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from jaxserve.core.kv_cache_utils import cdiv
 
 _ids = itertools.count()

@@ -1,7 +1,6 @@
 import pytest
 
 from jaxserve.core import KVCacheManager
-
 from tests.core.core_testing import make_request
 
 

@@ -3,9 +3,7 @@ import subprocess
 import sys
 
 from jaxserve.core import kv_cache_utils
-from jaxserve.core.kv_cache_utils import (generate_block_hash_extra_keys, hash_block_tokens,
-                                          hash_request_tokens)
-
+from jaxserve.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens, hash_request_tokens
 from tests.core.core_testing import make_request
 
 

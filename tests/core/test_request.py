@@ -1,6 +1,5 @@
 from jaxserve.core import RequestStatus
 from jaxserve.core.kv_cache_utils import hash_request_tokens
-
 from tests.core.core_testing import make_request
 
 

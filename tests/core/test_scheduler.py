@@ -1,11 +1,15 @@
 import pytest
 
-from jaxserve.core import (KVCacheManager, ModelRunnerOutput, RequestStatus, Scheduler,
-                           SchedulerConfig)
+from jaxserve.core import KVCacheManager, ModelRunnerOutput, RequestStatus, Scheduler, SchedulerConfig
 from jaxserve.exceptions import InvalidRequestError
-
-from tests.core.core_testing import (FakeRunner, assert_all_free, check_pool_invariants,
-                                     make_request, make_scheduler, run_step)
+from tests.core.core_testing import (
+    FakeRunner,
+    assert_all_free,
+    check_pool_invariants,
+    make_request,
+    make_scheduler,
+    run_step,
+)
 
 ABORTED = RequestStatus.FINISHED_ABORTED
 
@@ -434,7 +438,8 @@ def test_chunking_off_resumed_request_longer_than_budget_is_chunked():
 def _tokens(so, **sampled):
     """A runner output giving each named request its token (others sample nothing)."""
     ids = list(so.num_scheduled_tokens)
-    return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, [[sampled[r]] if r in sampled else [] for r in ids])
+    tokens = [[sampled[r]] if r in sampled else [] for r in ids]
+    return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, tokens)
 
 
 def test_async_schedules_the_next_decode_before_the_output_arrives():

@@ -6,14 +6,11 @@ import random
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, rule,
-                                 run_state_machine_as_test)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from jaxserve.core import RequestStatus
 from jaxserve.core.kv_cache_utils import cdiv
-
-from tests.core.core_testing import (FakeRunner, assert_all_free, check_pool_invariants,
-                                     make_request, make_scheduler)
+from tests.core.core_testing import FakeRunner, assert_all_free, check_pool_invariants, make_request, make_scheduler
 
 VOCAB = 3          # tiny, so prompts share prefixes and blocks hit
 EOS = 0
@@ -210,7 +207,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         check_pool_invariants(self.s)
         s = self.s
         assert s.get_num_unfinished_requests() == len(s.requests)
-        for rid, req in s.requests.items():
+        for req in s.requests.values():
             assert not req.is_finished() and req.num_tokens < s.max_model_len
 
     def teardown(self):
@@ -254,7 +251,7 @@ def test_liveness_under_preemption_pressure(policy, chunked):
                            max_num_batched_tokens=budget, max_num_seqs=rng.randint(2, 8),
                            enable_chunked_prefill=chunked, policy=policy,
                            enable_caching=rng.random() < 0.7)
-        runner = FakeRunner(bs, lambda rid: rng.randrange(1, VOCAB))  # no EOS: run long
+        runner = FakeRunner(bs, lambda rid, rng=rng: rng.randrange(1, VOCAB))  # no EOS: run long
         num = rng.randint(3, 12)
         for i in range(num):
             plen = rng.randint(1, max_model_len - 1)

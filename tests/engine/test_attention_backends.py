@@ -7,8 +7,8 @@ import importlib.util
 import numpy as np
 import pytest
 
-from jaxserve import LLM, SamplingParams
 import pallas_kernels
+from jaxserve import LLM, SamplingParams
 from tests.shapes import BACKEND_COMPARISON_SHAPE
 from tests.triton_mode import pin_triton_interpreter
 
@@ -67,4 +67,5 @@ def test_triton_backend_unavailable_on_cpu_is_a_clear_error(demo_model):
     if ok:
         pytest.skip("triton is available here")
     with pytest.raises(RuntimeError, match="triton"):  # a real launch needs jax_triton and a GPU
-        LLM(demo_model, show_progress=False, attention_backend="triton", interpret_kernels=False, **BACKEND_COMPARISON_SHAPE)
+        LLM(demo_model, show_progress=False, attention_backend="triton", interpret_kernels=False,
+            **BACKEND_COMPARISON_SHAPE)

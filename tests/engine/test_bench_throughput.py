@@ -12,8 +12,9 @@ from jaxserve.bench.throughput import random_workload
 
 
 def test_bench_throughput_both_backends_with_profiles():
-    cmd = [sys.executable, "-m", "jaxserve_server.cli", "bench", "throughput", "--backend", "both", "--num-prompts", "6",
-           "--input-len-range", "4", "40", "--output-len-range", "3", "9", "--token-id-range", "3", "900",
+    cmd = [sys.executable, "-m", "jaxserve_server.cli", "bench", "throughput", "--backend", "both",
+           "--num-prompts", "6", "--input-len-range", "4", "40", "--output-len-range", "3", "9",
+           "--token-id-range", "3", "900",
            "--max-model-len", "128", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
            "--async-scheduling", "--profile", "--profile-ops", "5", "--torch-threads", "1", "--num-iters", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -43,8 +44,8 @@ def test_bench_throughput_both_backends_with_profiles():
 def test_disable_detokenize_returns_token_ids_only(demo_model, monkeypatch):
     """vLLM's ``--disable-detokenize``: the requests carry ``detokenize=False`` (no text)."""
     from jaxserve.bench import throughput
-    from jaxserve_server.cli import build_parser
     from jaxserve.engine.llm import LLM
+    from jaxserve_server.cli import build_parser
 
     texts = []
     generate = LLM.generate

@@ -9,7 +9,6 @@ import torch
 import transformers
 
 from jaxserve import LLM, SamplingParams
-
 from tests.shapes import ENGINE_TESTS_SHAPE
 
 MAX_TOKENS = 24

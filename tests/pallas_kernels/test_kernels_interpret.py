@@ -79,7 +79,9 @@ def test_low_precision(dtype, mode):
     bucket = Bucket(num_q_heads=8, num_kv_heads=2)
     name = "mixed" if mode == "mixed" else "decode"
     args = make_batch(bucket, SCENARIOS[name], dtype=dtype, seed=50)
-    fn = lambda *a: pk.ragged_paged_attention(*a, sm_scale=SCALE, interpret=True, mode=mode)
+    def fn(*a):
+        return pk.ragged_paged_attention(*a, sm_scale=SCALE, interpret=True, mode=mode)
+
     assert jax.eval_shape(fn, *args).dtype == dtype
     _check(args, LOW_TOL, mode=mode)
 

@@ -15,7 +15,6 @@ import numpy as np
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.sample import SamplingMetadata, sample, sampling_arrays
 
-
 DRAWS = 8000  # draws per statistical test (rows of one request at positions 0..DRAWS-1)
 K = 5  # logprobs returned by default
 

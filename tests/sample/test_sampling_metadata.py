@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
-from tests.sample.sampler_testlib import params
 
 from jaxserve.sample import SamplingMetadata, SamplingTable, sampling_arrays
+from tests.sample.sampler_testlib import params
 
 
 def build(params_list, num_rows=4, **kw):
@@ -43,7 +43,8 @@ def test_rows_carry_their_params():
 
 
 def test_seeds_engine_fallback_and_modulo():
-    rows = [params(temperature=1.0, seed=None), params(temperature=1.0, seed=2**32 + 5), params(temperature=0.0, seed=None)]
+    rows = [params(temperature=1.0, seed=None), params(temperature=1.0, seed=2**32 + 5),
+            params(temperature=0.0, seed=None)]
     arrays = build(rows, seeds=[123, 999, None])
     assert list(arrays["seeds"][:3]) == [123, 5, 0]  # own seed wins; greedy rows need none
 

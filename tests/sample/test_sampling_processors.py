@@ -3,9 +3,9 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tests.sample.sampler_testlib import draw_tokens, metadata, np_penalize, params, run_sample
 
 from jaxserve.sample.sampler import process_logits
+from tests.sample.sampler_testlib import draw_tokens, metadata, np_penalize, params, run_sample
 
 V = 64
 R = 4
@@ -47,7 +47,8 @@ def test_repetition_uses_prompt_and_output_presence_frequency_only_output():
 def test_penalties_off_leave_logits_bit_identical_despite_history():
     rng = np.random.default_rng(1)
     logits, counts, prompt_mask = random_history(rng)
-    got = process_logits(jnp.asarray(logits), metadata([params()] * R, V), jnp.asarray(counts), jnp.asarray(prompt_mask))
+    md = metadata([params()] * R, V)
+    got = process_logits(jnp.asarray(logits), md, jnp.asarray(counts), jnp.asarray(prompt_mask))
     np.testing.assert_array_equal(np.asarray(got), logits)
 
 
@@ -73,7 +74,8 @@ def test_logit_bias_moves_greedy_and_padding_slots_are_inert():
             params(temperature=0.0, logit_bias={5: 100.0}),
             params(temperature=0.0, logit_bias={V - 1: -100.0})]
     md = metadata(rows, V, num_rows=R)
-    processed = np.asarray(process_logits(jnp.asarray(logits), md, jnp.zeros((R, V), jnp.int32), jnp.zeros((R, V), bool)))
+    no_counts, no_prompt = jnp.zeros((R, V), jnp.int32), jnp.zeros((R, V), bool)
+    processed = np.asarray(process_logits(jnp.asarray(logits), md, no_counts, no_prompt))
     np.testing.assert_array_equal(processed[0], logits[0])
     assert processed[1, 5] == np.float32(logits[1, 5] + 100.0)
     out = np.asarray(run_sample(logits, md).sampled_token_ids)

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.sample.sampler_testlib import draw_tokens, metadata, np_log_softmax, np_penalize, params, run_sample
 
 from jaxserve.sample import SamplingMetadata, sample, sampling_arrays
 from jaxserve.sample.sampler import first_argmax
+from tests.sample.sampler_testlib import draw_tokens, metadata, np_log_softmax, np_penalize, params, run_sample
 
 V = 1000  # > the 256 top-k cap, so flat top-p rows need the full-sort fallback
 R = 8

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.sample.sampler_testlib import draw_tokens, np_keep_mask, np_softmax
 
 from jaxserve.sample.truncation import truncate, truncation_threshold
+from tests.sample.sampler_testlib import draw_tokens, np_keep_mask, np_softmax
 
 V = 64
 CAPS = [256, 2]

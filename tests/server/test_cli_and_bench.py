@@ -39,8 +39,8 @@ def test_readme_curl_example(server, command):
 
 
 def test_bench_serve_against_the_server(server):
-    cmd = [sys.executable, "-m", "jaxserve_server.cli", "bench", "serve", "--base-url", server.url, "--num-prompts", "20",
-           "--random-input-len", "32", "--random-output-len", "8", "--random-range-ratio", "0.5",
+    cmd = [sys.executable, "-m", "jaxserve_server.cli", "bench", "serve", "--base-url", server.url,
+           "--num-prompts", "20", "--random-input-len", "32", "--random-output-len", "8", "--random-range-ratio", "0.5",
            "--request-rate", "50", "--max-concurrency", "8", "--seed", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -57,8 +57,9 @@ def test_bench_serve_against_the_server(server):
 
 
 def test_bench_serve_prefix_repetition(server):
-    from jaxserve.bench.serve_bench import run_serve_bench
     import asyncio
+
+    from jaxserve.bench.serve_bench import run_serve_bench
 
     requests = prefix_repetition_dataset(12, 48, 8, 2, 4, (10, 1000), seed=0)
     result = asyncio.run(run_serve_bench(base_url=server.base, requests=requests, request_rate=math.inf))

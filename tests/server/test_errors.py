@@ -14,12 +14,17 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from jaxserve import (CompletionOutput, EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestOutput,
-                      RequestOutputKind)
-from jaxserve_server.app import build_app
+from jaxserve import (
+    CompletionOutput,
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    RequestOutput,
+    RequestOutputKind,
+)
 from jaxserve.exceptions import CONTEXT_LENGTH_EXCEEDED
+from jaxserve_server.app import build_app
 from jaxserve_server.errors import bad_request, engine_error, error_body
-
 from tests.server.server_testing import MAX_BODY_BYTES, assert_error, wait_idle
 
 CHAT = [{"role": "user", "content": "hi"}]

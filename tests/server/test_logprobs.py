@@ -7,8 +7,14 @@ import math
 import pytest
 
 from jaxserve import CompletionOutput, Logprob, RequestOutput
-from jaxserve_server.logprobs import (LOGPROB_FLOOR, TokenText, byte_decoder, chat_logprobs, completion_logprobs,
-                                      prepend_prompt_logprobs)
+from jaxserve_server.logprobs import (
+    LOGPROB_FLOOR,
+    TokenText,
+    byte_decoder,
+    chat_logprobs,
+    completion_logprobs,
+    prepend_prompt_logprobs,
+)
 
 # Text whose characters split across byte-level tokens (accents, CJK, a symbol).
 MIXED_TEXT = "héllo wörld 日本 ✓"

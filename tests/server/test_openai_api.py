@@ -257,7 +257,8 @@ def test_completion_stream_with_and_without_usage(openai_client, server):
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     usage_events = [e for e in events[:-1] if e.get("usage")]
     assert usage_events == [events[-2]]
-    assert events[-2]["choices"] == [] and events[-2]["usage"]["total_tokens"] == events[-2]["usage"]["prompt_tokens"] + 6
+    usage = events[-2]["usage"]
+    assert events[-2]["choices"] == [] and usage["total_tokens"] == usage["prompt_tokens"] + 6
     assert all(e["choices"] and e["usage"] is None for e in events[:-2])
     resp = httpx.post(f"{server.url}/completions", json=dict(body, stream_options=None), timeout=60)
     events = sse_events(resp.text)
@@ -314,7 +315,7 @@ def test_concurrent_streams_complete(server):
 
     results = asyncio.run(run())
     assert len(results) == 32
-    for text, usage, finish in results:
+    for _text, usage, finish in results:
         assert usage.completion_tokens == 12 and finish == "length"
 
 

@@ -10,7 +10,6 @@ import httpx
 import numpy as np
 
 from jaxserve import LLM, SamplingParams
-
 from tests.server.server_testing import metric, start_server, stop_server, wait_idle
 from tests.shapes import SERVER_SHAPE
 
