@@ -5,7 +5,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 EXTRAS ?= test
 
-.PHONY: setup serve test bench-throughput clean
+.PHONY: setup serve test lint bench-throughput clean
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,12 @@ serve: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Lint and import order (ruff), types (mypy), and the direction of imports.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(PY) scripts/check_layers.py
 
 bench-throughput: setup
 	$(VENV)/bin/jaxserve bench throughput $(ARGS)

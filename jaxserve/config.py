@@ -139,16 +139,18 @@ class EngineConfig:
         return cls(**values)
 
 
-def _field_docs(cls) -> dict[str, str]:
+def _field_docs(cls: type) -> dict[str, str]:
     """Field docstrings (the string literal under each field) for --help."""
     import ast
     import inspect
 
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
+    class_def = ast.parse(inspect.getsource(cls)).body[0]
+    assert isinstance(class_def, ast.ClassDef)
+    body = class_def.body
     docs = {}
     for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)):
             docs[node.target.id] = str(nxt.value.value)
     return docs
 

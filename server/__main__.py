@@ -2,6 +2,6 @@
 
 import sys
 
-from jaxserve_server.cli import main
+from .cli import main
 
 sys.exit(main(["serve", *sys.argv[1:]]))

@@ -13,9 +13,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import jaxserve
-from jaxserve_server.errors import ENGINE_DEAD, APIError, install_handlers
-from jaxserve_server.middleware import AuthMiddleware, BodyLimitMiddleware
-from jaxserve_server.protocol import (
+
+from .errors import ENGINE_DEAD, APIError, install_handlers
+from .middleware import AuthMiddleware, BodyLimitMiddleware
+from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -26,9 +27,9 @@ from jaxserve_server.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from jaxserve_server.serving_chat import OpenAIServingChat, render_chat
-from jaxserve_server.serving_completion import OpenAIServingCompletion
-from jaxserve_server.state import ServerState
+from .serving_chat import OpenAIServingChat, render_chat
+from .serving_completion import OpenAIServingCompletion
+from .state import ServerState
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 

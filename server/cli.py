@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = _engine_parser(sub, "serve", "OpenAI-compatible HTTP server")
-    from jaxserve_server.serve import add_server_args
+    from .serve import add_server_args
 
     add_server_args(serve)
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        from jaxserve_server.serve import run_serve
+        from .serve import run_serve
 
         return run_serve(args) or 0
     if args.command == "generate":

@@ -13,10 +13,11 @@ request in the engine and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Awaitable, Optional, Sequence
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Optional, Sequence
 
 from jaxserve import RequestOutput, RequestOutputKind, SamplingParams
-from jaxserve_server.errors import engine_error
+
+from .errors import engine_error
 
 _DONE = object()  # queued by a prompt's pump once its engine stream has ended
 # How long wait_for_disconnect sleeps after an unexpected message, so that it never spins.
@@ -44,7 +45,7 @@ class Generations:
             for i, (p, rid) in enumerate(zip(prompts, self.request_ids))
         ]
 
-    async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
+    async def _pump(self, index: int, stream: AsyncGenerator[RequestOutput, None]) -> None:
         try:
             async for out in stream:
                 self._queue.put_nowait((index, out))
@@ -89,7 +90,7 @@ class Generations:
         last: list[Optional[RequestOutput]] = [None] * len(self._tasks)
         async for index, out in self:
             last[index] = out
-        return last  # type: ignore[return-value]
+        return [out for out in last if out is not None]
 
     async def close(self) -> None:
         if self._closed:

@@ -12,7 +12,8 @@ from functools import lru_cache
 from typing import Optional
 
 from jaxserve import CompletionOutput, Logprob, RequestOutput
-from jaxserve_server.protocol import ChatLogProbs, ChatLogProbToken, ChatLogProbTop, CompletionLogProbs
+
+from .protocol import ChatLogProbs, ChatLogProbToken, ChatLogProbTop, CompletionLogProbs
 
 # -inf is not valid JSON: a token the sampler ruled out reports this floor instead (vLLM's value).
 LOGPROB_FLOOR = -9999.0

@@ -13,7 +13,7 @@ import hmac
 import json
 from typing import Iterable
 
-from jaxserve_server.errors import error_body
+from .errors import error_body
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
 

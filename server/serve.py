@@ -15,7 +15,8 @@ import sys
 from typing import Optional
 
 from jaxserve import envs
-from jaxserve_server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
+
+from .app import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -57,8 +58,9 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from jaxserve import AsyncLLM, EngineConfig
-    from jaxserve_server.app import build_app
-    from jaxserve_server.gc_heap import freeze_startup_heap
+
+    from .app import build_app
+    from .gc_heap import freeze_startup_heap
 
     if args.max_waiting < 1:
         print("jaxserve: --max-waiting must be at least 1", file=sys.stderr)

@@ -6,13 +6,14 @@ A stream opens with one ``{"role": "assistant"}`` delta per choice, then content
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncGenerator, Optional
 
 from jaxserve import RequestOutput, SamplingParams
-from jaxserve_server.errors import APIError
-from jaxserve_server.generation import Generations
-from jaxserve_server.logprobs import chat_logprobs
-from jaxserve_server.protocol import (
+
+from .errors import APIError
+from .generation import Generations
+from .logprobs import chat_logprobs
+from .protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -22,8 +23,8 @@ from jaxserve_server.protocol import (
     ChatResponseMessage,
     DeltaMessage,
 )
-from jaxserve_server.serving_engine import OpenAIServing, ResponseIds, make_sampling_params, usage
-from jaxserve_server.state import ServerState
+from .serving_engine import OpenAIServing, ResponseIds, make_sampling_params, usage
+from .state import ServerState
 
 # Arguments the server passes to the template itself; a request may not override them.
 RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tokenize", "chat_template", "add_generation_prompt",
@@ -116,7 +117,7 @@ class OpenAIServingChat(OpenAIServing):
                                       usage=usage(len(ro.prompt_token_ids), sum(len(o.token_ids) for o in ro.outputs)))
 
     async def stream_chunks(self, req: ChatCompletionRequest, generations: Generations, ids: ResponseIds,
-                            include_usage: bool) -> AsyncIterator[ChatCompletionStreamResponse]:
+                            include_usage: bool) -> AsyncGenerator[ChatCompletionStreamResponse, None]:
         top_k = req.top_logprobs or 0
 
         def chunk(choices, usage_info=None) -> ChatCompletionStreamResponse:

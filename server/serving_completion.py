@@ -6,20 +6,21 @@ before the first chunk of each choice (and, with ``logprobs``, the prompt's logp
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from jaxserve import RequestOutput, SamplingParams
-from jaxserve_server.errors import APIError
-from jaxserve_server.generation import Generations
-from jaxserve_server.logprobs import completion_logprobs, prepend_prompt_logprobs
-from jaxserve_server.protocol import (
+
+from .errors import APIError
+from .generation import Generations
+from .logprobs import completion_logprobs, prepend_prompt_logprobs
+from .protocol import (
     MAX_PROMPTS,
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
 )
-from jaxserve_server.serving_engine import OpenAIServing, ResponseIds, make_sampling_params, usage
+from .serving_engine import OpenAIServing, ResponseIds, make_sampling_params, usage
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -82,7 +83,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                   usage=usage(prompt_tokens, completion_tokens))
 
     async def stream_chunks(self, req: CompletionRequest, generations: Generations, ids: ResponseIds,
-                            include_usage: bool) -> AsyncIterator[CompletionStreamResponse]:
+                            include_usage: bool) -> AsyncGenerator[CompletionStreamResponse, None]:
         prompt_tokens = 0
         seen_prompts: set[int] = set()
         completion_tokens = 0

@@ -13,17 +13,18 @@ import time
 from abc import ABC, abstractmethod
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxserve import RequestOutput, RequestOutputKind, SamplingParams
-from jaxserve_server.errors import APIError, bad_request, sse_error
-from jaxserve_server.generation import ClientDisconnected, Generations, race_disconnect
-from jaxserve_server.protocol import UsageInfo, random_id
-from jaxserve_server.state import ServerState
+
+from .errors import APIError, bad_request, sse_error
+from .generation import ClientDisconnected, Generations, race_disconnect
+from .protocol import UsageInfo, random_id
+from .state import ServerState
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = "data: [DONE]\n\n"
@@ -103,7 +104,7 @@ class OpenAIServing(ABC):
 
     @abstractmethod
     def stream_chunks(self, req, generations: Generations, ids: ResponseIds,
-                      include_usage: bool) -> AsyncIterator[BaseModel]:
+                      include_usage: bool) -> AsyncGenerator[BaseModel, None]:
         """The chunks of a stream, the usage chunk last when ``include_usage``."""
 
     async def __call__(self, req, raw_request: Request) -> Response:
@@ -140,7 +141,7 @@ class OpenAIServing(ABC):
         return SSEResponse(_sse_events(chunks, include_usage), generations)
 
 
-async def _sse_events(chunks: AsyncIterator[BaseModel], include_usage: bool) -> AsyncIterator[str]:
+async def _sse_events(chunks: AsyncGenerator[BaseModel, None], include_usage: bool) -> AsyncIterator[str]:
     """Frame ``chunks`` as events; an ``APIError`` mid-stream is sent as an error event, and a
     stream that runs to its end (with or without an error) ends with ``[DONE]``."""
     async with aclosing(chunks):

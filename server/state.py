@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from jaxserve_server.errors import ENGINE_DEAD, APIError
-from jaxserve_server.logprobs import TokenText
+from .errors import ENGINE_DEAD, APIError
+from .logprobs import TokenText
 
 
 class ServerState:

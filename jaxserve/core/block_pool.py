@@ -69,7 +69,7 @@ class FreeKVCacheBlockQueue:
 
     def popleft(self) -> KVCacheBlock:
         block = self.fake_head.next_free_block
-        if block is self.fake_tail:
+        if block is None or block is self.fake_tail:
             raise ValueError("no free blocks available")
         self._unlink(block)
         return block
@@ -87,6 +87,7 @@ class FreeKVCacheBlockQueue:
     def append(self, block: KVCacheBlock) -> None:
         assert block.prev_free_block is None, f"block {block.block_id} is already free"
         last = self.fake_tail.prev_free_block
+        assert last is not None  # the tail is always linked (to the head when empty)
         last.next_free_block = block
         block.prev_free_block = last
         block.next_free_block = self.fake_tail
@@ -98,8 +99,10 @@ class FreeKVCacheBlockQueue:
             self.append(block)
 
     def _unlink(self, block: KVCacheBlock) -> None:
-        block.prev_free_block.next_free_block = block.next_free_block
-        block.next_free_block.prev_free_block = block.prev_free_block
+        prev, nxt = block.prev_free_block, block.next_free_block
+        assert prev is not None and nxt is not None, f"block {block.block_id} is not in the free queue"
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
 
@@ -110,7 +113,7 @@ class FreeKVCacheBlockQueue:
         """Free blocks head (next evicted) to tail. O(n): for tests and debugging."""
         out = []
         block = self.fake_head.next_free_block
-        while block is not self.fake_tail:
+        while block is not None and block is not self.fake_tail:
             out.append(block)
             block = block.next_free_block
         return out

@@ -45,7 +45,7 @@ def set_seed(seed: Optional[object] = None) -> BlockHash:
     return NONE_HASH
 
 
-def _encode(obj) -> bytes:
+def _encode(obj: object) -> bytes:
     """Canonical, self-delimiting encoding: type tag + length prefix, so no two values collide."""
     if obj is None:
         return b"N"

@@ -113,6 +113,7 @@ class Request:
         self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
+        assert self.block_size is not None
         kv_cache_utils.update_block_hashes(self)
         # Token count at which the next block completes; a plain int compare per appended token.
         self._next_full_block_end = (len(self.block_hashes) + 1) * self.block_size

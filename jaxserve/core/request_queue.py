@@ -6,6 +6,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Iterable, Iterator
+from typing import Union
 
 from jaxserve.core.request import Request
 
@@ -67,7 +68,10 @@ class PriorityRequestQueue:
         return iter(sorted(self._heap))
 
 
-def create_request_queue(policy: str):
+RequestQueue = Union["FCFSRequestQueue", "PriorityRequestQueue"]
+
+
+def create_request_queue(policy: str) -> RequestQueue:
     if policy == "fcfs":
         return FCFSRequestQueue()
     if policy == "priority":

@@ -24,7 +24,7 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> bool:
     # bool is an int subclass; True as max_tokens is almost certainly a client bug.
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -63,32 +63,29 @@ class SamplingParams:
     allowed_token_ids: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        # After this, ``stop`` and ``stop_token_ids`` are always lists.
+        stops: list[str] = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        stop_token_ids: list[int] = list(self.stop_token_ids or [])
+        self.stop, self.stop_token_ids = stops, stop_token_ids
         if self.logit_bias is not None:
             self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
-        self._verify_args()
+        self._verify_args(stops, stop_token_ids)
         if self.temperature < SAMPLING_EPS:
             self.top_p = 1.0
             self.top_k = 0
             self.min_p = 0.0
 
     @staticmethod
-    def _normalise_logit_bias(bias) -> dict[int, float]:
+    def _normalise_logit_bias(bias: object) -> dict[int, float]:
         # JSON object keys arrive as strings ("50256": -100); accept them.
         try:
-            return {int(k): float(v) for k, v in dict(bias).items()}
+            return {int(k): float(v) for k, v in dict(bias).items()}  # type: ignore[call-overload]
         except (TypeError, ValueError):
             raise InvalidRequestError("logit_bias", f"must map token ids to floats, got {bias!r}") from None
 
-    def _verify_args(self) -> None:
+    def _verify_args(self, stops: list[str], stop_token_ids: list[int]) -> None:
         def fail(field: str, reason: str) -> None:
             raise InvalidRequestError(field, reason)
 
@@ -121,12 +118,12 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 0):
                 fail(name, f"must be non-negative, got {v}")
-        if any(not isinstance(s, str) for s in self.stop):
-            fail("stop", f"must be a string or a list of strings, got {self.stop!r}")
-        if any(s == "" for s in self.stop):
+        if any(not isinstance(s, str) for s in stops):
+            fail("stop", f"must be a string or a list of strings, got {stops!r}")
+        if any(s == "" for s in stops):
             fail("stop", "cannot contain an empty string")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            fail("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids!r}")
+        if any(not _is_int(t) or t < 0 for t in stop_token_ids):
+            fail("stop_token_ids", f"must be non-negative integers, got {stop_token_ids!r}")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 fail("allowed_token_ids", "must not be empty (no token could be sampled)")

@@ -19,6 +19,10 @@ from typing import Optional, Union
 
 from jaxserve.core.sampling_params import SamplingParams
 
+# One position's logprobs: (token ids, logprobs, rank of the chosen token); index 0 is the chosen
+# token, then the top-k in descending order.
+LogprobsRow = tuple[list[int], list[float], int]
+
 
 @dataclass
 class NewRequestData:
@@ -67,8 +71,8 @@ class ModelRunnerOutput:
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
-    logprobs: Optional[object] = None
-    prompt_logprobs_dict: dict[str, object] = field(default_factory=dict)
+    logprobs: Optional[list[Optional[LogprobsRow]]] = None
+    prompt_logprobs_dict: dict[str, list[LogprobsRow]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)  # one per request per step: slots keep it small and cheap for the GC
@@ -77,8 +81,8 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     finish_reason: Optional[str] = None   # "stop" | "length" | "abort"
     stop_reason: Union[int, str, None] = None
-    new_logprobs: Optional[object] = None
-    new_prompt_logprobs: Optional[object] = None
+    new_logprobs: Optional[LogprobsRow] = None
+    new_prompt_logprobs: Optional[list[LogprobsRow]] = None
     num_cached_tokens: int = 0
 
     @property

@@ -147,7 +147,8 @@ class Scheduler:
             raise ValueError(f"{finished_status.name} is not a finished status")
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
-        from_running, from_waiting = [], []
+        from_running: list[Request] = []
+        from_waiting: list[Request] = []
         for req_id in request_ids:
             request = self.requests.get(req_id)
             if request is None:
@@ -312,6 +313,7 @@ class Scheduler:
     def _pending_tokens_finish(self, request: Request) -> bool:
         """True if the tokens in flight reach ``max_tokens`` or ``max_model_len``."""
         pending = request.num_output_placeholders
+        assert request.max_tokens is not None  # resolved by add_request
         return (request.num_output_tokens + pending >= request.max_tokens
                 or request.num_tokens + pending >= self.max_model_len)
 
@@ -354,8 +356,8 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None:
                 continue  # finished or aborted after this step was scheduled
-            idx = index_of.get(req_id)
-            tokens = sampled[idx] if idx is not None else ()
+            idx = index_of.get(req_id, -1)
+            tokens = sampled[idx] if idx >= 0 else []
             if tokens and request.num_output_placeholders:
                 request.num_output_placeholders -= 1
                 if request.status is RequestStatus.PREEMPTED:
@@ -424,7 +426,7 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token_id
                 return True
-            if len(request.output_token_ids) >= request.max_tokens:
+            if len(request.output_token_ids) >= request.max_tokens:  # type: ignore[operator]  # set in add_request
                 request.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 return True
         if len(request.all_token_ids) >= self.max_model_len:

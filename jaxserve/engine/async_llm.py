@@ -14,7 +14,7 @@ import collections
 import dataclasses
 import logging
 import threading
-from typing import AsyncIterator, Optional, Union
+from typing import AsyncGenerator, Optional, Union
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
@@ -95,7 +95,7 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: Optional[str] = None,
-                       output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> AsyncIterator[RequestOutput]:
+                       output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> AsyncGenerator[RequestOutput, None]:
         """Stream outputs of one request. Raises InvalidRequestError (bad input) before the first output,
         EngineOverloadedError when the waiting queue is full, EngineDeadError if the loop failed.
         Leaving the iteration early (client gone, cancellation) aborts the request."""

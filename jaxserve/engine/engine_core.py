@@ -11,13 +11,16 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.sched_output import EngineCoreOutput
+from jaxserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 from jaxserve.core.stats import SchedulerStats
+
+if TYPE_CHECKING:
+    from jaxserve.runner.model_runner import InFlightStep
 
 logger = logging.getLogger("jaxserve")
 
@@ -82,7 +85,7 @@ class EngineCore:
         self.step_records: Optional[collections.deque[StepRecord]] = (
             collections.deque(maxlen=10_000) if record_steps else None)
         self.last_stats: SchedulerStats = self.scheduler.make_stats()
-        self._in_flight = None  # async scheduling: the dispatched step not yet collected
+        self._in_flight: Optional[InFlightStep] = None  # async scheduling: dispatched, not yet collected
         self.runner.warm_up(show_progress)
 
     # ---- requests ------------------------------------------------------------------------------
@@ -127,7 +130,9 @@ class EngineCore:
         self.last_stats = self.scheduler.make_stats()
         return outputs
 
-    def _record(self, so, ro, outputs, seconds: float) -> None:
+    def _record(self, so: SchedulerOutput, ro: ModelRunnerOutput, outputs: list[EngineCoreOutput],
+                seconds: float) -> None:
+        assert self.step_records is not None
         tokens = so.total_num_scheduled_tokens
         bucket = self.runner.buckets.pick(tokens) if tokens else 0
         self.step_records.append(StepRecord(

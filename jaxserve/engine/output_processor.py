@@ -36,6 +36,11 @@ class ChildState:
     finish_reason: Optional[str] = None
     stop_reason: Any = None
 
+    @property
+    def stops(self) -> list[str]:
+        """The stop strings (``SamplingParams`` keeps them as a list)."""
+        return self.params.stop  # type: ignore[return-value]
+
 
 @dataclasses.dataclass
 class ParentState:
@@ -157,7 +162,7 @@ class OutputProcessor:
         child.text += child.detok.update(out.new_token_ids)
         if child.finish_reason is not None:
             child.text += child.detok.flush()
-        stops = child.params.stop or []
+        stops = child.stops
         if not stops or child.finish_reason == "abort":
             return False
         longest = max(len(s) for s in stops)
@@ -186,9 +191,9 @@ class OutputProcessor:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def _visible_text_len(self, child: ChildState) -> int:
-        if child.finish_reason is not None or not child.params.stop:
+        if child.finish_reason is not None or not child.stops:
             return len(child.text)
-        return len(child.text) - partial_stop_len(child.text, child.params.stop)
+        return len(child.text) - partial_stop_len(child.text, child.stops)
 
     def _make_output(self, parent: ParentState, child: ChildState) -> Optional[RequestOutput]:
         kind = parent.output_kind
