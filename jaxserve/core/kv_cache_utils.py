@@ -122,6 +122,7 @@ def hash_request_tokens(block_size: int, request: HashedTokens) -> list[BlockHas
 
 
 def cdiv(a: int, b: int) -> int:
+    """Ceiling division; jaxserve's one copy (``pallas_kernels`` keeps its own: it never imports jaxserve)."""
     return -(-a // b)
 
 

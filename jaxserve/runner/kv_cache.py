@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.models.config import ModelConfig
 
 logger = logging.getLogger("jaxserve")
@@ -49,7 +50,7 @@ def determine_num_blocks(mc: ModelConfig, cfg: EngineConfig, max_model_len: int)
             budget = int(cfg.gpu_memory_utilization * total) - stats.get("bytes_in_use", 0)
             budget -= activation_reserve_bytes(mc, cfg)
         else:
-            blocks_per_seq = -(-max_model_len // cfg.block_size)
+            blocks_per_seq = cdiv(max_model_len, cfg.block_size)
             budget = min(CPU_DEFAULT_KV_BYTES, (cfg.max_num_seqs * blocks_per_seq + 1) * per_block)
     num_blocks = int(budget // per_block)
     if num_blocks < 2:
