@@ -6,6 +6,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,3 +57,15 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     cos = cos[:, None, :].astype(x.dtype)
     sin = sin[:, None, :].astype(x.dtype)
     return x * cos + rotated * sin
+
+
+class RotaryEmbedding(nnx.Module):
+    """cos/sin tables for a step's positions. No parameters: the inverse frequencies are computed
+    from the config at trace time, so they enter the compiled step as a constant."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int):
+        self.rope = rope
+        self.head_dim = head_dim
+
+    def __call__(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return rope_cos_sin(positions, jnp.asarray(rope_inv_freq(self.rope, self.head_dim)))
