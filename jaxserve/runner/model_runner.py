@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from tqdm.auto import tqdm
 
 import pallas_kernels
@@ -32,7 +33,7 @@ from jaxserve import envs
 from jaxserve.config import EngineConfig
 from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.layers.attention import AttentionMetadata
-from jaxserve.models.llama import LlamaModel, Params, layers_are_stacked
+from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.runner import compile_stats
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.input_batch import (CachedRequestState, PersistentBatch, SlotAllocator, StepPlan,
@@ -96,11 +97,14 @@ def enable_persistent_compilation_cache(cache_dir: str | None) -> None:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: LlamaModel, params: Params, max_model_len: int):
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, max_model_len: int):
         self.config = config
-        self.model = model
-        self.params = params
-        self.scan_layers = layers_are_stacked(params)
+        # The step is a pure function of the weights: the module is split once, its state passed
+        # to the compiled step and merged with the graph inside the trace. Plain nested dicts,
+        # since a call flattens them in C++ where nnx.State and its Variables go through Python.
+        self.graphdef, state = nnx.split(model)
+        self.model_state = nnx.to_pure_dict(state)
+        self.scan_layers = model.scan_layers
         self.mc = model.config
         self.max_model_len = max_model_len
         self.block_size = config.block_size
@@ -152,7 +156,7 @@ class ModelRunner:
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def _step(self, params, kv_cache, penalty_state, prev_sampled, buf, *, layout: PackLayout,
+    def _step(self, model_state, kv_cache, penalty_state, prev_sampled, buf, *, layout: PackLayout,
               decode_only: bool = False):
         x = unpack(buf, layout)
         prev = x["prev_rows"]
@@ -161,8 +165,9 @@ class ModelRunner:
         md = AttentionMetadata(
             positions=x["positions"], slot_mapping=x["slot_mapping"], block_tables=x["block_tables"],
             kv_lens=x["kv_lens"], query_start_loc=x["query_start_loc"], num_seqs=x["num_seqs"])
-        hidden, kv_cache = self.model.forward(params, x["input_ids"], kv_cache, md, attn_fn)
-        logits = self.model.compute_logits(params, hidden[x["logits_indices"]])
+        model = nnx.merge(self.graphdef, model_state)
+        hidden, kv_cache = model(x["input_ids"], kv_cache, md, attn_fn)
+        logits = model.compute_logits(hidden[x["logits_indices"]])
         counts, prompt_mask = _update_penalty_tables(penalty_state, x)
         sm = SamplingMetadata.from_arrays({k[len(_SAMPLE):]: v for k, v in x.items() if k.startswith(_SAMPLE)})
         out = sample(logits, sm, counts, prompt_mask, max_num_logprobs=self.num_logprobs,
@@ -170,13 +175,13 @@ class ModelRunner:
         sampled = prev_sampled.at[: out.sampled_token_ids.shape[0]].set(out.sampled_token_ids)
         return kv_cache, (counts, prompt_mask), out, hidden, sampled
 
-    def _prompt_logprobs(self, params, hidden, next_token_ids):
+    def _prompt_logprobs(self, model_state, hidden, next_token_ids):
         """Logprobs of each scheduled token's successor in the prompt, from every position's logits.
 
         Only steps holding a ``prompt_logprobs`` request pay for this [T, V] head; it is jitted
         per token bucket on first use rather than at warm-up, since most workloads never ask.
         """
-        logits = self.model.compute_logits(params, hidden)
+        logits = nnx.merge(self.graphdef, model_state).compute_logits(hidden)
         return gather_logprobs(logits, next_token_ids, self.num_logprobs)
 
     def _layout_for(self, bucket: int) -> PackLayout:
@@ -215,7 +220,7 @@ class ModelRunner:
         hits_before = compile_stats.persistent_cache_hits()
         start = time.perf_counter()
         buf = jax.ShapeDtypeStruct((layout.total,), jnp.int32)
-        lowered = self._jitted.trace(self.params, self.kv_cache, self.penalty_state, self._prev_sampled, buf,
+        lowered = self._jitted.trace(self.model_state, self.kv_cache, self.penalty_state, self._prev_sampled, buf,
                                      layout=layout, decode_only=decode_only).lower()
         self._compiled[key] = lowered.compile()
         seconds = time.perf_counter() - start
@@ -258,7 +263,7 @@ class ModelRunner:
         """Run a step function on a packed input buffer; the donated state is replaced by its
         updated version. Returns the sampler's output and the hidden states."""
         self.kv_cache, self.penalty_state, out, hidden, self._prev_sampled = fn(
-            self.params, self.kv_cache, self.penalty_state, self._prev_sampled, buf)
+            self.model_state, self.kv_cache, self.penalty_state, self._prev_sampled, buf)
         return out, hidden
 
     # ---- state updates from the scheduler --------------------------------------------------
@@ -338,7 +343,7 @@ class ModelRunner:
                 spans.append((state, t, stop - start))
             t += n
         fn = self._prompt_logprobs_jit if not self.config.enforce_eager else self._prompt_logprobs
-        values, ids, ranks = jax.device_get(fn(self.params, hidden, jax.device_put(next_ids)))
+        values, ids, ranks = jax.device_get(fn(self.model_state, hidden, jax.device_put(next_ids)))
         for state, t0, count in spans:
             k = state.sampling_params.prompt_logprobs + 1
             rows = state.prompt_logprobs_rows
