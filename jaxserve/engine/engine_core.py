@@ -70,10 +70,10 @@ class EngineCore:
         self.model_path = resolve_model_path(config)
         if not config.enforce_eager:  # eager mode's per-op programs are not worth caching on disk
             enable_persistent_compilation_cache(config.resolved_compilation_cache_dir())
-        model, params = load_model(self.model_path, config.dtype, config.scan_layers)
+        model = load_model(self.model_path, config.dtype, config.scan_layers)
         self.model_config = model.config
         self.max_model_len = resolve_max_model_len(config, model.config.max_position_embeddings)
-        self.runner = ModelRunner(config, model, params, self.max_model_len)
+        self.runner = ModelRunner(config, model, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,

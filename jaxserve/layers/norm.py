@@ -1,5 +1,8 @@
+"""RMSNorm, as a function and as an NNX module holding its scale."""
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -7,3 +10,18 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * xf.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """:func:`rms_norm` over the last axis with a learned ``scale [num_features]`` (ones at init).
+
+    Not ``nnx.RMSNorm``: it multiplies the scale in before casting back to the input's dtype,
+    where Hugging Face casts first and scales after; in half precision the results differ.
+    """
+
+    def __init__(self, num_features: int, *, eps: float = 1e-6, param_dtype: jnp.dtype = jnp.float32):
+        self.scale = nnx.Param(jnp.ones((num_features,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.scale[...], self.eps)

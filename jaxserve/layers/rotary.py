@@ -1,12 +1,24 @@
 """Rotary position embeddings (the "rotate half" layout that Hugging Face checkpoints use)."""
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from jaxserve.models.config import RopeConfig
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """How the rotary frequencies are built; ``llama3`` adds Llama 3's wavelength-dependent scaling."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"  # "default" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
@@ -45,3 +57,15 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     cos = cos[:, None, :].astype(x.dtype)
     sin = sin[:, None, :].astype(x.dtype)
     return x * cos + rotated * sin
+
+
+class RotaryEmbedding(nnx.Module):
+    """cos/sin tables for a step's positions. No parameters: the inverse frequencies are computed
+    from the config at trace time, so they enter the compiled step as a constant."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int):
+        self.rope = rope
+        self.head_dim = head_dim
+
+    def __call__(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return rope_cos_sin(positions, jnp.asarray(rope_inv_freq(self.rope, self.head_dim)))

@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jaxserve.layers.rotary import RopeConfig
+
 _DTYPE_NAMES = {
     "float32": "float32", "fp32": "float32", "float": "float32",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -25,16 +27,6 @@ def normalize_dtype_name(name: Any) -> str:
     if text not in _DTYPE_NAMES:
         raise ValueError(f"dtype: unsupported value {name!r}; expected float32, bfloat16 or float16")
     return _DTYPE_NAMES[text]
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    theta: float = 10000.0
-    rope_type: str = "default"  # "default" or "llama3"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

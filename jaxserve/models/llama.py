@@ -1,39 +1,40 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the packed, paged batch.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the packed, paged batch, as Flax NNX
+modules.
 
-All scheduled tokens of all requests share one ``[T]`` axis; attention finds each token's
-request through the metadata. The weights' layout picks how the layers run:
+All scheduled tokens of all requests share one ``[T]`` axis; attention finds each token's request
+through the metadata. Modules carry Hugging Face's names (``model.layers[i].self_attn.o_proj``),
+parameters flax's (``kernel`` stored ``[in, out]``, ``embedding``, ``scale``). ``layers`` has one
+of two layouts:
 
-- stacked (a leading layer axis): under ``lax.scan``, so a 28-layer model compiles as fast as a
-  1-layer one, with the KV cache in the scan carry so that XLA updates it in place. The price is
-  paid every step: each layer's weights are sliced out of the stack, and on XLA:CPU a slice is a
-  copy (on the CPU benchmark model, 8% of the device time of a 64-token decode step).
-- a list of per-layer dicts: unrolled, each matmul reading its own weights. Compiling takes
-  about as long at 4 layers, 1.75x as long at 28.
+- scanned (:class:`ScannedLayers`): one layer traced under ``lax.scan``, so a deep model compiles
+  about as fast as a shallow one, with the KV cache in the scan carry so that XLA updates it in
+  place. The price is paid every step: each layer's weights are sliced out of the stack, and on
+  XLA:CPU a slice is a copy.
+- unrolled (an ``nnx.List`` of layers): each matmul reads its own weights; compile time grows
+  with depth.
 
 :func:`default_scan_layers` picks by depth; ``--scan-layers`` overrides it.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxserve.layers.attention import AttentionFn, AttentionMetadata, paged_attention
-from jaxserve.layers.linear import linear
-from jaxserve.layers.norm import rms_norm
-from jaxserve.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+from jaxserve.layers.embedding import Embedding
+from jaxserve.layers.linear import Linear
+from jaxserve.layers.norm import RMSNorm
+from jaxserve.layers.rotary import RotaryEmbedding, apply_rope
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.forward_context import ForwardContext, KVPools
+from jaxserve.models.layer_stack import ScannedLayers
 
-Params = dict[str, Any]
 KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [L, num_blocks, block_size, Hkv, D]
 
-# Deepest model unrolled by default. Measured on the 4-layer CPU benchmark model, in one process
-# with the two layouts taking turns (14 turns each, twice): unrolled gave 2.4% and 1.5% more output
-# tokens/s, and 7-17% more in the turns when other tenants loaded the machine (it moves 25 MB less
-# per 64-row decode step). Deeper models stay scanned for the compile time (module docstring),
-# which every start-up pays.
+# Deepest model unrolled by default: unrolled steps run faster (no weight slices copied per step),
+# scanned ones compile faster, which every start-up pays and which grows with depth.
 UNROLL_MAX_LAYERS = 8
 
 
@@ -41,75 +42,131 @@ def default_scan_layers(num_layers: int) -> bool:
     return num_layers > UNROLL_MAX_LAYERS
 
 
-def layers_are_stacked(params: Params) -> bool:
-    """True for the scanned layout (a dict of stacks), False for a list of per-layer dicts."""
-    return not isinstance(params["layers"], (list, tuple))
+class LlamaAttention(nnx.Module):
+    """Fused q|k|v projection, q/k RMSNorm over ``head_dim`` (Qwen3), rotary, paged attention, o."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.dtype)
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.sliding_window = cfg.sliding_window
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, use_bias=cfg.attention_bias,
+                               param_dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, use_bias=cfg.o_proj_bias, param_dtype=dtype, rngs=rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, param_dtype=dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, param_dtype=dtype)
+        else:
+            self.q_norm = nnx.data(None)
+            self.k_norm = nnx.data(None)
+
+    def __call__(self, x: jax.Array, kv: KVPools, layer: jax.Array,
+                 ctx: ForwardContext) -> tuple[jax.Array, KVPools]:
+        """``x [T, hidden]`` -> ``[T, hidden]``; this step's K/V are written into layer ``layer``'s pages."""
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = jnp.split(self.qkv_proj(x), [q_size, q_size + kv_size], axis=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        q = apply_rope(q, ctx.cos, ctx.sin)
+        k = apply_rope(k, ctx.cos, ctx.sin)
+        k_pool, v_pool = kv
+        out, k_pool, v_pool = paged_attention(
+            q, k.astype(k_pool.dtype), v.astype(v_pool.dtype), k_pool, v_pool, layer, ctx.num_blocks, ctx.md,
+            ctx.attn_fn, sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window,
+        )
+        return self.o_proj(out.reshape(out.shape[0], -1).astype(x.dtype)), (k_pool, v_pool)
 
 
-class LlamaModel:
-    """Stateless model: weights are a pytree passed to every call, the config is static."""
+class LlamaMLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate) * up)``, gate|up fused into one projection."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.dtype)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, use_bias=cfg.mlp_bias,
+                                   param_dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, use_bias=cfg.mlp_bias,
+                                param_dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(jax.nn.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nnx.Module):
+    """Pre-norm residual block: attention, then the MLP."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=dtype)
+        self.self_attn = LlamaAttention(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=dtype)
+        self.mlp = LlamaMLP(cfg, rngs=rngs)
+
+    def __call__(self, hidden: jax.Array, kv: KVPools, layer: jax.Array,
+                 ctx: ForwardContext) -> tuple[jax.Array, KVPools]:
+        attn, kv = self.self_attn(self.input_layernorm(hidden), kv, layer, ctx)
+        hidden = hidden + attn
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden, kv
+
+
+class LlamaForCausalLM(nnx.Module):
+    """The whole decoder; one class for Llama, Mistral, Qwen2 and Qwen3 (the config says which
+    biases and norms exist). ``lm_head`` is None when the checkpoint ties it to the embedding."""
+
+    def __init__(self, config: ModelConfig, *, scan_layers: bool | None = None, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.dtype)
+        if scan_layers is None:
+            scan_layers = default_scan_layers(config.num_hidden_layers)
         self.config = config
-        self.inv_freq = rope_inv_freq(config.rope, config.head_dim)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, param_dtype=dtype, rngs=rngs)
+        self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
+        if scan_layers:
+            self.layers = ScannedLayers(lambda r: LlamaDecoderLayer(config, rngs=r), config.num_hidden_layers,
+                                        rngs=rngs)
+        else:
+            self.layers = nnx.List([LlamaDecoderLayer(config, rngs=rngs) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=dtype)
+        if config.tie_word_embeddings:
+            self.lm_head = nnx.data(None)
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, param_dtype=dtype, rngs=rngs)
 
-    def forward(
-        self,
-        params: Params,
-        input_ids: jax.Array,
-        kv_cache: KVCache,
-        md: AttentionMetadata,
-        attn_fn: AttentionFn,
-    ) -> tuple[jax.Array, KVCache]:
+    @property
+    def scan_layers(self) -> bool:
+        """True when the layers run under ``lax.scan`` (stacked parameters), False when unrolled."""
+        return isinstance(self.layers, ScannedLayers)
+
+    def __call__(self, input_ids: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
+                 attn_fn: AttentionFn) -> tuple[jax.Array, KVCache]:
         """Hidden states ``[T, hidden]`` of every scheduled token, and the updated KV cache."""
         k_cache, v_cache = kv_cache
         num_layers, num_blocks = k_cache.shape[:2]
         pool_shape = (num_layers * num_blocks, *k_cache.shape[2:])
-        cos, sin = rope_cos_sin(md.positions, jnp.asarray(self.inv_freq))
-        hidden = params["embed"][input_ids]
+        cos, sin = self.rotary_emb(md.positions)
+        ctx = ForwardContext(md=md, attn_fn=attn_fn, cos=cos, sin=sin, num_blocks=num_blocks)
 
-        def layer_step(carry, xs):
-            h, k_pool, v_pool = carry
-            lp, layer = xs
-            h, k_pool, v_pool = self._decoder_layer(lp, layer, num_blocks, h, k_pool, v_pool, cos, sin, md, attn_fn)
-            return (h, k_pool, v_pool), None
+        def run_layer(layer, index, carry):
+            hidden, kv = carry
+            return layer(hidden, kv, index, ctx)
 
-        carry = (hidden, k_cache.reshape(pool_shape), v_cache.reshape(pool_shape))
-        if layers_are_stacked(params):
-            layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
-            carry, _ = jax.lax.scan(layer_step, carry, (params["layers"], layer_ids))
+        carry = (self.embed_tokens(input_ids), (k_cache.reshape(pool_shape), v_cache.reshape(pool_shape)))
+        if isinstance(self.layers, ScannedLayers):
+            carry = self.layers.scan(run_layer, carry)
         else:
-            for i, lp in enumerate(params["layers"]):
-                carry, _ = layer_step(carry, (lp, jnp.int32(i)))
-        hidden, k_pool, v_pool = carry
+            for i, layer in enumerate(self.layers):
+                carry = run_layer(layer, jnp.int32(i), carry)
+        hidden, (k_pool, v_pool) = carry
         return hidden, (k_pool.reshape(k_cache.shape), v_pool.reshape(v_cache.shape))
 
-    def compute_logits(self, params: Params, hidden: jax.Array) -> jax.Array:
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm and LM head on the selected rows; logits in float32."""
-        h = rms_norm(hidden, params["final_norm"], self.config.rms_norm_eps)
-        head = params["embed"].T if self.config.tie_word_embeddings else params["lm_head"]
-        return (h @ head).astype(jnp.float32)
-
-    def _decoder_layer(self, lp, layer, num_blocks, h, k_pool, v_pool, cos, sin, md, attn_fn):
-        cfg = self.config
-        x = rms_norm(h, lp["input_norm"], cfg.rms_norm_eps)
-        qkv = linear(x, lp["qkv"], lp.get("qkv_bias"))
-        q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
-        q = q.reshape(-1, cfg.num_attention_heads, cfg.head_dim)
-        k = k.reshape(-1, cfg.num_key_value_heads, cfg.head_dim)
-        v = v.reshape(-1, cfg.num_key_value_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        attn, k_pool, v_pool = paged_attention(
-            q, k.astype(k_pool.dtype), v.astype(v_pool.dtype), k_pool, v_pool, layer, num_blocks, md, attn_fn,
-            sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window,
-        )
-        h = h + linear(attn.reshape(attn.shape[0], -1).astype(h.dtype), lp["o"], lp.get("o_bias"))
-        x = rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
-        gate_up = linear(x, lp["gate_up"], lp.get("gate_up_bias"))
-        gate, up = jnp.split(gate_up, 2, axis=-1)
-        h = h + linear(jax.nn.silu(gate) * up, lp["down"], lp.get("down_bias"))
-        return h, k_pool, v_pool
+        h = self.norm(hidden)
+        logits = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
+        return logits.astype(jnp.float32)

@@ -1,24 +1,24 @@
-"""Load a Hugging Face checkpoint folder into jaxserve's stacked, fused weight layout.
+"""Load a Hugging Face checkpoint folder into a :class:`LlamaForCausalLM` module.
 
-Layout (``L`` layers, weights stored ``[in, out]``): ``embed [V, H]``, ``final_norm [H]``,
-``lm_head [H, V]`` when untied, and ``layers`` with a leading ``L`` axis: ``input_norm``,
-``post_norm``, ``qkv`` (q|k|v fused: one matmul instead of three), ``o``, ``gate_up`` (gate|up
-fused), ``down``, plus ``q_norm``/``k_norm`` (Qwen3) and biases where the config has them.
-Unscanned (``scan_layers=False``), ``layers`` is instead a list of ``L`` dicts of the same names,
-each without the leading axis. Only safetensors are read and no code from the checkpoint is ever run.
+The module is built abstractly (shapes only, no initialisation), then each of its parameters is
+read from the checkpoint: linear weights transposed to ``[in, out]``, q|k|v and gate|up fused into
+one ``kernel`` each (one matmul instead of several), cast to the model's dtype, and, for scanned
+layers, stacked over the layer axis. Only safetensors are read and no code from the checkpoint is
+ever run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Callable
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxserve.models.config import ModelConfig, normalize_dtype_name
-from jaxserve.models.llama import LlamaModel, Params, default_scan_layers
+from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.safetensors_io import open_checkpoint_files
 
 # Buffers some exporters write that carry no weights.
@@ -78,15 +78,63 @@ def check_tensors(cfg: ModelConfig, available: dict[str, tuple[int, ...]]) -> No
         raise ValueError(f"checkpoint does not match its {cfg.architecture} config: " + "; ".join(problems))
 
 
-def load_params(folder: str | Path, cfg: ModelConfig, scan_layers: bool = True) -> Params:
-    """The checkpoint's weights in jaxserve's layout; ``layers`` stacked (for ``lax.scan``) or,
-    with ``scan_layers=False``, a list of per-layer dicts (see :meth:`LlamaModel.forward`)."""
+ParamPath = tuple[str | int, ...]  # a parameter's path in the module, as nnx.to_flat_state spells it
+
+
+def load_model(folder: str | Path, dtype: str | None = None,
+               scan_layers: bool | None = None) -> LlamaForCausalLM:
+    """Read ``config.json`` and the safetensors weights into the model (its config is
+    ``model.config``); ``dtype`` ("auto"/None keeps the config's); ``scan_layers`` None picks by
+    depth (:func:`jaxserve.models.llama.default_scan_layers`)."""
+    cfg = ModelConfig.from_pretrained(folder)
+    if dtype not in (None, "auto"):
+        cfg = dataclasses.replace(cfg, dtype=normalize_dtype_name(dtype))
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, scan_layers=scan_layers, rngs=nnx.Rngs(0)))
+    graphdef, shapes = nnx.split(abstract)
+    return nnx.merge(graphdef, read_state(folder, cfg, shapes, scanned=abstract.scan_layers))
+
+
+def read_state(folder: str | Path, cfg: ModelConfig, shapes: nnx.State, scanned: bool) -> nnx.State:
+    """The checkpoint's weights at the paths of ``shapes`` (the model's abstract state), each of
+    the shape and dtype found there."""
     files = open_checkpoint_files(folder)
     check_tensors(cfg, {name: f.shape(name) for name, f in files.items()})
-    dtype = jnp.dtype(cfg.dtype)
 
     def get(name: str) -> np.ndarray:
         return files[name].get(name)
+
+    top = _top_level_readers(get)
+    per_layer = _layer_readers(get)
+    prefixes = [f"model.layers.{i}." for i in range(cfg.num_hidden_layers)]
+
+    def read(path: ParamPath) -> np.ndarray:
+        if path[0] != "layers":
+            return top[path]()
+        if scanned:  # ("layers", "stacked", ...)
+            # One weight over all layers at a time: the host holds one stack at most.
+            return np.stack([per_layer[path[2:]](p) for p in prefixes])
+        return per_layer[path[2:]](prefixes[path[1]])  # ("layers", i, ...)
+
+    flat = {}
+    for path, var in nnx.to_flat_state(shapes):
+        value = jnp.asarray(read(path), dtype=var.dtype)
+        if value.shape != var.shape:  # check_tensors vetted the checkpoint: this is a loader bug
+            raise RuntimeError(f"{'.'.join(map(str, path))}: read {value.shape}, the model holds {var.shape}")
+        flat[path] = value
+    return nnx.from_flat_state(flat)
+
+
+def _top_level_readers(get: Callable[[str], np.ndarray]) -> dict[ParamPath, Callable[[], np.ndarray]]:
+    return {
+        ("embed_tokens", "embedding"): lambda: get("model.embed_tokens.weight"),
+        ("norm", "scale"): lambda: get("model.norm.weight"),
+        ("lm_head", "kernel"): lambda: get("lm_head.weight").T,
+    }
+
+
+def _layer_readers(get: Callable[[str], np.ndarray]) -> dict[ParamPath, Callable[[str], np.ndarray]]:
+    """A decoder layer parameter's path -> how to read it for the layer whose names start with
+    ``p``. Holds every optional parameter; the model's structure says which ones exist."""
 
     def cat_t(p: str, *names: str) -> np.ndarray:
         return np.concatenate([get(p + n).T for n in names], axis=1)
@@ -94,49 +142,19 @@ def load_params(folder: str | Path, cfg: ModelConfig, scan_layers: bool = True) 
     def cat(p: str, *names: str) -> np.ndarray:
         return np.concatenate([get(p + n) for n in names])
 
-    # name -> how to read it for the layer with prefix p
-    spec = {
-        "input_norm": lambda p: get(p + "input_layernorm.weight"),
-        "post_norm": lambda p: get(p + "post_attention_layernorm.weight"),
-        "qkv": lambda p: cat_t(p, "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-        "o": lambda p: get(p + "self_attn.o_proj.weight").T,
-        "gate_up": lambda p: cat_t(p, "mlp.gate_proj.weight", "mlp.up_proj.weight"),
-        "down": lambda p: get(p + "mlp.down_proj.weight").T,
+    qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    gate_up = ("mlp.gate_proj", "mlp.up_proj")
+    return {
+        ("input_layernorm", "scale"): lambda p: get(p + "input_layernorm.weight"),
+        ("post_attention_layernorm", "scale"): lambda p: get(p + "post_attention_layernorm.weight"),
+        ("self_attn", "qkv_proj", "kernel"): lambda p: cat_t(p, *(n + ".weight" for n in qkv)),
+        ("self_attn", "qkv_proj", "bias"): lambda p: cat(p, *(n + ".bias" for n in qkv)),
+        ("self_attn", "o_proj", "kernel"): lambda p: get(p + "self_attn.o_proj.weight").T,
+        ("self_attn", "o_proj", "bias"): lambda p: get(p + "self_attn.o_proj.bias"),
+        ("self_attn", "q_norm", "scale"): lambda p: get(p + "self_attn.q_norm.weight"),
+        ("self_attn", "k_norm", "scale"): lambda p: get(p + "self_attn.k_norm.weight"),
+        ("mlp", "gate_up_proj", "kernel"): lambda p: cat_t(p, *(n + ".weight" for n in gate_up)),
+        ("mlp", "gate_up_proj", "bias"): lambda p: cat(p, *(n + ".bias" for n in gate_up)),
+        ("mlp", "down_proj", "kernel"): lambda p: get(p + "mlp.down_proj.weight").T,
+        ("mlp", "down_proj", "bias"): lambda p: get(p + "mlp.down_proj.bias"),
     }
-    if cfg.attention_bias:
-        spec["qkv_bias"] = lambda p: cat(p, "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
-    if cfg.o_proj_bias:
-        spec["o_bias"] = lambda p: get(p + "self_attn.o_proj.bias")
-    if cfg.mlp_bias:
-        spec["gate_up_bias"] = lambda p: cat(p, "mlp.gate_proj.bias", "mlp.up_proj.bias")
-        spec["down_bias"] = lambda p: get(p + "mlp.down_proj.bias")
-    if cfg.qk_norm:
-        spec["q_norm"] = lambda p: get(p + "self_attn.q_norm.weight")
-        spec["k_norm"] = lambda p: get(p + "self_attn.k_norm.weight")
-
-    prefixes = [f"model.layers.{i}." for i in range(cfg.num_hidden_layers)]
-    layers: Any
-    if scan_layers:  # one weight at a time over all layers: host memory holds one stack at most
-        layers = {k: jnp.asarray(np.stack([read(p) for p in prefixes]), dtype=dtype) for k, read in spec.items()}
-    else:
-        layers = [{k: jnp.asarray(read(p), dtype=dtype) for k, read in spec.items()} for p in prefixes]
-    params: Params = {
-        "embed": jnp.asarray(get("model.embed_tokens.weight"), dtype=dtype),
-        "final_norm": jnp.asarray(get("model.norm.weight"), dtype=dtype),
-        "layers": layers,
-    }
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = jnp.asarray(get("lm_head.weight").T, dtype=dtype)
-    return params
-
-
-def load_model(folder: str | Path, dtype: str | None = None,
-               scan_layers: bool | None = None) -> tuple[LlamaModel, Params]:
-    """Read ``config.json`` and the safetensors weights; ``dtype`` ("auto"/None keeps the config's);
-    ``scan_layers`` None picks by depth (:func:`default_scan_layers`)."""
-    cfg = ModelConfig.from_pretrained(folder)
-    if dtype not in (None, "auto"):
-        cfg = dataclasses.replace(cfg, dtype=normalize_dtype_name(dtype))
-    if scan_layers is None:
-        scan_layers = default_scan_layers(cfg.num_hidden_layers)
-    return LlamaModel(cfg), load_params(folder, cfg, scan_layers)

@@ -24,6 +24,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import pallas_kernels
 from jaxserve import envs
@@ -31,13 +32,12 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.layers.attention import AttentionMetadata
-from jaxserve.models.llama import LlamaModel, Params, layers_are_stacked
+from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.compilation import CompiledSteps, StepVariant
 from jaxserve.runner.compile_stats import CompileStats
 from jaxserve.runner.device_state import DeviceState, StepOutput
-from jaxserve.runner.input_batch import (CachedRequestState, PersistentBatch, SlotAllocator, StepPlan,
-                                         build_step_arrays)
+from jaxserve.runner.input_batch import CachedRequestState, PersistentBatch, SlotAllocator, StepPlan, build_step_arrays
 from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks
 from jaxserve.runner.packing import PackLayout, pack, unpack
 from jaxserve.sample.metadata import SamplingMetadata, SamplingTable
@@ -75,11 +75,14 @@ def kernel_build_dir() -> Path:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: LlamaModel, params: Params, max_model_len: int):
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, max_model_len: int):
         self.config = config
-        self.model = model
-        self.params = params
-        self.scan_layers = layers_are_stacked(params)
+        # The step is a pure function of the weights: the module is split once into its graph and
+        # its state, the state passed to the compiled step and merged with the graph inside the
+        # trace. The state as nnx.flatten gives it, a list of arrays in graph order: a call passes
+        # a list on faster than nnx.State (Variables flatten through Python) or nested dicts.
+        self.graphdef, self.model_state = nnx.flatten(model, with_paths=False)
+        self.scan_layers = model.scan_layers
         self.mc = model.config
         self.max_model_len = max_model_len
         self.block_size = config.block_size
@@ -131,7 +134,8 @@ class ModelRunner:
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def _step(self, params, state: DeviceState, buf, *, layout: PackLayout, decode_only: bool = False) -> StepOutput:
+    def _step(self, model_state, state: DeviceState, buf, *, layout: PackLayout,
+              decode_only: bool = False) -> StepOutput:
         groups = unpack(buf, layout)
         x = groups["model"]
         prev = x["prev_rows"]
@@ -140,8 +144,9 @@ class ModelRunner:
         md = AttentionMetadata(
             positions=x["positions"], slot_mapping=x["slot_mapping"], block_tables=x["block_tables"],
             kv_lens=x["kv_lens"], query_start_loc=x["query_start_loc"], num_seqs=x["num_seqs"])
-        hidden, kv_cache = self.model.forward(params, input_ids, state.kv_cache, md, attn_fn)
-        logits = self.model.compute_logits(params, hidden[x["logits_indices"]])
+        model = nnx.merge(self.graphdef, model_state)
+        hidden, kv_cache = model(input_ids, state.kv_cache, md, attn_fn)
+        logits = model.compute_logits(hidden[x["logits_indices"]])
         penalties = update_penalty_tables(state.penalties, reset_slots=x["reset_slots"], token_slots=x["token_slots"],
                                           input_ids=input_ids, token_is_output=x["token_is_output"])
         out = sample(logits, SamplingMetadata.from_arrays(groups["sampling"]), penalties.output_counts,
@@ -150,13 +155,13 @@ class ModelRunner:
         prev_sampled = state.prev_sampled.at[: out.sampled_token_ids.shape[0]].set(out.sampled_token_ids)
         return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden)
 
-    def _prompt_logprobs(self, params, hidden, next_token_ids):
+    def _prompt_logprobs(self, model_state, hidden, next_token_ids):
         """Logprobs of each scheduled token's successor in the prompt, from every position's logits.
 
         Only steps holding a ``prompt_logprobs`` request pay for this [T, V] head; it is jitted
         per token bucket on first use rather than at warm-up, since most workloads never ask.
         """
-        logits = self.model.compute_logits(params, hidden)
+        logits = nnx.merge(self.graphdef, model_state).compute_logits(hidden)
         return gather_logprobs(logits, next_token_ids, self.num_logprobs)
 
     def _layout_for(self, bucket: int) -> PackLayout:
@@ -181,7 +186,7 @@ class ModelRunner:
     def _trace_args(self, variant: StepVariant) -> tuple[tuple, dict]:
         layout = self._layout_for(variant.bucket)
         buf = jax.ShapeDtypeStruct((layout.total,), jnp.int32)
-        return (self.params, self.state, buf), {"layout": layout, "decode_only": variant.decode_only}
+        return (self.model_state, self.state, buf), {"layout": layout, "decode_only": variant.decode_only}
 
     def _executable(self, variant: StepVariant):
         if self.config.enforce_eager:
@@ -212,7 +217,7 @@ class ModelRunner:
     def _launch(self, fn, buf) -> StepOutput:
         """Run a step function on a packed input buffer; the donated state is replaced by its
         updated version."""
-        result = fn(self.params, self.state, buf)
+        result = fn(self.model_state, self.state, buf)
         self.state = result.state
         return result
 
@@ -292,7 +297,7 @@ class ModelRunner:
                 spans.append((state, t, stop - start))
             t += n
         fn = self._prompt_logprobs_jit if not self.config.enforce_eager else self._prompt_logprobs
-        values, ids, ranks = jax.device_get(fn(self.params, hidden, jax.device_put(next_ids)))
+        values, ids, ranks = jax.device_get(fn(self.model_state, hidden, jax.device_put(next_ids)))
         for state, t0, count in spans:
             k = state.sampling_params.prompt_logprobs + 1
             rows = state.prompt_logprobs_rows

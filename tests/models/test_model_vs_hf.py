@@ -4,55 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
-import pallas_kernels
-from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models import load_model
 from jaxserve.testing import build_tiny_checkpoint
+from tests.models.paged_sequence import PagedSequence, prompt
 from tests.tiny_models import ARCHITECTURES
-
-BLOCK_SIZE = 4
-NUM_BLOCKS = 64
-
-
-class PagedSequence:
-    """Drives one sequence through the paged forward, chunk by chunk (blocks 1, 2, 3, ...)."""
-
-    def __init__(self, model, params):
-        self.model, self.params = model, params
-        cfg = model.config
-        shape = (cfg.num_hidden_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv = (jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
-        self.num_computed = 0
-        self.step = jax.jit(self._step)
-
-    def _step(self, params, ids, kv, md):
-        hidden, kv = self.model.forward(params, ids, kv, md, pallas_kernels.ragged_paged_attention_reference)
-        return self.model.compute_logits(params, hidden), kv
-
-    def feed(self, token_ids: list[int]) -> np.ndarray:
-        """Logits at every fed position."""
-        start, n = self.num_computed, len(token_ids)
-        positions = np.arange(start, start + n, dtype=np.int32)
-        slots = (1 + positions // BLOCK_SIZE) * BLOCK_SIZE + positions % BLOCK_SIZE
-        max_blocks = NUM_BLOCKS - 1
-        md = AttentionMetadata(
-            positions=jnp.asarray(positions),
-            slot_mapping=jnp.asarray(slots, jnp.int32),
-            block_tables=jnp.asarray(np.arange(1, max_blocks + 1, dtype=np.int32)[None]),
-            kv_lens=jnp.asarray([start + n], jnp.int32),
-            query_start_loc=jnp.asarray([0, n], jnp.int32),
-            num_seqs=jnp.asarray([1], jnp.int32),
-        )
-        logits, self.kv = self.step(self.params, jnp.asarray(token_ids, jnp.int32), self.kv, md)
-        self.num_computed += n
-        return np.asarray(logits)
 
 
 def hf_logits(folder: str, ids: list[int]) -> np.ndarray:
@@ -68,18 +30,14 @@ def hf_greedy(folder: str, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def prompt(length: int, seed: int = 0, vocab: int = 500) -> list[int]:
-    return np.random.default_rng(seed).integers(3, vocab, length).tolist()
-
-
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("length", [1, 9, 70])
 def test_logits_match_transformers(tiny_checkpoints, arch, length, scan_layers):
     folder = tiny_checkpoints[arch]
     ids = prompt(length, seed=length)
-    model, params = load_model(folder, scan_layers=scan_layers)
-    ours = PagedSequence(model, params).feed(ids)
+    model = load_model(folder, scan_layers=scan_layers)
+    ours = PagedSequence(model).feed(ids)
     np.testing.assert_allclose(ours, hf_logits(folder, ids), atol=1e-4, rtol=0)
 
 
@@ -88,8 +46,8 @@ def test_logits_match_transformers(tiny_checkpoints, arch, length, scan_layers):
 def test_greedy_continuation_matches_transformers(tiny_checkpoints, arch, scan_layers):
     folder = tiny_checkpoints[arch]
     ids = prompt(13, seed=7)
-    model, params = load_model(folder, scan_layers=scan_layers)
-    seq = PagedSequence(model, params)
+    model = load_model(folder, scan_layers=scan_layers)
+    seq = PagedSequence(model)
     logits = seq.feed(ids)
     ours = []
     for _ in range(32):
@@ -98,16 +56,23 @@ def test_greedy_continuation_matches_transformers(tiny_checkpoints, arch, scan_l
     assert ours == hf_greedy(folder, ids, 32)
 
 
+def flat_arrays(module: nnx.Module) -> dict[tuple, np.ndarray]:
+    return {path: np.asarray(var[...]) for path, var in nnx.to_flat_state(nnx.state(module))}
+
+
 def test_scanned_and_unrolled_layouts_agree(qwen3_checkpoint):
-    model, stacked = load_model(qwen3_checkpoint, scan_layers=True)
-    _, per_layer = load_model(qwen3_checkpoint, scan_layers=False)
-    assert isinstance(per_layer["layers"], list) and len(per_layer["layers"]) == model.config.num_hidden_layers
-    for i, lp in enumerate(per_layer["layers"]):
-        assert lp.keys() == stacked["layers"].keys()
-        for name, w in lp.items():
-            np.testing.assert_array_equal(w, stacked["layers"][name][i])
+    stacked = load_model(qwen3_checkpoint, scan_layers=True)
+    per_layer = load_model(qwen3_checkpoint, scan_layers=False)
+    assert stacked.scan_layers and not per_layer.scan_layers
+    assert isinstance(per_layer.layers, nnx.List) and len(per_layer.layers) == stacked.config.num_hidden_layers
+    stacks = flat_arrays(stacked.layers.stacked)
+    for i, layer in enumerate(per_layer.layers):
+        weights = flat_arrays(layer)
+        assert weights.keys() == stacks.keys()
+        for path, w in weights.items():
+            np.testing.assert_array_equal(w, stacks[path][i])
     ids = prompt(37, seed=9)
-    np.testing.assert_allclose(PagedSequence(model, per_layer).feed(ids), PagedSequence(model, stacked).feed(ids),
+    np.testing.assert_allclose(PagedSequence(per_layer).feed(ids), PagedSequence(stacked).feed(ids),
                                atol=1e-5, rtol=0)
 
 
@@ -119,10 +84,10 @@ def test_default_layout_by_depth():
 
 
 def test_two_chunks_equal_one_pass(qwen3_checkpoint):
-    model, params = load_model(qwen3_checkpoint)
+    model = load_model(qwen3_checkpoint)
     ids = prompt(45, seed=3)
-    whole = PagedSequence(model, params).feed(ids)
-    chunked = PagedSequence(model, params)
+    whole = PagedSequence(model).feed(ids)
+    chunked = PagedSequence(model)
     first = chunked.feed(ids[:18])  # ends mid-block: the second chunk continues a partial page
     second = chunked.feed(ids[18:])
     np.testing.assert_allclose(np.concatenate([first, second]), whole, atol=1e-5, rtol=0)
@@ -132,20 +97,20 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     rope = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
     folder = str(build_tiny_checkpoint(tmp_path / "llama3", "LlamaForCausalLM", seed=2, rope_parameters=rope))
-    model, params = load_model(folder)
+    model = load_model(folder)
     assert model.config.rope.rope_type == "llama3"
     ids = prompt(80, seed=5)
-    np.testing.assert_allclose(PagedSequence(model, params).feed(ids), hf_logits(folder, ids), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(PagedSequence(model).feed(ids), hf_logits(folder, ids), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("dtype,atol", [("bfloat16", 0.1), ("float16", 0.02)])
 def test_half_precision_close_to_float32(qwen3_checkpoint, dtype, atol):
     ids = prompt(20, seed=11)
-    model32, params32 = load_model(qwen3_checkpoint)
-    model16, params16 = load_model(qwen3_checkpoint, dtype=dtype)
-    assert params16["embed"].dtype == jnp.dtype(dtype)
-    ref = PagedSequence(model32, params32).feed(ids)
-    low = PagedSequence(model16, params16).feed(ids)
+    model32 = load_model(qwen3_checkpoint)
+    model16 = load_model(qwen3_checkpoint, dtype=dtype)
+    assert model16.embed_tokens.embedding.dtype == jnp.dtype(dtype)
+    ref = PagedSequence(model32).feed(ids)
+    low = PagedSequence(model16).feed(ids)
     assert low.dtype == np.float32 and np.isfinite(low).all()
     assert np.abs(low - ref).max() < atol
 
@@ -154,9 +119,9 @@ def test_sharded_checkpoint_loads(tmp_path):
     folder = build_tiny_checkpoint(tmp_path / "sharded", "Qwen2ForCausalLM", seed=4, max_shard_size="60KB")
     assert (folder / "model.safetensors.index.json").is_file()
     assert len(list(folder.glob("*.safetensors"))) > 1
-    model, params = load_model(folder)
+    model = load_model(folder)
     ids = prompt(10, seed=1)
-    np.testing.assert_allclose(PagedSequence(model, params).feed(ids), hf_logits(str(folder), ids), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(PagedSequence(model).feed(ids), hf_logits(str(folder), ids), atol=1e-4, rtol=0)
 
 
 def test_model_config_fields(tiny_checkpoints):

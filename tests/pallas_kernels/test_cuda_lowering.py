@@ -57,11 +57,13 @@ def test_lowers_auto_mode_and_big_buckets():
 def test_whole_decoder_lowers_for_cuda_in_both_layer_layouts(qwen3_checkpoint, scan_layers):
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     from jaxserve.layers.attention import AttentionMetadata
     from jaxserve.models import load_model
 
-    model, params = load_model(qwen3_checkpoint, scan_layers=scan_layers)
+    model = load_model(qwen3_checkpoint, scan_layers=scan_layers)
+    graphdef, state = nnx.split(model)
     cfg = model.config
     attn = pk.get_attention_fn("pallas", interpret=False)
     sds = jax.ShapeDtypeStruct
@@ -72,11 +74,12 @@ def test_whole_decoder_lowers_for_cuda_in_both_layer_layouts(qwen3_checkpoint, s
         query_start_loc=sds((rows + 1,), jnp.int32), num_seqs=sds((1,), jnp.int32))
     pool = sds((cfg.num_hidden_layers, 64, 16, cfg.num_key_value_heads, cfg.head_dim), jnp.float32)
 
-    def step(params, ids, kv, md):
-        hidden, kv = model.forward(params, ids, kv, md, attn)
-        return model.compute_logits(params, hidden), kv
+    def step(state, ids, kv, md):
+        model = nnx.merge(graphdef, state)
+        hidden, kv = model(ids, kv, md, attn)
+        return model.compute_logits(hidden), kv
 
-    text = jax.jit(step).trace(params, sds((tokens,), jnp.int32), (pool, pool), md).lower(
+    text = jax.jit(step).trace(state, sds((tokens,), jnp.int32), (pool, pool), md).lower(
         lowering_platforms=("cuda",)).as_text()
     assert _is_triton(text)
     # The scan body holds the one kernel call; unrolled, each layer has its own.

@@ -1,0 +1,23 @@
+"""What every decoder layer of one step reads besides its own weights."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxserve.layers.attention import AttentionFn, AttentionMetadata
+
+KVPools = tuple[jax.Array, jax.Array]  # (k, v), each [num_layers * num_blocks, block_size, Hkv, D]
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardContext:
+    """Built once per forward and shared by all layers; the KV pools travel separately, in the
+    layer loop's carry, so that XLA can update them in place."""
+
+    md: AttentionMetadata
+    attn_fn: AttentionFn
+    cos: jax.Array  # [T, head_dim], rotary tables of this step's positions
+    sin: jax.Array
+    num_blocks: int  # KV blocks per layer: layer l's pages start at l * num_blocks in the pools
