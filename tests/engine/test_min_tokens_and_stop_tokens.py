@@ -51,6 +51,7 @@ def test_the_stop_token_stays_in_token_ids_but_not_in_the_text(llm, include):
     shown = out.token_ids if include else out.token_ids[:-1]
     assert out.text == tok.decode(shown)
     assert out.text.endswith(tok.decode([stop_id])) == include
+    assert_pool_empty(llm)
 
 
 def test_eos_text_is_not_shown_with_special_tokens(llm):
@@ -60,3 +61,4 @@ def test_eos_text_is_not_shown_with_special_tokens(llm):
     assert out.token_ids[-1] == tok.eos_token_id and out.finish_reason == "stop"
     assert tok.eos_token not in out.text
     assert out.text == tok.decode(out.token_ids[:-1], skip_special_tokens=False)
+    assert_pool_empty(llm)
