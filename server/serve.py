@@ -40,6 +40,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="most requests waiting for the engine; beyond that new requests get 503 (default: 1024)")
     g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BODY_BYTES})")
+    g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve /tokenizer_info (the tokenizer's configuration and chat template), which "
+                        "clients such as lm-eval use to tokenize through the server (default: off, as in vLLM)")
 
 
 def load_chat_template(value: Optional[str]) -> Optional[str]:
@@ -82,7 +85,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                         chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,
-                        model_root=args.model)
+                        model_root=args.model, enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                    timeout_keep_alive=30, lifespan="off")
         server = _make_server(uv_config, app.state.jaxserve.model_name)
