@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import jaxserve
 
 from .errors import ENGINE_DEAD, APIError, install_handlers
+from .limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from .middleware import AuthMiddleware, BodyLimitMiddleware
 from .protocol import (
     ChatCompletionRequest,
@@ -30,8 +31,6 @@ from .protocol import (
 from .serving_chat import OpenAIServingChat, render_chat
 from .serving_completion import OpenAIServingCompletion
 from .state import ServerState
-
-DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 
 
 def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
