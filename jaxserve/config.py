@@ -47,8 +47,9 @@ class EngineConfig:
     """Order of admission and of preemption victims."""
     enforce_eager: bool = False
     """Run the step without jax.jit (for comparison with the compiled path)."""
-    async_scheduling: bool = False
-    """Schedule and prepare step N+1 while the device runs step N (outputs arrive one step later)."""
+    async_scheduling: bool = True
+    """Schedule and prepare step N+1 while the device runs step N (outputs arrive one step later;
+    the same tokens)."""
     attention_backend: Literal["auto", "xla", "pallas", "triton", "cpu"] = "auto"
     """auto = pallas on GPU; on a CPU, cpu (the C++ kernel) when it builds here, else xla."""
     seed: int = 0
