@@ -7,7 +7,8 @@ compilation cache makes the next start-up read the programs instead of compiling
 
 Warm-up traces and lowers the variants one after another (Python, under the GIL) and hands each
 lowered program to a thread pool: XLA compiles (or reads from the persistent cache) with the GIL
-released, so compiles overlap each other and the tracing of the next variants.
+released, so compiles overlap the tracing of the next variants and, with cores to spare, each
+other.
 """
 
 from __future__ import annotations
@@ -111,13 +112,13 @@ class CompiledSteps:
 
     def warm_up(self, variants: list[StepVariant], run_padding: Callable[[StepVariant], None],
                 show_progress: bool, max_workers: Optional[int] = None) -> None:
-        """Compile every variant (``max_workers`` at once, default one per CPU core), then run each
-        once on padding: a program's first run pays one-time costs (its buffers' first allocation
-        and page faults) that would otherwise land on the first requests; vLLM's dummy runs at
-        start-up do the same."""
+        """Compile every variant (``max_workers`` at once, default :func:`default_compile_threads`),
+        then run each once on padding: a program's first run pays one-time costs (its buffers'
+        first allocation and page faults) that would otherwise land on the first requests; vLLM's
+        dummy runs at start-up do the same."""
         todo = [v for v in variants if v not in self._compiled]
         start = time.perf_counter()
-        workers = max(1, min(len(todo), max_workers or os.cpu_count() or 1))
+        workers = max(1, min(len(todo), max_workers or default_compile_threads()))
         self.stats.compile_threads = workers
         with ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool, \
                 tqdm(total=len(todo), desc="Compiling step variants", disable=not show_progress,
@@ -138,6 +139,13 @@ class CompiledSteps:
             run_padding(variant)
         self.stats.warm_up_run_seconds += time.perf_counter() - start
         self.warmed_up = True
+
+
+def default_compile_threads() -> int:
+    """Half the CPU cores: one XLA compile already keeps about two cores busy, so on a 2-core CPU
+    a second compile at once only slows the first (docs/benchmarks.md); tracing the next variants
+    still overlaps the one compile."""
+    return max(1, (os.cpu_count() or 1) // 2)
 
 
 def _compile_lowered(lowered: Any) -> tuple[Any, float, bool]:
