@@ -15,6 +15,14 @@ JAXSERVE_HASH_SEED = "JAXSERVE_HASH_SEED"
 """Fixes the root of the prefix-cache hash chain (random per process when unset)."""
 JAXSERVE_API_KEY = "JAXSERVE_API_KEY"
 """Bearer key the server requires when ``--api-key`` is not given."""
+JAXSERVE_LOG_LEVEL = "JAXSERVE_LOG_LEVEL"
+"""The ``jaxserve`` command's log level (``debug`` also prints the traceback of a start-up error)."""
+
+# Hugging Face's own variables, read here with huggingface_hub's meaning so that a test or a
+# launcher may set them after huggingface_hub was imported (it reads them once, at import).
+HF_HOME = "HF_HOME"
+HF_HUB_CACHE = "HF_HUB_CACHE"
+HF_HUB_OFFLINE = "HF_HUB_OFFLINE"
 
 
 def cache_dir() -> Path:
@@ -30,3 +38,26 @@ def hash_seed() -> Optional[str]:
 
 def api_key() -> Optional[str]:
     return os.environ.get(JAXSERVE_API_KEY) or None
+
+
+def log_level() -> Optional[str]:
+    """``$JAXSERVE_LOG_LEVEL`` upper-cased (``DEBUG``, ``INFO`` ...), or None when unset."""
+    value = os.environ.get(JAXSERVE_LOG_LEVEL)
+    return value.strip().upper() if value and value.strip() else None
+
+
+def hf_hub_cache() -> Path:
+    """The hub cache: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
+    ``$XDG_CACHE_HOME/huggingface/hub`` (``~/.cache/huggingface/hub``)."""
+    explicit = os.environ.get(HF_HUB_CACHE) or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    home = os.environ.get(HF_HOME) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def hf_hub_offline() -> bool:
+    """``$HF_HUB_OFFLINE`` (or transformers' older ``$TRANSFORMERS_OFFLINE``) set to a true value."""
+    value = os.environ.get(HF_HUB_OFFLINE) or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().upper() in ("1", "ON", "YES", "TRUE")

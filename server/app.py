@@ -16,6 +16,7 @@ import jaxserve
 
 from .errors import ENGINE_DEAD, APIError, install_handlers
 from .ignored_fields import report_ignored_fields
+from .limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from .middleware import AuthMiddleware, BodyLimitMiddleware
 from .protocol import (
     ChatCompletionRequest,
@@ -32,8 +33,6 @@ from .serving_chat import OpenAIServingChat, render_chat
 from .serving_completion import OpenAIServingCompletion
 from .state import ServerState
 from .tokenizer_info import tokenizer_info
-
-DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 
 
 def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,

@@ -4,6 +4,11 @@ A variant is a token bucket of the ``BucketTable`` plus whether the step is deco
 Pallas backend has a decode kernel). Every variant is compiled before the first request, so no
 request waits for a compile; a compile after warm-up is counted as unexpected. JAX's persistent
 compilation cache makes the next start-up read the programs instead of compiling them.
+
+Warm-up traces and lowers the variants one after another (Python, under the GIL) and hands each
+lowered program to a thread pool: XLA compiles (or reads from the persistent cache) with the GIL
+released, so compiles overlap the tracing of the next variants and, with cores to spare, each
+other.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import dataclasses
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 import jax
@@ -88,22 +94,64 @@ class CompiledSteps:
         return self._jitted.trace(*args, **static).lower()
 
     def _compile(self, variant: StepVariant) -> None:
-        hits_before = compile_stats.persistent_cache_hits()
         start = time.perf_counter()
-        self._compiled[variant] = self.lowered(variant).compile()
-        seconds = time.perf_counter() - start
+        lowered = self.lowered(variant)
+        self.stats.lower_seconds += time.perf_counter() - start
+        self._record(variant, *_compile_lowered(lowered))
+
+    def _record(self, variant: StepVariant, executable: Any, seconds: float, cache_hit: bool) -> None:
+        self._compiled[variant] = executable
         self.stats.num_compiles += 1
         self.stats.compile_seconds += seconds
         self.stats.compile_seconds_per_bucket[variant.name] = seconds
-        self.stats.persistent_cache_hits += compile_stats.persistent_cache_hits() - hits_before
+        if cache_hit:
+            self.stats.persistent_cache_hits += 1
+            self.stats.cached_variants.append(variant.name)
+        logger.debug("step variant %s: %s in %.2f s", variant.name,
+                     "read from the persistent cache" if cache_hit else "compiled", seconds)
 
     def warm_up(self, variants: list[StepVariant], run_padding: Callable[[StepVariant], None],
-                show_progress: bool) -> None:
-        """Compile every variant, then run each once on padding: a program's first run pays
-        one-time costs (its buffers' first allocation and page faults) that would otherwise
-        land on the first requests; vLLM's dummy runs at start-up do the same."""
-        for variant in tqdm(variants, desc="Compiling step buckets", disable=not show_progress, unit="variant"):
-            if variant not in self._compiled:
-                self._compile(variant)
+                show_progress: bool, max_workers: Optional[int] = None) -> None:
+        """Compile every variant (``max_workers`` at once, default :func:`default_compile_threads`),
+        then run each once on padding: a program's first run pays one-time costs (its buffers'
+        first allocation and page faults) that would otherwise land on the first requests; vLLM's
+        dummy runs at start-up do the same."""
+        todo = [v for v in variants if v not in self._compiled]
+        start = time.perf_counter()
+        workers = max(1, min(len(todo), max_workers or default_compile_threads()))
+        self.stats.compile_threads = workers
+        with ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool, \
+                tqdm(total=len(todo), desc="Compiling step variants", disable=not show_progress,
+                     unit="variant") as bar:
+            futures = []
+            for variant in todo:
+                lower_start = time.perf_counter()
+                lowered = self.lowered(variant)
+                self.stats.lower_seconds += time.perf_counter() - lower_start
+                future = pool.submit(_compile_lowered, lowered)
+                future.add_done_callback(lambda _: bar.update())
+                futures.append((variant, future))
+            for variant, future in futures:
+                self._record(variant, *future.result())
+        self.stats.warm_up_compile_seconds += time.perf_counter() - start
+        start = time.perf_counter()
+        for variant in variants:
             run_padding(variant)
+        self.stats.warm_up_run_seconds += time.perf_counter() - start
         self.warmed_up = True
+
+
+def default_compile_threads() -> int:
+    """Half the CPU cores: one XLA compile already keeps about two cores busy, so on a 2-core CPU
+    a second compile at once only slows the first (docs/benchmarks.md); tracing the next variants
+    still overlaps the one compile."""
+    return max(1, (os.cpu_count() or 1) // 2)
+
+
+def _compile_lowered(lowered: Any) -> tuple[Any, float, bool]:
+    """Compile (or read from the persistent cache) in the calling thread: the executable, the
+    seconds it took and whether it came from the cache."""
+    hits = compile_stats.thread_persistent_cache_hits()
+    start = time.perf_counter()
+    executable = lowered.compile()
+    return executable, time.perf_counter() - start, compile_stats.thread_persistent_cache_hits() > hits

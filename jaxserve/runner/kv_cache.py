@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import cdiv
+from jaxserve.exceptions import ConfigError
 from jaxserve.models.config import ModelConfig
 
 logger = logging.getLogger("jaxserve")
@@ -54,7 +55,7 @@ def determine_num_blocks(mc: ModelConfig, cfg: EngineConfig, max_model_len: int)
             budget = min(CPU_DEFAULT_KV_BYTES, (cfg.max_num_seqs * blocks_per_seq + 1) * per_block)
     num_blocks = int(budget // per_block)
     if num_blocks < 2:
-        raise ValueError(
+        raise ConfigError(
             f"kv cache: the budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes; "
             "raise kv_cache_memory / gpu_memory_utilization or lower max_model_len")
     return num_blocks

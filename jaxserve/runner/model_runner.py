@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import sys
 import time
 from pathlib import Path
 
@@ -69,6 +68,14 @@ def resolve_attention_backend(requested: str) -> str:
     return "xla"
 
 
+def max_step_tokens(config: EngineConfig, max_model_len: int, num_blocks: int) -> int:
+    """The most tokens one step can ever schedule: the token budget, unless every request at full
+    length or the KV pool (block 0 is reserved) holds fewer. Buckets above it are never used, so
+    they are neither compiled nor warmed up."""
+    return min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len,
+               (num_blocks - 1) * config.block_size)
+
+
 def kernel_build_dir() -> Path:
     """Where kernels built on first use (the ``cpu`` backend's library) live."""
     return envs.cache_dir() / "kernels"
@@ -87,7 +94,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
-        self.buckets = BucketTable.build(config.max_num_batched_tokens, config.max_num_seqs)
+        self.num_blocks = determine_num_blocks(model.config, config, max_model_len)
+        self.buckets = BucketTable.build(max_step_tokens(config, max_model_len, self.num_blocks), config.max_num_seqs)
         self.attention_backend = resolve_attention_backend(config.attention_backend)
         interpret = config.interpret_kernels
         if interpret is None:
@@ -100,7 +108,6 @@ class ModelRunner:
                                if self.attention_backend == "pallas" else None)
         self.num_logprobs = max(1, config.max_logprobs)
 
-        self.num_blocks = determine_num_blocks(self.mc, config, max_model_len)
         slots = config.max_num_seqs
         self.slots = SlotAllocator(slots)
         self.batch = PersistentBatch(slots, max_model_len, self.max_blocks_per_seq)
@@ -199,17 +206,15 @@ class ModelRunner:
         """Compile every variant of the table now, so no request ever waits for a compile."""
         if self.config.enforce_eager:
             return
-        start = time.perf_counter()
         variants = self.variants()
         self.steps.warm_up(variants, self._run_padding_step, show_progress)
         self._set_penalty_row(self.slots.padding_slot, 0)  # compiles the admission-time row write now
-        summary = (f"compiled {len(variants)} step variants (token buckets {list(self.buckets.token_buckets)}) "
-                   f"in {time.perf_counter() - start:.1f} s, {self.stats.persistent_cache_hits} from the "
-                   f"persistent cache; attention backend: {self.attention_backend}; layers "
-                   f"{'scanned' if self.scan_layers else 'unrolled'}")
-        logger.info(summary)
-        if show_progress:
-            print(f"jaxserve: {summary}", file=sys.stderr, flush=True)  # stdout may carry JSON
+        s = self.stats
+        logger.info("step variants: %d (token buckets %s), %d from the persistent cache; ready in %.1f s "
+                    "(tracing %.1f s, XLA %.1f s in %d threads), first runs %.1f s; attention backend %s; "
+                    "layers %s", len(variants), list(self.buckets.token_buckets), s.persistent_cache_hits,
+                    s.warm_up_compile_seconds, s.lower_seconds, s.compile_seconds, s.compile_threads,
+                    s.warm_up_run_seconds, self.attention_backend, "scanned" if self.scan_layers else "unrolled")
 
     def _run_padding_step(self, variant: StepVariant) -> None:
         """Execute a compiled variant once on padding only: no request, no KV write, no sample used."""
