@@ -32,6 +32,11 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def kernel_build_dir() -> Path:
+    """Where kernels built on first use (the ``cpu`` attention backend's library) live."""
+    return cache_dir() / "kernels"
+
+
 def hash_seed() -> Optional[str]:
     return os.environ.get(JAXSERVE_HASH_SEED)
 

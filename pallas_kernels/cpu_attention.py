@@ -38,6 +38,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPI
 DTYPES = (jnp.float32, jnp.bfloat16)
 
 _lock = threading.Lock()
+_build_lock = threading.Lock()  # one compiler run per process: a second caller waits, then finds the file
 _state: dict[str, object] = {}  # "registered": True, or "error": the reason it cannot be
 
 
@@ -85,6 +86,20 @@ def build_library(build_dir: Path | None = None) -> Path:
     return target
 
 
+def prebuild(build_dir: Path | None = None) -> None:
+    """Build the library now unless it exists, for a background thread started early: the compiler
+    then runs while the caller loads its model. A failure is left for :func:`register` to report."""
+    try:
+        _build_once(build_dir)
+    except RuntimeError:
+        pass
+
+
+def _build_once(build_dir: Path | None) -> Path:
+    with _build_lock:
+        return build_library(build_dir)
+
+
 def register(build_dir: Path | None = None) -> None:
     """Build (once per machine) and register the FFI target with XLA (once per process)."""
     with _lock:
@@ -93,7 +108,7 @@ def register(build_dir: Path | None = None) -> None:
         if "error" in _state:
             raise RuntimeError(_state["error"])
         try:
-            lib = ctypes.cdll.LoadLibrary(str(build_library(build_dir)))
+            lib = ctypes.cdll.LoadLibrary(str(_build_once(build_dir)))
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
         except (RuntimeError, OSError, AttributeError) as e:
             _state["error"] = str(e)

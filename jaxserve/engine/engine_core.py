@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib.util
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
@@ -55,6 +57,24 @@ def resolve_model_source(config: EngineConfig) -> ModelSource:
     return ModelSource(path, str(path))
 
 
+def start_cpu_kernel_build(config: EngineConfig) -> None:
+    """Build the cpu attention kernel (seconds of a C++ compiler, once per machine) in a background
+    thread (which imports jax) while the model is found and the weights read; the runner's registration waits for it.
+    Skipped where the kernel will not be used: another backend asked for, or a CUDA plugin present."""
+    if config.attention_backend == "auto" and any(
+            importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
+        return
+    if config.attention_backend not in ("auto", "cpu"):
+        return
+
+    def build() -> None:
+        from jaxserve.runner.cpu_kernel import prebuild_cpu_kernel
+
+        prebuild_cpu_kernel()
+
+    threading.Thread(target=build, name="jaxserve-kernel-build", daemon=True).start()
+
+
 def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) -> int:
     if config.max_model_len is None:
         return max_position_embeddings
@@ -69,7 +89,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False):
         self.config = config
         self.startup = StartupTimes()
-        with self.startup.phase("model"):  # before jax is imported: a wrong name fails fast
+        start_cpu_kernel_build(config)
+        with self.startup.phase("model"):  # before this thread imports jax: a wrong name fails fast
             self.model_source = resolve_model_source(config)
         self.model_path = str(self.model_source.path)
 

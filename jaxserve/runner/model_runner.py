@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import logging
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +60,7 @@ def resolve_attention_backend(requested: str) -> str:
         return requested
     if jax.default_backend() == "gpu":
         return "pallas"
-    ok, reason = pallas_kernels.cpu_attention_available(kernel_build_dir())
+    ok, reason = pallas_kernels.cpu_attention_available(envs.kernel_build_dir())
     if ok:
         return "cpu"
     logger.warning("attention backend auto: using xla, since the cpu kernel is unavailable (%s)", reason)
@@ -74,11 +73,6 @@ def max_step_tokens(config: EngineConfig, max_model_len: int, num_blocks: int) -
     they are neither compiled nor warmed up."""
     return min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len,
                (num_blocks - 1) * config.block_size)
-
-
-def kernel_build_dir() -> Path:
-    """Where kernels built on first use (the ``cpu`` backend's library) live."""
-    return envs.cache_dir() / "kernels"
 
 
 class ModelRunner:
@@ -101,7 +95,7 @@ class ModelRunner:
         if interpret is None:
             interpret = jax.default_backend() != "gpu"
         self.attn_fn = pallas_kernels.get_attention_fn(self.attention_backend, interpret=interpret,
-                                                       build_dir=kernel_build_dir())
+                                                       build_dir=envs.kernel_build_dir())
         # Pallas has a decode-only kernel (split-K over pages); steps where every request advances
         # one token get their own compiled variant that uses it.
         self.decode_attn_fn = (pallas_kernels.get_attention_fn("pallas", interpret=interpret, mode="decode")

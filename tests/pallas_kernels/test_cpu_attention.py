@@ -11,6 +11,9 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import subprocess
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -128,6 +131,26 @@ def test_build_is_reused_and_a_missing_compiler_is_named(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler-jaxserve")
     with pytest.raises(RuntimeError, match="no-such-compiler-jaxserve"):
         cpu_attention.build_library()
+
+
+def test_a_build_in_flight_is_waited_for_not_repeated(tmp_path, monkeypatch):
+    """The engine's early background build and the runner's registration may overlap: the
+    compiler runs once, and both get the same library."""
+    runs = []
+    real_run = subprocess.run
+
+    def counting_run(cmd, *args, **kwargs):
+        runs.append(cmd)
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", counting_run)
+    early = threading.Thread(target=cpu_attention.prebuild, args=(tmp_path,))
+    early.start()
+    while not runs and early.is_alive():  # the early build has its compiler running
+        time.sleep(0.01)
+    assert cpu_attention._build_once(tmp_path).is_file()
+    early.join()
+    assert len(runs) == 1 and len(list(tmp_path.glob("*.so"))) == 1
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
