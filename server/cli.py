@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 import traceback
@@ -87,6 +88,8 @@ def configure_logging(debug: bool) -> None:
     """jaxserve's own log at INFO (``JAXSERVE_LOG_LEVEL`` or ``--debug`` change it); other libraries
     only warn, so their start-up chatter (jax probing for a TPU) stays out unless debugging."""
     level = "DEBUG" if debug else (envs.log_level() or "INFO")
+    if not debug:  # transformers' advice that torch is missing: jaxserve never needs torch
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     logging.basicConfig(level=logging.INFO if debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jaxserve").setLevel(level)
