@@ -16,9 +16,9 @@ from .tool_calls import ToolChoice
 from .tool_parsers import (
     NamedToolCallParser,
     RequiredToolCallsParser,
+    ToolCall,
     ToolCallDelta,
     ToolParseDelta,
-    ToolCall,
     ToolParser,
     merge,
     tool_parser_class,

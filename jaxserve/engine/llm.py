@@ -74,7 +74,8 @@ class LLM:
         ``tools`` (OpenAI tool objects) and ``chat_template_kwargs`` (``enable_thinking`` ...) go
         to the template. As in vLLM offline, the outputs are the raw text: tool calls and
         reasoning are not parsed out of it."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations: list[list[dict[str, Any]]] = (
+            [messages] if messages and isinstance(messages[0], dict) else messages)  # type: ignore[assignment]
         tok = self.get_tokenizer()
         prompts = [tok.apply_chat_template([_template_message(m) for m in conv], tokenize=False,
                                            add_generation_prompt=add_generation_prompt,

@@ -3,9 +3,9 @@
 No model hub and no torch are needed. The checkpoint is a real Hugging Face folder that
 transformers loads: ``config.json`` written by transformers' config class, weights drawn with numpy
 and written as safetensors (:mod:`jaxserve.models.random_weights`), and a byte-level BPE tokenizer
-trained with ``tokenizers`` on text generated here, with a ChatML chat template that renders tools as Qwen3's does. A build is
-byte-identical from run to run. The test suite builds its tiny checkpoints with the same function
-(``jaxserve.testing``).
+trained with ``tokenizers`` on text generated here, with a ChatML chat template that renders tools
+as Qwen3's does. A build is byte-identical from run to run. The test suite builds its tiny
+checkpoints with the same function (``jaxserve.testing``).
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ CHAT_TEMPLATE = """\
 {%- if tools %}
 {{- '<|im_start|>system\\n' }}
 {%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
-{{- '# Tools\\n\\nThese functions are available. Their signatures are inside <tools></tools>:\\n<tools>' }}
+{{- '# Tools\\n\\nFunctions you may call:\\n<tools>' }}
 {%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
-{{- '\\n</tools>\\n\\nTo call a function, answer with a JSON object of its name and arguments inside '
-    '<tool_call></tool_call> tags, one block per call:\\n<tool_call>\\n'
+{{- '\\n</tools>\\n\\nTo call one, reply with:\\n<tool_call>\\n'
     '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
 {%- endif %}
 {%- for message in messages %}
