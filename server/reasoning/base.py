@@ -36,10 +36,6 @@ class ReasoningParser(ABC):
     def finish(self) -> ReasoningDelta:
         """The text has ended: release whatever was held back."""
 
-    def reasoning_ended(self) -> bool:
-        """Whether the text now belongs to the content (what structured outputs would wait for)."""
-        return False
-
 
 def extract_reasoning(parser: ReasoningParser, text: str) -> tuple[Optional[str], Optional[str]]:
     """(reasoning, content) of a whole output; each None when empty, as vLLM reports them."""

@@ -33,9 +33,6 @@ class ThinkTagReasoningParser(ReasoningParser):
         self._reasoning = TrimmedText(drop_leading=True)
         self._skip_space = False  # drop whitespace right after </think>
 
-    def reasoning_ended(self) -> bool:
-        return self._state == _CONTENT
-
     def feed(self, text: str) -> ReasoningDelta:
         self._buffer += text
         if self._state == _START:

@@ -134,8 +134,12 @@ def test_hermes_streams_one_announcement_per_call():
     assert "".join(d.content for d in deltas[:first_call]) == "Let me look that up."
 
 
-REQUIRED_OUTPUT = ('[ {"name": "get_weather", "arguments": {"city": "Pa]r\\"is}"}},\n'
-                   '{"name": "now", "arguments": {}} ]')
+# The third element names its function after the arguments; the fourth has no arguments key.
+REQUIRED_OUTPUT = ('[ {"name": "get_weather", "arguments": {"city": "Pa]r\\"is}", "unit": "c"}},\n'
+                   '{"name" : "now", "arguments": {}} ,{"arguments": [1, {"a": "}"}], "n\\u0061me": "late"},'
+                   '{"name": "bare"}]')
+REQUIRED_CALLS = [("get_weather", '{"city": "Pa]r\\"is}", "unit": "c"}'), ("now", "{}"),
+                  ("late", '[1, {"a": "}"}]'), ("bare", "{}")]
 
 
 @settings(max_examples=150, deadline=None)
@@ -145,8 +149,16 @@ def test_required_array_any_split(cuts):
     stream = merge(streamed(RequiredToolCallsParser(make_id=counter_ids()), split(REQUIRED_OUTPUT, cuts)))
     assert stream == whole
     assert whole.content is None
-    assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == [
-        ("get_weather", {"city": 'Pa]r"is}'}), ("now", {})]
+    assert [(c.name, c.arguments) for c in whole.tool_calls] == REQUIRED_CALLS
+
+
+def test_required_arguments_stream_before_the_element_closes():
+    parser = RequiredToolCallsParser(make_id=counter_ids())
+    deltas = [parser.feed(ch) for ch in REQUIRED_OUTPUT] + [parser.finish()]
+    first = [c for d in deltas for c in d.tool_calls if c.index == 0]
+    assert first[0].name == "get_weather" and first[0].arguments == ""  # announced at its name
+    assert len(first) > 10 and "".join(c.arguments for c in first) == REQUIRED_CALLS[0][1]
+    assert all(c.id is None and c.name is None for c in first[1:])
 
 
 def test_named_function_streams_its_arguments_verbatim():
