@@ -144,6 +144,30 @@ def test_auto_tool_calls_streamed_and_not(tokenizer, piece):
     assert "<tools>\n" + json.dumps(WEATHER) in prompt and json.dumps(CLOCK) in prompt
 
 
+def test_each_choice_parses_its_own_calls(tokenizer):
+    app = build_app(ScriptedTextEngine(tokenizer, HERMES_OUTPUT, piece=6), chat_parsers=AUTO)
+
+    async def stream(client):
+        calls: dict[tuple[int, int], list] = {}
+        finish = {}
+        async for chunk in await client.chat.completions.create(model="scripted", messages=ASK, tools=[CLOCK],
+                                                                n=2, stream=True):
+            for choice in chunk.choices:
+                for call in choice.delta.tool_calls or []:
+                    entry = calls.setdefault((choice.index, call.index), [None, "", ""])
+                    entry[0] = entry[0] or call.id
+                    entry[1] += call.function.name or ""
+                    entry[2] += call.function.arguments or ""
+                finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+        return calls, finish
+
+    calls, finish = ask(app, stream)
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    assert sorted(calls) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [calls[(k, 0)][1] for k in (0, 1)] == ["get_weather"] * 2
+    assert len({entry[0] for entry in calls.values()}) == 4  # every call its own id
+
+
 def test_tool_choice_none_offers_tools_but_parses_nothing(tokenizer):
     engine = ScriptedTextEngine(tokenizer, HERMES_OUTPUT)
     app = build_app(engine, chat_parsers=AUTO)
@@ -291,17 +315,41 @@ def test_auto_without_server_flags_is_400(http):
 
 @pytest.fixture(scope="module")
 def long_context_client(tmp_path_factory):
-    """A server whose context holds tool definitions (the shared one has 256 tokens)."""
+    """A server whose context holds tool definitions (the shared one has 256 tokens), with the
+    auto tool choice and a reasoning parser on."""
     import openai
 
     from tests.server.server_testing import start_server, stop_server
 
-    handle = start_server(["--max-model-len", "1024"], tmp_path_factory.mktemp("tools") / "server.log")
+    flags = ["--max-model-len", "1024", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+             "--reasoning-parser", "qwen3"]
+    handle = start_server(flags, tmp_path_factory.mktemp("tools") / "server.log")
     try:
         with openai.OpenAI(base_url=handle.url, api_key="x", max_retries=0, timeout=120) as client:
             yield client
     finally:
         stop_server(handle)
+
+
+def test_auto_on_a_real_server_streams_what_it_answers(long_context_client):
+    # Greedy, so the streamed text is the non-streamed one: its parse must come out the same.
+    client = long_context_client
+    model = client.models.list().data[0].id
+    kw = dict(model=model, messages=ASK, tools=[PICK, NOW], max_tokens=40, temperature=0,
+              extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    choice = full.choices[0]
+    assert choice.finish_reason == "length"
+    msg = choice.message
+    assert (msg.content or msg.model_extra.get("reasoning_content") or msg.tool_calls)
+    joined = {"content": "", "reasoning": "", "calls": 0}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        delta = chunk.choices[0].delta
+        joined["content"] += delta.content or ""
+        joined["reasoning"] += (delta.model_extra or {}).get("reasoning_content") or ""
+        joined["calls"] += len(delta.tool_calls or [])
+    assert joined == {"content": msg.content or "", "reasoning": msg.model_extra.get("reasoning_content") or "",
+                      "calls": len(msg.tool_calls or [])}
 
 
 @needs_structured_outputs
