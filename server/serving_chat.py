@@ -13,10 +13,10 @@ import json
 from typing import Any, AsyncGenerator, Optional
 
 import jaxserve
-from jaxserve import RequestOutput, SamplingParams
+from jaxserve import InvalidRequestError, RequestOutput, SamplingParams
 
 from .chat_output import ChatParsers, ChoiceDelta, ChoiceParser, finish_reason, merged
-from .errors import APIError
+from .errors import APIError, invalid_request
 from .generation import Generations
 from .logprobs import TokenText, chat_logprobs
 from .protocol import (
@@ -141,9 +141,8 @@ class OpenAIServingChat(OpenAIServing):
         try:
             return resolve_tool_choice(tool_dicts(req.tools), req.tool_choice,
                                        auto_enabled=self.parsers.auto_tool_choice)
-        except ValueError as exc:
-            param, message = exc.args
-            raise APIError(400, message, param=param) from None
+        except InvalidRequestError as exc:
+            raise invalid_request(exc) from None
 
     def choice_parser(self, req: ChatCompletionRequest) -> ChoiceParser:
         return self.parsers.new_choice_parser(self.tool_choice(req))

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from jaxserve import InvalidRequestError
+
 # The schema of a function that declares no parameters: any JSON object.
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -62,23 +64,23 @@ def tool_choice_schema(tools: list[dict[str, Any]], choice: ToolChoice,
 
 def resolve_tool_choice(tools: Optional[list[dict[str, Any]]], tool_choice: Any, *,
                         auto_enabled: bool) -> ToolChoice:
-    """The mode of a request, or ``ValueError(param, message)`` for a choice that cannot work
-    (vLLM's messages). ``tool_choice`` is "none", "auto", "required", a named-function object
+    """The mode of a request; ``InvalidRequestError`` for a choice that cannot work (vLLM's
+    messages). ``tool_choice`` is "none", "auto", "required", a named-function object
     (with ``.function.name``) or None; ``auto_enabled`` says the server has a tool parser."""
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
     if tool_choice == "none":
         return ToolChoice("none")
     if not tools:
-        raise ValueError("tool_choice", "when using `tool_choice`, `tools` must be set")
+        raise InvalidRequestError("tool_choice", "when using `tool_choice`, `tools` must be set")
     if tool_choice == "auto":
         if not auto_enabled:
-            raise ValueError("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and '
+            raise InvalidRequestError("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and '
                                             "--tool-call-parser to be set")
         return ToolChoice("auto")
     if tool_choice == "required":
         return ToolChoice("required")
     name = tool_choice.function.name
     if name not in {_function(t).get("name") for t in tools}:
-        raise ValueError("tool_choice", f"tool {name!r} has not been passed in `tools`")
+        raise InvalidRequestError("tool_choice", f"tool {name!r} has not been passed in `tools`")
     return ToolChoice("named", name)

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxserve import InvalidRequestError
 from jaxserve_server.chat_output import ChatParsers, finish_reason, merged
 from jaxserve_server.reasoning import extract_reasoning, reasoning_parser_class
 from jaxserve_server.tool_calls import ToolChoice, resolve_tool_choice, tool_choice_schema
@@ -248,9 +249,9 @@ def test_tool_choice_resolution():
     assert resolve_tool_choice(tools, "required", auto_enabled=False) == ToolChoice("required")
     assert resolve_tool_choice(tools, Named("now"), auto_enabled=False) == ToolChoice("named", "now")
     for args in ((tools, None), (tools, "auto"), (None, "required"), (tools, Named("missing"))):
-        with pytest.raises(ValueError) as info:
+        with pytest.raises(InvalidRequestError) as info:
             resolve_tool_choice(*args, auto_enabled=False)
-        assert info.value.args[0] == "tool_choice"
+        assert info.value.param == "tool_choice"
 
 
 def test_required_schema_accepts_calls_and_refuses_the_rest():
