@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 import jaxserve
 
+from .chat_output import ChatParsers
 from .errors import ENGINE_DEAD, APIError, install_handlers
 from .ignored_fields import report_ignored_fields
 from .limits import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -28,6 +29,7 @@ from .protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    tool_dicts,
 )
 from .serving_chat import OpenAIServingChat, render_chat
 from .serving_completion import OpenAIServingCompletion
@@ -38,14 +40,15 @@ from .tokenizer_info import tokenizer_info
 def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
               chat_template: Optional[str] = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              model_root: Optional[str] = None, enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
+              model_root: Optional[str] = None, enable_tokenizer_info_endpoint: bool = False,
+              chat_parsers: Optional[ChatParsers] = None) -> FastAPI:
     state = ServerState(engine, served_model_name=served_model_name, chat_template=chat_template,
                         model_root=model_root)
     app = FastAPI(title="jaxserve", version=jaxserve.__version__)
     app.state.jaxserve = state
     install_handlers(app)
     completions = OpenAIServingCompletion(state)
-    chat = OpenAIServingChat(state)
+    chat = OpenAIServingChat(state, chat_parsers)
 
     def model_card() -> ModelCard:
         return ModelCard(id=state.model_name, root=state.model_root, max_model_len=state.max_model_len)
@@ -77,7 +80,7 @@ def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optio
             _, ids = render_chat(state, body.messages, add_generation_prompt=body.add_generation_prompt,
                                  continue_final_message=body.continue_final_message,
                                  add_special_tokens=body.add_special_tokens,
-                                 chat_template_kwargs=body.chat_template_kwargs)
+                                 chat_template_kwargs=body.chat_template_kwargs, tools=tool_dicts(body.tools))
         else:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None

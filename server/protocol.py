@@ -4,8 +4,9 @@ Field names and shapes follow the OpenAI API plus vLLM's extensions (``top_k``, 
 ``min_tokens``, ``prompt_logprobs``, ``truncate_prompt_tokens`` ...; the README lists them). As in
 vLLM, a field no model declares is ignored, not refused: ``ignored_fields()`` names it, and the
 server logs it and reports it in a response header. Fields jaxserve knows but cannot honour
-(tools, guided decoding, ...) are listed by ``unsupported()``, so the server answers 400 with the
-reason instead of silently ignoring them. Ranges that the engine itself checks (penalties,
+(guided decoding, legacy ``functions`` ...) are listed by ``unsupported()``, so the server answers 400 with the
+reason instead of silently ignoring them. Tool definitions, tool calls in messages and in answers
+follow the OpenAI shapes (arguments are JSON text). Ranges that the engine itself checks (penalties,
 top_p, ...) are left to ``SamplingParams``; what is checked here is what would otherwise reach
 numpy unbounded.
 """
@@ -263,11 +264,59 @@ class ChatContentPart(BaseModel):
     text: Optional[str] = None
 
 
+class FunctionDefinition(_Request):
+    name: StrictStr
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments object
+    strict: Optional[bool] = None
+
+
+class ChatCompletionToolsParam(_Request):
+    """One entry of ``tools``."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: StrictStr
+
+
+class ChatCompletionNamedToolChoiceParam(_Request):
+    """``tool_choice`` naming the function to call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class MessageFunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: StrictStr
+    arguments: Union[StrictStr, dict[str, Any]]  # JSON text, as OpenAI sends it; an object is accepted too
+
+
+class MessageToolCall(BaseModel):
+    """A call in an assistant message of the conversation."""
+
+    model_config = ConfigDict(extra="allow")
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
+def tool_dicts(tools: Optional[list[ChatCompletionToolsParam]]) -> Optional[list[dict[str, Any]]]:
+    """The tools as plain OpenAI tool objects (what the chat template and the schemas read)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: StrictStr
     content: Optional[Union[StrictStr, list[ChatContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[MessageToolCall]] = None  # assistant messages
+    tool_call_id: Optional[str] = None  # tool messages: the call they answer
+    reasoning_content: Optional[str] = None  # assistant messages, as vLLM returns them
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -280,10 +329,10 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[ChatCompletionToolsParam]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], ChatCompletionNamedToolChoiceParam]] = None
+    parallel_tool_calls: Optional[bool] = None  # false: at most one call with tool_choice required
     # OpenAI fields jaxserve does not implement; present so that the 400 can name them.
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
-    parallel_tool_calls: Optional[bool] = None
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
     audio: Optional[Any] = None
@@ -297,16 +346,12 @@ class ChatCompletionRequest(_SamplingFields):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = self.common_unsupported()
-        if self.tools:
-            out.append(("tools", "tools (function calling) are not supported by jaxserve yet"))
-        if self.tool_choice not in (None, "none"):
-            out.append(("tool_choice", "tool_choice is not supported by jaxserve yet"))
-        if self.parallel_tool_calls:
-            out.append(("parallel_tool_calls", "parallel_tool_calls is not supported by jaxserve yet"))
         if self.functions:
-            out.append(("functions", "functions (function calling) are not supported by jaxserve"))
+            out.append(("functions", "functions (legacy function calling) are not supported by jaxserve; "
+                                     "use tools"))
         if self.function_call not in (None, "none"):
-            out.append(("function_call", "function_call is not supported by jaxserve"))
+            out.append(("function_call", "function_call (legacy function calling) is not supported by "
+                                         "jaxserve; use tool_choice"))
         if self.audio is not None or (self.modalities and self.modalities != ["text"]):
             out.append(("modalities", "only text output is supported by jaxserve"))
         if self.prediction is not None:
@@ -342,9 +387,28 @@ class ChatLogProbs(BaseModel):
     content: Optional[list[ChatLogProbToken]] = None
 
 
+def _drop_none(model: BaseModel, handler) -> dict[str, Any]:
+    return {k: v for k, v in handler(model).items() if v is not None}
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    # vLLM's names for the text inside <think>...</think> (--reasoning-parser): both are sent.
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -364,14 +428,39 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler):
+        return _drop_none(self, handler)
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed call: the first of each ``index`` has ``id``, ``type`` and the name."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler):
+        return _drop_none(self, handler)
+
+
 class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
-    def _drop_none(self, handler):
+    def _serialize(self, handler):
         # A delta carries only what changed: {"role": ...} first, then {"content": ...}.
-        return {k: v for k, v in handler(self).items() if v is not None}
+        return _drop_none(self, handler)
 
 
 class ChatCompletionStreamChoice(BaseModel):
@@ -430,6 +519,7 @@ class TokenizeChatRequest(_Request):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[ChatCompletionToolsParam]] = None
     return_token_strs: bool = False
 
 

@@ -47,6 +47,28 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve /tokenizer_info (the tokenizer's configuration and chat template), which "
                         "clients such as lm-eval use to tokenize through the server (default: off, as in vLLM)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model decide when to call tools (tool_choice 'auto', also the default when a "
+                        "request has tools); needs --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None,
+                   help="how tool calls are read from the model's text for tool_choice 'auto': 'hermes' "
+                        "(<tool_call>{...}</tool_call>, Qwen2.5/Qwen3/Hermes) (default: none)")
+    g.add_argument("--reasoning-parser", default=None,
+                   help="split <think>...</think> into message.reasoning_content: 'qwen3' (content unless the "
+                        "output opens <think>) or 'deepseek_r1' (reasoning until </think>) (default: none)")
+
+
+def chat_parsers(args: argparse.Namespace):
+    """The parser flags as ``ChatParsers``, checked: an unknown name is a start-up error."""
+    from .chat_output import ChatParsers
+
+    parsers = ChatParsers(enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+    try:
+        parsers.check()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    return parsers
 
 
 def load_chat_template(value: Optional[str]) -> Optional[str]:
@@ -86,18 +108,19 @@ def run_serve(args: argparse.Namespace, started: Optional[float] = None) -> int:
         chat_template = load_chat_template(args.chat_template)
     except (OSError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
+    parsers = chat_parsers(args)
     api_key = args.api_key or envs.api_key()
     config = EngineConfig.from_cli_args(args, model=args.model)
     sock = bind_socket(args.host, args.port)
     try:
-        _serve(args, config, sock, chat_template, api_key, started)
+        _serve(args, config, sock, chat_template, api_key, parsers, started)
     finally:
         sock.close()
     return 0
 
 
 def _serve(args, config, sock: socket.socket, chat_template: Optional[str], api_key: Optional[str],
-           started: float) -> None:
+           parsers, started: float) -> None:
     import uvicorn
 
     from jaxserve import AsyncLLM
@@ -112,7 +135,7 @@ def _serve(args, config, sock: socket.socket, chat_template: Optional[str], api_
         app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                         chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,
                         model_root=engine.model_root,
-                        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+                        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, chat_parsers=parsers)
         uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_keep_alive=30, lifespan="off")
         server = _make_server(uv_config, app.state.jaxserve.model_name, started)
         asyncio.run(server.serve(sockets=[sock]))

@@ -1,16 +1,22 @@
 """/v1/chat/completions: messages rendered by the chat template into one prompt, ``n`` samples.
 
-A stream opens with one ``{"role": "assistant"}`` delta per choice, then content deltas.
-``render_chat`` is also what /tokenize uses for messages.
+A stream opens with one ``{"role": "assistant"}`` delta per choice, then content deltas (with a
+reasoning parser, reasoning deltas; with tools, tool-call deltas). ``render_chat`` is also what
+/tokenize uses for messages. Tools reach the template as OpenAI tool objects, and the arguments
+of an assistant message's tool calls as objects (parsed from their JSON text), as vLLM passes
+them: that is what chat templates such as Qwen3's expect.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, AsyncGenerator, Optional
 
-from jaxserve import RequestOutput, SamplingParams
+import jaxserve
+from jaxserve import InvalidRequestError, RequestOutput, SamplingParams
 
-from .errors import APIError
+from .chat_output import ChatParsers, ChoiceDelta, ChoiceParser, finish_reason, merged
+from .errors import APIError, invalid_request
 from .generation import Generations
 from .logprobs import TokenText, chat_logprobs
 from .protocol import (
@@ -21,10 +27,16 @@ from .protocol import (
     ChatCompletionStreamResponse,
     ChatMessage,
     ChatResponseMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+    tool_dicts,
 )
 from .serving_engine import OpenAIServing, ResponseIds, StreamUsage, make_sampling_params, usage
 from .state import ServerState
+from .tool_calls import ToolChoice, resolve_tool_choice, tool_choice_schema
 
 # Arguments the server passes to the template itself; a request may not override them.
 RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tokenize", "chat_template", "add_generation_prompt",
@@ -48,12 +60,25 @@ def _message_dict(msg: ChatMessage) -> dict[str, Any]:
         if msg.role != "assistant":
             raise APIError(400, f"messages: a {msg.role!r} message needs content", param="messages")
         d["content"] = ""
+    for call in d.get("tool_calls", ()):
+        call["function"]["arguments"] = _arguments_object(call["function"]["arguments"])
     return d
+
+
+def _arguments_object(arguments: Any) -> Any:
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        raise APIError(400, f"messages: tool call arguments must be JSON text, got {arguments[:80]!r}",
+                       param="messages") from None
 
 
 def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generation_prompt: bool,
                 continue_final_message: bool, add_special_tokens: bool,
-                chat_template_kwargs: Optional[dict[str, Any]]) -> tuple[str, list[int]]:
+                chat_template_kwargs: Optional[dict[str, Any]],
+                tools: Optional[list[dict[str, Any]]] = None) -> tuple[str, list[int]]:
     """Apply the chat template (the server's ``--chat-template``, else the tokenizer's); returns
     (prompt text, token ids)."""
     tok = state.tokenizer
@@ -78,7 +103,7 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
     try:
         text = tok.apply_chat_template(conversation, tokenize=False, chat_template=template,
                                        add_generation_prompt=add_generation_prompt,
-                                       continue_final_message=continue_final_message, **kwargs)
+                                       continue_final_message=continue_final_message, tools=tools, **kwargs)
     except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
         raise APIError(400, f"messages: the chat template failed: {type(exc).__name__}: {exc}",
                        param="messages") from None
@@ -88,23 +113,57 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
     return text, ids
 
 
+def _constrained_calls(kw: dict[str, Any], req: ChatCompletionRequest, choice: ToolChoice,
+                       tools: Optional[list[dict[str, Any]]]) -> None:
+    """Add the structured output that makes ``required``/named answer with valid calls."""
+    schema = tool_choice_schema(tools or [], choice, req.parallel_tool_calls)
+    if schema is None:
+        return
+    params_cls = getattr(jaxserve, "StructuredOutputsParams", None)
+    what = "tool_choice 'required'" if choice.mode == "required" else "a named tool_choice"
+    if params_cls is None:
+        raise APIError(400, f"{what} requires structured outputs, which this jaxserve build does not have",
+                       param="tool_choice", code="unsupported_parameter")
+    if kw.get("structured_outputs") is not None:
+        raise APIError(400, f"{what} cannot be combined with another structured output "
+                            "(response_format, guided_*, structured_outputs)", param="tool_choice")
+    kw["structured_outputs"] = params_cls(json=schema)
+
+
 class OpenAIServingChat(OpenAIServing):
     id_prefix = "chatcmpl"
+
+    def __init__(self, state: ServerState, parsers: Optional[ChatParsers] = None):
+        super().__init__(state)
+        self.parsers = parsers or ChatParsers()
+
+    def tool_choice(self, req: ChatCompletionRequest) -> ToolChoice:
+        try:
+            return resolve_tool_choice(tool_dicts(req.tools), req.tool_choice,
+                                       auto_enabled=self.parsers.auto_tool_choice)
+        except InvalidRequestError as exc:
+            raise invalid_request(exc) from None
+
+    def choice_parser(self, req: ChatCompletionRequest) -> ChoiceParser:
+        return self.parsers.new_choice_parser(self.tool_choice(req))
 
     def prepare(self, req: ChatCompletionRequest) -> tuple[list[Any], SamplingParams]:
         state = self.state
         state.check_model(req.model)
         state.check_unsupported(req.unsupported())
+        choice = self.tool_choice(req)
+        tools = tool_dicts(req.tools)
         text, ids = render_chat(state, req.messages, add_generation_prompt=req.add_generation_prompt,
                                 continue_final_message=req.continue_final_message,
                                 add_special_tokens=req.add_special_tokens,
-                                chat_template_kwargs=req.chat_template_kwargs)
+                                chat_template_kwargs=req.chat_template_kwargs, tools=tools)
         keep = state.truncation(req.truncate_prompt_tokens)
         if keep is not None and len(ids) > keep:
             ids = ids[-keep:]
             text = state.tokenizer.decode(ids)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         kw = req.sampling_kwargs()
+        _constrained_calls(kw, req, choice, tools)
         params = make_sampling_params(dict(kw, max_tokens=req.effective_max_tokens(), logprobs=logprobs))
         return [{"prompt": text, "prompt_token_ids": ids}], params
 
@@ -115,10 +174,14 @@ class OpenAIServingChat(OpenAIServing):
                       ids: ResponseIds) -> ChatCompletionResponse:
         ro = outputs[0]
         top_k = req.top_logprobs or 0
-        choices = [ChatCompletionResponseChoice(
-            index=out.index, message=ChatResponseMessage(content=out.text),
-            logprobs=chat_logprobs(out, self._tokens(req), top_k) if req.logprobs else None,
-            finish_reason=out.finish_reason, stop_reason=out.stop_reason) for out in ro.outputs]
+        choices = []
+        for out in ro.outputs:
+            parser = self.choice_parser(req)
+            message = _message(parser, out.text)
+            choices.append(ChatCompletionResponseChoice(
+                index=out.index, message=message,
+                logprobs=chat_logprobs(out, self._tokens(req), top_k) if req.logprobs else None,
+                finish_reason=finish_reason(out.finish_reason, parser.called), stop_reason=out.stop_reason))
         choices.sort(key=lambda c: c.index)
         return ChatCompletionResponse(id=ids.id, created=ids.created, model=ids.model, choices=choices,
                                       usage=usage(len(ro.prompt_token_ids), sum(len(o.token_ids) for o in ro.outputs)))
@@ -129,6 +192,7 @@ class OpenAIServingChat(OpenAIServing):
         tokens = self._tokens(req)
         prompt_tokens = 0
         generated = [0] * req.n  # tokens so far, per choice
+        parsers = [self.choice_parser(req) for _ in range(req.n)]
 
         def chunk(choices, usage_info=None) -> ChatCompletionStreamResponse:
             return ChatCompletionStreamResponse(id=ids.id, created=ids.created, model=ids.model,
@@ -149,11 +213,36 @@ class OpenAIServingChat(OpenAIServing):
                 lp = chat_logprobs(out, tokens, top_k) if req.logprobs and out.logprobs else None
                 if not out.text and not out.token_ids and out.finish_reason is None:
                     continue
-                # A step whose text is held back (a partial character or stop string) still sends
-                # an empty delta, so chunk timing follows token timing.
-                delta = DeltaMessage(content=out.text) if out.text or out.finish_reason is None else DeltaMessage()
+                parser = parsers[out.index]
+                parsed = parser.feed(out.text)
+                if out.finish_reason is not None:
+                    parsed += parser.finish()
+                delta = _delta(parsed)
+                if delta == DeltaMessage() and out.finish_reason is None:
+                    # A step whose text is held back (a partial character, a stop string, a tag)
+                    # still sends an empty delta, so chunk timing follows token timing.
+                    delta = DeltaMessage(content="")
                 yield chunk([ChatCompletionStreamChoice(index=out.index, delta=delta, logprobs=lp,
-                                                        finish_reason=out.finish_reason,
+                                                        finish_reason=finish_reason(out.finish_reason,
+                                                                                    parser.called),
                                                         stop_reason=out.stop_reason)], so_far(out.index))
         if stream_usage.final:
             yield chunk([], usage(prompt_tokens, sum(generated)))
+
+
+def _message(parser: ChoiceParser, text: str) -> ChatResponseMessage:
+    """The non-streamed message of one choice; without parsers its content is the text as is."""
+    if not parser.active:
+        return ChatResponseMessage(content=text)
+    reasoning, content, calls = merged(parser.feed(text) + parser.finish())
+    return ChatResponseMessage(
+        content=content, reasoning_content=reasoning, reasoning=reasoning,
+        tool_calls=[ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls])
+
+
+def _delta(parsed: ChoiceDelta) -> DeltaMessage:
+    calls = [DeltaToolCall(index=c.index, id=c.id, type="function" if c.id else None,
+                           function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+             for c in parsed.tool_calls]
+    return DeltaMessage(content=parsed.content or None, reasoning_content=parsed.reasoning or None,
+                        reasoning=parsed.reasoning or None, tool_calls=calls or None)

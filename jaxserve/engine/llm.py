@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -58,18 +59,29 @@ class LLM:
 
     def chat(
         self,
-        messages: Union[list[dict[str, str]], list[list[dict[str, str]]]],
+        messages: Union[list[dict[str, Any]], list[list[dict[str, Any]]]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         *,
         use_tqdm: bool = True,
         chat_template: Optional[str] = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Optional[list[dict[str, Any]]] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template (or ``chat_template``) to each conversation, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        """Apply the model's chat template (or ``chat_template``) to each conversation, then generate.
+
+        ``tools`` (OpenAI tool objects) and ``chat_template_kwargs`` (``enable_thinking`` ...) go
+        to the template. As in vLLM offline, the outputs are the raw text: tool calls and
+        reasoning are not parsed out of it."""
+        conversations: list[list[dict[str, Any]]] = (
+            [messages] if messages and isinstance(messages[0], dict) else messages)  # type: ignore[assignment]
         tok = self.get_tokenizer()
-        prompts = [tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=chat_template) for conv in conversations]
+        prompts = [tok.apply_chat_template([_template_message(m) for m in conv], tokenize=False,
+                                           add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message,
+                                           chat_template=chat_template, tools=tools, **(chat_template_kwargs or {}))
+                   for conv in conversations]
         # The template already holds any special tokens; do not add a BOS twice.
         token_prompts = [{"prompt": p, "prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts]
         return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
@@ -98,6 +110,23 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """The message as chat templates expect it: tool-call arguments as objects, not JSON text."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    out = dict(message, tool_calls=[dict(c) for c in calls])
+    for call in out["tool_calls"]:
+        fn = call.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                call["function"] = dict(fn, arguments=json.loads(fn["arguments"]))
+            except ValueError:
+                raise InvalidRequestError("messages", "tool call arguments must be JSON text, got "
+                                                      f"{fn['arguments'][:80]!r}") from None
+    return out
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

@@ -3,9 +3,9 @@
 No model hub and no torch are needed. The checkpoint is a real Hugging Face folder that
 transformers loads: ``config.json`` written by transformers' config class, weights drawn with numpy
 and written as safetensors (:mod:`jaxserve.models.random_weights`), and a byte-level BPE tokenizer
-trained with ``tokenizers`` on text generated here, with a ChatML chat template. A build is
-byte-identical from run to run. The test suite builds its tiny checkpoints with the same function
-(``jaxserve.testing``).
+trained with ``tokenizers`` on text generated here, with a ChatML chat template that renders tools
+as Qwen3's does. A build is byte-identical from run to run. The test suite builds its tiny
+checkpoints with the same function (``jaxserve.testing``).
 """
 
 from __future__ import annotations
@@ -25,19 +25,52 @@ from jaxserve import envs
 logger = logging.getLogger("jaxserve")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+# ChatML, laid out as Qwen3's template lays out tools: their definitions in the system turn inside
+# <tools></tools>, the assistant's calls as <tool_call> blocks, tool results as <tool_response>
+# blocks in one user turn; enable_thinking=false closes an empty think block after the generation
+# prompt. A conversation without tools renders as plain ChatML.
+CHAT_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+{{- '# Tools\\n\\nFunctions you may call:\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
+{{- '\\n</tools>\\n\\nTo call one, reply with:\\n<tool_call>\\n'
+    '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- set content = message.content if message.content is string else '' %}
+{%- if message.role == 'system' and tools and loop.first %}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant\\n' + content }}
+{%- for call in message.tool_calls or [] %}
+{%- set fn = call.function if call.function is defined else call %}
+{%- if content or not loop.first %}{{- '\\n' }}{%- endif %}
+{{- '<tool_call>\\n{"name": "' + fn.name + '", "arguments": ' }}
+{{- fn.arguments if fn.arguments is string else (fn.arguments | tojson) }}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}
+"""
 
 DEMO_ARCH = "Qwen3ForCausalLM"
 # Shaped like Qwen3-0.6B (explicit head_dim with q width 2x hidden, GQA 2, tied), but tiny.
 DEMO_SHAPE: dict[str, Any] = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=3,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                   tie_word_embeddings=True)
-DEMO_VERSION = 2  # 2: weights drawn with numpy instead of torch
+DEMO_VERSION = 3  # 2: weights drawn with numpy instead of torch; 3: the template renders tools
 
 _WORDS = (
     "the a engine model token request block cache batch step prefix chunk page kernel graph "
@@ -65,7 +98,7 @@ def training_corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
 
 
 def build_tokenizer(folder: str | Path, vocab_size: int = 512, seed: int = 0):
-    """Train a byte-level BPE tokenizer and write it as a Hugging Face tokenizer with a ChatML
+    """Train a byte-level BPE tokenizer and write it as a Hugging Face tokenizer with the chat
     template (``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``); returns it
     loaded by transformers."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -88,7 +121,7 @@ def build_tokenizer(folder: str | Path, vocab_size: int = 512, seed: int = 0):
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
         "additional_special_tokens": ["<|im_start|>"], "clean_up_tokenization_spaces": False,
     })
-    (folder / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return AutoTokenizer.from_pretrained(str(folder))
 
 

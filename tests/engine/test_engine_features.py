@@ -130,6 +130,29 @@ def test_chat_uses_template(llm):
     assert out.prompt_token_ids == tok.encode(out.prompt, add_special_tokens=False)
 
 
+def test_chat_offers_tools_and_template_kwargs(llm):
+    tools = [{"type": "function", "function": {"name": "now"}}]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    out = llm.chat([{"role": "user", "content": "Time?"}], params, tools=tools,
+                   chat_template_kwargs={"enable_thinking": False}, use_tqdm=False)[0]
+    assert '<tools>\n{"type": "function", "function": {"name": "now"}}\n</tools>' in out.prompt
+    assert out.prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt, add_special_tokens=False)
+    assert len(out.outputs[0].token_ids) == 4  # the raw text: nothing parsed out offline, as in vLLM
+    # a call and its result in the conversation: arguments (JSON text) render as an object
+    conversation = [{"role": "user", "content": "Time?"},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "now", "arguments": '{"tz": "UTC"}'}}]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+    out = llm.chat(conversation, params, use_tqdm=False)[0]
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "now", "arguments": {"tz": "UTC"}}\n</tool_call>'
+            '<|im_end|>\n<|im_start|>user\n<tool_response>\n12:00\n</tool_response><|im_end|>\n') in out.prompt
+    bad = [conversation[0], {**conversation[1], "tool_calls": [
+        {"type": "function", "function": {"name": "now", "arguments": "{not json"}}]}]
+    with pytest.raises(ValueError, match="JSON"):
+        llm.chat(bad, params, use_tqdm=False)
+
+
 def test_bad_requests_name_the_field_and_leak_nothing(llm):
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([{"prompt_token_ids": [5] * 300}], SamplingParams(max_tokens=4), use_tqdm=False)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxserve.models.demo import CHATML_TEMPLATE, build_demo_checkpoint
+from jaxserve.models.demo import CHAT_TEMPLATE, build_demo_checkpoint
 from tests.models.hub_cache import folder_files
 
 
@@ -35,7 +35,7 @@ def test_transformers_loads_it_and_jaxserve_matches_its_logits(tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(str(folder))
     chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    assert (folder / "chat_template.jinja").read_text() == CHATML_TEMPLATE
+    assert (folder / "chat_template.jinja").read_text() == CHAT_TEMPLATE
     config = json.loads((folder / "config.json").read_text())
     assert tok.eos_token_id == config["eos_token_id"] and tok.convert_ids_to_tokens(tok.eos_token_id) == "<|im_end|>"
     ids = tok.encode("The scheduler budget decode prefill 日本語 😀 1234.")

@@ -77,7 +77,9 @@ BAD_COMPLETIONS = [
 ]
 
 BAD_CHATS = [
-    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    # tools imply tool_choice auto, which this server (no --enable-auto-tool-choice) refuses
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
     ({"messages": CHAT, "tool_choice": "auto"}, "tool_choice"),
     ({"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
     ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
@@ -107,7 +109,7 @@ def test_bad_chat_requests_are_400(http, body, param):
 
 
 def test_unsupported_fields_say_so(http):
-    err = assert_error(http.post("/v1/chat/completions", json={"messages": CHAT, "tools": [{"type": "function"}]}), 400)
+    err = assert_error(http.post("/v1/chat/completions", json={"messages": CHAT, "functions": [{"name": "f"}]}), 400)
     assert "not supported" in err["message"]
     err = assert_error(http.post("/v1/completions", json={"prompt": "x", "suffix": "y"}), 400)
     assert "not supported" in err["message"]
