@@ -57,8 +57,12 @@ class GrammarBackend:
     """llguidance for one Hugging Face tokenizer. ``check`` runs on the caller's thread (cheap: a
     parse, no tokenizer work); ``compile`` may run on any thread (llguidance drops the GIL)."""
 
-    def __init__(self, hf_tokenizer: Any, max_grammar_bytes: int, any_whitespace: bool = False):
+    def __init__(self, hf_tokenizer: Any, max_grammar_bytes: int, any_whitespace: bool = False,
+                 limits: Optional[llguidance.LLParserLimits] = None):
         self.hf_tokenizer = hf_tokenizer
+        # llguidance's resource limits (its "fuel" bounds the work of building the lexer and of
+        # each mask): checked at admission and at compile. None: llguidance's defaults.
+        self.limits = limits
         self.max_grammar_bytes = max_grammar_bytes
         self.any_whitespace = any_whitespace
         self._end_tokens: Optional[frozenset[int]] = None
@@ -155,7 +159,7 @@ class GrammarBackend:
             grammar = self.grammar_text(params)
         except InvalidRequestError as e:
             return e.reason
-        error = llguidance.LLMatcher.validate_grammar(grammar, None)
+        error = llguidance.LLMatcher.validate_grammar(grammar, None, limits=self.limits)
         return f"invalid {_KIND_NAMES[params.kind]}: {error.strip()}" if error else ""
 
     # ---- compile -------------------------------------------------------------------------------
@@ -168,7 +172,8 @@ class GrammarBackend:
             if template is not None:
                 self._compiled.move_to_end(key)
         if template is None:
-            template = llguidance.LLMatcher(self.ll_tokenizer, self.grammar_text(params), log_level=0)
+            template = llguidance.LLMatcher(self.ll_tokenizer, self.grammar_text(params), log_level=0,
+                                            limits=self.limits)
             if template.is_error():
                 raise GrammarError(f"invalid {_KIND_NAMES[params.kind]}: {template.get_error()}")
             with self._lock:
