@@ -40,6 +40,11 @@ def ll_tokenizer_from_hf(hf_tokenizer: Any) -> llguidance.LLTokenizer:
     return llguidance.LLTokenizer(backend.to_str(), eos_token=hf_tokenizer.eos_token_id)
 
 
+# Keywords whose value maps names to schemas, and keywords whose value is data, not a schema.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA = ("const", "enum", "default", "examples")
+
+
 def _close_objects(schema: Any) -> Any:
     """``disable_additional_properties``: every object schema that does not say otherwise gets
     ``additionalProperties: false`` (a copy; the request's schema is not changed)."""
@@ -47,7 +52,14 @@ def _close_objects(schema: Any) -> Any:
         return [_close_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _close_objects(v) for k, v in schema.items()}
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _close_objects(sub) for name, sub in value.items()}
+        elif key in _DATA:
+            out[key] = value
+        else:
+            out[key] = _close_objects(value)
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out

@@ -78,6 +78,18 @@ def test_compile_cache_is_shared_by_equal_constraints(backend):
     assert backend.compile(b).is_accepting() is False
 
 
+def test_disable_additional_properties_closes_open_objects(backend, tokenizer):
+    schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"a": {"const": 1}}}},
+              "required": ["properties"]}
+    text = '{"properties":{"a":1,"extra":2}}'
+    open_matcher = backend.compile(StructuredOutputsParams(json=schema))
+    assert open_matcher.consume_tokens(tokenizer.encode(text))  # extra keys are allowed by default
+    closed = StructuredOutputsParams(json=schema, disable_additional_properties=True)
+    assert not backend.compile(closed).consume_tokens(tokenizer.encode(text))
+    ok = backend.compile(closed)  # a property named "properties" is still a property
+    assert ok.consume_tokens(tokenizer.encode('{"properties":{"a":1}}')) and ok.is_accepting()
+
+
 def test_bitmask_rows_constrain_only_their_requests_and_never_padding(backend, tokenizer):
     model_vocab = 1100  # wider than the tokenizer's 1024, as padded model vocabularies are
     manager = ready_manager(backend, model_vocab, {"c": StructuredOutputsParams(choice=CHOICES),
