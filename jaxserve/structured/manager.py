@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
@@ -57,7 +58,8 @@ class StructuredOutputManager:
         self.width = bitmask_width(model_vocab_size)
         self.compile_timeout_s = compile_timeout_s
         self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="jaxserve-grammar")
-        self._executor = llguidance.LLExecutor(mask_threads)
+        # The masks are filled while the step that needs them waits to launch: every core may help.
+        self._executor = llguidance.LLExecutor(mask_threads or os.cpu_count() or 1)
         self._states: dict[str, GrammarState] = {}
         self._matchers: dict[str, llguidance.LLMatcher] = {}  # the ready ones (the per-step lookups)
 
