@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
@@ -58,8 +57,9 @@ class StructuredOutputManager:
         self.width = bitmask_width(model_vocab_size)
         self.compile_timeout_s = compile_timeout_s
         self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="jaxserve-grammar")
-        # The masks are filled while the step that needs them waits to launch: every core may help.
-        self._executor = llguidance.LLExecutor(mask_threads or os.cpu_count() or 1)
+        # One thread: 64 rows take well under a millisecond, and a second thread only adds its
+        # hand-off (docs/benchmarks.md).
+        self._executor = llguidance.LLExecutor(mask_threads or 1)
         self._states: dict[str, GrammarState] = {}
         self._matchers: dict[str, llguidance.LLMatcher] = {}  # the ready ones (the per-step lookups)
 
