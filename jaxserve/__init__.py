@@ -23,6 +23,7 @@ _LAZY = {
     "RequestMetrics": "jaxserve.engine.outputs",
     "RequestOutputKind": "jaxserve.engine.outputs",
     "PromptType": "jaxserve.engine.processor",
+    "StructuredOutputsParams": "jaxserve.core.structured_outputs",
     "InvalidRequestError": "jaxserve.exceptions",
     "ConfigError": "jaxserve.exceptions",
     "EngineDeadError": "jaxserve.exceptions",

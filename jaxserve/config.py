@@ -70,6 +70,14 @@ class EngineConfig:
     """Decoder layers under lax.scan over stacked weights (compile time flat in depth), or unrolled
     over per-layer weights (no weight slicing per step; longer compiles for deep models).
     Default: unrolled up to 8 layers, scanned above."""
+    structured_outputs_max_grammar_bytes: int = 131072
+    """Largest JSON schema, regex, grammar or choice list a structured-output request may send, in bytes."""
+    structured_outputs_compile_timeout_s: float = 10.0
+    """A structured-output request whose grammar has not compiled after this many seconds is aborted."""
+    structured_outputs_any_whitespace: bool = False
+    """JSON constraints allow any JSON whitespace between tokens (vLLM's default). Off: compact JSON
+    (vLLM's disable_any_whitespace), since a model that favours whitespace could otherwise emit it
+    without end; a request's whitespace_pattern still applies."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -101,6 +109,10 @@ class EngineConfig:
             raise bad("kv_cache_memory", "must be a positive number of bytes")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise bad("num_gpu_blocks_override", "must be >= 2 (block 0 is reserved)")
+        if self.structured_outputs_max_grammar_bytes < 1:
+            raise bad("structured_outputs_max_grammar_bytes", "must be >= 1")
+        if not self.structured_outputs_compile_timeout_s > 0:
+            raise bad("structured_outputs_compile_timeout_s", "must be > 0")
         if self.max_logprobs < 0:
             raise bad("max_logprobs", "must be >= 0")
         if self.dtype != "auto":

@@ -36,12 +36,14 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "jaxserve.models": ("jaxserve.layers", "pallas_kernels"),
     "jaxserve.sample": ("jaxserve.core.sampling_params",),
     "jaxserve.config": ("jaxserve.models.config",),
+    # Structured outputs' grammar engine (llguidance, numpy): the core's parameters and hooks only.
+    "jaxserve.structured": ("jaxserve.core.structured_outputs",),
     "jaxserve.runner": ("jaxserve.config", "jaxserve.core", "jaxserve.models", "jaxserve.layers",
                         "jaxserve.sample", "pallas_kernels"),
     "jaxserve.engine": ("jaxserve.config", "jaxserve.core", "jaxserve.models", "jaxserve.runner",
-                        "jaxserve.sample"),
+                        "jaxserve.sample", "jaxserve.structured"),
     "jaxserve.bench": ("jaxserve.config", "jaxserve.core", "jaxserve.models", "jaxserve.runner",
-                       "jaxserve.sample", "jaxserve.engine"),
+                       "jaxserve.sample", "jaxserve.structured", "jaxserve.engine"),
     "jaxserve.testing": ("jaxserve.models",),
     # The server sees jaxserve's public API only (the package itself, envs, exceptions); its
     # command line also runs the benchmarks.

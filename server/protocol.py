@@ -4,8 +4,8 @@ Field names and shapes follow the OpenAI API plus vLLM's extensions (``top_k``, 
 ``min_tokens``, ``prompt_logprobs``, ``truncate_prompt_tokens`` ...; the README lists them). As in
 vLLM, a field no model declares is ignored, not refused: ``ignored_fields()`` names it, and the
 server logs it and reports it in a response header. Fields jaxserve knows but cannot honour
-(guided decoding, legacy ``functions`` ...) are listed by ``unsupported()``, so the server answers 400 with the
-reason instead of silently ignoring them. Tool definitions, tool calls in messages and in answers
+(beam search, legacy ``functions`` ...) are listed by ``unsupported()``, so the server answers 400 with
+the reason instead of silently ignoring them. Tool definitions, tool calls in messages and in answers
 follow the OpenAI shapes (arguments are JSON text). Ranges that the engine itself checks (penalties,
 top_p, ...) are left to ``SamplingParams``; what is checked here is what would otherwise reach
 numpy unbounded.
@@ -17,7 +17,9 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_serializer
+
+from .structured_outputs import structured_outputs_from_request
 
 # Largest n a request may ask for (each sample is one core request).
 MAX_N = 128
@@ -57,9 +59,42 @@ class StreamOptions(_Request):
     continuous_usage_stats: Optional[bool] = False
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: the schema is enforced whether or not ``strict`` is set."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    name: Optional[str] = None
+    description: Optional[str] = None
+    # "schema" would shadow a BaseModel attribute: stored under another name, read by its alias.
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+class ResponseFormat(_Request):
     type: str
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsBody(_Request):
+    """vLLM's ``structured_outputs`` body field: the keys of ``StructuredOutputsParams``."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    json_: Optional[Union[dict[str, Any], StrictStr]] = Field(None, alias="json")
+    regex: Optional[StrictStr] = None
+    choice: Optional[list[StrictStr]] = None
+    grammar: Optional[StrictStr] = None
+    json_object: Optional[StrictBool] = None
+    disable_any_whitespace: Optional[StrictBool] = None
+    disable_additional_properties: Optional[StrictBool] = None
+    whitespace_pattern: Optional[StrictStr] = None
+
+    def given(self) -> dict[str, Any]:
+        """The keys set (not None), by the dataclass's names; unknown keys are only reported."""
+        return {f.alias or name: getattr(self, name) for name, f in type(self).model_fields.items()
+                if getattr(self, name) is not None}
 
 
 class _SamplingFields(_Request):
@@ -92,16 +127,18 @@ class _SamplingFields(_Request):
     # vLLM extensions: -1 truncates to max_model_len; tokens are dropped from the left.
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1, le=_INT32_MAX)
     return_tokens_as_token_ids: bool = False
+    # Structured outputs (server/structured_outputs.py maps them to one constraint).
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsBody] = None
+    guided_json: Optional[Union[dict[str, Any], StrictStr]] = None
+    guided_regex: Optional[StrictStr] = None
+    guided_choice: Optional[list[StrictStr]] = None
+    guided_grammar: Optional[StrictStr] = None
+    guided_whitespace_pattern: Optional[StrictStr] = None
     # vLLM extensions jaxserve knows but does not implement (400 when they would matter).
     use_beam_search: bool = False
     bad_words: Optional[list[str]] = None
     logits_processors: Optional[list[Any]] = None
-    guided_json: Optional[Any] = None
-    guided_regex: Optional[str] = None
-    guided_choice: Optional[list[Any]] = None
-    guided_grammar: Optional[str] = None
-    structured_outputs: Optional[Any] = None
-    response_format: Optional[ResponseFormat] = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -140,6 +177,9 @@ class _SamplingFields(_Request):
             kw["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
             kw["allowed_token_ids"] = self.allowed_token_ids
+        structured = structured_outputs_from_request(self)
+        if structured is not None:
+            kw["structured_outputs"] = structured
         return kw
 
     def include_usage(self) -> tuple[bool, bool]:
@@ -157,12 +197,9 @@ class _SamplingFields(_Request):
         for name in ("bad_words", "logits_processors"):
             if getattr(self, name):
                 out.append((name, f"{name} is not supported by jaxserve"))
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
-            if getattr(self, name) is not None:
-                out.append((name, "guided decoding (structured outputs) is not supported by jaxserve"))
-        if self.response_format is not None and self.response_format.type != "text":
+        if self.response_format is not None and self.response_format.type not in RESPONSE_FORMAT_TYPES:
             out.append(("response_format", f"response_format type {self.response_format.type!r} is not "
-                                           "supported by jaxserve yet (only 'text')"))
+                                           f"supported by jaxserve (only {', '.join(RESPONSE_FORMAT_TYPES)})"))
         return out
 
 

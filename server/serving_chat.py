@@ -119,15 +119,11 @@ def _constrained_calls(kw: dict[str, Any], req: ChatCompletionRequest, choice: T
     schema = tool_choice_schema(tools or [], choice, req.parallel_tool_calls)
     if schema is None:
         return
-    params_cls = getattr(jaxserve, "StructuredOutputsParams", None)
     what = "tool_choice 'required'" if choice.mode == "required" else "a named tool_choice"
-    if params_cls is None:
-        raise APIError(400, f"{what} requires structured outputs, which this jaxserve build does not have",
-                       param="tool_choice", code="unsupported_parameter")
     if kw.get("structured_outputs") is not None:
         raise APIError(400, f"{what} cannot be combined with another structured output "
                             "(response_format, guided_*, structured_outputs)", param="tool_choice")
-    kw["structured_outputs"] = params_cls(json=schema)
+    kw["structured_outputs"] = jaxserve.StructuredOutputsParams(json=schema)
 
 
 class OpenAIServingChat(OpenAIServing):

@@ -8,6 +8,13 @@ hf`` runs transformers (PyTorch) greedy ``generate`` over left-padded static bat
 both`` runs both in one process and reports the ratio. With ``--num-iters N`` each backend times
 the workload N times, the two taking turns, and reports its median iteration; the ratio is that of
 the medians, and ``iteration_ratios`` lists each turn's own.
+
+``--structured json`` runs the jaxserve workload twice per iteration on one engine, taking turns:
+as is and with every request constrained to ``BENCH_JSON_SCHEMA``, and reports the constrained
+run as ``jaxserve_structured`` with ``structured_throughput_ratio`` (constrained over
+unconstrained output tokens per second). A model without a tokenizer (the random presets) borrows
+the demo model's byte-level BPE, whose 1024 tokens leave the rest of the model's vocabulary as
+padding that the masks must keep out.
 """
 
 from __future__ import annotations
@@ -21,6 +28,23 @@ import time
 from typing import Any
 
 import numpy as np
+
+# The --structured json constraint: nested objects, an array, an enum and bounded numbers, as a
+# tool-calling or extraction schema would have. The records array cannot close before 64 items,
+# so every request generates its whole output length and both runs produce the same tokens.
+BENCH_JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "records": {"type": "array", "minItems": 64, "items": {
+            "type": "object",
+            "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 100000},
+                           "name": {"type": "string", "maxLength": 24},
+                           "color": {"enum": ["red", "green", "blue"]},
+                           "scores": {"type": "array", "items": {"type": "number"}, "maxItems": 4}},
+            "required": ["id", "name", "color", "scores"], "additionalProperties": False}},
+    },
+    "required": ["records"], "additionalProperties": False,
+}
 
 
 @dataclasses.dataclass
@@ -78,6 +102,9 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch.set_num_threads for the hf backend (default: torch's own choice)")
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the workload draw (default: 0)")
+    p.add_argument("--structured", choices=["json"], default=None,
+                   help="also run the workload with every request constrained to a JSON schema, taking turns "
+                        "with the unconstrained run, and report the throughput ratio")
     p.add_argument("--profile", action="store_true", help="also report where the jaxserve step time goes")
     p.add_argument("--profile-ops", type=int, default=0, metavar="N",
                    help="also trace the run and report the N XLA operations that take the most time")
@@ -97,18 +124,19 @@ class JaxserveBench:
     """The engine built once; each ``run_once`` times ``LLM.generate`` over the whole workload."""
 
     def __init__(self, model_path: str, workload: Workload, engine_args: dict[str, Any], ignore_eos: bool,
-                 profile: bool = False, detokenize: bool = True):
+                 profile: bool = False, detokenize: bool = True, structured: Any = None, llm: Any = None):
         from jaxserve import LLM, SamplingParams
 
         start = time.perf_counter()
-        self.llm = LLM(model_path, record_steps=profile, **engine_args)
+        self.llm = llm or LLM(model_path, record_steps=profile, **engine_args)
         self.startup_s = time.perf_counter() - start
         # The bench process keeps this engine to its end, as a server does: its start-up heap is
         # frozen so that full collections skip it.
         gc.collect()
         gc.freeze()
-        self.workload, self.detokenize = workload, detokenize
-        self.params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos, detokenize=detokenize)
+        self.workload, self.detokenize, self.structured = workload, detokenize, structured
+        self.params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos, detokenize=detokenize,
+                                      structured_outputs=structured)
                        for n in workload.output_lens]
         self.prompts = [{"prompt_token_ids": p} for p in workload.prompts]
 
@@ -121,6 +149,7 @@ class JaxserveBench:
         outputs = self.llm.generate(self.prompts, self.params, use_tqdm=True)
         elapsed = time.perf_counter() - start
         after = self.llm.stats()
+        finished = [o.outputs[0].finish_reason for o in outputs]
         steps = after["compile_num_steps"] - before["compile_num_steps"]
         wait = after["compile_device_wait_seconds"] - before["compile_device_wait_seconds"]
         return {
@@ -129,6 +158,7 @@ class JaxserveBench:
             # The rest of elapsed is host work: scheduling, inputs, outputs (with async scheduling
             # it overlaps the device's work instead of adding to it).
             "host_ms_per_step": 1e3 * (elapsed - wait) / max(1, steps),
+            "finished_stop": finished.count("stop"), "finished_length": finished.count("length"),
         }
 
     def summary(self, it: dict) -> dict:
@@ -144,7 +174,15 @@ class JaxserveBench:
             "num_preemptions": stats["num_preemptions"], "attention_backend": stats["attention_backend"],
             "scan_layers": stats["scan_layers"],
             "token_buckets": stats["token_buckets"], "detokenize": self.detokenize,
+            "structured": self.structured.kind if self.structured is not None else None,
+            "finished_stop": it["finished_stop"], "finished_length": it["finished_length"],
         }
+
+
+def _has_tokenizer(model: str) -> bool:
+    from pathlib import Path
+
+    return any((Path(model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
 def _output_rate(it: dict) -> float:
@@ -249,7 +287,12 @@ def run_throughput_cli(args) -> dict:
         model = str(demo_model_path())
     inp, out = _ranges(args)
     workload = random_workload(args.num_prompts, inp, out, tuple(args.token_id_range), args.bench_seed)
-    config = EngineConfig.from_cli_args(args, model=model)
+    overrides = {}
+    if args.structured and not args.tokenizer and not _has_tokenizer(model):
+        from jaxserve.models.demo import demo_model_path
+
+        overrides["tokenizer"] = str(demo_model_path())
+    config = EngineConfig.from_cli_args(args, model=model, **overrides)
     engine_args = {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}
     result: dict[str, Any] = {
         "model": model, "num_prompts": args.num_prompts, "input_len_range": list(inp),
@@ -260,6 +303,12 @@ def run_throughput_cli(args) -> dict:
     if args.backend in ("jaxserve", "both"):
         benches["jaxserve"] = JaxserveBench(model, workload, engine_args, args.ignore_eos, args.profile,
                                             detokenize=not args.disable_detokenize)
+        if args.structured:
+            from jaxserve import StructuredOutputsParams
+
+            benches["jaxserve_structured"] = JaxserveBench(
+                model, workload, engine_args, args.ignore_eos, detokenize=not args.disable_detokenize,
+                structured=StructuredOutputsParams(json=BENCH_JSON_SCHEMA), llm=benches["jaxserve"].llm)
     if args.backend in ("hf", "both"):
         benches["hf"] = HFBench(model, workload, args.hf_batch_size, args.torch_threads)
     ops: dict[str, Any] = {}
@@ -276,6 +325,12 @@ def run_throughput_cli(args) -> dict:
     for name, bench in benches.items():
         result[name] = bench.summary(_median(runs[name]))
         result[name]["iterations_output_tokens_per_s"] = [_output_rate(it) for it in runs[name]]
+    if "jaxserve_structured" in benches:
+        result["structured_throughput_ratio"] = (result["jaxserve_structured"]["output_tokens_per_s"]
+                                                 / result["jaxserve"]["output_tokens_per_s"])
+        result["structured_iteration_ratios"] = [
+            a / b for a, b in zip(result["jaxserve_structured"]["iterations_output_tokens_per_s"],
+                                  result["jaxserve"]["iterations_output_tokens_per_s"])]
     if "jaxserve" in benches:
         if args.profile:
             result["jaxserve"]["profile"] = _step_profile(benches["jaxserve"].llm)

@@ -15,6 +15,7 @@ class RequestStatus(enum.IntEnum):
     """Lifecycle of a request. Every status after PREEMPTED is terminal."""
 
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # structured outputs: waiting for its grammar to compile
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -76,7 +77,7 @@ class Request:
         self.cache_salt = cache_salt
         self.lora_name = lora_name
 
-        self.status = RequestStatus.WAITING
+        self.status = RequestStatus.WAITING_FOR_FSM if self.use_structured_output else RequestStatus.WAITING
         self.stop_reason: Union[int, str, None] = None
         # Resolved against max_model_len by the scheduler when None.
         self.max_tokens: Optional[int] = sampling_params.max_tokens
@@ -121,6 +122,10 @@ class Request:
         kv_cache_utils.update_block_hashes(self)
         # Token count at which the next block completes; a plain int compare per appended token.
         self._next_full_block_end = (len(self.block_hashes) + 1) * self.block_size
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.sampling_params.structured_outputs is not None
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from jaxserve.core.structured_outputs import StructuredOutputsParams
 from jaxserve.exceptions import InvalidRequestError
 
 # Below this temperature sampling is treated as argmax; dividing logits by ~0 would overflow.
@@ -40,6 +41,8 @@ class SamplingParams:
     ``all_stop_token_ids`` (vLLM's name) is ``stop_token_ids`` plus the model's EOS ids unless
     ``ignore_eos``, once the engine has recorded them (``update_from_eos``): the ids that
     ``min_tokens`` keeps out of the first outputs.
+    ``structured_outputs`` constrains the output to a JSON schema, regex, choice or grammar (a
+    dict of its fields is accepted and converted).
     """
 
     n: int = 1
@@ -64,6 +67,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: Optional[dict[int, float]] = None
     allowed_token_ids: Optional[list[int]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
     _eos_token_ids: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +79,14 @@ class SamplingParams:
             self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:  # an unknown key
+                raise InvalidRequestError("structured_outputs", str(e)) from None
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequestError("structured_outputs", "must be a StructuredOutputsParams, got "
+                                                            f"{type(self.structured_outputs).__name__}")
         self._verify_args(stops, stop_token_ids)
         if self.temperature < SAMPLING_EPS:
             self.top_p = 1.0

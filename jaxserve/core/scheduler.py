@@ -21,6 +21,7 @@ from jaxserve.core.sched_output import (
     SchedulerOutput,
 )
 from jaxserve.core.stats import SchedulerStats
+from jaxserve.core.structured_outputs import GRAMMAR_READY, StructuredOutputHooks
 from jaxserve.exceptions import InvalidRequestError
 
 
@@ -63,6 +64,11 @@ class Scheduler:
         ``running`` (RUNNING, holding its blocks), or is gone (finished, blocks freed);
       * ``len(running) <= max_num_seqs``; scheduled tokens per step <= ``max_num_batched_tokens``;
       * a step that preempted admits no waiting request (its blocks would be taken straight back).
+    Structured outputs: with ``structured_outputs`` hooks set, a constrained request waits as
+    WAITING_FOR_FSM until its grammar is ready, passed over without holding up the requests
+    behind it; each token it appends advances its matcher, and it stops (``stop``) once its
+    grammar is complete. Preemption keeps the matcher: the recomputed tokens are the ones it
+    already accepted.
     Async scheduling (vLLM's ``async_scheduling``): step N+1 is scheduled while step N runs, so a
     request may be scheduled before its last sampled token is known. That token is counted in
     ``num_output_placeholders`` (the runner feeds it from the device), and a request whose
@@ -105,6 +111,8 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished since the last schedule(); shipped to the runner in the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
+        # The grammar engine, set by the engine core when it serves structured outputs.
+        self.structured_outputs: Optional[StructuredOutputHooks] = None
 
         self.step_counter = 0
         self.num_preemptions = 0
@@ -134,7 +142,9 @@ class Scheduler:
             request.max_tokens = self.max_model_len - n
         if self.kv_cache_manager.enable_caching:
             request.init_block_hashes(self.block_size)
-        request.status = RequestStatus.WAITING
+        request.status = (RequestStatus.WAITING_FOR_FSM
+                          if request.use_structured_output and self.structured_outputs is not None
+                          else RequestStatus.WAITING)
         request.queued_ts = time.monotonic()
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
@@ -175,6 +185,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.num_finished_reqs += 1
+        if request.use_structured_output and self.structured_outputs is not None:
+            self.structured_outputs.release(request.request_id)
 
     # ------------------------------------------------------------------ schedule
 
@@ -234,9 +246,15 @@ class Scheduler:
             req_index += 1
 
         # 2. Waiting requests, unless this step preempted.
+        grammar_pending: list[Request] = []
         if not preempted:
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting.peek_request()
+                if request.status is RequestStatus.WAITING_FOR_FSM:
+                    if not self._grammar_ready(request):
+                        grammar_pending.append(self.waiting.pop_request())  # the ones behind it go on
+                        continue
+                    request.status = RequestStatus.WAITING
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request, record_stats=False)
                 num_new = request.num_tokens - num_hit_tokens
                 if 0 < threshold < num_new:
@@ -266,6 +284,8 @@ class Scheduler:
                 num_scheduled_tokens[request.request_id] = num_new
                 new_blocks_of[request.request_id] = new_blocks
                 token_budget -= num_new
+        for request in reversed(grammar_pending):  # back at the front, in their order
+            self.waiting.prepend_request(request)
 
         total = self.max_num_batched_tokens - token_budget
         assert len(self.running) <= self.max_num_seqs
@@ -309,6 +329,10 @@ class Scheduler:
         if self.history is not None:
             self.history.append(self.make_stats())
         return output
+
+    def _grammar_ready(self, request: Request) -> bool:
+        hooks = self.structured_outputs
+        return hooks is None or hooks.grammar_status(request.request_id) == GRAMMAR_READY
 
     def _pending_tokens_finish(self, request: Request) -> bool:
         """True if the tokens in flight reach ``max_tokens`` or ``max_model_len``."""
@@ -380,6 +404,8 @@ class Scheduler:
                     if check_stop(request, token_id):
                         finished = True
                         break
+                if request.use_structured_output and self._advance_grammar(request, new_token_ids) and not finished:
+                    finished = True
                 if new_token_ids and request.first_token_ts is None:
                     now = now or time.monotonic()
                     request.first_token_ts = now
@@ -407,10 +433,23 @@ class Scheduler:
         request.append_output_token_id(token_id)
         if request.first_token_ts is None:
             request.first_token_ts = time.monotonic()
-        if not self._check_stop(request, token_id):
+        stop = self._check_stop(request, token_id)
+        if request.use_structured_output and self._advance_grammar(request, [token_id]) and not stop:
+            stop = True
+        if not stop:
             return False
         self.waiting.remove_requests([request])
         self._free_request(request, request.status, known_to_runner=False)
+        return True
+
+    def _advance_grammar(self, request: Request, token_ids: list[int]) -> bool:
+        """Feed the tokens to the request's matcher; True if its grammar ends the request (then
+        the status is set, unless a stop check already set it)."""
+        hooks = self.structured_outputs
+        if hooks is None or not token_ids or not hooks.accept_tokens(request.request_id, token_ids):
+            return False
+        if not request.is_finished():
+            request.status = RequestStatus.FINISHED_STOPPED
         return True
 
     def _check_stop(self, request: Request, token_id: int) -> bool:

@@ -3,6 +3,12 @@
 With ``async_scheduling`` the three calls overlap across steps: schedule and dispatch step N+1,
 then collect step N and update from it. The host's scheduling and input building for N+1 run
 while the device computes step N, instead of between steps.
+
+Structured outputs: a constrained row's bitmask is filled from its matcher after the matcher has
+consumed every earlier token. So when step N+1 holds a constrained request whose token from step
+N is still in flight, step N is collected and its tokens accepted before N+1 is launched (vLLM
+does the same); N+1's scheduling and inputs were still built while N ran. Steps without such a
+request keep the full overlap.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from jaxserve.exceptions import ConfigError
 from jaxserve.models.hub import ModelSource, resolve_model
 
 if TYPE_CHECKING:
-    from jaxserve.runner.model_runner import InFlightStep
+    from jaxserve.runner.model_runner import InFlightStep, PreparedStep
+    from jaxserve.structured.backend import GrammarBackend
+    from jaxserve.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger("jaxserve")
 
@@ -118,13 +126,27 @@ class EngineCore:
             collections.deque(maxlen=10_000) if record_steps else None)
         self.last_stats: SchedulerStats = self.scheduler.make_stats()
         self._in_flight: Optional[InFlightStep] = None  # async scheduling: dispatched, not yet collected
+        self.structured_outputs: Optional[StructuredOutputManager] = None  # set by enable_structured_outputs
         self.runner.warm_up(show_progress)
         self.startup.add("compile", self.runner.stats.warm_up_compile_seconds)
         self.startup.add("first_runs", self.runner.stats.warm_up_run_seconds)
 
     # ---- requests ------------------------------------------------------------------------------
 
+    def enable_structured_outputs(self, backend: GrammarBackend) -> None:
+        """Serve structured outputs with ``backend``'s grammars (the engine's tokenizer)."""
+        from jaxserve.structured.manager import StructuredOutputManager
+
+        self.structured_outputs = StructuredOutputManager(
+            backend, self.model_config.vocab_size, self.config.structured_outputs_compile_timeout_s)
+        self.scheduler.structured_outputs = self.structured_outputs
+
     def add_request(self, request: Request) -> None:
+        params = request.sampling_params.structured_outputs
+        if params is not None:
+            if self.structured_outputs is None:  # the input processor refuses these first
+                raise ValueError("structured outputs need a tokenizer")
+            self.structured_outputs.add_request(request.request_id, params)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -138,11 +160,39 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
-        if self.config.async_scheduling:
-            return self._step_async()
+        failed = self._finish_failed_grammars() if self.structured_outputs is not None else []
+        outputs = self._step_async() if self.config.async_scheduling else self._step_sync()
+        return failed + outputs if failed else outputs
+
+    def _finish_failed_grammars(self) -> list[EngineCoreOutput]:
+        """Requests whose grammar failed to compile (a limit or the timeout) end as aborted."""
+        assert self.structured_outputs is not None
+        failed = self.structured_outputs.take_failed()
+        for request_id, reason in failed:
+            logger.warning("request %s aborted: %s", request_id, reason)
+        self.scheduler.finish_requests([r for r, _ in failed], RequestStatus.FINISHED_ABORTED)
+        return [EngineCoreOutput(r, [], "abort") for r, _ in failed]
+
+    def _bitmask(self, prepared: PreparedStep):
+        """The structured-output bitmask of a prepared step, or None if no row is constrained."""
+        so = self.structured_outputs
+        if so is None or prepared.plan is None or not so.num_active:
+            return None
+        return so.grammar_bitmask(prepared.plan.req_ids, prepared.num_rows)
+
+    def _needs_previous_tokens(self, prepared: PreparedStep, previous: InFlightStep) -> bool:
+        """True if a constrained row of ``prepared`` still waits for its token from ``previous``."""
+        so = self.structured_outputs
+        if so is None or not so.num_active or prepared.plan is None or previous.plan is None:
+            return False
+        in_flight = set(previous.plan.req_ids)
+        return any(r in in_flight and so.tracks(r) for r in prepared.plan.req_ids)
+
+    def _step_sync(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
+        prepared = self.runner.prepare(scheduler_output)
+        runner_output = self.runner.collect(self.runner.launch(prepared, self._bitmask(prepared)))
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.last_stats = self.scheduler.make_stats()
         if self.step_records is not None:
@@ -153,15 +203,24 @@ class EngineCore:
         """Dispatch step N+1, then collect step N: returns step N's outputs (none on the first)."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        dispatched = self.runner.dispatch(scheduler_output)  # an empty one only updates request states
-        previous, self._in_flight = self._in_flight, (dispatched if dispatched.out is not None else None)
+        prepared = self.runner.prepare(scheduler_output)  # an empty one only updates request states
+        previous, self._in_flight = self._in_flight, None
         outputs: list[EngineCoreOutput] = []
+        if previous is not None and self._needs_previous_tokens(prepared, previous):
+            outputs = self._collect(previous, start)  # its tokens advance the matchers first
+            previous = None
+        dispatched = self.runner.launch(prepared, self._bitmask(prepared))
+        self._in_flight = dispatched if dispatched.out is not None else None
         if previous is not None:
-            runner_output = self.runner.collect(previous)
-            outputs = self.scheduler.update_from_output(previous.scheduler_output, runner_output)
-            if self.step_records is not None:
-                self._record(previous.scheduler_output, runner_output, outputs, time.perf_counter() - start)
+            outputs = self._collect(previous, start)
         self.last_stats = self.scheduler.make_stats()
+        return outputs
+
+    def _collect(self, step: InFlightStep, start: float) -> list[EngineCoreOutput]:
+        runner_output = self.runner.collect(step)
+        outputs = self.scheduler.update_from_output(step.scheduler_output, runner_output)
+        if self.step_records is not None:
+            self._record(step.scheduler_output, runner_output, outputs, time.perf_counter() - start)
         return outputs
 
     def _record(self, so: SchedulerOutput, ro: ModelRunnerOutput, outputs: list[EngineCoreOutput],

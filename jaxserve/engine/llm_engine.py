@@ -52,13 +52,27 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(str((tokenizer_source or self.core.model_source).path))
         self.model_config = self.core.model_config
         self.max_model_len = self.core.max_model_len
-        self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len, config)
+        grammar_backend = self._grammar_backend()
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len, config,
+                                              grammar_backend)
         self.output_processor = OutputProcessor(self.tokenizer, on_finished=self._on_finished)
         self.served_model_name = served_model_name or (config.model or "jaxserve-demo")
         self.model_root = self.core.model_source.root  # the folder, or the hub id
         self.metrics = EngineMetrics(self.served_model_name, self.core.attention_backend)
         self.metrics.record_startup(self.core.startup.phases, self.core.runner.stats)
         self._report_startup(show_progress)
+
+    def _grammar_backend(self):
+        """Structured outputs' grammars for this tokenizer (its llguidance form is built on first
+        use), or None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        from jaxserve.structured.backend import GrammarBackend
+
+        backend = GrammarBackend(self.tokenizer, self.config.structured_outputs_max_grammar_bytes,
+                                 self.config.structured_outputs_any_whitespace)
+        self.core.enable_structured_outputs(backend)
+        return backend
 
     def _report_startup(self, show_progress: bool) -> None:
         stats = self.core.runner.stats

@@ -9,7 +9,7 @@ a bad request fails alone.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request
@@ -17,6 +17,9 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.exceptions import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
 from jaxserve.models.config import ModelConfig
 from jaxserve.sample.metadata import DEFAULT_MAX_ALLOWED_TOKENS, DEFAULT_MAX_LOGIT_BIAS, MAX_MIN_TOKENS_STOP_IDS
+
+if TYPE_CHECKING:
+    from jaxserve.structured.backend import GrammarBackend
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -34,8 +37,10 @@ def child_request_id(index: int, request_id: str) -> str:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, config: EngineConfig):
+    def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, config: EngineConfig,
+                 grammar_backend: Optional[GrammarBackend] = None):
         self.tokenizer = tokenizer
+        self.grammar_backend = grammar_backend  # None: structured outputs are refused (no tokenizer)
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.max_logprobs = config.max_logprobs
@@ -85,6 +90,11 @@ class InputProcessor:
             value = getattr(params, field)
             if value is not None and value > self.max_logprobs:
                 raise InvalidRequestError(field, f"{value} exceeds max_logprobs={self.max_logprobs}")
+        if params.structured_outputs is not None:
+            if self.grammar_backend is None:
+                raise InvalidRequestError("structured_outputs", "structured outputs need the model's tokenizer, "
+                                                                "and this model has none")
+            self.grammar_backend.check(params.structured_outputs)  # a bad schema, regex or grammar is refused here
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         n = len(ids)

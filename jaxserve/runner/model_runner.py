@@ -7,9 +7,15 @@ in place. Inputs arrive packed in one transfer; only sampled ids (and logprobs w
 back. ``enforce_eager`` runs the very same Python function op by op, for comparison.
 
 ``dispatch`` launches a step and returns at once (JAX runs it asynchronously); ``collect`` waits
-for its sampled tokens. Async scheduling dispatches step N+1 before collecting step N: a decode
-row whose input token is still in flight reads it from step N's sampled tokens on the device
-(``prev_rows``), so the host never waits for it.
+for its sampled tokens. ``dispatch`` is ``prepare`` (request states and host inputs) then
+``launch``, which the engine calls apart when a structured-output bitmask must be filled in
+between. The bitmask is the step's one input outside the packed buffer: a step without a
+constrained row passes a device-resident all-ones mask of its shape (no transfer, the same
+program) and a packed flag that skips applying it.
+
+Async scheduling dispatches step N+1 before collecting step N: a decode row whose input token is
+still in flight reads it from step N's sampled tokens on the device (``prev_rows``), so the host
+never waits for it.
 """
 
 from __future__ import annotations
@@ -53,6 +59,21 @@ class InFlightStep:
     out: SamplerOutput | None = None  # None: nothing was scheduled
     plan: StepPlan | None = None
     states: list[CachedRequestState] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class PreparedStep:
+    """A step whose request states and host inputs are ready, not yet launched."""
+
+    scheduler_output: SchedulerOutput
+    groups: dict | None = None  # None: nothing was scheduled
+    plan: StepPlan | None = None
+    states: list[CachedRequestState] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the step's padded batch (the bitmask's first dimension)."""
+        return 0 if self.groups is None else len(self.groups["model"]["row_slots"])
 
 
 def resolve_attention_backend(requested: str) -> str:
@@ -101,6 +122,8 @@ class ModelRunner:
         self.decode_attn_fn = (pallas_kernels.get_attention_fn("pallas", interpret=interpret, mode="decode")
                                if self.attention_backend == "pallas" else None)
         self.num_logprobs = max(1, config.max_logprobs)
+        self.bitmask_width = cdiv(self.mc.vocab_size, 32)
+        self._all_allowed: dict[int, jax.Array] = {}  # rows -> a device-resident all-ones bitmask
 
         slots = config.max_num_seqs
         self.slots = SlotAllocator(slots)
@@ -136,7 +159,7 @@ class ModelRunner:
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def _step(self, model_state, state: DeviceState, buf, *, layout: PackLayout,
+    def _step(self, model_state, state: DeviceState, buf, bitmask, *, layout: PackLayout,
               decode_only: bool = False) -> StepOutput:
         groups = unpack(buf, layout)
         x = groups["model"]
@@ -153,7 +176,7 @@ class ModelRunner:
                                           token_is_output=x["token_is_output"])
         out = sample(logits, SamplingMetadata.from_arrays(groups["sampling"]), penalties.output_counts,
                      penalties.prompt_mask, max_num_logprobs=self.num_logprobs, row_slots=x["row_slots"],
-                     need_logprobs=x["need_logprobs"][0])
+                     need_logprobs=x["need_logprobs"][0], token_bitmask=bitmask, use_bitmask=x["use_bitmask"][0])
         prev_sampled = state.prev_sampled.at[: out.sampled_token_ids.shape[0]].set(out.sampled_token_ids)
         return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden)
 
@@ -176,6 +199,7 @@ class ModelRunner:
         arrays, _ = build_step_arrays(self.batch, [], [], [], [], bucket, rows, self.block_size,
                                       self.slots.padding_slot)
         arrays["need_logprobs"] = np.zeros(1, np.bool_)
+        arrays["use_bitmask"] = np.zeros(1, np.bool_)
         return {"model": arrays, "sampling": self.sampling_table.padding(rows)}
 
     def variants(self) -> list[StepVariant]:
@@ -188,7 +212,8 @@ class ModelRunner:
     def _trace_args(self, variant: StepVariant) -> tuple[tuple, dict]:
         layout = self._layout_for(variant.bucket)
         buf = jax.ShapeDtypeStruct((layout.total,), jnp.int32)
-        return (self.model_state, self.state, buf), {"layout": layout, "decode_only": variant.decode_only}
+        bitmask = jax.ShapeDtypeStruct((self.buckets.num_rows(variant.bucket), self.bitmask_width), jnp.int32)
+        return (self.model_state, self.state, buf, bitmask), {"layout": layout, "decode_only": variant.decode_only}
 
     def _executable(self, variant: StepVariant):
         if self.config.enforce_eager:
@@ -213,12 +238,20 @@ class ModelRunner:
     def _run_padding_step(self, variant: StepVariant) -> None:
         """Execute a compiled variant once on padding only: no request, no KV write, no sample used."""
         buf = pack(self._padding_inputs(variant.bucket), self._layout_for(variant.bucket))
-        jax.block_until_ready(self._launch(self.steps.get(variant), buf).sampler)
+        bitmask = self._allowed_all_bitmask(self.buckets.num_rows(variant.bucket))
+        jax.block_until_ready(self._launch(self.steps.get(variant), buf, bitmask).sampler)
 
-    def _launch(self, fn, buf) -> StepOutput:
+    def _allowed_all_bitmask(self, rows: int) -> jax.Array:
+        """The bitmask of a step without constrained rows: all ones, made once per row count and
+        kept on the device."""
+        if rows not in self._all_allowed:
+            self._all_allowed[rows] = jnp.full((rows, self.bitmask_width), -1, jnp.int32)
+        return self._all_allowed[rows]
+
+    def _launch(self, fn, buf, bitmask) -> StepOutput:
         """Run a step function on a packed input buffer; the donated state is replaced by its
         updated version."""
-        result = fn(self.model_state, self.state, buf)
+        result = fn(self.model_state, self.state, buf, bitmask)
         self.state = result.state
         return result
 
@@ -269,18 +302,33 @@ class ModelRunner:
         return self.collect(self.dispatch(so))
 
     def dispatch(self, so: SchedulerOutput) -> InFlightStep:
-        """Launch the step for ``so`` without waiting for it."""
+        """Launch the step for ``so`` (no structured-output bitmask) without waiting for it."""
+        return self.launch(self.prepare(so))
+
+    def prepare(self, so: SchedulerOutput) -> PreparedStep:
+        """Apply ``so`` to the request states and build the step's host inputs."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return InFlightStep(so)
+            return PreparedStep(so)
         groups, plan, states = self._prepare_inputs(so)
+        return PreparedStep(so, groups, plan, states)
+
+    def launch(self, prepared: PreparedStep, bitmask: np.ndarray | None = None) -> InFlightStep:
+        """Launch a prepared step without waiting for it. ``bitmask`` [num_rows, bitmask_width]:
+        the structured-output masks of its rows (all ones for an unconstrained row), or None."""
+        so, groups, plan, states = prepared.scheduler_output, prepared.groups, prepared.plan, prepared.states
+        if groups is None or plan is None:
+            return InFlightStep(so)
+        groups["model"]["use_bitmask"] = np.asarray([bitmask is not None])
         buf = pack(groups, self._layout_for(plan.token_bucket))
+        if bitmask is None:
+            bitmask = self._allowed_all_bitmask(prepared.num_rows)
         if self.config.enforce_eager:  # op by op, every numpy slice would be its own transfer
-            buf = jax.device_put(buf)
+            buf, bitmask = jax.device_put(buf), jax.device_put(bitmask)
         # Compiled: the executable takes the fresh numpy buffer as its one transfer (an explicit
         # device_put first costs several times as much host time per step).
         decode_only = self.decode_attn_fn is not None and plan.num_tokens == len(plan.req_ids)
-        result = self._launch(self._executable(StepVariant(plan.token_bucket, decode_only)), buf)
+        result = self._launch(self._executable(StepVariant(plan.token_bucket, decode_only)), buf, bitmask)
         self._prev_row_of = {r: i for i, r in enumerate(plan.req_ids)}
         self.stats.record_step(plan.num_tokens, plan.token_bucket)
         if any(s.sampling_params.prompt_logprobs is not None for s in states):

@@ -1,5 +1,5 @@
-"""Logits processors that can change the greedy choice: allowed tokens, min tokens, logit bias,
-penalties.
+"""Logits processors that can change the greedy choice: the structured-output token bitmask,
+allowed tokens, min tokens, logit bias, penalties.
 
 All take and return f32[R, V] and act per row, vectorised over the batch.
 """
@@ -20,6 +20,20 @@ def _scatter_indices(token_ids: jax.Array, vocab_size: int) -> tuple[jax.Array, 
     rows = jnp.arange(token_ids.shape[0])[:, None]
     cols = jnp.where(token_ids >= 0, token_ids, vocab_size)
     return rows, cols
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array, use_bitmask: jax.Array) -> jax.Array:
+    """Structured outputs: token ``t`` of row ``r`` keeps its logit iff bit ``t % 32`` of word
+    ``bitmask[r, t // 32]`` is set (llguidance's layout), else -inf. A row of all ones (-1) is
+    unconstrained. Skipped (one [R, V] pass) when ``use_bitmask`` is False."""
+
+    def on():
+        r, v = logits.shape
+        bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+        allowed = bits.reshape(r, -1)[:, :v] != 0
+        return jnp.where(allowed, logits, -jnp.inf)
+
+    return lax.cond(use_bitmask, on, lambda: logits)
 
 
 def apply_allowed_token_ids(logits: jax.Array, allowed_token_ids: jax.Array, has_allowed: jax.Array) -> jax.Array:

@@ -3,7 +3,8 @@
 Order (vLLM V1's sampler, `vllm/v1/sample/sampler.py`):
   1. raw logprobs: log_softmax of the model's logits before any processing (vLLM's default
      `logprobs_mode='raw_logprobs'`); the returned logprobs, top-K and rank all use these;
-  2. allowed-token mask, min-tokens mask (stop and EOS ids while a row is short of its
+  2. the structured-output bitmask (first, so every later step sees only tokens the grammar
+     allows), allowed-token mask, min-tokens mask (stop and EOS ids while a row is short of its
      `min_tokens`), then logit bias (all can change the greedy choice);
   3. penalties: repetition (prompt + output tokens), frequency and presence (output tokens only).
      As in vLLM, penalties come after the bias, so a repetition penalty divides a biased logit;
@@ -28,7 +29,13 @@ from jax import lax
 
 from jaxserve.core.sampling_params import SAMPLING_EPS
 from jaxserve.sample.metadata import SamplingMetadata
-from jaxserve.sample.processors import apply_penalties, apply_restrictions, penalties_active, restrictions_active
+from jaxserve.sample.processors import (
+    apply_penalties,
+    apply_restrictions,
+    apply_token_bitmask,
+    penalties_active,
+    restrictions_active,
+)
 from jaxserve.sample.truncation import DEFAULT_TOP_K_CAP, top_k_sorted, truncate, truncation_threshold
 
 
@@ -45,9 +52,12 @@ class SamplerOutput:
 
 def process_logits(
     logits: jax.Array, md: SamplingMetadata, output_counts: jax.Array, prompt_mask: jax.Array,
-    row_slots: jax.Array | None = None,
+    row_slots: jax.Array | None = None, token_bitmask: jax.Array | None = None,
+    use_bitmask: jax.Array | None = None,
 ) -> jax.Array:
     """Steps 2-3: the logits both greedy and random rows choose from."""
+    if token_bitmask is not None:
+        logits = apply_token_bitmask(logits, token_bitmask, True if use_bitmask is None else use_bitmask)
     logits = apply_restrictions(logits, md.allowed_token_ids, md.has_allowed, md.bias_token_ids, md.bias_values,
                                 md.positions, md.min_tokens, md.min_tokens_stop_ids)
     return apply_penalties(
@@ -140,6 +150,8 @@ def sample(
     top_k_cap: int = DEFAULT_TOP_K_CAP,
     row_slots: jax.Array | None = None,
     need_logprobs: jax.Array | None = None,
+    token_bitmask: jax.Array | None = None,
+    use_bitmask: jax.Array | None = None,
 ) -> SamplerOutput:
     """Sample one token per row of logits [R, V] (any float dtype; computed in f32).
 
@@ -147,7 +159,9 @@ def sample(
     prompt_mask: bool[R, V], tokens in the row's prompt. Both may be all-zero when no row uses a
     penalty. With ``row_slots`` they are instead per-slot tables [S, V] and row i reads slot
     ``row_slots[i]`` (only when some row uses a penalty). ``need_logprobs`` (traced bool): when
-    False the logprob outputs are zeros and their [R, V] passes are skipped.
+    False the logprob outputs are zeros and their [R, V] passes are skipped. ``token_bitmask``
+    (i32[R, ceil(V/32)], structured outputs) masks each row's logits first when ``use_bitmask``
+    (traced bool) is True; logprobs stay those of the raw logits.
     `max_num_logprobs` and `top_k_cap` are static.
     """
     logits = logits.astype(jnp.float32)
@@ -158,7 +172,7 @@ def sample(
         return jnp.zeros((r, k), jnp.float32), jnp.zeros((r, k), jnp.int32), jnp.zeros((r,), jnp.int32)
 
     def full() -> SamplerOutput:
-        processed = process_logits(logits, md, output_counts, prompt_mask, row_slots)
+        processed = process_logits(logits, md, output_counts, prompt_mask, row_slots, token_bitmask, use_bitmask)
         sampled = choose_tokens(processed, md, top_k_cap)
         if need_logprobs is None:
             logprobs, token_ids, rank = gather_logprobs(logits, sampled, max_num_logprobs)
@@ -172,7 +186,8 @@ def sample(
     # The common batch (all greedy, nothing to process, no logprobs) takes the argmax and nothing
     # else. One cond around everything also spares a copy of the [R, V] logits: the processing
     # conds cannot update the logits in place while the raw ones stay alive for logprobs.
-    plain = (~jnp.asarray(need_logprobs, jnp.bool_) & jnp.all(greedy_rows(md.temperature))
+    bitmask_on = jnp.asarray(token_bitmask is not None if use_bitmask is None else use_bitmask, jnp.bool_)
+    plain = (~jnp.asarray(need_logprobs, jnp.bool_) & ~bitmask_on & jnp.all(greedy_rows(md.temperature))
              & ~restrictions_active(md.allowed_token_ids, md.has_allowed, md.bias_token_ids, md.positions,
                                     md.min_tokens)
              & ~penalties_active(md.presence_penalty, md.frequency_penalty, md.repetition_penalty))

@@ -3,8 +3,7 @@
 In-process, against the real app over an engine that answers with a scripted text (the demo
 model is random, so this is how a known tool call or think block comes out of it): the answer
 assembly, streamed and not, and the prompt the engine receives. Against the real server: tools
-rendered into the prompt, refusals, and ``required``/named calls enforced by structured outputs
-(skipped where this build has no ``jaxserve.StructuredOutputsParams``).
+rendered into the prompt, refusals, and ``required``/named calls enforced by structured outputs.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import httpx
 import jsonschema
 import pytest
 
-import jaxserve
 from jaxserve import CompletionOutput, RequestOutput, RequestOutputKind
 from jaxserve_server.app import build_app
 from jaxserve_server.chat_output import ChatParsers
@@ -37,8 +35,6 @@ HERMES_OUTPUT = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments
                  '</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
 THINKING = "<think>\nGreeting, so greet.\n</think>\n\nHello there!"
 AUTO = ChatParsers(enable_auto_tool_choice=True, tool_call_parser="hermes")
-needs_structured_outputs = pytest.mark.skipif(not hasattr(jaxserve, "StructuredOutputsParams"),
-                                              reason="this build has no structured outputs")
 
 
 class ScriptedTextEngine:
@@ -261,15 +257,6 @@ def test_tool_choice_refusals(tokenizer):
                  param="functions")
 
 
-@pytest.mark.skipif(hasattr(jaxserve, "StructuredOutputsParams"), reason="structured outputs are available")
-def test_required_without_structured_outputs_is_a_clear_400(tokenizer):
-    app = build_app(ScriptedTextEngine(tokenizer, "x"))
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        resp = asyncio.run(_post(app, {"messages": ASK, "tools": [WEATHER], "tool_choice": choice}))
-        assert_error(resp, 400, param="tool_choice", contains="requires structured outputs")
-
-
-@needs_structured_outputs
 def test_required_and_named_scripted_answers(tokenizer):
     required = '[{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "f"}}, {"name": "now", "arguments": {}}]'
     engine = ScriptedTextEngine(tokenizer, required, piece=3)
@@ -354,7 +341,6 @@ def test_auto_on_a_real_server_streams_what_it_answers(long_context_client):
                       "calls": len(msg.tool_calls or [])}
 
 
-@needs_structured_outputs
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_and_named_calls_validate(long_context_client, stream):
     client = long_context_client

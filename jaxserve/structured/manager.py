@@ -1,0 +1,176 @@
+"""The structured-output requests of one engine: their grammars compiling in a thread pool, their
+matchers, and each step's token bitmask (vLLM V1's ``StructuredOutputManager``).
+
+Invariants:
+  * a request is tracked from ``add_request`` until ``release`` (the scheduler calls it when the
+    request finishes) or until ``take_failed`` hands it back because its grammar failed;
+  * a ready request's matcher has consumed exactly the request's output tokens (preemption keeps
+    them, so the matcher never rolls back);
+  * a request ends on the end (EOS) token that its complete grammar forces, so its output, like
+    vLLM's, ends with that token, which adds no text;
+  * a bitmask row is all ones (every token allowed) for a row without a matcher; a constrained row
+    allows only the tokens its grammar allows next, and never a token id past the tokenizer's
+    vocabulary (the model's padded vocabulary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
+
+import llguidance
+import llguidance.numpy as llnp
+import numpy as np
+
+from jaxserve.core.structured_outputs import GRAMMAR_FAILED, GRAMMAR_PENDING, GRAMMAR_READY, StructuredOutputsParams
+from jaxserve.structured.backend import GrammarBackend, GrammarError
+
+logger = logging.getLogger("jaxserve")
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words of one bitmask row (32 tokens per word)."""
+    return (vocab_size + 31) // 32
+
+
+@dataclasses.dataclass
+class GrammarState:
+    """One request's grammar: compiling (``future``), ready (``matcher``) or failed (``error``)."""
+
+    future: Optional[Future]
+    submitted: float
+    matcher: Optional[llguidance.LLMatcher] = None
+    error: Optional[str] = None
+
+
+class StructuredOutputManager:
+    """Implements the scheduler's ``StructuredOutputHooks``; the engine core asks it for each
+    step's bitmask. ``model_vocab_size`` is the width of the model's logits."""
+
+    def __init__(self, backend: GrammarBackend, model_vocab_size: int, compile_timeout_s: float,
+                 compile_threads: int = 2, mask_threads: Optional[int] = None):
+        self.backend = backend
+        self.model_vocab_size = model_vocab_size
+        self.width = bitmask_width(model_vocab_size)
+        self.compile_timeout_s = compile_timeout_s
+        self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="jaxserve-grammar")
+        # One thread: 64 rows take well under a millisecond, and a second thread only adds its
+        # hand-off (docs/benchmarks.md).
+        self._executor = llguidance.LLExecutor(mask_threads or 1)
+        self._states: dict[str, GrammarState] = {}
+        self._matchers: dict[str, llguidance.LLMatcher] = {}  # the ready ones (the per-step lookups)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, params: StructuredOutputsParams) -> None:
+        """Start compiling the request's grammar (a cached grammar is only copied)."""
+        future = self._pool.submit(self.backend.compile, params)
+        self._states[request_id] = GrammarState(future, time.monotonic())
+
+    def grammar_status(self, request_id: str) -> str:
+        state = self._states.get(request_id)
+        if state is None:
+            return GRAMMAR_FAILED
+        if state.matcher is not None:
+            return GRAMMAR_READY
+        if state.error is None:
+            self._poll(request_id, state)
+        return GRAMMAR_READY if state.matcher is not None else (GRAMMAR_PENDING if state.error is None
+                                                                 else GRAMMAR_FAILED)
+
+    def _poll(self, request_id: str, state: GrammarState) -> None:
+        future = state.future
+        assert future is not None
+        if future.done():
+            try:
+                state.matcher = future.result()
+                self._matchers[request_id] = state.matcher
+            except GrammarError as e:
+                state.error = str(e)
+            except Exception as e:  # any compile failure fails this request only
+                logger.exception("request %s: compiling its grammar failed", request_id)
+                state.error = f"compiling the grammar failed: {e}"
+            state.future = None
+        elif time.monotonic() - state.submitted > self.compile_timeout_s:
+            state.error = (f"the grammar did not compile within {self.compile_timeout_s:g} s "
+                           "(structured_outputs_compile_timeout_s)")
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """(request id, reason) of every request whose grammar failed or timed out; they are no
+        longer tracked. Cheap when nothing is compiling."""
+        failed = []
+        for request_id, state in self._states.items():
+            if state.matcher is None and state.error is None:
+                self._poll(request_id, state)
+            if state.error is not None:
+                failed.append((request_id, state.error))
+        for request_id, _ in failed:
+            del self._states[request_id]
+        return failed
+
+    def release(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+        self._matchers.pop(request_id, None)
+
+    def tracks(self, request_id: str) -> bool:
+        """True while the request has a ready matcher."""
+        return request_id in self._matchers
+
+    @property
+    def num_active(self) -> int:
+        return len(self._matchers)
+
+    # ---- tokens --------------------------------------------------------------------------------
+
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return False
+        end_tokens = self.backend.end_tokens
+        for token_id in token_ids:
+            # A complete grammar allows only the end token next (as in vLLM the request then stops
+            # on it like on any EOS); a request that ignores EOS stops on it too.
+            if matcher.is_stopped():
+                if token_id not in end_tokens:
+                    self._warn_rejected(request_id, token_id, "after the grammar completed")
+                return True
+            if not matcher.consume_token(token_id):
+                # The mask allowed only grammatical tokens, so this is a bug, not a request error:
+                # stop the request rather than let its output leave the grammar.
+                self._warn_rejected(request_id, token_id, matcher.get_error())
+                return True
+        return matcher.is_stopped() and token_ids[-1] in end_tokens
+
+    @staticmethod
+    def _warn_rejected(request_id: str, token_id: int, why: str) -> None:
+        logger.warning("request %s: the grammar rejected token %d (%s); the request stops", request_id, token_id, why)
+
+    def grammar_bitmask(self, req_ids: list[str], num_rows: int) -> Optional[np.ndarray]:
+        """The step's bitmask [num_rows, width] for rows ``req_ids`` (then padding rows), or None
+        when no row is constrained (the step then needs none)."""
+        if not self._matchers:
+            return None
+        matchers = self._matchers
+        rows = [(matchers[r], i) for i, r in enumerate(req_ids) if r in matchers]
+        if not rows:
+            return None
+        bitmask = np.full((num_rows, self.width), -1, np.int32)
+        tok_width = bitmask_width(self.backend.vocab_size)
+        if tok_width == self.width:
+            idx = [i for _, i in rows]
+            bitmask[idx] = 0
+            llnp.fill_next_token_bitmask_par(self._executor, rows, bitmask)
+        else:  # llguidance writes rows of the tokenizer's width: fill compactly, then place them
+            compact = np.zeros((len(rows), tok_width), np.int32)
+            llnp.fill_next_token_bitmask_par(self._executor, [(m, k) for k, (m, _) in enumerate(rows)], compact)
+            idx = [i for _, i in rows]
+            n = min(tok_width, self.width)
+            bitmask[idx] = 0
+            bitmask[idx, :n] = compact[:, :n]
+        return bitmask
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
