@@ -70,6 +70,13 @@ class EngineConfig:
     """Decoder layers under lax.scan over stacked weights (compile time flat in depth), or unrolled
     over per-layer weights (no weight slicing per step; longer compiles for deep models).
     Default: unrolled up to 8 layers, scanned above."""
+    max_step_records: int = 4096
+    """Per-step records kept in a ring (who ran and with how many tokens, who waited and why,
+    preemptions, KV blocks, bucket, timings); 0 turns step recording off."""
+    max_request_timelines: int = 1024
+    """Finished requests whose timelines stay readable by id (live ones always are)."""
+    record_token_ids: bool = False
+    """Show each request's prompt and output token ids in its timeline."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -101,6 +108,9 @@ class EngineConfig:
             raise bad("kv_cache_memory", "must be a positive number of bytes")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise bad("num_gpu_blocks_override", "must be >= 2 (block 0 is reserved)")
+        for field in ("max_step_records", "max_request_timelines"):
+            if getattr(self, field) < 0:
+                raise bad(field, "must be >= 0")
         if self.max_logprobs < 0:
             raise bad("max_logprobs", "must be >= 0")
         if self.dtype != "auto":

@@ -13,6 +13,7 @@ from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import create_request_queue
+from jaxserve.core.schedule_record import WAIT_KV_BLOCKS, WAIT_MAX_NUM_SEQS, WAIT_PREEMPTION, WAIT_TOKEN_BUDGET
 from jaxserve.core.sched_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -114,6 +115,8 @@ class Scheduler:
         self._last_num_preempted = 0
         self.history: Optional[deque[SchedulerStats]] = (
             deque(maxlen=cfg.history_size) if cfg.history_size else None)
+        # Why the last schedule() left waiting requests waiting (a schedule_record.WAIT_* value).
+        self.waiting_reason: Optional[str] = None
 
     # ------------------------------------------------------------------ requests in
 
@@ -234,6 +237,7 @@ class Scheduler:
             req_index += 1
 
         # 2. Waiting requests, unless this step preempted.
+        blocked: Optional[str] = WAIT_PREEMPTION if preempted else None
         if not preempted:
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting.peek_request()
@@ -245,10 +249,12 @@ class Scheduler:
                         and num_new <= self.max_num_batched_tokens):
                     # Whole prompt or nothing; head-of-line waits so FCFS order holds. (A resumed
                     # request longer than a whole step is chunked: it could never run otherwise.)
+                    blocked = WAIT_TOKEN_BUDGET
                     break
                 num_new = min(num_new, token_budget)
                 new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks)
                 if new_blocks is None:
+                    blocked = WAIT_KV_BLOCKS
                     break
                 self.waiting.pop_request()
                 if kv.log_stats and kv.reads_prefix_cache(request):
@@ -266,6 +272,10 @@ class Scheduler:
                 num_scheduled_tokens[request.request_id] = num_new
                 new_blocks_of[request.request_id] = new_blocks
                 token_budget -= num_new
+
+            if self.waiting and blocked is None:
+                blocked = WAIT_TOKEN_BUDGET if token_budget <= 0 else WAIT_MAX_NUM_SEQS
+        self.waiting_reason = blocked if self.waiting else None
 
         total = self.max_num_batched_tokens - token_budget
         assert len(self.running) <= self.max_num_seqs

@@ -19,6 +19,7 @@ from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.engine.output_processor import OutputProcessor, ParentState
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.processor import InputProcessor, ProcessedRequest, PromptType
+from jaxserve.engine.timeline import ABORT, EntryTimes, RequestTimeline
 from jaxserve.exceptions import InvalidRequestError
 from jaxserve.models.hub import resolve_model
 
@@ -53,7 +54,9 @@ class LLMEngine:
         self.model_config = self.core.model_config
         self.max_model_len = self.core.max_model_len
         self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len, config)
-        self.output_processor = OutputProcessor(self.tokenizer, on_finished=self._on_finished)
+        self.output_processor = OutputProcessor(self.tokenizer, on_finished=self._on_finished,
+                                                max_timelines=config.max_request_timelines,
+                                                keep_token_ids=config.record_token_ids)
         self.served_model_name = served_model_name or (config.model or "jaxserve-demo")
         self.model_root = self.core.model_source.root  # the folder, or the hub id
         self.metrics = EngineMetrics(self.served_model_name, self.core.attention_backend)
@@ -71,10 +74,14 @@ class LLMEngine:
 
     def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                         priority: int = 0, cache_salt: Optional[str] = None,
-                        arrival_time: Optional[float] = None) -> ProcessedRequest:
-        """Tokenize and validate (raises InvalidRequestError naming the field); touches no engine state."""
+                        arrival_time: Optional[float] = None,
+                        entry_times: Optional[EntryTimes] = None) -> ProcessedRequest:
+        """Tokenize and validate (raises InvalidRequestError naming the field); touches no engine state.
+        ``entry_times``: the server's receive/template/tokenize times, for the request's timeline."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        return self.input_processor.process(request_id, prompt, params, arrival, priority, cache_salt)
+        processed = self.input_processor.process(request_id, prompt, params, arrival, priority, cache_salt)
+        processed.entry = entry_times
+        return processed
 
     def add_processed_request(self, processed: ProcessedRequest, *,
                               output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
@@ -85,13 +92,15 @@ class LLMEngine:
         parent = self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids,
             [r.request_id for r in processed.core_requests], [r.sampling_params for r in processed.core_requests],
-            output_kind, processed.core_requests[0].arrival_time, queue)
+            output_kind, processed.core_requests[0].arrival_time, queue,
+            core_requests=processed.core_requests, entry=processed.entry, tokenized_time=processed.tokenized_time)
         try:
             for req in processed.core_requests:
                 self.core.add_request(req)
         except ValueError:
             self.abort_request([request_id])
             raise
+        parent.metrics.queued_time = min(r.queued_ts for r in processed.core_requests)
         return parent
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
@@ -102,8 +111,9 @@ class LLMEngine:
                                          arrival_time=arrival_time)
         return self.add_processed_request(processed, output_kind=output_kind, queue=queue)
 
-    def abort_request(self, request_ids: list[str]) -> None:
-        self.core.abort_requests(self.output_processor.abort_requests(request_ids))
+    def abort_request(self, request_ids: list[str], cause: str = ABORT) -> None:
+        """Abort requests; ``cause`` (abort, client_disconnect, error) is kept in their timelines."""
+        self.core.abort_requests(self.output_processor.abort_requests(request_ids, cause))
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.core.has_unfinished_requests()
@@ -158,6 +168,14 @@ class LLMEngine:
     def stats(self) -> dict:
         """Scheduler, cache and compile counters in one dict (also the basis of /metrics)."""
         return self.core.stats()
+
+    def get_request_timeline(self, request_id: str) -> Optional[RequestTimeline]:
+        """A request's timeline (live, or finished and still kept), or None."""
+        return self.output_processor.get_timeline(request_id)
+
+    def recent_request_timelines(self, limit: int = 100) -> list[RequestTimeline]:
+        """The newest ``limit`` finished requests' timelines, then the live ones'."""
+        return self.output_processor.recent_timelines(limit)
 
     @property
     def step_records(self):
