@@ -77,6 +77,9 @@ class EngineConfig:
     """Finished requests whose timelines stay readable by id (live ones always are)."""
     record_token_ids: bool = False
     """Show each request's prompt and output token ids in its timeline."""
+    otlp_traces_endpoint: str | None = None
+    """OTLP/HTTP collector to send a span tree per request to (e.g. http://127.0.0.1:4318/v1/traces);
+    needs the otel extra."""
 
     def __post_init__(self) -> None:
         self.validate()

@@ -47,6 +47,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve /tokenizer_info (the tokenizer's configuration and chat template), which "
                         "clients such as lm-eval use to tokenize through the server (default: off, as in vLLM)")
+    g.add_argument("--enable-debug-endpoints", action="store_true",
+                   help="serve /debug/requests/{id} (a request's timeline), /debug/requests, /debug/steps "
+                        "(the newest step records) and /debug/trace (a Chrome/Perfetto trace) (default: off)")
 
 
 def load_chat_template(value: Optional[str]) -> Optional[str]:
@@ -112,7 +115,8 @@ def _serve(args, config, sock: socket.socket, chat_template: Optional[str], api_
         app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                         chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,
                         model_root=engine.model_root,
-                        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+                        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                        enable_debug_endpoints=args.enable_debug_endpoints)
         uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_keep_alive=30, lifespan="off")
         server = _make_server(uv_config, app.state.jaxserve.model_name, started)
         asyncio.run(server.serve(sockets=[sock]))

@@ -10,6 +10,7 @@ from typing import Any, AsyncGenerator, Optional
 
 from jaxserve import RequestOutput, SamplingParams
 
+from . import entry_times
 from .errors import APIError
 from .generation import Generations
 from .logprobs import TokenText, chat_logprobs
@@ -79,12 +80,14 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
         text = tok.apply_chat_template(conversation, tokenize=False, chat_template=template,
                                        add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message, **kwargs)
+        entry_times.mark("templated")
     except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
         raise APIError(400, f"messages: the chat template failed: {type(exc).__name__}: {exc}",
                        param="messages") from None
     if not isinstance(text, str):
         raise APIError(500, "the chat template did not render to a string")
     ids = tok.encode(text, add_special_tokens=add_special_tokens)
+    entry_times.mark("tokenized")
     return text, ids
 
 

@@ -13,7 +13,6 @@ from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import create_request_queue
-from jaxserve.core.schedule_record import WAIT_KV_BLOCKS, WAIT_MAX_NUM_SEQS, WAIT_PREEMPTION, WAIT_TOKEN_BUDGET
 from jaxserve.core.sched_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -21,6 +20,7 @@ from jaxserve.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from jaxserve.core.schedule_record import WAIT_KV_BLOCKS, WAIT_MAX_NUM_SEQS, WAIT_PREEMPTION, WAIT_TOKEN_BUDGET
 from jaxserve.core.stats import SchedulerStats
 from jaxserve.exceptions import InvalidRequestError
 

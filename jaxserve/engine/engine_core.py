@@ -77,8 +77,8 @@ class EngineCore:
                 policy=config.scheduling_policy, async_scheduling=config.async_scheduling),
             num_blocks=self.runner.num_blocks, block_size=config.block_size,
             enable_caching=config.enable_prefix_caching)
-        # record_steps=True keeps records even when the configuration turned them off.
-        ring = config.max_step_records or (10_000 if record_steps else 0)
+        # record_steps=True (notebooks, the bench's profile) keeps at least 10 000 records.
+        ring = max(config.max_step_records, 10_000 if record_steps else 0)
         self.step_records: Optional[collections.deque[StepRecord]] = collections.deque(maxlen=ring) if ring else None
         self.last_stats: SchedulerStats = self.scheduler.make_stats()
         self._in_flight: Optional[InFlightStep] = None  # async scheduling: dispatched, not yet collected
@@ -166,13 +166,13 @@ class EngineCore:
         """Finish a record once the step's tokens are applied. ``collect_start``: when the host
         began waiting for them (in async mode, after dispatching the next step)."""
         assert self.step_records is not None
-        if ro is not None:
-            record.wait_s = collected - collect_start
+        record.collect_start, record.device_end = collect_start, collected
+        record.wait_s = collected - collect_start
+        if record.token_bucket:  # the device ran it: it started once launched and the step before was done
             record.device_s = max(0.0, collected - max(record.dispatched, self._last_device_end))
-            record.device_end = self._last_device_end = collected
+            self._last_device_end = collected
+        if ro is not None:
             record.sampled = {r: t for r, t in zip(ro.req_ids, ro.sampled_token_ids) if t}
-        else:
-            record.device_end = record.dispatched
         record.update_s = end - collected
         record.end = end
         record.finished = {o.request_id: o.finish_reason for o in outputs if o.finish_reason}

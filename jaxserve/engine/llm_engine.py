@@ -19,7 +19,9 @@ from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.engine.output_processor import OutputProcessor, ParentState
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.processor import InputProcessor, ProcessedRequest, PromptType
+from jaxserve.engine.step_records import StepRecord, last_records
 from jaxserve.engine.timeline import ABORT, EntryTimes, RequestTimeline
+from jaxserve.engine.trace import build_trace
 from jaxserve.exceptions import InvalidRequestError
 from jaxserve.models.hub import resolve_model
 
@@ -48,6 +50,12 @@ class LLMEngine:
         self.config = config
         # A tokenizer given apart is looked up first, so a wrong name fails before any compile.
         tokenizer_source = resolve_model(config.tokenizer, weights=False) if config.tokenizer else None
+        self.served_model_name = served_model_name or (config.model or "jaxserve-demo")
+        self.tracer = None
+        if config.otlp_traces_endpoint:  # before the engine starts: a missing extra fails at once
+            from jaxserve.engine.otel import RequestTracer
+
+            self.tracer = RequestTracer(config.otlp_traces_endpoint, self.served_model_name)
         self.core = EngineCore(config, show_progress=show_progress, record_steps=record_steps)
         with self.core.startup.phase("tokenizer"):
             self.tokenizer = load_tokenizer(str((tokenizer_source or self.core.model_source).path))
@@ -57,7 +65,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, on_finished=self._on_finished,
                                                 max_timelines=config.max_request_timelines,
                                                 keep_token_ids=config.record_token_ids)
-        self.served_model_name = served_model_name or (config.model or "jaxserve-demo")
+        if self.tracer is not None:
+            self.output_processor.on_ended = self._export_span
         self.model_root = self.core.model_source.root  # the folder, or the hub id
         self.metrics = EngineMetrics(self.served_model_name, self.core.attention_backend)
         self.metrics.record_startup(self.core.startup.phases, self.core.runner.stats)
@@ -100,7 +109,7 @@ class LLMEngine:
         except ValueError:
             self.abort_request([request_id])
             raise
-        parent.metrics.queued_time = min(r.queued_ts for r in processed.core_requests)
+        parent.metrics.queued_time = min(r.queued_ts or 0.0 for r in processed.core_requests)  # set by add_request
         return parent
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
@@ -158,6 +167,15 @@ class LLMEngine:
                 itls.append(now - m.last_token_time)
         self.metrics.record_iteration(num_tokens, itls, ttfts, num_prompt_tokens)
 
+    def _export_span(self, parent: ParentState) -> None:
+        assert self.tracer is not None
+        self.tracer.export(parent.timeline(keep_token_ids=False))
+
+    def shutdown(self) -> None:
+        """Send what is still buffered (spans) and stop background exporters."""
+        if self.tracer is not None:
+            self.tracer.shutdown()
+
     def _on_finished(self, parent: ParentState) -> None:
         reasons = [c.finish_reason for c in parent.children]
         reason = "abort" if "abort" in reasons else ("length" if "length" in reasons else "stop")
@@ -179,8 +197,17 @@ class LLMEngine:
 
     @property
     def step_records(self):
-        """Per-step records when built with ``record_steps=True``, else None."""
+        """The ring of per-step records (``max_step_records`` of them), None when that is 0."""
         return self.core.step_records
+
+    def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]:
+        """The newest ``limit`` step records (all kept with None), oldest first."""
+        ring = self.core.step_records
+        return [] if ring is None else last_records(ring, limit)
+
+    def build_trace(self, num_steps: Optional[int] = None, num_requests: int = 100) -> dict:
+        """A Chrome/Perfetto trace (JSON object) of the newest steps and requests."""
+        return build_trace(self.get_step_records(num_steps), self.recent_request_timelines(num_requests))
 
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()

@@ -114,6 +114,7 @@ class OutputProcessor:
         self.on_finished = on_finished
         self.timelines = TimelineStore(max_timelines)
         self.keep_token_ids = keep_token_ids
+        self.on_ended: Optional[Callable[[ParentState], None]] = None  # finished, aborted or failed
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                     child_ids: list[str], child_params: list[SamplingParams], output_kind: RequestOutputKind,
@@ -172,7 +173,12 @@ class OutputProcessor:
             if child.finish_reason is None:
                 child.finish_reason, child.finish_cause = "abort", cause
         parent.metrics.finished_time = now
+        self._ended(parent)
+
+    def _ended(self, parent: ParentState) -> None:
         self.timelines.add(parent.request_id, parent)
+        if self.on_ended is not None:
+            self.on_ended(parent)
 
     def get_timeline(self, request_id: str) -> Optional[RequestTimeline]:
         """A live request's timeline so far, or a finished one's while the store keeps it."""
@@ -217,7 +223,7 @@ class OutputProcessor:
                 self.parents.pop(parent.request_id, None)
                 for c in parent.children:
                     self.child_to_parent.pop(c.core_id, None)
-                self.timelines.add(parent.request_id, parent)
+                self._ended(parent)
                 if self.on_finished is not None:
                     self.on_finished(parent)
         return list(delivered.values()), to_abort

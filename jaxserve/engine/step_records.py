@@ -18,7 +18,7 @@ from jaxserve.core.schedule_record import ScheduleRecord
 
 @dataclasses.dataclass(slots=True)
 class StepRecord:
-    """One engine step. Invariants: ``start <= dispatched <= device_end <= end``;
+    """One engine step. Invariants: ``start <= dispatched <= collect_start <= device_end <= end``;
     ``seconds == schedule_s + prepare_s + wait_s + update_s`` (the host's engine work for it)."""
 
     step: int
@@ -32,6 +32,7 @@ class StepRecord:
     schedule_s: float
     prepare_s: float = 0.0  # the runner's input building and launch (dispatch)
     dispatched: float = 0.0  # when the launch returned
+    collect_start: float = 0.0  # the host began waiting for this step's results
     wait_s: float = 0.0  # the host blocked on this step's results
     device_s: float = 0.0  # from launch (or the previous step's results) to this step's results
     device_end: float = 0.0

@@ -46,6 +46,34 @@ def finish_cause(finish_reason: Optional[str], stop_reason: Any) -> Optional[str
     return LENGTH if finish_reason == "length" else ABORT
 
 
+# A request's stages in order: (name, the RequestMetrics field that ends it). Each starts where
+# the one before it ended; the first starts at the receipt (or, offline, the arrival).
+STAGES = (("template", "templated_time"), ("tokenize", "tokenized_time"), ("to engine", "queued_time"),
+          ("queue", "first_scheduled_time"), ("prefill", "first_token_time"), ("decode", "finished_time"))
+
+
+def request_span(m: RequestMetrics, now: float) -> tuple[float, float]:
+    """(start, end) of a request: its receipt (or arrival) to its finish (or ``now``)."""
+    start = m.received_time if m.received_time is not None else m.arrival_time
+    return start, (m.finished_time if m.finished_time is not None else now)
+
+
+def stage_spans(m: RequestMetrics, now: float) -> list[tuple[str, float, float]]:
+    """The stages a request went through, as consecutive (name, start, end) inside its span.
+    Times read in different threads may be out of order by a hair: they are clamped in order."""
+    start, end = request_span(m, now)
+    spans, cursor = [], start
+    for name, field in STAGES:
+        at = getattr(m, field)
+        if at is None:
+            continue
+        at = min(max(at, cursor), end)
+        if at > cursor:
+            spans.append((name, cursor, at))
+        cursor = at
+    return spans
+
+
 @dataclasses.dataclass
 class SampleTimeline:
     """One sample (``n`` of them per request)."""
