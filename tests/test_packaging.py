@@ -46,4 +46,4 @@ def test_wheel_carries_the_kernel_source_without_setuptools_warnings(tmp_path):
     (wheel,) = tmp_path.glob("jaxserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "pallas_kernels/csrc/paged_attention_cpu.cc" in names
-    assert {"jaxserve/models/hub.py", "jaxserve_server/cli.py"} <= set(names)
+    assert {"jaxserve/models/hub.py", "jaxserve_server/cli.py", "jaxserve_server/dashboard.html"} <= set(names)
