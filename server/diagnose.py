@@ -29,7 +29,8 @@ API_SHARE = 0.3  # share of a request's life spent before the engine queued it
 API_MIN_S = 0.005  # ... and at least this long, so that tiny requests do not trip it
 ENGINE_IDLE_SHARE = 0.5  # share of the window's steps' span the engine spent between steps
 PREFILL_SHARE_OF_BUDGET = 0.5  # a "large" prefill chunk: this share of the step's tokens or more
-STALL_RATIO = 2.0  # mixed steps this many times slower than pure decode steps
+STALL_RATIO = 1.5  # inter-token interval of steps with a large prefill chunk over decode-only ones
+MIN_MIXED_STEPS = 3
 KV_USED_SHARE = 0.9  # the pool this full at some step
 
 
@@ -52,7 +53,7 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def api_bound(steps: list[dict], requests: list[dict]) -> Optional[Finding]:
+def api_bound(steps: list[dict], requests: list[dict]) -> tuple[dict, Optional[Finding]]:
     """Requests spend a large share of their life before the engine, while the engine idles
     between its steps for most of the window."""
     pre, share = [], []
@@ -66,72 +67,79 @@ def api_bound(steps: list[dict], requests: list[dict]) -> Optional[Finding]:
     # The first step's gap began before the window: only the gaps between the window's steps count.
     span = steps[-1]["end"] - steps[0]["start"] if steps else 0.0
     idle_share = sum(s["idle_gap_s"] for s in steps[1:]) / span if span > 0 else 1.0
+    evidence = {"median_pre_engine_s": round(_median(pre), 4), "median_pre_engine_share": round(_median(share), 3),
+                "threshold_share": API_SHARE, "engine_idle_share": round(idle_share, 3),
+                "threshold_idle_share": ENGINE_IDLE_SHARE, "requests": len(share)}
     if not share or _median(share) < API_SHARE or _median(pre) < API_MIN_S or idle_share < ENGINE_IDLE_SHARE:
-        return None
-    return Finding(
+        return evidence, None
+    return evidence, Finding(
         "api_bound", "API slow while the device idles",
         "server: tokenizer and chat template (server/serving_*.py), the API worker's event loop, CPU scheduling",
         "send token ids instead of long text (or shorter text: truncate before sending), fewer concurrent "
         "clients per server, more CPU for the server process; check /debug/requests/{id}: received -> queued",
         "do not tune KV cache or batching flags (--max-num-seqs, --gpu-memory-utilization) or the attention "
-        "kernel first: the engine is waiting for the API, not the other way round",
-        {"median_pre_engine_s": round(_median(pre), 4), "median_pre_engine_share": round(_median(share), 3),
-         "threshold_share": API_SHARE, "engine_idle_share": round(idle_share, 3),
-         "threshold_idle_share": ENGINE_IDLE_SHARE, "requests": len(share)})
+        "kernel first: the engine is waiting for the API, not the other way round", evidence)
 
 
-def prefill_stall(steps: list[dict]) -> Optional[Finding]:
-    """Steps that carry a large prefill chunk next to decodes are much slower than decode-only steps,
-    so every running request's inter-token latency spikes with them."""
-    decode_only = [s["seconds"] for s in steps if s["num_decode_tokens"] and not s["num_prefill_tokens"]]
-    mixed = [s for s in steps if s["num_decode_tokens"]
-             and s["num_prefill_tokens"] >= PREFILL_SHARE_OF_BUDGET * max(1, s["num_tokens"])
-             and s["num_prefill_tokens"] >= PREFILL_SHARE_OF_BUDGET * max(x["num_tokens"] for x in steps)]
-    if len(decode_only) < 3 or not mixed:
-        return None
-    ratio = _median([s["seconds"] for s in mixed]) / max(1e-9, _median(decode_only))
-    if ratio < STALL_RATIO:
-        return None
-    return Finding(
+def prefill_stall(steps: list[dict]) -> tuple[dict, Optional[Finding]]:
+    """The inter-token latency of running requests spikes in steps that carry a large prefill chunk:
+    the interval between a step's results and the previous step's, mixed steps against decode-only."""
+    largest = max((s["num_tokens"] for s in steps), default=0)
+    mixed, decode_only = [], []
+    for prev, s in zip(steps, steps[1:]):
+        if not (prev["num_tokens"] and s["num_decode_tokens"]) or s["step"] != prev["step"] + 1:
+            continue
+        interval = s["end"] - prev["end"]
+        prefill = s["num_prefill_tokens"]
+        if not prefill:
+            decode_only.append(interval)
+        elif prefill >= PREFILL_SHARE_OF_BUDGET * max(s["num_tokens"], largest):
+            mixed.append((interval, s))
+    ratio = _median([i for i, _ in mixed]) / max(1e-9, _median(decode_only)) if mixed and decode_only else 0.0
+    evidence = {"mixed_steps": len(mixed), "decode_only_steps": len(decode_only),
+                "median_mixed_interval_ms": round(1e3 * _median([i for i, _ in mixed]), 3),
+                "median_decode_interval_ms": round(1e3 * _median(decode_only), 3), "ratio": round(ratio, 2),
+                "threshold_ratio": STALL_RATIO, "decodes_delayed": sum(s["num_decode_tokens"] for _, s in mixed),
+                "largest_prefill_chunk": max((s["num_prefill_tokens"] for _, s in mixed), default=0)}
+    if len(decode_only) < 3 or len(mixed) < MIN_MIXED_STEPS or ratio < STALL_RATIO:
+        return evidence, None
+    return evidence, Finding(
         "prefill_stall", "Long inputs stall other requests",
         "scheduler: token budget and chunked prefill (jaxserve/core/scheduler.py), the waiting queue",
         "--long-prefill-token-threshold N (cap one request's chunk per step), a smaller "
         "--max-num-batched-tokens, or --scheduling-policy priority for latency-sensitive requests",
         "do not add KV memory or raise --max-num-seqs first: the decodes wait for the prefill chunk in "
-        "their own step, not for blocks",
-        {"mixed_steps": len(mixed), "median_mixed_step_ms": round(1e3 * _median([s["seconds"] for s in mixed]), 3),
-         "median_decode_step_ms": round(1e3 * _median(decode_only), 3), "ratio": round(ratio, 2),
-         "threshold_ratio": STALL_RATIO, "decodes_delayed": sum(s["num_decode_tokens"] for s in mixed),
-         "largest_prefill_chunk": max(s["num_prefill_tokens"] for s in mixed)})
+        "their own step, not for blocks", evidence)
 
 
-def kv_pressure(steps: list[dict], requests: list[dict]) -> Optional[Finding]:
+def kv_pressure(steps: list[dict], requests: list[dict]) -> tuple[dict, Optional[Finding]]:
     """Preemptions while the KV pool is (nearly) full."""
     preemptions = sum(len(s["preempted_ids"]) for s in steps)
-    if not preemptions:
-        return None
-    used = max(s["blocks"]["used"] / max(1, s["blocks"]["total"]) for s in steps)
-    if used < KV_USED_SHARE:
-        return None
-    waits = sum(1 for s in steps if s["waiting_reason"] in ("kv_blocks", "preemption"))
+    used = max((s["blocks"]["used"] / max(1, s["blocks"]["total"]) for s in steps), default=0.0)
     lengths = [t["num_prompt_tokens"] + sum(x["num_output_tokens"] for x in t["samples"]) for t in requests]
-    return Finding(
+    evidence = {"preemptions": preemptions, "steps": len(steps), "max_kv_used_share": round(used, 3),
+                "threshold_used_share": KV_USED_SHARE,
+                "steps_waiting_for_kv": sum(1 for s in steps if s["waiting_reason"] in ("kv_blocks", "preemption")),
+                "median_request_tokens": _median([float(n) for n in lengths]), "requests": len(requests)}
+    if not preemptions or used < KV_USED_SHARE:
+        return evidence, None
+    return evidence, Finding(
         "kv_pressure", "Memory tight: repeated preemption",
         "KV cache manager and scheduler (jaxserve/core/kv_cache_manager.py, scheduler.py): cache usage, "
         "actual sequence lengths, concurrency",
         "a lower --max-num-seqs, more KV memory (--gpu-memory-utilization, --kv-cache-memory, "
         "--num-gpu-blocks-override), or a smaller --max-model-len / max_tokens if the requests allow it",
         "do not change the attention kernel, compilation or --block-size first: preemption is a capacity "
-        "problem, and recomputation hides it as slowness",
-        {"preemptions": preemptions, "steps": len(steps), "max_kv_used_share": round(used, 3),
-         "threshold_used_share": KV_USED_SHARE, "steps_waiting_for_kv": waits,
-         "median_request_tokens": _median([float(n) for n in lengths]), "requests": len(requests)})
+        "problem, and recomputation hides it as slowness", evidence)
 
 
-def analyse(steps: list[dict], requests: list[dict]) -> list[Finding]:
-    """The findings of a window's step records and finished requests' timelines (JSON dicts)."""
-    found = [api_bound(steps, requests), prefill_stall(steps), kv_pressure(steps, requests)]
-    return [f for f in found if f is not None]
+def analyse(steps: list[dict], requests: list[dict]) -> tuple[dict[str, dict], list[Finding]]:
+    """Every rule's measurements, and the findings, of a window's step records (in step order) and
+    finished requests' timelines (JSON dicts)."""
+    checks = {"api_bound": api_bound(steps, requests), "prefill_stall": prefill_stall(steps),
+              "kv_pressure": kv_pressure(steps, requests)}
+    return ({name: evidence for name, (evidence, _) in checks.items()},
+            [finding for _, finding in checks.values() if finding is not None])
 
 
 def watch(url: str, window_s: float, api_key: Optional[str] = None) -> dict:
@@ -145,9 +153,9 @@ def watch(url: str, window_s: float, api_key: Optional[str] = None) -> dict:
     requests = [t for t in get_json(f"{root}/debug/requests?limit=10000", api_key)["requests"]
                 if t["finished"] and t["metrics"]["finished_time"] is not None
                 and t["metrics"]["finished_time"] > since_time]
-    findings = analyse(steps, requests)
+    checks, findings = analyse(sorted(steps, key=lambda s: s["step"]), requests)
     return {"url": root, "window_s": window_s, "steps": len(steps), "requests": len(requests),
-            "findings": [f.as_dict() for f in findings],
+            "findings": [f.as_dict() for f in findings], "checks": checks,
             "not_diagnosed": ["tool fields or broken streams: jaxserve has no tool or reasoning parser yet"]}
 
 

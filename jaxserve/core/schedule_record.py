@@ -8,6 +8,7 @@ runner's side (bucket, timings) in its own step record.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -20,19 +21,24 @@ WAIT_MAX_NUM_SEQS = "max_num_seqs"  # the running set is full
 WAIT_KV_BLOCKS = "kv_blocks"  # not enough free KV blocks for the next prompt (chunk)
 WAIT_PREEMPTION = "preemption"  # this step preempted: it admits no one
 WAIT_REASONS = (WAIT_TOKEN_BUDGET, WAIT_MAX_NUM_SEQS, WAIT_KV_BLOCKS, WAIT_PREEMPTION)
+# Waiting ids kept per record (the head of the queue): a long queue would make every record, and
+# the ring of them, as long as the queue.
+MAX_WAITING_IDS = 256
 
 
 @dataclass(slots=True)
 class ScheduleRecord:
     """Invariants: ``sum(scheduled.values()) == num_scheduled_tokens``; ``prefill_ids`` is a subset
     of ``scheduled``; ``waiting_reason`` is None exactly when ``waiting_ids`` is empty; blocks:
-    ``used + free == total`` (the null block excluded) and ``cached_free <= free``."""
+    ``used + free == total`` (the null block excluded) and ``cached_free <= free``;
+    ``waiting_ids`` is the head (``MAX_WAITING_IDS`` at most) of ``num_waiting`` waiting requests."""
 
     step: int
     scheduled: dict[str, int]  # request id -> tokens this step
     prefill_ids: list[str]  # scheduled requests whose tokens are a prefill chunk; the rest decode
     new_request_ids: list[str]  # admitted this step (first time, or resumed after preemption)
     waiting_ids: list[str]  # still waiting after this step was scheduled, in queue order
+    num_waiting: int
     waiting_reason: Optional[str]  # one of WAIT_REASONS
     preempted_ids: list[str]
     num_scheduled_tokens: int
@@ -77,7 +83,8 @@ def record_schedule(scheduler: Any, so: SchedulerOutput) -> ScheduleRecord:
     return ScheduleRecord(
         step=scheduler.step_counter, scheduled=dict(so.num_scheduled_tokens), prefill_ids=prefill,
         new_request_ids=[r.req_id for r in so.scheduled_new_reqs],
-        waiting_ids=[r.request_id for r in scheduler.waiting], waiting_reason=scheduler.waiting_reason,
+        waiting_ids=[r.request_id for r in itertools.islice(scheduler.waiting, MAX_WAITING_IDS)],
+        num_waiting=len(scheduler.waiting), waiting_reason=scheduler.waiting_reason,
         preempted_ids=sorted(so.preempted_req_ids), num_scheduled_tokens=so.total_num_scheduled_tokens,
         num_blocks_total=total, num_blocks_used=total - free,
         num_blocks_cached_free=pool.num_cached_free_blocks, num_blocks_free=free)

@@ -70,17 +70,23 @@ class ParentState:
     num_cached_tokens: int = 0
     prompt_logprobs: Optional[list] = None
     prompt_logprobs_sent: bool = False  # DELTA: they go out once, in the first output after they arrive
-    # The core's requests, read (never written) for their schedule times, preemptions, max_tokens.
+    # The core's requests, read (never written) for their schedule times, preemptions, max_tokens;
+    # dropped once the request ended (``release``), with what the timeline still needs kept.
     core_requests: list = dataclasses.field(default_factory=list)
+    max_tokens: Optional[int] = None  # resolved by the scheduler; kept when the core requests go
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children)
 
-    def sync_core_times(self) -> None:
-        """Copy the core's first-schedule time and preemption count into the metrics (done at the
-        first token, at the finish and when a timeline is read: not on every output)."""
-        m, reqs = self.metrics, self.core_requests
+    def sync_core_times(self, m: Optional[RequestMetrics] = None) -> None:
+        """Copy the core's first-schedule time and preemption count into the metrics, or into
+        ``m`` (a copy, when another thread reads a timeline). Done at the first token, at the end
+        and when a timeline is read: not on every output."""
+        m = self.metrics if m is None else m
+        reqs = self.core_requests
+        if not reqs:
+            return
         if m.first_scheduled_time is None:
             scheduled = [r.scheduled_ts for r in reqs if r.scheduled_ts is not None]
             if scheduled:
@@ -89,15 +95,27 @@ class ParentState:
                     m.time_in_queue = m.first_scheduled_time - m.queued_time
         m.num_preemptions = reqs[0].num_preemptions if len(reqs) == 1 else sum(r.num_preemptions for r in reqs)
 
-    def timeline(self, keep_token_ids: bool) -> RequestTimeline:
+    def release(self) -> None:
+        """The request ended: keep what its timeline reads, drop the core requests (their token and
+        hash lists), detokenizers and logprobs, so kept timelines stay small."""
         self.sync_core_times()
+        if self.core_requests:
+            self.max_tokens = self.core_requests[0].max_tokens
+        self.core_requests = []
+        self.prompt_logprobs = None
+        for child in self.children:
+            child.detok, child.logprobs, child.logprob_text = None, None, None
+
+    def timeline(self, keep_token_ids: bool) -> RequestTimeline:
+        metrics = dataclasses.replace(self.metrics)
+        self.sync_core_times(metrics)
         samples = [SampleTimeline(c.index, len(c.token_ids), c.finish_reason, c.finish_cause, c.stop_reason,
                                   list(c.token_ids) if keep_token_ids else None) for c in self.children]
-        core = self.core_requests[0] if self.core_requests else None
+        reqs = self.core_requests
         return RequestTimeline(
             request_id=self.request_id, finished=self.finished, num_prompt_tokens=len(self.prompt_token_ids),
-            num_cached_tokens=self.num_cached_tokens, metrics=dataclasses.replace(self.metrics),
-            sampling_params=self.children[0].params, max_tokens=None if core is None else core.max_tokens,
+            num_cached_tokens=self.num_cached_tokens, metrics=metrics, sampling_params=self.children[0].params,
+            max_tokens=reqs[0].max_tokens if reqs else self.max_tokens,
             samples=samples, prompt_token_ids=list(self.prompt_token_ids) if keep_token_ids else None)
 
 
@@ -176,6 +194,7 @@ class OutputProcessor:
         self._ended(parent)
 
     def _ended(self, parent: ParentState) -> None:
+        parent.release()
         self.timelines.add(parent.request_id, parent)
         if self.on_ended is not None:
             self.on_ended(parent)
@@ -219,7 +238,6 @@ class OutputProcessor:
                 delivered[key] = (parent, ro)
             if parent.finished:
                 parent.metrics.finished_time = now
-                parent.sync_core_times()
                 self.parents.pop(parent.request_id, None)
                 for c in parent.children:
                     self.child_to_parent.pop(c.core_id, None)

@@ -53,7 +53,7 @@ def _step_args(r: StepRecord) -> dict:
     s = r.schedule
     return {"scheduled_requests": len(s.scheduled), "prefill_tokens": s.num_prefill_tokens,
             "decode_tokens": s.num_decode_tokens, "token_bucket": r.token_bucket,
-            "padding_ratio": round(r.padding_ratio, 4), "waiting": len(s.waiting_ids),
+            "padding_ratio": round(r.padding_ratio, 4), "waiting": s.num_waiting,
             "waiting_reason": s.waiting_reason, "preempted": s.preempted_ids,
             "blocks_used": s.num_blocks_used, "blocks_cached_free": s.num_blocks_cached_free,
             "blocks_free": s.num_blocks_free, "backend": r.backend, "compiled": r.compiled,

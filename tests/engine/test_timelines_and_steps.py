@@ -90,7 +90,9 @@ def test_abort_is_a_finish_with_its_cause(llm):
     assert live is not None and not live.finished and live.metrics.first_scheduled_time is not None
     engine.abort_request(["to-abort"])
     done = llm.get_request_timeline("to-abort")
-    assert done.finished and done.samples[0].finish_cause == "abort"
+    assert done.finished and done.samples[0].finish_cause == "abort" and done.max_tokens == 50
+    kept = engine.output_processor.timelines.get("to-abort")
+    assert kept.core_requests == [] and all(c.detok is None for c in kept.children)  # only what timelines read
     assert done.metrics.finished_time >= done.metrics.first_scheduled_time
     while engine.has_unfinished_requests():
         engine.step()
@@ -146,6 +148,7 @@ def test_step_records_under_pressure_show_waits_and_preemptions(llm):
         assert s.num_blocks_used + s.num_blocks_free == s.num_blocks_total
         assert 0 <= s.num_blocks_cached_free <= s.num_blocks_free
         assert (s.waiting_reason is None) == (not s.waiting_ids)
+        assert s.num_waiting == len(s.waiting_ids)  # a short queue: every id is kept
         if r.num_tokens:
             assert r.token_bucket == llm.llm_engine.core.runner.buckets.pick(r.num_tokens)
             assert r.start <= r.dispatched <= r.collect_start <= r.device_end <= r.end
