@@ -46,6 +46,15 @@ def test_chat_timeline_has_every_stage_and_the_effective_params(http):
     assert_error(http.get("/debug/requests/no-such-request"), 404, param="request_id")
 
 
+def test_text_the_server_tokenizes_is_stamped_before_the_engine(http):
+    resp = http.post("/v1/completions", json={"prompt": "one two three four five six", "max_tokens": 2,
+                                               "truncate_prompt_tokens": 3})
+    assert resp.status_code == 200
+    m = timeline(http, resp.json()["id"])["metrics"]
+    assert m["templated_time"] is None  # no chat template
+    assert m["received_time"] <= m["tokenized_time"] <= m["arrival_time"] <= m["queued_time"]
+
+
 def test_prefix_hit_and_stop_string(http):
     prompt = np.random.default_rng(11).integers(3, 1000, 70).tolist()
     first = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
