@@ -78,6 +78,16 @@ class EngineConfig:
     """JSON constraints allow any JSON whitespace between tokens (vLLM's default). Off: compact JSON
     (vLLM's disable_any_whitespace), since a model that favours whitespace could otherwise emit it
     without end; a request's whitespace_pattern still applies."""
+    max_step_records: int = 4096
+    """Per-step records kept in a ring (who ran and with how many tokens, who waited and why,
+    preemptions, KV blocks, bucket, timings); 0 turns step recording off."""
+    max_request_timelines: int = 1024
+    """Finished requests whose timelines stay readable by id (live ones always are)."""
+    record_token_ids: bool = False
+    """Show each request's prompt and output token ids in its timeline."""
+    otlp_traces_endpoint: str | None = None
+    """OTLP/HTTP collector to send a span tree per request to (e.g. http://127.0.0.1:4318/v1/traces);
+    needs the otel extra."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -113,6 +123,9 @@ class EngineConfig:
             raise bad("structured_outputs_max_grammar_bytes", "must be >= 1")
         if not self.structured_outputs_compile_timeout_s > 0:
             raise bad("structured_outputs_compile_timeout_s", "must be > 0")
+        for field in ("max_step_records", "max_request_timelines"):
+            if getattr(self, field) < 0:
+                raise bad(field, "must be >= 0")
         if self.max_logprobs < 0:
             raise bad("max_logprobs", "must be >= 0")
         if self.dtype != "auto":

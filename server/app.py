@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import jaxserve
 
 from .chat_output import ChatParsers
+from .debug_endpoints import add_debug_endpoints
 from .errors import ENGINE_DEAD, APIError, install_handlers
 from .ignored_fields import report_ignored_fields
 from .limits import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -41,7 +42,7 @@ def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optio
               chat_template: Optional[str] = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               model_root: Optional[str] = None, enable_tokenizer_info_endpoint: bool = False,
-              chat_parsers: Optional[ChatParsers] = None) -> FastAPI:
+              chat_parsers: Optional[ChatParsers] = None, enable_debug_endpoints: bool = False) -> FastAPI:
     state = ServerState(engine, served_model_name=served_model_name, chat_template=chat_template,
                         model_root=model_root)
     app = FastAPI(title="jaxserve", version=jaxserve.__version__)
@@ -105,6 +106,9 @@ def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optio
             if state.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer")
             return tokenizer_info(state.tokenizer, state.chat_template).model_dump()
+
+    if enable_debug_endpoints:
+        add_debug_endpoints(app, engine)
 
     @app.get("/health")
     async def health():

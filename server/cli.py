@@ -1,4 +1,5 @@
-"""The ``jaxserve`` command: ``serve``, ``generate`` and ``bench {throughput,startup,scheduler,serve}``.
+"""The ``jaxserve`` command: ``serve``, ``generate``, ``trace``, ``diagnose`` and
+``bench {throughput,startup,scheduler,serve}``.
 
 It lives with the server because ``serve`` needs it, and the server sits above the engine.
 Engine flags come from ``EngineConfig`` one-to-one (``--max-num-seqs`` ...), so every entry point
@@ -59,6 +60,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default: 32)")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
 
+    trace = sub.add_parser("trace", help="save a running server's Chrome/Perfetto trace (needs its "
+                           "--enable-debug-endpoints)", description="save a running server's Chrome/Perfetto trace")
+    from .trace_cli import add_trace_args
+
+    add_trace_args(trace)
+    _add_common_args(trace)
+
+    diagnose = sub.add_parser("diagnose", help="watch a running server and say which known failure applies "
+                              "(needs its --enable-debug-endpoints)",
+                              description="watch a running server and say which known failure applies")
+    from .diagnose import add_diagnose_args
+
+    add_diagnose_args(diagnose)
+    _add_common_args(diagnose)
+
     bench = sub.add_parser("bench", help="benchmarks (JSON on stdout)", description="benchmarks (JSON on stdout)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     tp = _engine_parser(bsub, "throughput", "offline throughput, optionally side by side with transformers")
@@ -116,6 +132,16 @@ def _run(args: argparse.Namespace, started: float) -> int:
         return run_serve(args, started)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "diagnose":
+        from .diagnose import run_diagnose_cli
+
+        print(json.dumps(run_diagnose_cli(args), indent=2))
+        return 0
+    if args.command == "trace":
+        from .trace_cli import run_trace_cli
+
+        print(json.dumps(run_trace_cli(args), indent=2))
+        return 0
     if args.bench_command == "throughput":
         from jaxserve.bench.throughput import run_throughput_cli
 

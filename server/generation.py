@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Optional, Sequence
 
-from jaxserve import RequestOutput, RequestOutputKind, SamplingParams
+from jaxserve import EntryTimes, RequestOutput, RequestOutputKind, SamplingParams
 
 from .errors import engine_error
 
@@ -33,7 +33,8 @@ class Generations:
     single prompt and ``request_id-<i>`` for several; outputs are ``(prompt_index, output)``."""
 
     def __init__(self, engine, prompts: Sequence[Any], params: SamplingParams, request_id: str,
-                 kind: RequestOutputKind, *, priority: int = 0, cache_salt: Optional[str] = None):
+                 kind: RequestOutputKind, *, priority: int = 0, cache_salt: Optional[str] = None,
+                 entry_times: Optional[EntryTimes] = None):
         self.request_ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._buffered: list[tuple[int, Any]] = []
@@ -41,7 +42,8 @@ class Generations:
         self._closed = False
         self._tasks = [
             asyncio.create_task(self._pump(i, engine.generate(p, params, rid, priority=priority,
-                                                              cache_salt=cache_salt, output_kind=kind)))
+                                                              cache_salt=cache_salt, output_kind=kind,
+                                                              entry_times=entry_times)))
             for i, (p, rid) in enumerate(zip(prompts, self.request_ids))
         ]
 

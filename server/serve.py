@@ -56,6 +56,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", default=None,
                    help="split <think>...</think> into message.reasoning_content: 'qwen3' (content unless the "
                         "output opens <think>) or 'deepseek_r1' (reasoning until </think>) (default: none)")
+    g.add_argument("--enable-debug-endpoints", action="store_true",
+                   help="serve /debug/requests/{id} (a request's timeline), /debug/requests, /debug/steps "
+                        "(the newest step records) and /debug/trace (a Chrome/Perfetto trace) (default: off)")
 
 
 def chat_parsers(args: argparse.Namespace):
@@ -135,7 +138,8 @@ def _serve(args, config, sock: socket.socket, chat_template: Optional[str], api_
         app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                         chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,
                         model_root=engine.model_root,
-                        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, chat_parsers=parsers)
+                        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, chat_parsers=parsers,
+                        enable_debug_endpoints=args.enable_debug_endpoints)
         uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_keep_alive=30, lifespan="off")
         server = _make_server(uv_config, app.state.jaxserve.model_name, started)
         asyncio.run(server.serve(sockets=[sock]))

@@ -15,6 +15,7 @@ from typing import Any, AsyncGenerator, Optional
 import jaxserve
 from jaxserve import InvalidRequestError, RequestOutput, SamplingParams
 
+from . import entry_times
 from .chat_output import ChatParsers, ChoiceDelta, ChoiceParser, finish_reason, merged
 from .errors import APIError, invalid_request
 from .generation import Generations
@@ -104,12 +105,14 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
         text = tok.apply_chat_template(conversation, tokenize=False, chat_template=template,
                                        add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message, tools=tools, **kwargs)
+        entry_times.mark("templated")
     except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
         raise APIError(400, f"messages: the chat template failed: {type(exc).__name__}: {exc}",
                        param="messages") from None
     if not isinstance(text, str):
         raise APIError(500, "the chat template did not render to a string")
     ids = tok.encode(text, add_special_tokens=add_special_tokens)
+    entry_times.mark("tokenized")
     return text, ids
 
 

@@ -14,6 +14,7 @@ from typing import Any, AsyncGenerator
 
 from jaxserve import CompletionOutput, RequestOutput, SamplingParams
 
+from . import entry_times
 from .errors import APIError
 from .generation import Generations
 from .logprobs import TokenText, completion_logprobs, prepend_prompt_logprobs, prompt_logprobs_field
@@ -65,6 +66,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if keep is not None and len(ids) > keep:
             ids = ids[-keep:]
             prompt = tokenizer.decode(ids)  # what the model sees is what echo shows
+        entry_times.mark("tokenized")
         return {"prompt": prompt, "prompt_token_ids": ids}
 
     def _echo_text(self, out: RequestOutput) -> str:

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxserve import RequestOutput, RequestOutputKind, SamplingParams
 
+from . import entry_times
 from .errors import APIError, bad_request, sse_error
 from .generation import ClientDisconnected, Generations, race_disconnect
 from .ignored_fields import report_ignored_fields
@@ -122,11 +123,12 @@ class OpenAIServing(ABC):
 
     async def _respond(self, req, raw_request: Request) -> Response:
         self.state.check_alive()
+        times = entry_times.start()
         prompts, params = self.prepare(req)
         ids = ResponseIds(random_id(self.id_prefix), int(time.time()), self.state.model_name)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         generations = Generations(self.state.engine, prompts, params, ids.id, kind,
-                                  priority=req.priority, cache_salt=req.cache_salt)
+                                  priority=req.priority, cache_salt=req.cache_salt, entry_times=times)
         if req.stream:
             return await self._streaming_response(req, raw_request, generations, ids)
         return await self._full_response(req, raw_request, generations, ids)

@@ -47,4 +47,4 @@ def test_wheel_carries_the_kernel_source_without_setuptools_warnings(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "pallas_kernels/csrc/paged_attention_cpu.cc" in names
     assert {"jaxserve/models/hub.py", "jaxserve_server/cli.py", "jaxserve_server/tool_parsers/hermes.py",
-            "jaxserve_server/reasoning/think_tags.py"} <= set(names)
+            "jaxserve_server/reasoning/think_tags.py", "jaxserve_server/dashboard.html"} <= set(names)

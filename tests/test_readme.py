@@ -28,7 +28,7 @@ def test_jaxserve_commands_parse():
     assert len(commands) >= 6, commands
     for argv in commands:
         args = build_parser().parse_args(argv[1:])  # exits (a failed test) on an unknown flag
-        assert args.command in ("serve", "bench", "generate"), argv
+        assert args.command in ("serve", "bench", "generate", "trace", "diagnose"), argv
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")

@@ -196,8 +196,9 @@ def _rates(it: dict, workload: Workload) -> dict:
 
 
 def _step_profile(llm) -> dict:
-    """Step time split by token bucket (each step's host work and device time together)."""
-    records = list(llm.step_records)
+    """Step time split by token bucket (each step's host work and device time together), over the
+    steps that ran a program."""
+    records = [r for r in llm.step_records if r.token_bucket]
     by_bucket: dict[int, list[float]] = {}
     for r in records:
         by_bucket.setdefault(r.token_bucket, []).append(r.seconds)

@@ -125,7 +125,8 @@ class BlockPool:
     Block 0 is the null block: never handed out, never freed; the runner points padding slots at it.
     Free blocks are evicted least-recently-freed first. ``cached_block_hash_to_block`` maps each
     hash to exactly one block whose ``block_hash`` is that hash (a second block computing the same
-    content stays unhashed, so the map never needs duplicates).
+    content stays unhashed, so the map never needs duplicates). ``num_cached_free_blocks`` counts
+    the free blocks that still hold a hash (a prefix hit can revive them until they are reused).
     """
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool = True) -> None:
@@ -139,6 +140,7 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        self.num_cached_free_blocks = 0
         assert self.null_block.block_id == 0
 
     def get_cached_block(self, block_hash: BlockHash) -> Optional[KVCacheBlock]:
@@ -167,7 +169,8 @@ class BlockPool:
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Withdraw blocks from the prefix cache (their KV will not be written after all)."""
         for block in blocks:
-            self._maybe_evict_cached_block(block)
+            if self._maybe_evict_cached_block(block) and block.ref_cnt == 0:
+                self.num_cached_free_blocks -= 1
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop ``num_blocks`` LRU free blocks with ``ref_cnt = 1``, evicting their hashes now."""
@@ -177,8 +180,8 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             assert block.ref_cnt == 0
-            if self.enable_caching:
-                self._maybe_evict_cached_block(block)
+            if self.enable_caching and self._maybe_evict_cached_block(block):
+                self.num_cached_free_blocks -= 1
             block.ref_cnt = 1
         return blocks
 
@@ -198,6 +201,8 @@ class BlockPool:
                 continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks -= 1
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -211,6 +216,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed when no block is in use (else returns False):
@@ -220,6 +227,7 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.reset_hash()
+        self.num_cached_free_blocks = 0
         return True
 
     def get_num_free_blocks(self) -> int:

@@ -20,6 +20,13 @@ from jaxserve.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from jaxserve.core.schedule_record import (
+    WAIT_GRAMMAR,
+    WAIT_KV_BLOCKS,
+    WAIT_MAX_NUM_SEQS,
+    WAIT_PREEMPTION,
+    WAIT_TOKEN_BUDGET,
+)
 from jaxserve.core.stats import SchedulerStats
 from jaxserve.core.structured_outputs import GRAMMAR_READY, StructuredOutputHooks
 from jaxserve.exceptions import InvalidRequestError
@@ -122,6 +129,8 @@ class Scheduler:
         self._last_num_preempted = 0
         self.history: Optional[deque[SchedulerStats]] = (
             deque(maxlen=cfg.history_size) if cfg.history_size else None)
+        # Why the last schedule() left waiting requests waiting (a schedule_record.WAIT_* value).
+        self.waiting_reason: Optional[str] = None
 
     # ------------------------------------------------------------------ requests in
 
@@ -247,6 +256,7 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step preempted.
         grammar_pending: list[Request] = []
+        blocked: Optional[str] = WAIT_PREEMPTION if preempted else None
         if not preempted:
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting.peek_request()
@@ -263,10 +273,12 @@ class Scheduler:
                         and num_new <= self.max_num_batched_tokens):
                     # Whole prompt or nothing; head-of-line waits so FCFS order holds. (A resumed
                     # request longer than a whole step is chunked: it could never run otherwise.)
+                    blocked = WAIT_TOKEN_BUDGET
                     break
                 num_new = min(num_new, token_budget)
                 new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks)
                 if new_blocks is None:
+                    blocked = WAIT_KV_BLOCKS
                     break
                 self.waiting.pop_request()
                 if kv.log_stats and kv.reads_prefix_cache(request):
@@ -286,6 +298,14 @@ class Scheduler:
                 token_budget -= num_new
         for request in reversed(grammar_pending):  # back at the front, in their order
             self.waiting.prepend_request(request)
+        if self.waiting and blocked is None:
+            if token_budget <= 0:
+                blocked = WAIT_TOKEN_BUDGET
+            elif len(self.running) >= self.max_num_seqs:
+                blocked = WAIT_MAX_NUM_SEQS
+            else:  # everyone left waits for a grammar
+                blocked = WAIT_GRAMMAR
+        self.waiting_reason = blocked if self.waiting else None
 
         total = self.max_num_batched_tokens - token_budget
         assert len(self.running) <= self.max_num_seqs

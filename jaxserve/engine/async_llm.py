@@ -21,6 +21,8 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.processor import ProcessedRequest, PromptType
+from jaxserve.engine.step_records import StepRecord
+from jaxserve.engine.timeline import ABORT, CLIENT_DISCONNECT, EntryTimes, RequestTimeline
 from jaxserve.exceptions import EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger("jaxserve")
@@ -50,6 +52,7 @@ class AddRequest:
 @dataclasses.dataclass(frozen=True)
 class AbortRequest:
     request_id: str
+    cause: str = ABORT  # timeline finish cause: abort or client_disconnect
 
 
 InboxItem = Union[AddRequest, AbortRequest]
@@ -96,15 +99,17 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: Optional[str] = None,
-                       output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> AsyncGenerator[RequestOutput, None]:
+                       output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+                       entry_times: Optional[EntryTimes] = None) -> AsyncGenerator[RequestOutput, None]:
         """Stream outputs of one request. Raises InvalidRequestError (bad input) before the first output,
         EngineOverloadedError when the waiting queue is full, EngineDeadError if the loop failed.
-        Leaving the iteration early (client gone, cancellation) aborts the request."""
+        Leaving the iteration early (client gone, cancellation) aborts the request; its timeline
+        says ``client_disconnect``. ``entry_times``: what the server measured before the engine."""
         self.check_health()
         if self.num_waiting() >= self.max_waiting:
             raise EngineOverloadedError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
         processed = self.engine.process_request(request_id, prompt, sampling_params, priority=priority,
-                                                cache_salt=cache_salt)
+                                                cache_salt=cache_salt, entry_times=entry_times)
         queue: asyncio.Queue = asyncio.Queue()
         self._submit(AddRequest(processed, output_kind, OutputTarget(asyncio.get_running_loop(), queue)))
         finished = False
@@ -119,7 +124,7 @@ class AsyncLLM:
                     break
         finally:
             if not finished:
-                self._submit(AbortRequest(request_id))
+                self._submit(AbortRequest(request_id, CLIENT_DISCONNECT))
 
     async def abort(self, request_id: str) -> None:
         self._submit(AbortRequest(request_id))
@@ -162,7 +167,7 @@ class AsyncLLM:
                 except ValueError as exc:
                     item.target.deliver(exc)
             else:
-                self.engine.abort_request([item.request_id])
+                self.engine.abort_request([item.request_id], item.cause)
 
     def _fail_all(self, exc: BaseException) -> None:
         self._dead = exc
@@ -182,6 +187,21 @@ class AsyncLLM:
     def render_metrics(self) -> bytes:
         return self.engine.metrics.render()
 
+    # Read from the caller's thread while the loop thread writes: a record or timeline may be
+    # one step behind, never torn (the ring and the stores are copied under the GIL or a lock).
+    def get_request_timeline(self, request_id: str) -> Optional[RequestTimeline]:
+        return self.engine.get_request_timeline(request_id)
+
+    def recent_request_timelines(self, limit: int = 100) -> list[RequestTimeline]:
+        return self.engine.recent_request_timelines(limit)
+
+    def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]:
+        return self.engine.get_step_records(limit)
+
+    def build_trace(self, num_steps: Optional[int] = None, num_requests: int = 100) -> dict:
+        """A Chrome/Perfetto trace (JSON object) of the newest steps and requests."""
+        return self.engine.build_trace(num_steps, num_requests)
+
     def stats(self) -> dict:
         return self.engine.stats()
 
@@ -189,3 +209,4 @@ class AsyncLLM:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
+        self.engine.shutdown()

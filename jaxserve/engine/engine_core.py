@@ -14,7 +14,6 @@ request keep the full overlap.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import importlib.util
 import logging
 import threading
@@ -24,9 +23,11 @@ from typing import TYPE_CHECKING, Optional
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from jaxserve.core.schedule_record import record_schedule
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 from jaxserve.core.stats import SchedulerStats
 from jaxserve.engine.startup import StartupTimes
+from jaxserve.engine.step_records import StepRecord
 from jaxserve.exceptions import ConfigError
 from jaxserve.models.hub import ModelSource, resolve_model
 
@@ -36,23 +37,6 @@ if TYPE_CHECKING:
     from jaxserve.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger("jaxserve")
-
-
-@dataclasses.dataclass
-class StepRecord:
-    """What one step did, for notebooks and debugging (kept only when ``record_steps`` is on)."""
-
-    step: int
-    scheduled: dict[str, int]  # request id -> tokens this step
-    new_request_ids: list[str]
-    preempted_ids: list[str]
-    waiting_ids: list[str]
-    token_bucket: int
-    padding_ratio: float
-    sampled: dict[str, list[int]]
-    finished: dict[str, str]
-    kv_cache_usage: float
-    seconds: float
 
 
 def resolve_model_source(config: EngineConfig) -> ModelSource:
@@ -122,11 +106,15 @@ class EngineCore:
                 policy=config.scheduling_policy, async_scheduling=config.async_scheduling),
             num_blocks=self.runner.num_blocks, block_size=config.block_size,
             enable_caching=config.enable_prefix_caching)
-        self.step_records: Optional[collections.deque[StepRecord]] = (
-            collections.deque(maxlen=10_000) if record_steps else None)
+        # record_steps=True (notebooks, the bench's profile) keeps at least 10 000 records.
+        ring = max(config.max_step_records, 10_000 if record_steps else 0)
+        self.step_records: Optional[collections.deque[StepRecord]] = collections.deque(maxlen=ring) if ring else None
         self.last_stats: SchedulerStats = self.scheduler.make_stats()
         self._in_flight: Optional[InFlightStep] = None  # async scheduling: dispatched, not yet collected
         self.structured_outputs: Optional[StructuredOutputManager] = None  # set by enable_structured_outputs
+        self._in_flight_record: Optional[StepRecord] = None
+        self._last_step_end = time.monotonic()
+        self._last_device_end = 0.0
         self.runner.warm_up(show_progress)
         self.startup.add("compile", self.runner.stats.warm_up_compile_seconds)
         self.startup.add("first_runs", self.runner.stats.warm_up_run_seconds)
@@ -189,58 +177,89 @@ class EngineCore:
         return any(r in in_flight and so.tracks(r) for r in prepared.plan.req_ids)
 
     def _step_sync(self) -> list[EngineCoreOutput]:
-        start = time.perf_counter()
+        t0 = time.monotonic()
         scheduler_output = self.scheduler.schedule()
+        t1 = time.monotonic()
+        record = self._open_record(scheduler_output, t0, t1) if self.step_records is not None else None
         prepared = self.runner.prepare(scheduler_output)
-        runner_output = self.runner.collect(self.runner.launch(prepared, self._bitmask(prepared)))
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        in_flight = self.runner.launch(prepared, self._bitmask(prepared))
+        t2 = time.monotonic()
+        if record is not None:
+            record.prepare_s, record.dispatched = t2 - t1, t2
+        outputs = self._collect(in_flight, record, t2)
         self.last_stats = self.scheduler.make_stats()
-        if self.step_records is not None:
-            self._record(scheduler_output, runner_output, outputs, time.perf_counter() - start)
+        self._last_step_end = time.monotonic()
         return outputs
 
     def _step_async(self) -> list[EngineCoreOutput]:
-        """Dispatch step N+1, then collect step N: returns step N's outputs (none on the first)."""
-        start = time.perf_counter()
+        """Dispatch step N+1, then collect step N: returns step N's outputs (none on the first).
+        A constrained row of N+1 needs its token from N for its bitmask: then N is collected first."""
+        t0 = time.monotonic()
         scheduler_output = self.scheduler.schedule()
+        t1 = time.monotonic()
+        record = self._open_record(scheduler_output, t0, t1) if self.step_records is not None else None
         prepared = self.runner.prepare(scheduler_output)  # an empty one only updates request states
-        previous, self._in_flight = self._in_flight, None
+        prepare_s = time.monotonic() - t1
+        previous, previous_record = self._in_flight, self._in_flight_record
+        self._in_flight, self._in_flight_record = None, None
         outputs: list[EngineCoreOutput] = []
         if previous is not None and self._needs_previous_tokens(prepared, previous):
-            outputs = self._collect(previous, start)  # its tokens advance the matchers first
+            outputs = self._collect(previous, previous_record, time.monotonic())  # advances the matchers
             previous = None
+        launch_start = time.monotonic()
         dispatched = self.runner.launch(prepared, self._bitmask(prepared))
-        self._in_flight = dispatched if dispatched.out is not None else None
+        t2 = time.monotonic()
+        if record is not None:
+            record.prepare_s, record.dispatched = prepare_s + t2 - launch_start, t2
+        ran = dispatched.out is not None
+        if ran:
+            self._in_flight, self._in_flight_record = dispatched, record
         if previous is not None:
-            outputs = self._collect(previous, start)
+            outputs = self._collect(previous, previous_record, t2)
         self.last_stats = self.scheduler.make_stats()
+        if record is not None and not ran:
+            self._close_record(record, None, [], t2, t2, t2)
+        self._last_step_end = time.monotonic()
         return outputs
 
-    def _collect(self, step: InFlightStep, start: float) -> list[EngineCoreOutput]:
+    def _collect(self, step: InFlightStep, record: Optional[StepRecord],
+                 collect_start: float) -> list[EngineCoreOutput]:
+        """Wait for a dispatched step's tokens and apply them; ``collect_start``: when the host began
+        waiting (in async mode, after dispatching the next step)."""
         runner_output = self.runner.collect(step)
+        collected = time.monotonic()
         outputs = self.scheduler.update_from_output(step.scheduler_output, runner_output)
-        if self.step_records is not None:
-            self._record(step.scheduler_output, runner_output, outputs, time.perf_counter() - start)
+        if record is not None:
+            self._close_record(record, runner_output, outputs, collect_start, collected, time.monotonic())
         return outputs
 
-    def _record(self, so: SchedulerOutput, ro: ModelRunnerOutput, outputs: list[EngineCoreOutput],
-                seconds: float) -> None:
-        assert self.step_records is not None
+    def _open_record(self, so: SchedulerOutput, start: float, scheduled: float) -> StepRecord:
+        """The step as scheduled; read now, before aborts or updates change the scheduler."""
         tokens = so.total_num_scheduled_tokens
-        bucket = self.runner.buckets.pick(tokens) if tokens else 0
-        self.step_records.append(StepRecord(
-            step=self.last_stats.step,
-            scheduled=dict(so.num_scheduled_tokens),
-            new_request_ids=[r.req_id for r in so.scheduled_new_reqs],
-            preempted_ids=sorted(so.preempted_req_ids),
-            waiting_ids=[r.request_id for r in self.scheduler.waiting],
-            token_bucket=bucket,
-            padding_ratio=1.0 - tokens / bucket if tokens else 0.0,
-            sampled={r: t for r, t in zip(ro.req_ids, ro.sampled_token_ids) if t},
-            finished={o.request_id: o.finish_reason for o in outputs if o.finish_reason},
-            kv_cache_usage=self.last_stats.kv_cache_usage,
-            seconds=seconds,
-        ))
+        runner = self.runner
+        return StepRecord(
+            step=self.scheduler.step_counter, schedule=record_schedule(self.scheduler, so),
+            token_bucket=runner.buckets.pick(tokens) if tokens else 0,
+            decode_only=runner.decode_attn_fn is not None and 0 < tokens == len(so.num_scheduled_tokens),
+            backend=runner.attention_backend, compiled=not self.config.enforce_eager, start=start,
+            idle_gap_s=max(0.0, start - self._last_step_end), schedule_s=scheduled - start)
+
+    def _close_record(self, record: StepRecord, ro: Optional[ModelRunnerOutput], outputs: list[EngineCoreOutput],
+                      collect_start: float, collected: float, end: float) -> None:
+        """Finish a record once the step's tokens are applied. ``collect_start``: when the host
+        began waiting for them (in async mode, after dispatching the next step)."""
+        assert self.step_records is not None
+        record.collect_start, record.device_end = collect_start, collected
+        record.wait_s = collected - collect_start
+        if record.token_bucket:  # the device ran it: it started once launched and the step before was done
+            record.device_s = max(0.0, collected - max(record.dispatched, self._last_device_end))
+            self._last_device_end = collected
+        if ro is not None:
+            record.sampled = {r: t for r, t in zip(ro.req_ids, ro.sampled_token_ids) if t}
+        record.update_s = end - collected
+        record.end = end
+        record.finished = {o.request_id: o.finish_reason for o in outputs if o.finish_reason}
+        self.step_records.append(record)
 
     # ---- introspection -------------------------------------------------------------------------
 

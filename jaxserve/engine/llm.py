@@ -14,6 +14,8 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import Metric
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.processor import PromptType
+from jaxserve.engine.step_records import StepRecord
+from jaxserve.engine.timeline import RequestTimeline
 from jaxserve.exceptions import InvalidRequestError
 
 
@@ -99,8 +101,26 @@ class LLM:
 
     @property
     def step_records(self):
-        """Per-step records (who ran, tokens, bucket, ...) when built with ``record_steps=True``."""
+        """The ring of per-step records (who ran with how many tokens, who waited and why, blocks,
+        bucket, timings); ``record_steps=True`` keeps it even with ``max_step_records=0``."""
         return self.llm_engine.step_records
+
+    def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]:
+        """The newest ``limit`` step records (all kept with None), oldest first."""
+        return self.llm_engine.get_step_records(limit)
+
+    def get_request_timeline(self, request_id: str) -> Optional[RequestTimeline]:
+        """A request's timeline (``RequestOutput.request_id``), while the engine keeps it."""
+        return self.llm_engine.get_request_timeline(request_id)
+
+    def export_trace(self, path: Optional[str] = None, *, num_steps: Optional[int] = None,
+                     num_requests: int = 100) -> dict:
+        """A Chrome/Perfetto trace of the newest steps and requests; written to ``path`` if given."""
+        trace = self.llm_engine.build_trace(num_steps, num_requests)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(trace, f)
+        return trace
 
     def get_metrics(self) -> list[Metric]:
         return self.llm_engine.metrics.snapshot()

@@ -19,6 +19,9 @@ from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.engine.output_processor import OutputProcessor, ParentState
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.processor import InputProcessor, ProcessedRequest, PromptType
+from jaxserve.engine.step_records import StepRecord, last_records
+from jaxserve.engine.timeline import ABORT, EntryTimes, RequestTimeline
+from jaxserve.engine.trace import build_trace
 from jaxserve.exceptions import InvalidRequestError
 from jaxserve.models.hub import resolve_model
 
@@ -47,6 +50,12 @@ class LLMEngine:
         self.config = config
         # A tokenizer given apart is looked up first, so a wrong name fails before any compile.
         tokenizer_source = resolve_model(config.tokenizer, weights=False) if config.tokenizer else None
+        self.served_model_name = served_model_name or (config.model or "jaxserve-demo")
+        self.tracer = None
+        if config.otlp_traces_endpoint:  # before the engine starts: a missing extra fails at once
+            from jaxserve.engine.otel import RequestTracer
+
+            self.tracer = RequestTracer(config.otlp_traces_endpoint, self.served_model_name)
         self.core = EngineCore(config, show_progress=show_progress, record_steps=record_steps)
         with self.core.startup.phase("tokenizer"):
             self.tokenizer = load_tokenizer(str((tokenizer_source or self.core.model_source).path))
@@ -55,8 +64,11 @@ class LLMEngine:
         grammar_backend = self._grammar_backend()
         self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len, config,
                                               grammar_backend)
-        self.output_processor = OutputProcessor(self.tokenizer, on_finished=self._on_finished)
-        self.served_model_name = served_model_name or (config.model or "jaxserve-demo")
+        self.output_processor = OutputProcessor(self.tokenizer, on_finished=self._on_finished,
+                                                max_timelines=config.max_request_timelines,
+                                                keep_token_ids=config.record_token_ids)
+        if self.tracer is not None:
+            self.output_processor.on_ended = self._export_span
         self.model_root = self.core.model_source.root  # the folder, or the hub id
         self.metrics = EngineMetrics(self.served_model_name, self.core.attention_backend)
         self.metrics.record_startup(self.core.startup.phases, self.core.runner.stats)
@@ -85,10 +97,14 @@ class LLMEngine:
 
     def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                         priority: int = 0, cache_salt: Optional[str] = None,
-                        arrival_time: Optional[float] = None) -> ProcessedRequest:
-        """Tokenize and validate (raises InvalidRequestError naming the field); touches no engine state."""
+                        arrival_time: Optional[float] = None,
+                        entry_times: Optional[EntryTimes] = None) -> ProcessedRequest:
+        """Tokenize and validate (raises InvalidRequestError naming the field); touches no engine state.
+        ``entry_times``: the server's receive/template/tokenize times, for the request's timeline."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        return self.input_processor.process(request_id, prompt, params, arrival, priority, cache_salt)
+        processed = self.input_processor.process(request_id, prompt, params, arrival, priority, cache_salt)
+        processed.entry = entry_times
+        return processed
 
     def add_processed_request(self, processed: ProcessedRequest, *,
                               output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
@@ -99,13 +115,15 @@ class LLMEngine:
         parent = self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids,
             [r.request_id for r in processed.core_requests], [r.sampling_params for r in processed.core_requests],
-            output_kind, processed.core_requests[0].arrival_time, queue)
+            output_kind, processed.core_requests[0].arrival_time, queue,
+            core_requests=processed.core_requests, entry=processed.entry, tokenized_time=processed.tokenized_time)
         try:
             for req in processed.core_requests:
                 self.core.add_request(req)
         except ValueError:
             self.abort_request([request_id])
             raise
+        parent.metrics.queued_time = min(r.queued_ts or 0.0 for r in processed.core_requests)  # set by add_request
         return parent
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
@@ -116,8 +134,9 @@ class LLMEngine:
                                          arrival_time=arrival_time)
         return self.add_processed_request(processed, output_kind=output_kind, queue=queue)
 
-    def abort_request(self, request_ids: list[str]) -> None:
-        self.core.abort_requests(self.output_processor.abort_requests(request_ids))
+    def abort_request(self, request_ids: list[str], cause: str = ABORT) -> None:
+        """Abort requests; ``cause`` (abort, client_disconnect, error) is kept in their timelines."""
+        self.core.abort_requests(self.output_processor.abort_requests(request_ids, cause))
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.core.has_unfinished_requests()
@@ -162,6 +181,15 @@ class LLMEngine:
                 itls.append(now - m.last_token_time)
         self.metrics.record_iteration(num_tokens, itls, ttfts, num_prompt_tokens)
 
+    def _export_span(self, parent: ParentState) -> None:
+        assert self.tracer is not None
+        self.tracer.export(parent.timeline(keep_token_ids=False))
+
+    def shutdown(self) -> None:
+        """Send what is still buffered (spans) and stop background exporters."""
+        if self.tracer is not None:
+            self.tracer.shutdown()
+
     def _on_finished(self, parent: ParentState) -> None:
         reasons = [c.finish_reason for c in parent.children]
         reason = "abort" if "abort" in reasons else ("length" if "length" in reasons else "stop")
@@ -173,10 +201,27 @@ class LLMEngine:
         """Scheduler, cache and compile counters in one dict (also the basis of /metrics)."""
         return self.core.stats()
 
+    def get_request_timeline(self, request_id: str) -> Optional[RequestTimeline]:
+        """A request's timeline (live, or finished and still kept), or None."""
+        return self.output_processor.get_timeline(request_id)
+
+    def recent_request_timelines(self, limit: int = 100) -> list[RequestTimeline]:
+        """The newest ``limit`` finished requests' timelines, then the live ones'."""
+        return self.output_processor.recent_timelines(limit)
+
     @property
     def step_records(self):
-        """Per-step records when built with ``record_steps=True``, else None."""
+        """The ring of per-step records (``max_step_records`` of them), None when that is 0."""
         return self.core.step_records
+
+    def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]:
+        """The newest ``limit`` step records (all kept with None), oldest first."""
+        ring = self.core.step_records
+        return [] if ring is None else last_records(ring, limit)
+
+    def build_trace(self, num_steps: Optional[int] = None, num_requests: int = 100) -> dict:
+        """A Chrome/Perfetto trace (JSON object) of the newest steps and requests."""
+        return build_trace(self.get_step_records(num_steps), self.recent_request_timelines(num_requests))
 
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()

@@ -22,6 +22,14 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.logprob_text import LogprobTokenText, TokenDecoder
 from jaxserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestOutputKind
 from jaxserve.engine.stop_strings import find_new_stop, partial_stop_len
+from jaxserve.engine.timeline import (
+    ERROR,
+    EntryTimes,
+    RequestTimeline,
+    SampleTimeline,
+    TimelineStore,
+    finish_cause,
+)
 
 
 @dataclasses.dataclass
@@ -42,6 +50,7 @@ class ChildState:
     sent_logprobs: int = 0
     finish_reason: Optional[str] = None
     stop_reason: Any = None
+    finish_cause: Optional[str] = None  # timeline.FINISH_CAUSES
 
     @property
     def stops(self) -> list[str]:
@@ -61,23 +70,74 @@ class ParentState:
     num_cached_tokens: int = 0
     prompt_logprobs: Optional[list] = None
     prompt_logprobs_sent: bool = False  # DELTA: they go out once, in the first output after they arrive
+    # The core's requests, read (never written) for their schedule times, preemptions, max_tokens;
+    # dropped once the request ended (``release``), with what the timeline still needs kept.
+    core_requests: list = dataclasses.field(default_factory=list)
+    max_tokens: Optional[int] = None  # resolved by the scheduler; kept when the core requests go
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children)
 
+    def sync_core_times(self, m: Optional[RequestMetrics] = None) -> None:
+        """Copy the core's first-schedule time and preemption count into the metrics, or into
+        ``m`` (a copy, when another thread reads a timeline). Done at the first token, at the end
+        and when a timeline is read: not on every output."""
+        m = self.metrics if m is None else m
+        reqs = self.core_requests
+        if not reqs:
+            return
+        if m.first_scheduled_time is None:
+            scheduled = [r.scheduled_ts for r in reqs if r.scheduled_ts is not None]
+            if scheduled:
+                m.first_scheduled_time = min(scheduled)
+                if m.queued_time is not None:
+                    m.time_in_queue = m.first_scheduled_time - m.queued_time
+        m.num_preemptions = reqs[0].num_preemptions if len(reqs) == 1 else sum(r.num_preemptions for r in reqs)
+
+    def release(self) -> None:
+        """The request ended: keep what its timeline reads, drop the core requests (their token and
+        hash lists), detokenizers and logprobs, so kept timelines stay small."""
+        self.sync_core_times()
+        if self.core_requests:
+            self.max_tokens = self.core_requests[0].max_tokens
+        self.core_requests = []
+        self.prompt_logprobs = None
+        for child in self.children:
+            child.detok, child.logprobs, child.logprob_text = None, None, None
+
+    def timeline(self, keep_token_ids: bool) -> RequestTimeline:
+        metrics = dataclasses.replace(self.metrics)
+        self.sync_core_times(metrics)
+        samples = [SampleTimeline(c.index, len(c.token_ids), c.finish_reason, c.finish_cause, c.stop_reason,
+                                  list(c.token_ids) if keep_token_ids else None) for c in self.children]
+        reqs = self.core_requests
+        return RequestTimeline(
+            request_id=self.request_id, finished=self.finished, num_prompt_tokens=len(self.prompt_token_ids),
+            num_cached_tokens=self.num_cached_tokens, metrics=metrics, sampling_params=self.children[0].params,
+            max_tokens=reqs[0].max_tokens if reqs else self.max_tokens,
+            samples=samples, prompt_token_ids=list(self.prompt_token_ids) if keep_token_ids else None)
+
 
 class OutputProcessor:
-    def __init__(self, tokenizer, on_finished: Optional[Callable[[ParentState], None]] = None):
+    """Also the home of request timelines: live ones are its parents, finished ones (the newest
+    ``max_timelines``) stay in ``timelines``; token ids show in them only with ``keep_token_ids``."""
+
+    def __init__(self, tokenizer, on_finished: Optional[Callable[[ParentState], None]] = None, *,
+                 max_timelines: int = 1024, keep_token_ids: bool = False):
         self.tokenizer = tokenizer
         self.token_decoder = None if tokenizer is None else TokenDecoder(tokenizer)
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, tuple[ParentState, ChildState]] = {}
         self.on_finished = on_finished
+        self.timelines = TimelineStore(max_timelines)
+        self.keep_token_ids = keep_token_ids
+        self.on_ended: Optional[Callable[[ParentState], None]] = None  # finished, aborted or failed
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                     child_ids: list[str], child_params: list[SamplingParams], output_kind: RequestOutputKind,
-                    arrival_time: float, queue: Any = None) -> ParentState:
+                    arrival_time: float, queue: Any = None, *, core_requests: Optional[list] = None,
+                    entry: Optional[EntryTimes] = None, tokenized_time: Optional[float] = None) -> ParentState:
         children = []
         for i, (core_id, params) in enumerate(zip(child_ids, child_params)):
             detok = (IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
@@ -85,8 +145,13 @@ class OutputProcessor:
             wants_logprobs = params.logprobs is not None
             children.append(ChildState(i, core_id, params, detok, logprobs=[] if wants_logprobs else None,
                                        logprob_text=self._logprob_text(params) if wants_logprobs else None))
-        parent = ParentState(request_id, prompt, prompt_token_ids, output_kind, children,
-                             RequestMetrics(arrival_time=arrival_time), queue)
+        metrics = RequestMetrics(arrival_time=arrival_time, tokenized_time=tokenized_time)
+        if entry is not None:
+            metrics.received_time, metrics.templated_time = entry.received, entry.templated
+            if entry.tokenized is not None:  # the server tokenized (a chat): the engine only validated
+                metrics.tokenized_time = entry.tokenized
+        parent = ParentState(request_id, prompt, prompt_token_ids, output_kind, children, metrics, queue,
+                             core_requests=list(core_requests or []))
         self.parents[request_id] = parent
         for child in children:
             self.child_to_parent[child.core_id] = (parent, child)
@@ -96,15 +161,20 @@ class OutputProcessor:
         return bool(self.parents)
 
     def forget_all(self) -> list[ParentState]:
-        """Drop every request (the engine died); returns them."""
+        """Drop every request (the engine died); returns them. Their timelines end in ``error``."""
         parents = list(self.parents.values())
         self.parents.clear()
         self.child_to_parent.clear()
+        now = time.monotonic()
+        for parent in parents:
+            self._end_unfinished(parent, ERROR, now)
         return parents
 
-    def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Forget parents; returns the core ids of their unfinished children (to abort in the core)."""
+    def abort_requests(self, request_ids: list[str], cause: str = "abort") -> list[str]:
+        """Forget parents; returns the core ids of their unfinished children (to abort in the core).
+        ``cause`` (a timeline finish cause: abort, client_disconnect, error) goes in their timelines."""
         core_ids = []
+        now = time.monotonic()
         for rid in request_ids:
             parent = self.parents.pop(rid, None)
             if parent is None:
@@ -113,7 +183,31 @@ class OutputProcessor:
                 self.child_to_parent.pop(child.core_id, None)
                 if child.finish_reason is None:
                     core_ids.append(child.core_id)
+            self._end_unfinished(parent, cause, now)
         return core_ids
+
+    def _end_unfinished(self, parent: ParentState, cause: str, now: float) -> None:
+        for child in parent.children:
+            if child.finish_reason is None:
+                child.finish_reason, child.finish_cause = "abort", cause
+        parent.metrics.finished_time = now
+        self._ended(parent)
+
+    def _ended(self, parent: ParentState) -> None:
+        parent.release()
+        self.timelines.add(parent.request_id, parent)
+        if self.on_ended is not None:
+            self.on_ended(parent)
+
+    def get_timeline(self, request_id: str) -> Optional[RequestTimeline]:
+        """A live request's timeline so far, or a finished one's while the store keeps it."""
+        parent = self.parents.get(request_id) or self.timelines.get(request_id)
+        return None if parent is None else parent.timeline(self.keep_token_ids)
+
+    def recent_timelines(self, limit: int) -> list[RequestTimeline]:
+        """The newest ``limit`` finished requests' timelines, then every live one's."""
+        parents = self.timelines.recent(limit) + list(self.parents.values())
+        return [p.timeline(self.keep_token_ids) for p in parents]
 
     def process_outputs(
             self, outputs: list[EngineCoreOutput]) -> tuple[list[tuple[ParentState, RequestOutput]], list[str]]:
@@ -131,6 +225,8 @@ class OutputProcessor:
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             if out.new_prompt_logprobs is not None and parent.prompt_logprobs is None:
                 parent.prompt_logprobs = self._prompt_logprobs(parent, out.new_prompt_logprobs)
+            if out.new_token_ids and parent.metrics.first_token_time is None:
+                parent.sync_core_times()
             self._update_metrics(parent.metrics, out, now)
             stopped_by_string = self._apply_tokens(child, out)
             if stopped_by_string:
@@ -145,6 +241,7 @@ class OutputProcessor:
                 self.parents.pop(parent.request_id, None)
                 for c in parent.children:
                     self.child_to_parent.pop(c.core_id, None)
+                self._ended(parent)
                 if self.on_finished is not None:
                     self.on_finished(parent)
         return list(delivered.values()), to_abort
@@ -170,6 +267,7 @@ class OutputProcessor:
             child.cumulative_logprob += values[0]
         if out.finish_reason is not None:
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+            child.finish_cause = finish_cause(out.finish_reason, out.stop_reason)
         if child.detok is None:
             return False
         params = child.params
@@ -193,6 +291,7 @@ class OutputProcessor:
         child.text = child.text[: index + len(stop)] if params.include_stop_str_in_output else child.text[:index]
         already_finished = child.finish_reason is not None
         child.finish_reason, child.stop_reason = "stop", stop
+        child.finish_cause = finish_cause("stop", stop)
         return not already_finished
 
     def _logprob_text(self, params: SamplingParams) -> Optional[LogprobTokenText]:

@@ -40,13 +40,30 @@ class CompletionOutput:
 
 @dataclasses.dataclass
 class RequestMetrics:
-    """Times in seconds on the monotonic clock; latencies are differences of them."""
+    """A request's timeline (vLLM's ``RequestMetrics`` fields, plus the API-entry stages).
+
+    Times are seconds on the monotonic clock (``time.monotonic()``); only their differences mean
+    anything. In order, when set: ``received_time`` (the server read the request) <=
+    ``templated_time`` (chat template rendered) <= ``tokenized_time`` (prompt tokens known and
+    validated) <= ``queued_time`` (in the scheduler's waiting queue) <= ``first_scheduled_time``
+    <= ``first_token_time`` <= ``last_token_time`` <= ``finished_time``. ``arrival_time`` is when
+    the engine took the request (vLLM's meaning; TTFT and e2e latency count from it), after
+    ``received_time``. Offline (``LLM``) there is no receive or template stage: those stay None.
+    With ``n > 1`` the earliest sample's schedule and the preemptions of all samples count.
+    """
 
     arrival_time: float
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     num_generation_tokens: int = 0
+    received_time: Optional[float] = None
+    templated_time: Optional[float] = None
+    tokenized_time: Optional[float] = None
+    queued_time: Optional[float] = None
+    first_scheduled_time: Optional[float] = None
+    time_in_queue: Optional[float] = None  # first_scheduled_time - queued_time, as vLLM reports it
+    num_preemptions: int = 0
 
     @property
     def time_to_first_token(self) -> Optional[float]:
@@ -55,6 +72,12 @@ class RequestMetrics:
     @property
     def e2e_latency(self) -> Optional[float]:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["time_to_first_token"] = self.time_to_first_token
+        d["e2e_latency"] = self.e2e_latency
+        return d
 
 
 @dataclasses.dataclass

@@ -9,11 +9,13 @@ a bad request fails alone.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.timeline import EntryTimes
 from jaxserve.exceptions import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
 from jaxserve.models.config import ModelConfig
 from jaxserve.sample.metadata import DEFAULT_MAX_ALLOWED_TOKENS, DEFAULT_MAX_LOGIT_BIAS, MAX_MIN_TOKENS_STOP_IDS
@@ -30,6 +32,8 @@ class ProcessedRequest:
     prompt: Optional[str]
     prompt_token_ids: list[int]
     core_requests: list[Request]
+    tokenized_time: Optional[float] = None  # monotonic: tokenized and validated
+    entry: Optional[EntryTimes] = None  # what the server measured before
 
 
 def child_request_id(index: int, request_id: str) -> str:
@@ -135,7 +139,7 @@ class InputProcessor:
         core = [self._core_request(child_request_id(i, request_id) if params.n > 1 else request_id,
                                    ids, self._child_params(params, i), arrival_time, priority, cache_salt)
                 for i in range(params.n)]
-        return ProcessedRequest(request_id, text, ids, core)
+        return ProcessedRequest(request_id, text, ids, core, tokenized_time=time.monotonic())
 
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
         """The core request's own copy when it needs one (n > 1, extra EOS ids, min_tokens)."""

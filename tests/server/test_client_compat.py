@@ -253,7 +253,7 @@ class ReplayEngine:
         return b""
 
     async def generate(self, prompt, params, request_id, *, priority=0, cache_salt=None,
-                       output_kind=RequestOutputKind.DELTA):
+                       output_kind=RequestOutputKind.DELTA, entry_times=None):
         proc = OutputProcessor(self.tokenizer)
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt["prompt_token_ids"])
         proc.add_request(request_id, prompt, prompt_ids, [request_id], [params], output_kind, time.monotonic())

@@ -247,7 +247,7 @@ class ScriptedEngine:
         return b"# scripted\n"
 
     async def generate(self, prompt, params, request_id, *, priority=0, cache_salt=None,
-                       output_kind=RequestOutputKind.DELTA):
+                       output_kind=RequestOutputKind.DELTA, entry_times=None):
         if self.mode == "overloaded":
             raise EngineOverloadedError("the waiting queue is full (1 requests); retry later")
         if self.mode == "dead":

@@ -1,0 +1,100 @@
+"""Per-step records: the scheduler's decisions plus the runner's side of the same step.
+
+A ``StepRecord`` is opened right after ``schedule()`` (the queues and blocks as the scheduler left
+them) and closed once the step's tokens are back and applied. With async scheduling step N is
+closed during the engine call that dispatches N+1, so records can overlap in time; the device
+interval of a step starts no earlier than the previous step's results arrived.
+
+Times are ``time.monotonic()`` seconds (the clock of request timelines too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from jaxserve.core.schedule_record import ScheduleRecord
+
+
+@dataclasses.dataclass(slots=True)
+class StepRecord:
+    """One engine step. Invariants: ``start <= dispatched <= collect_start <= device_end <= end``;
+    ``seconds == schedule_s + prepare_s + wait_s + update_s`` (the host's engine work for it)."""
+
+    step: int
+    schedule: ScheduleRecord
+    token_bucket: int  # padded token count of the compiled program (0: nothing ran)
+    decode_only: bool  # the decode-only program variant ran
+    backend: str  # attention backend
+    compiled: bool  # False under enforce_eager
+    start: float  # schedule() began
+    idle_gap_s: float  # since the previous engine step returned (output processing, waiting for work)
+    schedule_s: float
+    prepare_s: float = 0.0  # the runner's input building and launch (dispatch)
+    dispatched: float = 0.0  # when the launch returned
+    collect_start: float = 0.0  # the host began waiting for this step's results
+    wait_s: float = 0.0  # the host blocked on this step's results
+    device_s: float = 0.0  # from launch (or the previous step's results) to this step's results
+    device_end: float = 0.0
+    update_s: float = 0.0  # update_from_output
+    end: float = 0.0
+    sampled: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    finished: dict[str, str] = dataclasses.field(default_factory=dict)  # request id -> finish reason
+
+    # Shortcuts to the scheduler's side, as notebooks read them.
+    @property
+    def scheduled(self) -> dict[str, int]:
+        return self.schedule.scheduled
+
+    @property
+    def new_request_ids(self) -> list[str]:
+        return self.schedule.new_request_ids
+
+    @property
+    def preempted_ids(self) -> list[str]:
+        return self.schedule.preempted_ids
+
+    @property
+    def waiting_ids(self) -> list[str]:
+        return self.schedule.waiting_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return self.schedule.num_scheduled_tokens
+
+    @property
+    def padding_ratio(self) -> float:
+        return 1.0 - self.num_tokens / self.token_bucket if self.token_bucket else 0.0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        s = self.schedule
+        return s.num_blocks_used / s.num_blocks_total if s.num_blocks_total else 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.schedule_s + self.prepare_s + self.wait_s + self.update_s
+
+    def as_dict(self) -> dict:
+        s = self.schedule
+        return {
+            "step": self.step, "start": self.start, "end": self.end,
+            "scheduled": s.scheduled, "prefill_ids": s.prefill_ids, "new_request_ids": s.new_request_ids,
+            "num_prefill_tokens": s.num_prefill_tokens, "num_decode_tokens": s.num_decode_tokens,
+            "waiting_ids": s.waiting_ids, "num_waiting": s.num_waiting, "waiting_reason": s.waiting_reason,
+            "preempted_ids": s.preempted_ids,
+            "blocks": {"total": s.num_blocks_total, "used": s.num_blocks_used,
+                       "cached_free": s.num_blocks_cached_free, "free": s.num_blocks_free},
+            "num_tokens": self.num_tokens, "token_bucket": self.token_bucket, "padding_ratio": self.padding_ratio,
+            "decode_only": self.decode_only, "backend": self.backend, "compiled": self.compiled,
+            "idle_gap_s": self.idle_gap_s, "schedule_s": self.schedule_s, "prepare_s": self.prepare_s,
+            "wait_s": self.wait_s, "device_s": self.device_s, "update_s": self.update_s, "seconds": self.seconds,
+            "sampled": self.sampled, "finished": self.finished,
+        }
+
+
+def last_records(records, limit: Optional[int]) -> list[StepRecord]:
+    """The newest ``limit`` records of a ring (all with None), oldest first; safe to call from
+    another thread than the one appending (copying a deque holds the GIL throughout)."""
+    items = list(records)
+    return items if limit is None else items[-limit:] if limit > 0 else []
