@@ -52,6 +52,7 @@ def test_a_compiling_grammar_waits_without_blocking_later_requests():
     so, _ = step(sched, runner)
     assert set(so.num_scheduled_tokens) == {"p"} and first.status is RequestStatus.WAITING_FOR_FSM
     assert [r.request_id for r in sched.waiting] == ["c"]
+    assert sched.waiting_reason == "grammar"  # the step record says why it waits
     grammar.ready.add("c")
     so, _ = step(sched, runner)
     assert "c" in so.num_scheduled_tokens and first.status is RequestStatus.RUNNING
