@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 from typing import AsyncGenerator, Optional, Union
@@ -24,6 +26,8 @@ from jaxserve.engine.processor import ProcessedRequest, PromptType
 from jaxserve.exceptions import EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger("jaxserve")
+# Threads that tokenize and validate prompts off the caller's event loop.
+DEFAULT_INPUT_WORKERS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +60,7 @@ InboxItem = Union[AddRequest, AbortRequest]
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, *, max_waiting: int = 1024):
+    def __init__(self, engine: LLMEngine, *, max_waiting: int = 1024, input_workers: int = DEFAULT_INPUT_WORKERS):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
@@ -70,6 +74,7 @@ class AsyncLLM:
         self._stop = False
         self._dead: Optional[BaseException] = None
         self._pending_adds = 0
+        self._input_pool = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="jaxserve-input")
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -103,8 +108,10 @@ class AsyncLLM:
         self.check_health()
         if self.num_waiting() >= self.max_waiting:
             raise EngineOverloadedError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
-        processed = self.engine.process_request(request_id, prompt, sampling_params, priority=priority,
-                                                cache_salt=cache_salt)
+        # Tokenizing a long prompt takes seconds: a worker thread does it, the event loop serves on.
+        processed = await asyncio.get_running_loop().run_in_executor(
+            self._input_pool, functools.partial(self.engine.process_request, request_id, prompt, sampling_params,
+                                                priority=priority, cache_salt=cache_salt))
         queue: asyncio.Queue = asyncio.Queue()
         self._submit(AddRequest(processed, output_kind, OutputTarget(asyncio.get_running_loop(), queue)))
         finished = False
@@ -159,13 +166,16 @@ class AsyncLLM:
                 try:
                     self.engine.add_processed_request(item.processed, output_kind=item.output_kind,
                                                       queue=item.target)
-                except ValueError as exc:
+                except Exception as exc:  # a refusal, or a fault of this request alone
+                    if not isinstance(exc, ValueError):
+                        logger.exception("request %s failed on admission", item.processed.request_id)
                     item.target.deliver(exc)
             else:
                 self.engine.abort_request([item.request_id])
 
     def _fail_all(self, exc: BaseException) -> None:
         self._dead = exc
+        self.engine.metrics.record_dead()
         error = EngineDeadError(f"the engine loop failed: {exc!r}")
         for target in self.engine.forget_all_requests():
             target.deliver(error)
@@ -189,3 +199,4 @@ class AsyncLLM:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
+        self._input_pool.shutdown(wait=False, cancel_futures=True)
