@@ -66,7 +66,11 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
                        param="messages")
     if not messages:
         raise APIError(400, "messages: must contain at least one message", param="messages")
+    if len(messages) > state.max_chat_messages:
+        raise APIError(400, f"messages: {len(messages)} messages exceed max_chat_messages={state.max_chat_messages}",
+                       param="messages")
     conversation = [_message_dict(m) for m in messages]
+    state.check_prompt_chars("messages", sum(len(str(m.get("content", ""))) for m in conversation))
     if continue_final_message and conversation[-1].get("role") != "assistant":
         raise APIError(400, "continue_final_message needs the last message to be from the assistant",
                        param="continue_final_message")

@@ -62,6 +62,7 @@ InboxItem = Union[AddRequest, AbortRequest]
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, *, max_waiting: int = 1024, input_workers: int = DEFAULT_INPUT_WORKERS):
         self.engine = engine
+        self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.max_model_len = engine.max_model_len
@@ -74,6 +75,7 @@ class AsyncLLM:
         self._stop = False
         self._dead: Optional[BaseException] = None
         self._pending_adds = 0
+        self._processing = 0  # requests being tokenized (touched on the callers' event loop only)
         self._input_pool = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="jaxserve-input")
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
@@ -95,7 +97,8 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine loop failed: {self._dead!r}")
 
     def num_waiting(self) -> int:
-        return self.engine.num_waiting_requests() + self._pending_adds
+        """Requests waiting in the scheduler, in the inbox, or still being tokenized."""
+        return self.engine.num_waiting_requests() + self._pending_adds + self._processing
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -109,9 +112,13 @@ class AsyncLLM:
         if self.num_waiting() >= self.max_waiting:
             raise EngineOverloadedError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
         # Tokenizing a long prompt takes seconds: a worker thread does it, the event loop serves on.
-        processed = await asyncio.get_running_loop().run_in_executor(
-            self._input_pool, functools.partial(self.engine.process_request, request_id, prompt, sampling_params,
-                                                priority=priority, cache_salt=cache_salt))
+        self._processing += 1  # counted as waiting from now, so the queue limit holds meanwhile
+        try:
+            processed = await asyncio.get_running_loop().run_in_executor(
+                self._input_pool, functools.partial(self.engine.process_request, request_id, prompt,
+                                                    sampling_params, priority=priority, cache_salt=cache_salt))
+        finally:
+            self._processing -= 1
         queue: asyncio.Queue = asyncio.Queue()
         self._submit(AddRequest(processed, output_kind, OutputTarget(asyncio.get_running_loop(), queue)))
         finished = False

@@ -127,7 +127,6 @@ class InputProcessor:
         n = len(ids)
         if n == 0:
             raise InvalidRequestError("prompt", "the prompt is empty")
-        self._check_token_ids("prompt", ids)
         if n >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt", f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} "
@@ -140,6 +139,7 @@ class InputProcessor:
             raise InvalidRequestError(
                 "max_tokens", f"{params.max_tokens} output tokens plus the {n}-token prompt exceed "
                               f"max_model_len={self.max_model_len}", code=CONTEXT_LENGTH_EXCEEDED)
+        self._check_token_ids("prompt", ids)  # after the length checks: at most max_model_len ids
 
     def _check_token_ids(self, field: str, ids) -> None:
         for t in ids:
