@@ -50,10 +50,11 @@ def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optio
               chat_template: Optional[str] = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
-              max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
+              max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES, split_special_tokens_in_content: bool = False,
               model_root: Optional[str] = None, enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
     state = ServerState(engine, served_model_name=served_model_name, chat_template=chat_template,
-                        model_root=model_root, max_chat_messages=max_chat_messages)
+                        model_root=model_root, max_chat_messages=max_chat_messages,
+                        split_special_tokens_in_content=split_special_tokens_in_content)
     app = FastAPI(title="jaxserve", version=jaxserve.__version__)
     app.state.jaxserve = state
     install_handlers(app)

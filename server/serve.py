@@ -56,6 +56,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help=f"seconds an idle keep-alive connection stays open (default: {DEFAULT_KEEP_ALIVE_TIMEOUT_S})")
     g.add_argument("--max-chat-messages", type=int, default=DEFAULT_MAX_CHAT_MESSAGES,
                    help=f"most messages in one chat request (default: {DEFAULT_MAX_CHAT_MESSAGES})")
+    g.add_argument("--split-special-tokens-in-content", action="store_true",
+                   help="tokenize the text of chat messages with special-token strings (<|im_start|> ...) split "
+                        "into ordinary tokens, so that no client text becomes a control token; only the template's "
+                        "own text does (default: off, as in vLLM)")
     g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve /tokenizer_info (the tokenizer's configuration and chat template), which "
                         "clients such as lm-eval use to tokenize through the server (default: off, as in vLLM)")
@@ -130,6 +134,7 @@ def _serve(args, config, sock: socket.socket, chat_template: Optional[str], api_
         app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                         chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,
                         request_body_timeout_s=args.request_body_timeout, max_chat_messages=args.max_chat_messages,
+                        split_special_tokens_in_content=args.split_special_tokens_in_content,
                         model_root=engine.model_root,
                         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
         uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_keep_alive=args.timeout_keep_alive,

@@ -10,6 +10,7 @@ from typing import Any, AsyncGenerator, Optional
 
 from jaxserve import RequestOutput, SamplingParams
 
+from .chat_tokens import tokenize_with_plain_content
 from .errors import APIError
 from .generation import Generations
 from .logprobs import TokenText, chat_logprobs
@@ -79,17 +80,22 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
         if reserved in kwargs:
             raise APIError(400, f"chat_template_kwargs: {reserved!r} cannot be set here",
                            param="chat_template_kwargs")
-    try:
-        text = tok.apply_chat_template(conversation, tokenize=False, chat_template=template,
-                                       add_generation_prompt=add_generation_prompt,
-                                       continue_final_message=continue_final_message, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
-        raise APIError(400, f"messages: the chat template failed: {type(exc).__name__}: {exc}",
-                       param="messages") from None
-    if not isinstance(text, str):
-        raise APIError(500, "the chat template did not render to a string")
-    ids = tok.encode(text, add_special_tokens=add_special_tokens)
-    return text, ids
+    def render(conv: list[dict[str, Any]]) -> str:
+        try:
+            text = tok.apply_chat_template(conv, tokenize=False, chat_template=template,
+                                           add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
+            raise APIError(400, f"messages: the chat template failed: {type(exc).__name__}: {exc}",
+                           param="messages") from None
+        if not isinstance(text, str):
+            raise APIError(500, "the chat template did not render to a string")
+        return text
+
+    if state.split_special_tokens_in_content:
+        return tokenize_with_plain_content(tok, render, conversation, add_special_tokens)
+    text = render(conversation)
+    return text, tok.encode(text, add_special_tokens=add_special_tokens)
 
 
 class OpenAIServingChat(OpenAIServing):

@@ -24,8 +24,9 @@ class ServerState:
 
     def __init__(self, engine, *, served_model_name: Optional[str] = None, chat_template: Optional[str] = None,
                  model_root: Optional[str] = None, max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
-                 input_workers: int = DEFAULT_INPUT_WORKERS):
+                 input_workers: int = DEFAULT_INPUT_WORKERS, split_special_tokens_in_content: bool = False):
         self.engine = engine
+        self.split_special_tokens_in_content = split_special_tokens_in_content
         self.max_prompt_chars = engine.config.max_prompt_chars
         self.max_chat_messages = max_chat_messages
         # Chat templates and tokenizers run here, off the event loop, which keeps serving meanwhile.
