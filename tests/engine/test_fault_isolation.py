@@ -175,3 +175,30 @@ def test_hashing_never_raises_on_a_lone_surrogate():
     a = kv_cache_utils.hash_block_tokens(None, [1, 2], (("salt", "\ud800"),))
     b = kv_cache_utils.hash_block_tokens(None, [1, 2], (("salt", "\ud801"),))
     assert a != b
+
+
+def test_stop_lists_are_bounded(llm):
+    prompt = {"prompt_token_ids": PROMPTS["a"]}
+    with pytest.raises(InvalidRequestError, match="max_stop_strings") as info:
+        llm.generate(prompt, params(stop=[f"s{i}" for i in range(65)]), use_tqdm=False)
+    assert info.value.param == "stop"
+    with pytest.raises(InvalidRequestError, match="max_stop_str_chars"):
+        llm.generate(prompt, params(stop=["x" * 1025]), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="max_prompt_chars"):
+        llm.generate("x" * 1_000_001, params(), use_tqdm=False)
+
+
+def test_a_fault_of_the_step_is_fatal_and_the_gauges_say_so(llm, monkeypatch):
+    """Last in this file: the engine's metrics keep saying it died."""
+    async_llm = AsyncLLM(llm.llm_engine)
+    try:
+        monkeypatch.setattr(llm.llm_engine.core, "step", lambda: 1 / 0)
+        result = asyncio.run(collect(async_llm, "a", params()))
+        assert type(result).__name__ == "EngineDeadError"
+        assert async_llm.is_dead
+        gauges = {m.name: m.value for m in llm.get_metrics()}
+        assert gauges["jaxserve:engine_dead"] == 1
+        assert gauges["jaxserve:num_requests_running"] == 0 and gauges["jaxserve:num_requests_waiting"] == 0
+        assert gauges["jaxserve:kv_cache_usage_perc"] != gauges["jaxserve:kv_cache_usage_perc"]  # NaN: unknown
+    finally:
+        async_llm.shutdown()
