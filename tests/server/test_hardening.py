@@ -264,3 +264,22 @@ def test_special_token_strings_in_chat_text_stay_text_with_the_option(demo_token
     assert tokens(safe_app, attack).count(im_start) == template_markers
     # Text without special-token strings tokenizes the same either way.
     assert tokens(safe_app, honest) == tokens(default_app, honest)
+
+
+class BrokenOutputEngine(ScriptedEngine):
+    """Its second output cannot be turned into a chunk (no text): a bug, not a failed request."""
+
+    async def generate(self, prompt, params, request_id, *, priority=0, cache_salt=None,
+                       output_kind=RequestOutputKind.DELTA):
+        yield RequestOutput(request_id, None, [1, 2], [CompletionOutput(0, "x", [40])], finished=False)
+        await asyncio.sleep(0)
+        yield RequestOutput(request_id, None, [1, 2], [CompletionOutput(0, None, [41], finish_reason="length")],
+                            finished=True)
+
+
+def test_a_bug_mid_stream_ends_that_stream_with_an_error_event(demo_tokenizer):
+    app = build_app(BrokenOutputEngine(demo_tokenizer))
+    r = call(app, "POST", "/v1/completions", json={"prompt": "a", "stream": True})
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[-2])["error"]["type"] == "server_error" and events[-1] == "[DONE]"
+    assert call(app, "GET", "/health").status_code == 200
