@@ -79,6 +79,17 @@ class ServerProcess:
                 return int(line.split()[1]) / 1024
         return float("nan")
 
+    def log_problems(self) -> int:
+        """Lines of the server's log so far that report an error or a traceback."""
+        while True:
+            try:
+                line = self.lines.get_nowait()
+            except queue.Empty:
+                break
+            if line is not None:
+                self.log.append(line)
+        return sum(1 for line in self.log if "Traceback" in line or line.startswith("ERROR"))
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -203,7 +214,7 @@ def run_soak(server: ServerProcess, args) -> dict[str, Any]:
         "finished_by_reason": {k.split(":", 1)[1]: after[k] - before.get(k, 0.0)
                                for k in sorted(after) if k.startswith("finished:")},
         "rss_mib_before": round(rss_before, 1), "rss_mib_after": round(server.rss_mb(), 1),
-        "after_idle": idle,
+        "after_idle": idle, "server_log_errors": server.log_problems(),
     }
 
 
