@@ -115,7 +115,7 @@ def _metrics(client, base: str) -> dict[str, float]:
     return out
 
 
-def _wait_idle(base: str, timeout: float = 120.0) -> dict[str, float]:
+def wait_until_idle(base: str, timeout: float = 120.0) -> dict[str, float]:
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -173,7 +173,7 @@ async def _one(client, rng: random.Random, args, outcomes: collections.Counter) 
         outcomes[f"client {type(exc).__name__}"] += 1
 
 
-async def _load(base: str, num: int, args, seed: int) -> collections.Counter:
+async def run_load(base: str, num: int, args, seed: int) -> collections.Counter:
     import httpx
 
     outcomes: collections.Counter = collections.Counter()
@@ -195,14 +195,14 @@ async def _load(base: str, num: int, args, seed: int) -> collections.Counter:
 
 
 def run_soak(server: ServerProcess, args) -> dict[str, Any]:
-    asyncio.run(_load(server.base, 2 * args.concurrency, args, seed=args.mix_seed + 1))  # warm-up
-    _wait_idle(server.base)
+    asyncio.run(run_load(server.base, 2 * args.concurrency, args, seed=args.mix_seed + 1))  # warm-up
+    wait_until_idle(server.base)
     rss_before = server.rss_mb()
-    before = _wait_idle(server.base)["metrics"]
+    before = wait_until_idle(server.base)["metrics"]
     started = time.monotonic()
-    outcomes = asyncio.run(_load(server.base, args.num_requests, args, seed=args.mix_seed))
+    outcomes = asyncio.run(run_load(server.base, args.num_requests, args, seed=args.mix_seed))
     seconds = time.monotonic() - started
-    idle = _wait_idle(server.base)
+    idle = wait_until_idle(server.base)
     after = idle.pop("metrics")
     errors = {k: v for k, v in outcomes.items() if k not in ("ok", "disconnected")}
     return {
@@ -280,7 +280,7 @@ def run_stop_strings(server: ServerProcess, args) -> dict[str, Any]:
             "requests_timed": count, "concurrency": concurrency,
             "p50_ms_alone": round(1000 * p50_alone, 1), "p50_ms_beside_stop_strings": round(1000 * p50_beside, 1),
             "ratio": round(p50_beside / p50_alone, 2), "stop_string_stream_chunks": chunks,
-            "after_idle": {k: v for k, v in _wait_idle(server.base).items() if k != "metrics"}}
+            "after_idle": {k: v for k, v in wait_until_idle(server.base).items() if k != "metrics"}}
 
 
 def run_soak_cli(args: argparse.Namespace, config: Any) -> dict[str, Any]:

@@ -4,7 +4,9 @@ The loop thread owns the ``LLMEngine``: it alone touches the scheduler, runner a
 processor. Callers on the asyncio side hand it work through a lock-protected inbox (add, abort)
 and receive ``RequestOutput`` deltas on per-request ``asyncio.Queue``s, posted back with
 ``call_soon_threadsafe``. Aborts (a client gone, a stop string) reach the core between steps and
-free the request's blocks in that step.
+free the request's blocks in that step. Prompts are tokenized and validated on a small pool of
+input threads (``process_request`` touches no engine state), so a long prompt never stalls the
+caller's event loop.
 """
 
 from __future__ import annotations

@@ -168,10 +168,10 @@ class OutputProcessor:
 
     @staticmethod
     def _fail_child(child: ChildState, out: EngineCoreOutput) -> bool:
-        """Finish a child with "error"; True if the core still runs it (the caller aborts it)."""
-        still_running = child.finish_reason is None and out.finish_reason is None
+        """Finish a child with "error"; True if the core still runs it (the caller aborts it):
+        only the core's own finish reason says it stopped there (a stop string is found here)."""
         child.finish_reason, child.stop_reason = ERROR, None
-        return still_running
+        return out.finish_reason is None
 
     def _error_output(self, parent: ParentState, child: ChildState) -> Optional[RequestOutput]:
         """The output that reports a failed child; a bare one if even building the usual fails."""
