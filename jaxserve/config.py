@@ -65,6 +65,8 @@ class EngineConfig:
     max_prompt_chars: int = 1_000_000
     """Longest text prompt, in characters, checked before it is tokenized (tokenizing costs about a
     second per megabyte)."""
+    max_n: int = 128
+    """Most samples (n) one request may ask for; each is a sequence in the engine."""
     max_stop_strings: int = 64
     """Most stop strings one request may give."""
     max_stop_str_chars: int = 1024
@@ -110,7 +112,7 @@ class EngineConfig:
             raise bad("num_gpu_blocks_override", "must be >= 2 (block 0 is reserved)")
         if self.max_logprobs < 0:
             raise bad("max_logprobs", "must be >= 0")
-        for name in ("max_prompt_chars", "max_stop_strings", "max_stop_str_chars"):
+        for name in ("max_prompt_chars", "max_n", "max_stop_strings", "max_stop_str_chars"):
             if getattr(self, name) < 1:
                 raise bad(name, "must be >= 1")
         if self.dtype != "auto":

@@ -27,8 +27,6 @@ from pydantic import (
     model_validator,
 )
 
-# Largest n a request may ask for (each sample is one core request).
-MAX_N = 128
 # Largest number of prompts in one /v1/completions request.
 MAX_PROMPTS = 1024
 # /v1/completions' max_tokens when the request leaves it out, as in the OpenAI API.
@@ -125,7 +123,7 @@ class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: Optional[str] = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1)  # the engine's --max-n bounds it
     # The ranges SamplingParams enforces, stated here too so that the OpenAPI schema says them.
     temperature: Optional[float] = Field(None, ge=0, le=_FLOAT32_MAX)
     top_p: Optional[float] = Field(None, gt=0, le=1)

@@ -50,6 +50,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.max_logprobs = config.max_logprobs
         self.max_prompt_chars = config.max_prompt_chars
+        self.max_n = config.max_n
         self.max_stop_strings = config.max_stop_strings
         self.max_stop_str_chars = config.max_stop_str_chars
         # Without chunked prefill a prompt must fit one step's token budget.
@@ -88,6 +89,8 @@ class InputProcessor:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  cache_salt: Optional[str] = None) -> None:
         """Raise ``InvalidRequestError`` if this engine cannot serve the request as given."""
+        if params.n > self.max_n:
+            raise InvalidRequestError("n", f"{params.n} samples exceed max_n={self.max_n}")
         self._check_prompt(prompt_token_ids, params)
         if cache_salt is not None:
             if not isinstance(cache_salt, str):

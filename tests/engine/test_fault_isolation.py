@@ -177,7 +177,7 @@ def test_hashing_never_raises_on_a_lone_surrogate():
     assert a != b
 
 
-def test_stop_lists_are_bounded(llm):
+def test_the_work_a_request_asks_for_is_bounded(llm):
     prompt = {"prompt_token_ids": PROMPTS["a"]}
     with pytest.raises(InvalidRequestError, match="max_stop_strings") as info:
         llm.generate(prompt, params(stop=[f"s{i}" for i in range(65)]), use_tqdm=False)
@@ -186,6 +186,8 @@ def test_stop_lists_are_bounded(llm):
         llm.generate(prompt, params(stop=["x" * 1025]), use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="max_prompt_chars"):
         llm.generate("x" * 1_000_001, params(), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="max_n"):
+        llm.generate(prompt, params(n=129), use_tqdm=False)
 
 
 def test_a_fault_of_the_step_is_fatal_and_the_gauges_say_so(llm, monkeypatch):
