@@ -62,6 +62,15 @@ class EngineConfig:
     """Exact number of KV cache blocks."""
     max_logprobs: int = 20
     """Largest logprobs/prompt_logprobs a request may ask for."""
+    max_prompt_chars: int = 1_000_000
+    """Longest text prompt, in characters, checked before it is tokenized (tokenizing costs about a
+    second per megabyte)."""
+    max_n: int = 128
+    """Most samples (n) one request may ask for; each is a sequence in the engine."""
+    max_stop_strings: int = 64
+    """Most stop strings one request may give."""
+    max_stop_str_chars: int = 1024
+    """Longest stop string, in characters."""
     compilation_cache_dir: str | None = None
     """JAX persistent compilation cache folder; default is under the user cache; 'off' disables it."""
     interpret_kernels: bool | None = None
@@ -128,6 +137,9 @@ class EngineConfig:
                 raise bad(field, "must be >= 0")
         if self.max_logprobs < 0:
             raise bad("max_logprobs", "must be >= 0")
+        for name in ("max_prompt_chars", "max_n", "max_stop_strings", "max_stop_str_chars"):
+            if getattr(self, name) < 1:
+                raise bad(name, "must be >= 1")
         if self.dtype != "auto":
             from jaxserve.models.config import normalize_dtype_name
 

@@ -18,11 +18,14 @@ from .chat_output import ChatParsers
 from .debug_endpoints import add_debug_endpoints
 from .errors import ENGINE_DEAD, APIError, install_handlers
 from .ignored_fields import report_ignored_fields
-from .limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from .limits import DEFAULT_MAX_CHAT_MESSAGES, DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_REQUEST_BODY_TIMEOUT_S
 from .middleware import AuthMiddleware, BodyLimitMiddleware
+from .openapi import error_responses, install_openapi
 from .protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -30,6 +33,8 @@ from .protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
+    VersionResponse,
     tool_dicts,
 )
 from .serving_chat import OpenAIServingChat, render_chat
@@ -38,41 +43,50 @@ from .state import ServerState
 from .tokenizer_info import tokenizer_info
 
 
+def generation_responses(body: type) -> dict:
+    """The documented answers of a generation route: its JSON body, or a stream of events."""
+    return {200: {"model": body, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+            **error_responses(400, 404, 408, 413, 500, 503)}
+
+
 def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
               chat_template: Optional[str] = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
+              max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES, split_special_tokens_in_content: bool = False,
               model_root: Optional[str] = None, enable_tokenizer_info_endpoint: bool = False,
               chat_parsers: Optional[ChatParsers] = None, enable_debug_endpoints: bool = False) -> FastAPI:
     state = ServerState(engine, served_model_name=served_model_name, chat_template=chat_template,
-                        model_root=model_root)
+                        model_root=model_root, max_chat_messages=max_chat_messages,
+                        split_special_tokens_in_content=split_special_tokens_in_content)
     app = FastAPI(title="jaxserve", version=jaxserve.__version__)
     app.state.jaxserve = state
     install_handlers(app)
+    install_openapi(app, with_auth=bool(api_key))
     completions = OpenAIServingCompletion(state)
     chat = OpenAIServingChat(state, chat_parsers)
 
     def model_card() -> ModelCard:
         return ModelCard(id=state.model_name, root=state.model_root, max_model_len=state.max_model_len)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList}})
     async def list_models():
         return ModelList(data=[model_card()]).model_dump()
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses={200: {"model": ModelCard}, **error_responses(404)})
     async def retrieve_model(model_id: str):
         state.check_model(model_id)
         return model_card().model_dump()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=generation_responses(CompletionResponse))
     async def create_completion(body: CompletionRequest, raw_request: Request):
         return await completions(body, raw_request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=generation_responses(ChatCompletionResponse))
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
         return await chat(body, raw_request)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest):
+    def tokenize_body(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         state.check_model(body.model)
         tok = state.tokenizer
         if tok is None:
@@ -83,12 +97,17 @@ def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optio
                                  add_special_tokens=body.add_special_tokens,
                                  chat_template_kwargs=body.chat_template_kwargs, tools=tool_dicts(body.tools))
         else:
+            state.check_prompt_chars("prompt", len(body.prompt))
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        answer = TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
+        return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
+
+    @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **error_responses(400, 404, 408, 413)})
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest):
+        answer = await state.off_loop(tokenize_body, body)
         return report_ignored_fields(body, JSONResponse(answer.model_dump()))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **error_responses(400, 404, 408, 413)})
     async def detokenize(body: DetokenizeRequest):
         state.check_model(body.model)
         if state.tokenizer is None:
@@ -101,7 +120,7 @@ def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optio
         return report_ignored_fields(body, JSONResponse(answer.model_dump()))
 
     if enable_tokenizer_info_endpoint:
-        @app.get("/tokenizer_info")
+        @app.get("/tokenizer_info", responses={200: {"model": TokenizerInfoResponse}, **error_responses(400)})
         async def get_tokenizer_info():
             if state.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer")
@@ -110,22 +129,26 @@ def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optio
     if enable_debug_endpoints:
         add_debug_endpoints(app, engine)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "The engine runs (an empty body)", "content": {}},
+                        **error_responses(503)})
     async def health():
         if engine.is_dead:
             raise APIError(503, "the engine is dead (its loop failed)", code=ENGINE_DEAD)
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"description": "Prometheus metrics, text exposition format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         return Response(engine.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/version")
+    @app.get("/version", responses={200: {"model": VersionResponse}})
     async def version():
-        return JSONResponse({"version": jaxserve.__version__})
+        return JSONResponse(VersionResponse(version=jaxserve.__version__).model_dump())
 
-    # Outermost first: auth rejects without reading a body; then the body limit.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
+    # Outermost first: auth rejects without reading a body; then the body limit and timeout.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes, timeout_s=request_body_timeout_s)
     if api_key:
         app.add_middleware(AuthMiddleware, api_key=api_key)
     return app

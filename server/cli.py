@@ -1,5 +1,5 @@
 """The ``jaxserve`` command: ``serve``, ``generate``, ``trace``, ``diagnose`` and
-``bench {throughput,startup,scheduler,serve}``.
+``bench {throughput,startup,scheduler,serve,soak}``.
 
 It lives with the server because ``serve`` needs it, and the server sits above the engine.
 Engine flags come from ``EngineConfig`` one-to-one (``--max-num-seqs`` ...), so every entry point
@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                                   description="load generator against a running server")
     add_serve_bench_args(serve_bench)
     _add_common_args(serve_bench)
+    soak = _engine_parser(bsub, "soak", "many misbehaving clients against a server it starts (small KV pool): "
+                                        "errors by type, memory, gauges back to 0")
+    from jaxserve.bench.soak import add_soak_args
+
+    add_soak_args(soak)
     return parser
 
 
@@ -154,6 +159,10 @@ def _run(args: argparse.Namespace, started: float) -> int:
         from jaxserve.bench.scheduler_bench import run_scheduler_bench
 
         result = run_scheduler_bench(num_running=tuple(args.num_running), steps=args.steps)
+    elif args.bench_command == "soak":
+        from jaxserve.bench.soak import run_soak_cli
+
+        result = run_soak_cli(args, EngineConfig.from_cli_args(args, model=args.model))
     else:
         from jaxserve.bench.serve_bench import run_serve_bench_cli
 

@@ -19,16 +19,31 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve import EngineDeadError, EngineOverloadedError, InvalidRequestError
 
+
+class InvalidTextError(ValueError):
+    """A string of the body that is not Unicode text (a lone surrogate, which JSON can spell as
+    ``"\\ud800"`` but UTF-8 cannot encode); ``param`` is where it is, as ``messages.0.content``."""
+
+    def __init__(self, param: str):
+        super().__init__(f"{param}: not valid Unicode text (it contains a lone surrogate)")
+        self.param = param
+
+
+
 logger = logging.getLogger("jaxserve.server")
 
 # Code of every 503 caused by a failed engine loop (requests, /health alike).
 ENGINE_DEAD = "engine_dead"
+# Retry-After of a 503, in seconds.
+OVERLOADED_RETRY_AFTER_S = 1
+DEAD_RETRY_AFTER_S = 30
 # Validation errors listed one by one in a 400's message; the rest are counted.
 MAX_LISTED_ERRORS = 5
 
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    408: "invalid_request_error",
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
@@ -49,18 +64,35 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status, "server_error")
 
 
+def safe_text(text: Optional[str]) -> Optional[str]:
+    """``text`` with anything UTF-8 cannot encode (a lone surrogate echoed from the request)
+    replaced, so that an error body can always be rendered."""
+    if text is None:
+        return None
+    return str(text).encode("utf-8", "replace").decode("utf-8")
+
+
 def error_body(status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
                type: Optional[str] = None) -> dict:
-    return {"error": {"message": message, "type": type or _TYPES.get(status, "server_error"),
-                      "param": param, "code": code}}
+    return {"error": {"message": safe_text(message), "type": type or _TYPES.get(status, "server_error"),
+                      "param": safe_text(param), "code": code}}
 
 
 def error_response(status: int, message: str, **kw) -> JSONResponse:
     return JSONResponse(error_body(status, message, **kw), status_code=status)
 
 
+def retry_after_headers(status: int, code: Optional[str]) -> Optional[dict[str, str]]:
+    """A 503 says when to try again: soon when the queue is full, later when the engine is dead
+    (a supervisor restarts it)."""
+    if status != 503:
+        return None
+    return {"Retry-After": str(DEAD_RETRY_AFTER_S if code == ENGINE_DEAD else OVERLOADED_RETRY_AFTER_S)}
+
+
 def api_error_response(exc: APIError) -> JSONResponse:
-    return error_response(exc.status, exc.message, param=exc.param, code=exc.code, type=exc.type)
+    return JSONResponse(error_body(exc.status, exc.message, param=exc.param, code=exc.code, type=exc.type),
+                        status_code=exc.status, headers=retry_after_headers(exc.status, exc.code))
 
 
 def sse_error(exc: APIError) -> str:
@@ -100,8 +132,8 @@ def engine_error(exc: BaseException) -> APIError:
 
 # Fields typed as unions: pydantic reports one error per alternative; say what is accepted instead.
 _UNION_HINTS = {
-    "prompt": "must be a string, a list of strings, a list of token ids or a list of token-id lists",
-    "stop": "must be a string or a list of strings",
+    "prompt": "must be a non-empty string, list of strings, list of token ids or list of token-id lists",
+    "stop": "must be a non-empty string or a list of them",
 }
 
 
@@ -120,6 +152,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         where = ".".join(loc)
         kind = err.get("type", "")
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, InvalidTextError):
+            return str(cause), cause.param
         if kind == "json_invalid":
             ctx = err.get("ctx") or {}
             return f"the request body is not valid JSON ({ctx.get('error', 'parse error')})", None

@@ -17,11 +17,19 @@ from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Optional, Sequ
 
 from jaxserve import EntryTimes, RequestOutput, RequestOutputKind, SamplingParams
 
-from .errors import engine_error
+from .errors import APIError, engine_error
 
 _DONE = object()  # queued by a prompt's pump once its engine stream has ended
 # How long wait_for_disconnect sleeps after an unexpected message, so that it never spins.
 _RECEIVE_RETRY_S = 0.01
+
+
+def check_not_failed(out: RequestOutput) -> None:
+    """A request that failed in the engine (finish reason "error") is a 500 for its client alone,
+    as in vLLM; every other request runs on."""
+    if any(o.finish_reason == "error" for o in out.outputs):
+        raise APIError(500, f"request {out.request_id} failed inside the engine; other requests are unaffected",
+                       code="generation_error")
 
 
 class ClientDisconnected(Exception):
@@ -67,6 +75,7 @@ class Generations:
                 index, item = await self._queue.get()
                 if isinstance(item, BaseException):
                     raise engine_error(item)
+                check_not_failed(item)
                 seen.add(index)
                 self._buffered.append((index, item))
         except BaseException:
@@ -85,6 +94,7 @@ class Generations:
                 continue
             if isinstance(item, BaseException):
                 raise engine_error(item)
+            check_not_failed(item)
             yield index, item
 
     async def collect(self) -> list[RequestOutput]:

@@ -3,12 +3,14 @@
 ``AuthMiddleware``: with an API key set, every route except the open ones needs
 ``Authorization: Bearer <key>`` (401 otherwise).
 ``BodyLimitMiddleware``: 413 when ``Content-Length`` or the bytes actually received exceed the
-limit; the body is read here (bounded) and replayed to the app, after which ``receive`` is the
+limit, 408 when the body takes longer than its timeout; the body is read here (bounded in size
+and time) and replayed to the app, after which ``receive`` is the
 server's own again, so a handler can still wait for ``http.disconnect``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from typing import Iterable
@@ -49,9 +51,10 @@ class AuthMiddleware:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, timeout_s: float):
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     def _too_large(self, send, size_text: str):
         return _send_error(send, 413, f"the request body ({size_text}) exceeds the limit of {self.max_bytes} "
@@ -69,11 +72,18 @@ class BodyLimitMiddleware:
                 if declared > self.max_bytes:
                     return await self._too_large(send, f"{declared} bytes")
                 break
-        # Read the whole body now, counting what actually arrives (chunked bodies have no length).
+        # Read the whole body now, counting what actually arrives (chunked bodies have no length),
+        # within timeout_s: a client that sends half a body does not hold a connection for long.
         chunks: list[bytes] = []
         size = 0
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:
+                return await _send_error(send, 408, f"the request body did not arrive within {self.timeout_s:g} s "
+                                                    "(--request-body-timeout)", code="request_timeout",
+                                         headers=[(b"connection", b"close")])
             if message["type"] == "http.disconnect":
                 return  # the client left before sending its request
             chunk = message.get("body", b"")

@@ -15,14 +15,23 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
+from .errors import InvalidTextError
 from .structured_outputs import structured_outputs_from_request
 
-# Largest n a request may ask for (each sample is one core request).
-MAX_N = 128
 # Largest number of prompts in one /v1/completions request.
 MAX_PROMPTS = 1024
 # /v1/completions' max_tokens when the request leaves it out, as in the OpenAI API.
@@ -34,14 +43,56 @@ _INT32_MAX = 2**31 - 1
 _FLOAT32_MAX = 3.4e38
 
 
+# A string that must say something (a prompt, a stop string).
+NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def find_invalid_text(value: Any, path: str = "") -> Optional[str]:
+    """The path of the first string (value or key) in ``value`` that is not Unicode text, else None."""
+    if isinstance(value, str):
+        return None if _is_text(value) else (path or "body")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and not _is_text(key):
+                return path or "body"
+            found = find_invalid_text(item, inner)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = find_invalid_text(item, f"{path}.{i}" if path else str(i))
+            if found is not None:
+                return found
+    return None
+
+
 class _Request(BaseModel):
     # NaN/Infinity are valid in Python's JSON parser but never valid sampling values. Unknown
-    # fields are kept aside (model_extra), to be reported, rather than refused.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # fields are kept aside (model_extra), to be reported, rather than refused. Strict: JSON
+    # types as OpenAI's API has them ("max_tokens": "16" is refused, not converted).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_unicode_text(cls, data: Any) -> Any:
+        # Every string, known field or not, once, before any is used (tokenized, hashed, echoed).
+        where = find_invalid_text(data)
+        if where is not None:
+            raise InvalidTextError(where)
+        return data
 
     def ignored_fields(self) -> list[str]:
         """Fields of the body that no model declares, nested ones as ``outer.inner``."""
@@ -101,21 +152,22 @@ class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: Optional[str] = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: Optional[float] = Field(None, le=_FLOAT32_MAX)
-    top_p: Optional[float] = None
+    n: int = Field(1, ge=1)  # the engine's --max-n bounds it
+    # The ranges SamplingParams enforces, stated here too so that the OpenAPI schema says them.
+    temperature: Optional[float] = Field(None, ge=0, le=_FLOAT32_MAX)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=-1, le=_INT32_MAX)
-    min_p: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = Field(None, le=_FLOAT32_MAX)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=_FLOAT32_MAX)
     seed: Optional[int] = Field(None, ge=-_INT64, lt=_INT64)
-    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
-    stop_token_ids: Optional[list[StrictInt]] = None
+    stop: Optional[Union[NonEmptyStr, list[NonEmptyStr]]] = None
+    stop_token_ids: Optional[list[Annotated[StrictInt, Field(ge=0)]]] = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     logit_bias: Optional[dict[str, float]] = None
-    allowed_token_ids: Optional[list[StrictInt]] = None
+    allowed_token_ids: Optional[list[Annotated[StrictInt, Field(ge=0)]]] = Field(None, min_length=1)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -205,7 +257,9 @@ class _SamplingFields(_Request):
 
 # ---- /v1/completions -----------------------------------------------------------------------------
 
-PromptInput = Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+PromptInput = Union[NonEmptyStr, TokenIds, Annotated[list[NonEmptyStr], Field(min_length=1)],
+                    Annotated[list[TokenIds], Field(min_length=1)]]
 
 
 class CompletionRequest(_SamplingFields):
@@ -296,7 +350,7 @@ class CompletionStreamResponse(BaseModel):
 
 
 class ChatContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: Optional[str] = None
 
@@ -347,7 +401,7 @@ def tool_dicts(tools: Optional[list[ChatCompletionToolsParam]]) -> Optional[list
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: StrictStr
     content: Optional[Union[StrictStr, list[ChatContentPart]]] = None
     name: Optional[str] = None
@@ -357,9 +411,9 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: Optional[int] = Field(None, ge=0)
-    max_completion_tokens: Optional[int] = Field(None, ge=0)
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0)
     add_generation_prompt: bool = True
@@ -551,7 +605,7 @@ class TokenizeCompletionRequest(_Request):
 
 class TokenizeChatRequest(_Request):
     model: Optional[str] = None
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -577,6 +631,10 @@ class DetokenizeRequest(_Request):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class ErrorInfo(BaseModel):

@@ -20,7 +20,12 @@ from typing import Optional
 
 from jaxserve import ConfigError, EngineConfig, envs
 
-from .limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from .limits import (
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    DEFAULT_MAX_CHAT_MESSAGES,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_REQUEST_BODY_TIMEOUT_S,
+)
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -44,6 +49,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="most requests waiting for the engine; beyond that new requests get 503 (default: 1024)")
     g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BODY_BYTES})")
+    g.add_argument("--request-body-timeout", type=float, default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
+                   help="seconds a client has to send its request body; slower ones get 408 and the connection "
+                        f"is closed (default: {DEFAULT_REQUEST_BODY_TIMEOUT_S:g})")
+    g.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+                   help=f"seconds an idle keep-alive connection stays open (default: {DEFAULT_KEEP_ALIVE_TIMEOUT_S})")
+    g.add_argument("--max-chat-messages", type=int, default=DEFAULT_MAX_CHAT_MESSAGES,
+                   help=f"most messages in one chat request (default: {DEFAULT_MAX_CHAT_MESSAGES})")
+    g.add_argument("--split-special-tokens-in-content", action="store_true",
+                   help="tokenize the text of chat messages with special-token strings (<|im_start|> ...) split "
+                        "into ordinary tokens, so that no client text becomes a control token; only the template's "
+                        "own text does (default: off, as in vLLM)")
     g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve /tokenizer_info (the tokenizer's configuration and chat template), which "
                         "clients such as lm-eval use to tokenize through the server (default: off, as in vLLM)")
@@ -107,6 +123,12 @@ def run_serve(args: argparse.Namespace, started: Optional[float] = None) -> int:
         raise ConfigError("--max-waiting must be at least 1")
     if args.max_request_body_bytes < 1:
         raise ConfigError("--max-request-body-bytes must be at least 1")
+    if not args.request_body_timeout > 0:
+        raise ConfigError("--request-body-timeout must be positive")
+    if args.timeout_keep_alive < 1:
+        raise ConfigError("--timeout-keep-alive must be at least 1")
+    if args.max_chat_messages < 1:
+        raise ConfigError("--max-chat-messages must be at least 1")
     try:
         chat_template = load_chat_template(args.chat_template)
     except (OSError, ValueError) as exc:
@@ -137,10 +159,13 @@ def _serve(args, config, sock: socket.socket, chat_template: Optional[str], api_
     try:
         app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                         chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,
+                        request_body_timeout_s=args.request_body_timeout, max_chat_messages=args.max_chat_messages,
+                        split_special_tokens_in_content=args.split_special_tokens_in_content,
                         model_root=engine.model_root,
                         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, chat_parsers=parsers,
                         enable_debug_endpoints=args.enable_debug_endpoints)
-        uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_keep_alive=30, lifespan="off")
+        uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_keep_alive=args.timeout_keep_alive,
+                                   lifespan="off")
         server = _make_server(uv_config, app.state.jaxserve.model_name, started)
         asyncio.run(server.serve(sockets=[sock]))
     finally:

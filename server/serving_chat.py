@@ -17,6 +17,7 @@ from jaxserve import InvalidRequestError, RequestOutput, SamplingParams
 
 from . import entry_times
 from .chat_output import ChatParsers, ChoiceDelta, ChoiceParser, finish_reason, merged
+from .chat_tokens import tokenize_with_plain_content
 from .errors import APIError, invalid_request
 from .generation import Generations
 from .logprobs import TokenText, chat_logprobs
@@ -92,7 +93,11 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
                        param="messages")
     if not messages:
         raise APIError(400, "messages: must contain at least one message", param="messages")
+    if len(messages) > state.max_chat_messages:
+        raise APIError(400, f"messages: {len(messages)} messages exceed max_chat_messages={state.max_chat_messages}",
+                       param="messages")
     conversation = [_message_dict(m) for m in messages]
+    state.check_prompt_chars("messages", sum(len(str(m.get("content", ""))) for m in conversation))
     if continue_final_message and conversation[-1].get("role") != "assistant":
         raise APIError(400, "continue_final_message needs the last message to be from the assistant",
                        param="continue_final_message")
@@ -101,17 +106,24 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
         if reserved in kwargs:
             raise APIError(400, f"chat_template_kwargs: {reserved!r} cannot be set here",
                            param="chat_template_kwargs")
-    try:
-        text = tok.apply_chat_template(conversation, tokenize=False, chat_template=template,
-                                       add_generation_prompt=add_generation_prompt,
-                                       continue_final_message=continue_final_message, tools=tools, **kwargs)
+    def render(conv: list[dict[str, Any]]) -> str:
+        try:
+            text = tok.apply_chat_template(conv, tokenize=False, chat_template=template,
+                                           add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, tools=tools, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
+            raise APIError(400, f"messages: the chat template failed: {type(exc).__name__}: {exc}",
+                           param="messages") from None
+        if not isinstance(text, str):
+            raise APIError(500, "the chat template did not render to a string")
         entry_times.mark("templated")
-    except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
-        raise APIError(400, f"messages: the chat template failed: {type(exc).__name__}: {exc}",
-                       param="messages") from None
-    if not isinstance(text, str):
-        raise APIError(500, "the chat template did not render to a string")
-    ids = tok.encode(text, add_special_tokens=add_special_tokens)
+        return text
+
+    if state.split_special_tokens_in_content:
+        text, ids = tokenize_with_plain_content(tok, render, conversation, add_special_tokens)
+    else:
+        text = render(conversation)
+        ids = tok.encode(text, add_special_tokens=add_special_tokens)
     entry_times.mark("tokenized")
     return text, ids
 

@@ -42,6 +42,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if len(prompts) > MAX_PROMPTS:
             raise APIError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}",
                            param="prompt")
+        for p in prompts:
+            if isinstance(p, str):
+                state.check_prompt_chars("prompt", len(p))
         keep = state.truncation(req.truncate_prompt_tokens)
         engine_prompts = [self._engine_prompt(p, req.add_special_tokens, keep) for p in prompts]
         kw = req.sampling_kwargs()

@@ -9,6 +9,7 @@ starts: a refused request is an error status, never a stream that opens and fail
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
 from contextlib import aclosing
@@ -28,6 +29,7 @@ from .ignored_fields import report_ignored_fields
 from .protocol import UsageInfo, random_id
 from .state import ServerState
 
+logger = logging.getLogger("jaxserve.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = "data: [DONE]\n\n"
 # Status nginx uses for "client closed request"; nobody reads it, it only shows up in access logs.
@@ -124,7 +126,7 @@ class OpenAIServing(ABC):
     async def _respond(self, req, raw_request: Request) -> Response:
         self.state.check_alive()
         times = entry_times.start()
-        prompts, params = self.prepare(req)
+        prompts, params = await self.state.off_loop(self.prepare, req)  # templates and tokenizers take time
         ids = ResponseIds(random_id(self.id_prefix), int(time.time()), self.state.model_name)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         generations = Generations(self.state.engine, prompts, params, ids.id, kind,
@@ -157,12 +159,15 @@ class OpenAIServing(ABC):
 
 
 async def _sse_events(chunks: AsyncGenerator[BaseModel, None], include_usage: bool) -> AsyncIterator[str]:
-    """Frame ``chunks`` as events; an ``APIError`` mid-stream is sent as an error event, and a
-    stream that runs to its end (with or without an error) ends with ``[DONE]``."""
+    """Frame ``chunks`` as events; an error mid-stream (an ``APIError``, or a 500 for anything
+    else) is sent as an error event, and a stream that runs to its end ends with ``[DONE]``."""
     async with aclosing(chunks):
         try:
             async for chunk in chunks:
                 yield sse_event(chunk, include_usage)
         except APIError as exc:
             yield sse_error(exc)
+        except Exception as exc:  # a bug building a chunk: this stream ends with an error, the server runs on
+            logger.exception("a stream failed")
+            yield sse_error(APIError(500, f"internal error while streaming: {type(exc).__name__}"))
     yield SSE_DONE

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import asyncio
+import concurrent.futures
+import contextvars
+import functools
+from typing import Any, Callable, Optional, TypeVar
 
 from .errors import ENGINE_DEAD, APIError
+from .limits import DEFAULT_INPUT_WORKERS, DEFAULT_MAX_CHAT_MESSAGES
 from .logprobs import TokenIdText, TokenText
+
+T = TypeVar("T")
 
 
 class ServerState:
@@ -13,12 +20,18 @@ class ServerState:
 
     ``engine`` is a running ``AsyncLLM`` or anything with its public interface (``generate``,
     ``tokenizer``, ``served_model_name``, ``max_model_len``, ``model_config.vocab_size``,
-    ``is_dead``, ``render_metrics``).
+    ``config.max_prompt_chars``, ``is_dead``, ``render_metrics``).
     """
 
     def __init__(self, engine, *, served_model_name: Optional[str] = None, chat_template: Optional[str] = None,
-                 model_root: Optional[str] = None):
+                 model_root: Optional[str] = None, max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
+                 input_workers: int = DEFAULT_INPUT_WORKERS, split_special_tokens_in_content: bool = False):
         self.engine = engine
+        self.split_special_tokens_in_content = split_special_tokens_in_content
+        self.max_prompt_chars = engine.config.max_prompt_chars
+        self.max_chat_messages = max_chat_messages
+        # Chat templates and tokenizers run here, off the event loop, which keeps serving meanwhile.
+        self.input_pool = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="jaxserve-render")
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name or engine.served_model_name
         self.model_root = model_root or self.model_name
@@ -27,6 +40,19 @@ class ServerState:
         self.chat_template = chat_template
         self.token_text = TokenText(self.tokenizer)
         self.token_id_text = TokenIdText(self.tokenizer)  # return_tokens_as_token_ids
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the input pool (tokenizing, rendering a template): seconds of work for
+        a long prompt, during which ``/health`` and short requests are still answered."""
+        context = contextvars.copy_context()  # the request's entry-times record goes along
+        return await asyncio.get_running_loop().run_in_executor(self.input_pool,
+                                                                functools.partial(context.run, fn, *args))
+
+    def check_prompt_chars(self, param: str, num_chars: int) -> None:
+        """Refuse text longer than ``max_prompt_chars`` before any tokenizing or rendering."""
+        if num_chars > self.max_prompt_chars:
+            raise APIError(400, f"{param}: {num_chars} characters exceed max_prompt_chars={self.max_prompt_chars}",
+                           param=param)
 
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.model_name:

@@ -55,7 +55,9 @@ def _encode(obj: object) -> bytes:
         raw = str(obj).encode()  # arbitrary size, unambiguous
         return b"I" + struct.pack("<I", len(raw)) + raw
     if isinstance(obj, str):
-        raw = obj.encode("utf-8")
+        # surrogatepass: a lone surrogate (never valid UTF-8) still encodes, distinctly, so hashing
+        # never raises on the engine thread whatever string reaches it.
+        raw = obj.encode("utf-8", "surrogatepass")
         return b"S" + struct.pack("<I", len(raw)) + raw
     if isinstance(obj, (bytes, bytearray)):
         return b"Y" + struct.pack("<I", len(obj)) + bytes(obj)

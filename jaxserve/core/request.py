@@ -22,6 +22,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # a fault of this request alone (hashing, detokenizing, ...)
 
     def __str__(self) -> str:
         # IntEnum prints its value ("1"); logs and clients read the name, as vLLM prints it.
@@ -42,6 +43,7 @@ _FINISHED_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     # Ignored = too long to ever run; to the client that is a length problem.
     RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

@@ -79,7 +79,7 @@ class ModelRunnerOutput:
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
-    finish_reason: Optional[str] = None   # "stop" | "length" | "abort"
+    finish_reason: Optional[str] = None   # "stop" | "length" | "abort" | "error"
     stop_reason: Union[int, str, None] = None
     new_logprobs: Optional[LogprobsRow] = None
     new_prompt_logprobs: Optional[list[LogprobsRow]] = None

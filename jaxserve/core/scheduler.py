@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -30,6 +31,8 @@ from jaxserve.core.schedule_record import (
 from jaxserve.core.stats import SchedulerStats
 from jaxserve.core.structured_outputs import GRAMMAR_READY, StructuredOutputHooks
 from jaxserve.exceptions import InvalidRequestError
+
+logger = logging.getLogger("jaxserve")
 
 
 @dataclass
@@ -384,7 +387,9 @@ class Scheduler:
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop checks, release finished requests.
 
-        Returns one output per request that got tokens, prompt logprobs or a finish.
+        Returns one output per request that got tokens, prompt logprobs or a finish. An exception
+        while one request takes its tokens (hashing a block, say) finishes that request alone with
+        ``FINISHED_ERROR`` (finish reason "error") and frees its blocks; the step goes on.
         """
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
@@ -406,7 +411,13 @@ class Scheduler:
                 request.num_output_placeholders -= 1
                 if request.status is RequestStatus.PREEMPTED:
                     # Async: preempted while this token was in flight. It is valid; keep it.
-                    finished = self._append_to_waiting(request, tokens[0])
+                    try:
+                        finished = self._append_to_waiting(request, tokens[0])
+                    except Exception:  # this request's fault: it alone fails
+                        logger.exception("request %s failed while taking its token", req_id)
+                        self.waiting.remove_requests([request])
+                        self._free_request(request, RequestStatus.FINISHED_ERROR, known_to_runner=False)
+                        finished = True
                     outputs.append(EngineCoreOutput(
                         req_id, [tokens[0]], request.get_finished_reason() if finished else None,
                         request.stop_reason, logprobs[idx] if logprobs is not None else None, None,
@@ -418,19 +429,24 @@ class Scheduler:
             finished = False
             # A partial prefill chunk samples nothing; ignore a token the runner sent anyway.
             if tokens and request.num_computed_tokens >= len(request.all_token_ids):
-                for token_id in tokens:
-                    request.append_output_token_id(token_id)
-                    new_token_ids.append(token_id)
-                    if check_stop(request, token_id):
+                try:
+                    for token_id in tokens:
+                        request.append_output_token_id(token_id)  # hashes a block when one completes
+                        new_token_ids.append(token_id)
+                        if check_stop(request, token_id):
+                            finished = True
+                            break
+                    if request.use_structured_output and self._advance_grammar(request, new_token_ids):
                         finished = True
-                        break
-                if request.use_structured_output and self._advance_grammar(request, new_token_ids) and not finished:
+                except Exception:  # this request's fault (a hash, its grammar): it alone fails
+                    logger.exception("request %s failed while taking its tokens", req_id)
+                    request.status = RequestStatus.FINISHED_ERROR
                     finished = True
                 if new_token_ids and request.first_token_ts is None:
                     now = now or time.monotonic()
                     request.first_token_ts = now
             req_prompt_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None
-            if not (new_token_ids or req_prompt_logprobs is not None):
+            if not (new_token_ids or finished or req_prompt_logprobs is not None):
                 continue
             if finished:
                 stopped.append(request)

@@ -4,16 +4,21 @@ The loop thread owns the ``LLMEngine``: it alone touches the scheduler, runner a
 processor. Callers on the asyncio side hand it work through a lock-protected inbox (add, abort)
 and receive ``RequestOutput`` deltas on per-request ``asyncio.Queue``s, posted back with
 ``call_soon_threadsafe``. Aborts (a client gone, a stop string) reach the core between steps and
-free the request's blocks in that step.
+free the request's blocks in that step. Prompts are tokenized and validated on a small pool of
+input threads (``process_request`` touches no engine state), so a long prompt never stalls the
+caller's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
+import time
 from typing import AsyncGenerator, Optional, Union
 
 from jaxserve.config import EngineConfig
@@ -26,6 +31,8 @@ from jaxserve.engine.timeline import ABORT, CLIENT_DISCONNECT, EntryTimes, Reque
 from jaxserve.exceptions import EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger("jaxserve")
+# Threads that tokenize and validate prompts off the caller's event loop.
+DEFAULT_INPUT_WORKERS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +66,9 @@ InboxItem = Union[AddRequest, AbortRequest]
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, *, max_waiting: int = 1024):
+    def __init__(self, engine: LLMEngine, *, max_waiting: int = 1024, input_workers: int = DEFAULT_INPUT_WORKERS):
         self.engine = engine
+        self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.max_model_len = engine.max_model_len
@@ -73,6 +81,8 @@ class AsyncLLM:
         self._stop = False
         self._dead: Optional[BaseException] = None
         self._pending_adds = 0
+        self._processing = 0  # requests being tokenized (touched on the callers' event loop only)
+        self._input_pool = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="jaxserve-input")
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -93,7 +103,8 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine loop failed: {self._dead!r}")
 
     def num_waiting(self) -> int:
-        return self.engine.num_waiting_requests() + self._pending_adds
+        """Requests waiting in the scheduler, in the inbox, or still being tokenized."""
+        return self.engine.num_waiting_requests() + self._pending_adds + self._processing
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -108,8 +119,15 @@ class AsyncLLM:
         self.check_health()
         if self.num_waiting() >= self.max_waiting:
             raise EngineOverloadedError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
-        processed = self.engine.process_request(request_id, prompt, sampling_params, priority=priority,
-                                                cache_salt=cache_salt, entry_times=entry_times)
+        # Tokenizing a long prompt takes seconds: a worker thread does it, the event loop serves on.
+        self._processing += 1  # counted as waiting from now, so the queue limit holds meanwhile
+        try:
+            processed = await asyncio.get_running_loop().run_in_executor(
+                self._input_pool, functools.partial(self.engine.process_request, request_id, prompt,
+                                                    sampling_params, priority=priority, cache_salt=cache_salt,
+                                                    arrival_time=time.monotonic(), entry_times=entry_times))
+        finally:
+            self._processing -= 1
         queue: asyncio.Queue = asyncio.Queue()
         self._submit(AddRequest(processed, output_kind, OutputTarget(asyncio.get_running_loop(), queue)))
         finished = False
@@ -164,13 +182,16 @@ class AsyncLLM:
                 try:
                     self.engine.add_processed_request(item.processed, output_kind=item.output_kind,
                                                       queue=item.target)
-                except ValueError as exc:
+                except Exception as exc:  # a refusal, or a fault of this request alone
+                    if not isinstance(exc, ValueError):
+                        logger.exception("request %s failed on admission", item.processed.request_id)
                     item.target.deliver(exc)
             else:
                 self.engine.abort_request([item.request_id], item.cause)
 
     def _fail_all(self, exc: BaseException) -> None:
         self._dead = exc
+        self.engine.metrics.record_dead()
         error = EngineDeadError(f"the engine loop failed: {exc!r}")
         for target in self.engine.forget_all_requests():
             target.deliver(error)
@@ -210,3 +231,4 @@ class AsyncLLM:
         self._wake.set()
         self._thread.join(timeout)
         self.engine.shutdown()
+        self._input_pool.shutdown(wait=False, cancel_futures=True)

@@ -117,11 +117,15 @@ class LLMEngine:
             [r.request_id for r in processed.core_requests], [r.sampling_params for r in processed.core_requests],
             output_kind, processed.core_requests[0].arrival_time, queue,
             core_requests=processed.core_requests, entry=processed.entry, tokenized_time=processed.tokenized_time)
+        added: list[str] = []
         try:
             for req in processed.core_requests:
                 self.core.add_request(req)
-        except ValueError:
-            self.abort_request([request_id])
+                added.append(req.request_id)
+        except Exception:
+            # A refusal (id in use) or a fault of this request (hashing its prompt): it alone fails.
+            self.output_processor.abort_requests([request_id])
+            self.core.abort_requests(added)
             raise
         parent.metrics.queued_time = min(r.queued_ts or 0.0 for r in processed.core_requests)  # set by add_request
         return parent
@@ -135,8 +139,12 @@ class LLMEngine:
         return self.add_processed_request(processed, output_kind=output_kind, queue=queue)
 
     def abort_request(self, request_ids: list[str], cause: str = ABORT) -> None:
-        """Abort requests; ``cause`` (abort, client_disconnect, error) is kept in their timelines."""
-        self.core.abort_requests(self.output_processor.abort_requests(request_ids, cause))
+        """Abort requests; ``cause`` (abort, client_disconnect, error) is kept in their timelines.
+        Each one counts as an aborted request in the metrics."""
+        core_ids, aborted = self.output_processor.abort_requests(request_ids, cause)
+        self.core.abort_requests(core_ids)
+        for parent in aborted:
+            self.metrics.record_finished("abort", parent.metrics.e2e_latency)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.core.has_unfinished_requests()
@@ -192,7 +200,8 @@ class LLMEngine:
 
     def _on_finished(self, parent: ParentState) -> None:
         reasons = [c.finish_reason for c in parent.children]
-        reason = "abort" if "abort" in reasons else ("length" if "length" in reasons else "stop")
+        # The worst child names the request: an error, then an abort, then a length cap.
+        reason = next((r for r in ("error", "abort", "length") if r in reasons), "stop")
         self.metrics.record_finished(reason, parent.metrics.e2e_latency)
 
     # ---- introspection -------------------------------------------------------------------------

@@ -100,8 +100,11 @@ class EngineMetrics:
         self.variant_compile = Gauge("jaxserve:startup_step_variant_seconds",
                                      "Seconds to compile (or read from the persistent cache) each step variant",
                                      lbl + ["variant", "cached"], registry=r)
+        self.dead = Gauge("jaxserve:engine_dead", "1 once the engine loop has failed (restart the server)", lbl,
+                          registry=r)
         self._last: Optional[SchedulerStats] = None
         self._l(self.backend, backend=attention_backend).set(1)
+        self._l(self.dead).set(0)
 
     def record_startup(self, phases: dict[str, float], compile_stats=None) -> None:
         """Start-up seconds by phase and, from the runner's ``CompileStats``, by step variant."""
@@ -132,6 +135,14 @@ class EngineMetrics:
             self._l(self.compiles).set(runner_stats.num_compiles)
             self._l(self.padding).set(runner_stats.padding_ratio)
         self._last = stats
+
+    def record_dead(self) -> None:
+        """The loop failed: every request was answered with an error and none runs any more; the
+        cache's state is unknown (NaN), not the last value seen."""
+        self._l(self.dead).set(1)
+        self._l(self.running).set(0)
+        self._l(self.waiting).set(0)
+        self._l(self.kv_usage).set(float("nan"))
 
     def record_iteration(self, num_generation_tokens: int, itls: Sequence[float], ttfts: Sequence[float],
                          num_prompt_tokens: int) -> None:

@@ -13,6 +13,7 @@ output.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any, Callable, Optional
 
@@ -21,7 +22,7 @@ from jaxserve.core.sched_output import EngineCoreOutput
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.logprob_text import LogprobTokenText, TokenDecoder
 from jaxserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestOutputKind
-from jaxserve.engine.stop_strings import find_new_stop, partial_stop_len
+from jaxserve.engine.stop_strings import StopMatcher
 from jaxserve.engine.timeline import (
     ERROR,
     EntryTimes,
@@ -30,6 +31,8 @@ from jaxserve.engine.timeline import (
     TimelineStore,
     finish_cause,
 )
+
+logger = logging.getLogger("jaxserve")
 
 
 @dataclasses.dataclass
@@ -51,11 +54,7 @@ class ChildState:
     finish_reason: Optional[str] = None
     stop_reason: Any = None
     finish_cause: Optional[str] = None  # timeline.FINISH_CAUSES
-
-    @property
-    def stops(self) -> list[str]:
-        """The stop strings (``SamplingParams`` keeps them as a list)."""
-        return self.params.stop  # type: ignore[return-value]
+    stop_matcher: Optional[StopMatcher] = None  # None: no stop strings
 
 
 @dataclasses.dataclass
@@ -144,7 +143,8 @@ class OutputProcessor:
                      if params.detokenize and self.tokenizer is not None else None)
             wants_logprobs = params.logprobs is not None
             children.append(ChildState(i, core_id, params, detok, logprobs=[] if wants_logprobs else None,
-                                       logprob_text=self._logprob_text(params) if wants_logprobs else None))
+                                       logprob_text=self._logprob_text(params) if wants_logprobs else None,
+                                       stop_matcher=self._stop_matcher(params)))
         metrics = RequestMetrics(arrival_time=arrival_time, tokenized_time=tokenized_time)
         if entry is not None:
             metrics.received_time, metrics.templated_time = entry.received, entry.templated
@@ -170,10 +170,12 @@ class OutputProcessor:
             self._end_unfinished(parent, ERROR, now)
         return parents
 
-    def abort_requests(self, request_ids: list[str], cause: str = "abort") -> list[str]:
-        """Forget parents; returns the core ids of their unfinished children (to abort in the core).
-        ``cause`` (a timeline finish cause: abort, client_disconnect, error) goes in their timelines."""
+    def abort_requests(self, request_ids: list[str], cause: str = "abort") -> tuple[list[str], list[ParentState]]:
+        """Forget parents; returns the core ids of their unfinished children (to abort in the core)
+        and the parents forgotten (each one an aborted request). ``cause`` (a timeline finish cause:
+        abort, client_disconnect, error) goes in their timelines."""
         core_ids = []
+        aborted = []
         now = time.monotonic()
         for rid in request_ids:
             parent = self.parents.pop(rid, None)
@@ -183,8 +185,9 @@ class OutputProcessor:
                 self.child_to_parent.pop(child.core_id, None)
                 if child.finish_reason is None:
                     core_ids.append(child.core_id)
-            self._end_unfinished(parent, cause, now)
-        return core_ids
+            aborted.append(parent)
+            self._end_unfinished(parent, cause, now)  # sets its finished time
+        return core_ids, aborted
 
     def _end_unfinished(self, parent: ParentState, cause: str, now: float) -> None:
         for child in parent.children:
@@ -222,16 +225,15 @@ class OutputProcessor:
             if entry is None:
                 continue
             parent, child = entry
-            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
-            if out.new_prompt_logprobs is not None and parent.prompt_logprobs is None:
-                parent.prompt_logprobs = self._prompt_logprobs(parent, out.new_prompt_logprobs)
-            if out.new_token_ids and parent.metrics.first_token_time is None:
-                parent.sync_core_times()
-            self._update_metrics(parent.metrics, out, now)
-            stopped_by_string = self._apply_tokens(child, out)
-            if stopped_by_string:
-                to_abort.append(child.core_id)
-            ro = self._make_output(parent, child)
+            try:
+                if self._take_output(parent, child, out, now):
+                    to_abort.append(child.core_id)
+                ro = self._make_output(parent, child)
+            except Exception:  # this request's fault: it alone fails
+                logger.exception("request %s failed while its output was processed", parent.request_id)
+                if self._fail_child(child, out):
+                    to_abort.append(child.core_id)
+                ro = self._error_output(parent, child)
             if ro is not None:
                 key = ((parent.request_id, child.index) if parent.output_kind == RequestOutputKind.DELTA
                        else parent.request_id)
@@ -247,6 +249,33 @@ class OutputProcessor:
         return list(delivered.values()), to_abort
 
     # ---- internals -----------------------------------------------------------------------------
+
+    def _take_output(self, parent: ParentState, child: ChildState, out: EngineCoreOutput, now: float) -> bool:
+        """Take in one core output; True if a stop string finished the child just now."""
+        parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+        if out.new_prompt_logprobs is not None and parent.prompt_logprobs is None:
+            parent.prompt_logprobs = self._prompt_logprobs(parent, out.new_prompt_logprobs)
+        if out.new_token_ids and parent.metrics.first_token_time is None:
+            parent.sync_core_times()
+        self._update_metrics(parent.metrics, out, now)
+        return self._apply_tokens(child, out)
+
+    @staticmethod
+    def _fail_child(child: ChildState, out: EngineCoreOutput) -> bool:
+        """Finish a child with "error"; True if the core still runs it (the caller aborts it):
+        only the core's own finish reason says it stopped there (a stop string is found here)."""
+        child.finish_reason, child.stop_reason, child.finish_cause = ERROR, None, ERROR
+        return out.finish_reason is None
+
+    def _error_output(self, parent: ParentState, child: ChildState) -> Optional[RequestOutput]:
+        """The output that reports a failed child; a bare one if even building the usual fails."""
+        try:
+            return self._make_output(parent, child)
+        except Exception:  # noqa: BLE001 - the request has already failed; report it plainly
+            failed = CompletionOutput(child.index, "", [], None, None, ERROR, None)
+            return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
+                                 prompt_token_ids=parent.prompt_token_ids, outputs=[failed],
+                                 finished=parent.finished, metrics=parent.metrics)
 
     @staticmethod
     def _update_metrics(m: RequestMetrics, out: EngineCoreOutput, now: float) -> None:
@@ -281,10 +310,10 @@ class OutputProcessor:
         child.text += child.detok.update(text_ids[early:])
         if child.finish_reason is not None:
             child.text += child.detok.flush()
-        stops = child.stops
-        if not stops or child.finish_reason == "abort" or len(child.token_ids) <= params.min_tokens:
+        matcher = child.stop_matcher
+        if matcher is None or child.finish_reason == "abort" or len(child.token_ids) <= params.min_tokens:
             return False
-        hit = find_new_stop(child.text, stops, searchable_from)
+        hit = matcher.find(child.text, searchable_from)
         if hit is None:
             return False
         index, stop = hit
@@ -293,6 +322,10 @@ class OutputProcessor:
         child.finish_reason, child.stop_reason = "stop", stop
         child.finish_cause = finish_cause("stop", stop)
         return not already_finished
+
+    @staticmethod
+    def _stop_matcher(params: SamplingParams) -> Optional[StopMatcher]:
+        return StopMatcher(params.stop) if isinstance(params.stop, list) and params.stop else None
 
     def _logprob_text(self, params: SamplingParams) -> Optional[LogprobTokenText]:
         """Decoded texts for a sequence's logprobs; None without a tokenizer or with detokenize off."""
@@ -321,9 +354,9 @@ class OutputProcessor:
         return result
 
     def _visible_text_len(self, child: ChildState) -> int:
-        if child.finish_reason is not None or not child.stops:
+        if child.finish_reason is not None or child.stop_matcher is None:
             return len(child.text)
-        return len(child.text) - partial_stop_len(child.text, child.stops)
+        return len(child.text) - child.stop_matcher.partial_len(child.text)
 
     def _make_output(self, parent: ParentState, child: ChildState) -> Optional[RequestOutput]:
         kind = parent.output_kind

@@ -31,7 +31,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: Optional[float] = None
     logprobs: Optional[SampleLogprobs] = None
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
 
     def finished(self) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request
@@ -36,6 +36,16 @@ class ProcessedRequest:
     entry: Optional[EntryTimes] = None  # what the server measured before
 
 
+def check_no_surrogates(field: str, text: str) -> None:
+    """Refuse a string with a lone surrogate (JSON's ``"\\ud800"``): it is not Unicode text, and
+    encoding it to UTF-8 (to tokenize or hash it) would fail later, far from the request."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(field, f"not valid Unicode text: a lone surrogate at character {exc.start}") \
+            from None
+
+
 def child_request_id(index: int, request_id: str) -> str:
     return f"{index}_{request_id}"
 
@@ -48,6 +58,10 @@ class InputProcessor:
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.max_logprobs = config.max_logprobs
+        self.max_prompt_chars = config.max_prompt_chars
+        self.max_n = config.max_n
+        self.max_stop_strings = config.max_stop_strings
+        self.max_stop_str_chars = config.max_stop_str_chars
         # Without chunked prefill a prompt must fit one step's token budget.
         self.max_prompt_tokens = (max_model_len - 1 if config.enable_chunked_prefill
                                   else min(max_model_len - 1, config.max_num_batched_tokens))
@@ -67,15 +81,31 @@ class InputProcessor:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("prompt", "a text prompt needs a tokenizer; pass token ids instead")
+            self.check_text("prompt", prompt)
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
         raise InvalidRequestError(
             "prompt", f"expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_text(self, field: str, text: str) -> None:
+        """A text prompt must be valid Unicode text (no lone surrogate, which no tokenizer or hash
+        can encode) and at most ``max_prompt_chars`` long, checked before any tokenizing."""
+        if len(text) > self.max_prompt_chars:
+            raise InvalidRequestError(field, f"{len(text)} characters exceed max_prompt_chars={self.max_prompt_chars}")
+        check_no_surrogates(field, text)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 cache_salt: Optional[str] = None) -> None:
         """Raise ``InvalidRequestError`` if this engine cannot serve the request as given."""
+        if params.n > self.max_n:
+            raise InvalidRequestError("n", f"{params.n} samples exceed max_n={self.max_n}")
         self._check_prompt(prompt_token_ids, params)
+        if cache_salt is not None:
+            if not isinstance(cache_salt, str):
+                raise InvalidRequestError("cache_salt", f"must be a string, got {type(cache_salt).__name__}")
+            check_no_surrogates("cache_salt", cache_salt)
+        self._check_stops(params.stop or [])
         self._check_token_ids("stop_token_ids", params.stop_token_ids or [])
         if params.min_tokens:
             suppressed = set(params.stop_token_ids or []) | set([] if params.ignore_eos else self.all_eos_ids)
@@ -100,11 +130,20 @@ class InputProcessor:
                                                                 "and this model has none")
             self.grammar_backend.check(params.structured_outputs)  # a bad schema, regex or grammar is refused here
 
+    def _check_stops(self, stops: Sequence[str]) -> None:
+        if len(stops) > self.max_stop_strings:
+            raise InvalidRequestError("stop", f"{len(stops)} stop strings exceed max_stop_strings="
+                                              f"{self.max_stop_strings}")
+        for stop in stops:
+            if len(stop) > self.max_stop_str_chars:
+                raise InvalidRequestError("stop", f"a stop string of {len(stop)} characters exceeds "
+                                                  f"max_stop_str_chars={self.max_stop_str_chars}")
+            check_no_surrogates("stop", stop)
+
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         n = len(ids)
         if n == 0:
             raise InvalidRequestError("prompt", "the prompt is empty")
-        self._check_token_ids("prompt", ids)
         if n >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt", f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} "
@@ -117,6 +156,7 @@ class InputProcessor:
             raise InvalidRequestError(
                 "max_tokens", f"{params.max_tokens} output tokens plus the {n}-token prompt exceed "
                               f"max_model_len={self.max_model_len}", code=CONTEXT_LENGTH_EXCEEDED)
+        self._check_token_ids("prompt", ids)  # after the length checks: at most max_model_len ids
 
     def _check_token_ids(self, field: str, ids) -> None:
         for t in ids:
@@ -135,7 +175,7 @@ class InputProcessor:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         text, ids = self.tokenize_prompt(prompt)
-        self.validate(ids, params)
+        self.validate(ids, params, cache_salt)
         core = [self._core_request(child_request_id(i, request_id) if params.n > 1 else request_id,
                                    ids, self._child_params(params, i), arrival_time, priority, cache_salt)
                 for i in range(params.n)]

@@ -43,6 +43,8 @@ def finish_cause(finish_reason: Optional[str], stop_reason: Any) -> Optional[str
         if stop_reason is None:
             return EOS
         return STOP_STRING if isinstance(stop_reason, str) else STOP_TOKEN
+    if finish_reason == "error":  # the core failed this request alone (a fault of its own)
+        return ERROR
     return LENGTH if finish_reason == "length" else ABORT
 
 

@@ -9,7 +9,7 @@ def test_status_helpers():
     assert not RequestStatus.is_finished(RequestStatus.PREEMPTED)
     reasons = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED:
                "length", RequestStatus.FINISHED_ABORTED: "abort",
-               RequestStatus.FINISHED_IGNORED: "length"}
+               RequestStatus.FINISHED_IGNORED: "length", RequestStatus.FINISHED_ERROR: "error"}
     for status, reason in reasons.items():
         assert RequestStatus.is_finished(status)
         assert RequestStatus.get_finished_reason(status) == reason

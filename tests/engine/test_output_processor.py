@@ -383,11 +383,12 @@ def test_abort_returns_the_unfinished_children_for_the_core(tokenizer):
     run = Run(tokenizer, DELTA, n=2)
     (a0, a1), (b0, _) = run.ids(" the fox"), run.ids(" a dog")
     two_children_step(run, a0, b0, finish0="length")
-    assert run.proc.abort_requests(["r", "never-added"]) == ["1_r"]
+    core_ids, aborted = run.proc.abort_requests(["r", "never-added"])
+    assert core_ids == ["1_r"] and [p.request_id for p in aborted] == ["r"]
     assert not run.proc.has_unfinished_requests()
     assert run.step(EngineCoreOutput("1_r", [a1])) == ([], [])
     assert run.finished_parents == []  # an abort from the caller is not a finish
-    assert run.proc.abort_requests(["r"]) == []
+    assert run.proc.abort_requests(["r"]) == ([], [])
 
 
 def test_an_abort_from_the_core_finishes_the_request(tokenizer):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.engine.stop_strings import find_stop, partial_stop_len
+from jaxserve.engine.stop_strings import StopMatcher, find_stop, partial_stop_len
 
 
 def test_find_stop_returns_the_earliest_match_of_any_stop():
@@ -56,3 +56,60 @@ def test_the_held_back_tail_could_still_grow_into_a_stop(text, stops):
     """Nothing is held back needlessly: the tail is a proper prefix of some stop string."""
     k = partial_stop_len(text, stops)
     assert k == 0 or any(len(s) > k and text.endswith(s[:k]) for s in stops)
+
+
+# ---- StopMatcher: the incremental matcher the output processor uses ---------------------------
+
+
+@settings(max_examples=400, deadline=None)
+@given(pieces=st.lists(st.text(alphabet="abc", max_size=4), max_size=6), stops=STOPS)
+def test_the_matcher_agrees_with_the_definitions_as_text_streams_in(pieces, stops):
+    """Fed piece by piece, it finds what ``find_stop`` finds in the new text and holds back what
+    ``partial_stop_len`` holds back."""
+    matcher = StopMatcher(stops)
+    text = ""
+    for piece in pieces:
+        new_from = len(text)
+        text += piece
+        expected = min(((i, s) for s in stops if (i := text.find(s, max(0, new_from - len(s) + 1))) != -1),
+                       default=None)
+        hit = matcher.find(text, new_from)
+        assert (hit and hit[0]) == (expected and expected[0])
+        if hit is not None:
+            assert text.startswith(hit[1], hit[0]) and hit[0] + len(hit[1]) > new_from
+            return
+        assert matcher.partial_len(text) == partial_stop_len(text, stops)
+
+
+def test_the_matcher_starts_over_on_a_shorter_text():
+    matcher = StopMatcher(["abc"])
+    assert matcher.partial_len("xxab") == 2
+    assert matcher.partial_len("a") == 1
+
+
+def test_many_long_stops_cost_little_per_new_character():
+    """2,000 stops of 4,000 characters: a step's work follows the new text (a dozen characters
+    here), not the 8 million characters of the stops; counted in comparisons, not timed."""
+    import random
+
+    rng = random.Random(0)
+    stops = ["".join(rng.choice("abcdefghij") for _ in range(4000)) for _ in range(2000)]
+    matcher = StopMatcher(stops)
+    calls = 0
+    original = matcher._starts_a_longer_stop
+
+    def counting(tail):
+        nonlocal calls
+        calls += 1
+        return original(tail)
+
+    matcher._starts_a_longer_stop = counting
+    text = ""
+    for _ in range(200):
+        new_from = len(text)
+        text += "".join(rng.choice("abcdefghij") for _ in range(4))
+        assert matcher.find(text, new_from) is None
+        matcher.partial_len(text)
+    # Each new character is checked once as a start, and random text kills a candidate within a
+    # few characters: far fewer checks than characters times stops.
+    assert calls < 20 * len(text)

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from jaxserve import RequestOutputKind
+from jaxserve import EngineConfig, RequestOutputKind
 from jaxserve.core.sched_output import EngineCoreOutput
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve_server.app import build_app
@@ -242,6 +242,7 @@ class ReplayEngine:
 
     served_model_name = "replay"
     max_model_len = 64
+    config = EngineConfig()
 
     def __init__(self, tokenizer, token_ids: list[int]):
         self.tokenizer = tokenizer

@@ -16,6 +16,7 @@ import pytest
 
 from jaxserve import (
     CompletionOutput,
+    EngineConfig,
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
@@ -85,7 +86,7 @@ BAD_CHATS = [
     ({"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": CHAT, "logprobs": True, "top_logprobs": 50}, "logprobs"),
-    ({"messages": CHAT, "max_completion_tokens": 0}, "max_tokens"),
+    ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": CHAT, "max_tokens": 10**6}, "max_tokens"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"messages": []}, "messages"),
@@ -232,6 +233,7 @@ class ScriptedEngine:
 
     served_model_name = "scripted"
     max_model_len = 64
+    config = EngineConfig()
 
     def __init__(self, tokenizer, mode: str = "ok"):
         self.tokenizer = tokenizer
