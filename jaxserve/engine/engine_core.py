@@ -64,9 +64,11 @@ class EngineCore:
     def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False):
         from jaxserve.models import load_model
         from jaxserve.runner.compilation import enable_persistent_compilation_cache
+        from jaxserve.runner.kv_cache import configure_xla_allocator
         from jaxserve.runner.model_runner import ModelRunner
 
         self.config = config
+        configure_xla_allocator(config.gpu_memory_utilization)  # before JAX starts a GPU backend
         self.model_path = resolve_model_path(config)
         if not config.enforce_eager:  # eager mode's per-op programs are not worth caching on disk
             enable_persistent_compilation_cache(config.resolved_compilation_cache_dir())

@@ -8,9 +8,11 @@ compilation cache makes the next start-up read the programs instead of compiling
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -46,14 +48,18 @@ def enable_persistent_compilation_cache(cache_dir: Optional[str]) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-@dataclasses.dataclass(frozen=True, order=True)
+@dataclasses.dataclass(frozen=True)
 class StepVariant:
     bucket: int  # padded token count
     decode_only: bool = False  # every request advances one token (the decode kernel's case)
+    # The GPU step's sampler, chosen by the host: True = every row greedy, False = some row draws.
+    # None: the sampler decides on the device (the CPU step, with conds).
+    all_greedy: bool | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.bucket}{'-decode' if self.decode_only else ''}"
+        sampler = {None: "", True: "-greedy", False: "-random"}[self.all_greedy]
+        return f"{self.bucket}{'-decode' if self.decode_only else ''}{sampler}"
 
 
 # A variant's trace arguments: the positional arguments (abstract where possible) and the static
@@ -74,6 +80,7 @@ class CompiledSteps:
         self._compiled: dict[StepVariant, Any] = {}
         self.stats = stats
         self.warmed_up = False
+        self._stats_lock = threading.Lock()
         compile_stats.install_listener()
 
     def get(self, variant: StepVariant) -> Any:
@@ -89,21 +96,36 @@ class CompiledSteps:
 
     def _compile(self, variant: StepVariant) -> None:
         hits_before = compile_stats.persistent_cache_hits()
-        start = time.perf_counter()
-        self._compiled[variant] = self.lowered(variant).compile()
-        seconds = time.perf_counter() - start
-        self.stats.num_compiles += 1
-        self.stats.compile_seconds += seconds
-        self.stats.compile_seconds_per_bucket[variant.name] = seconds
+        self._compile_only(variant)
         self.stats.persistent_cache_hits += compile_stats.persistent_cache_hits() - hits_before
 
+    def _compile_only(self, variant: StepVariant) -> None:
+        start = time.perf_counter()
+        compiled = self.lowered(variant).compile()
+        seconds = time.perf_counter() - start
+        with self._stats_lock:  # warm-up compiles from several threads
+            self._compiled[variant] = compiled
+            self.stats.num_compiles += 1
+            self.stats.compile_seconds += seconds
+            self.stats.compile_seconds_per_bucket[variant.name] = seconds
+
     def warm_up(self, variants: list[StepVariant], run_padding: Callable[[StepVariant], None],
-                show_progress: bool) -> None:
-        """Compile every variant, then run each once on padding: a program's first run pays
-        one-time costs (its buffers' first allocation and page faults) that would otherwise
-        land on the first requests; vLLM's dummy runs at start-up do the same."""
-        for variant in tqdm(variants, desc="Compiling step buckets", disable=not show_progress, unit="variant"):
-            if variant not in self._compiled:
-                self._compile(variant)
+                show_progress: bool, workers: int | None = None) -> None:
+        """Compile every variant, ``workers`` at a time (default: half the cores; XLA's compile
+        releases the GIL), then run each once on padding: a program's first run pays one-time
+        costs (its buffers' first allocation and page faults) that would otherwise land on the
+        first requests; vLLM's dummy runs at start-up do the same."""
+        workers = workers or max(1, (os.cpu_count() or 1) // 2)
+        todo = [v for v in variants if v not in self._compiled]
+        hits_before = compile_stats.persistent_cache_hits()
+        progress = tqdm(total=len(variants), desc="Compiling step buckets", disable=not show_progress, unit="variant")
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for future in concurrent.futures.as_completed([pool.submit(self._compile_only, v) for v in todo]):
+                future.result()
+                progress.update()
+        self.stats.persistent_cache_hits += compile_stats.persistent_cache_hits() - hits_before
+        for variant in variants:
             run_padding(variant)
+        progress.update(len(variants) - len(todo))
+        progress.close()
         self.warmed_up = True

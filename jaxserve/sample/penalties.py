@@ -27,14 +27,16 @@ class PenaltyTables:
 
 
 def update_penalty_tables(tables: PenaltyTables, *, reset_slots: jax.Array, token_slots: jax.Array,
-                          input_ids: jax.Array, token_is_output: jax.Array) -> PenaltyTables:
+                          input_ids: jax.Array, token_is_output: jax.Array, cond_free: bool = False) -> PenaltyTables:
     """Clear the rows of ``reset_slots`` (new requests), then add this step's tokens.
 
     Prompt positions set the prompt mask, output positions (including recomputed ones after a
     preemption) add to the counts. By the time a row samples, all of its earlier outputs have
     been fed back as inputs, so the counts are exact without any host-side bookkeeping.
+    ``cond_free`` (static): clear without a data-dependent loop (the GPU step).
     """
-    counts, prompt_mask = _clear_slots(tables.output_counts, tables.prompt_mask, reset_slots)
+    clear = _clear_slots_scatter if cond_free else _clear_slots
+    counts, prompt_mask = clear(tables.output_counts, tables.prompt_mask, reset_slots)
     counts = counts.at[token_slots, input_ids].add(token_is_output.astype(jnp.int32))
     prompt_mask = prompt_mask.at[token_slots, input_ids].max(~token_is_output)
     return PenaltyTables(counts, prompt_mask)
@@ -62,3 +64,10 @@ def _clear_slots(counts: jax.Array, prompt_mask: jax.Array, reset_slots: jax.Arr
 
     _, counts, prompt_mask = jax.lax.while_loop(more, clear, (jnp.int32(0), counts, prompt_mask))
     return counts, prompt_mask
+
+
+def _clear_slots_scatter(counts: jax.Array, prompt_mask: jax.Array, reset_slots: jax.Array):
+    """``_clear_slots`` as one scatter: padding entries point past the table and are dropped, so
+    only the new requests' rows are written, and no loop condition is read on the host."""
+    rows = jnp.where(reset_slots == counts.shape[0] - 1, counts.shape[0], reset_slots)
+    return counts.at[rows].set(0, mode="drop"), prompt_mask.at[rows].set(False, mode="drop")

@@ -47,14 +47,20 @@ def apply_allowed_and_bias(
     has_allowed: jax.Array,
     bias_token_ids: jax.Array,
     bias_values: jax.Array,
+    cond_free: bool = False,
 ) -> jax.Array:
-    """Allowed-token mask then logit bias; skipped (two [R, V] passes) when no row uses either."""
-    return lax.cond(
-        restrictions_active(allowed_token_ids, has_allowed, bias_token_ids),
-        lambda: apply_logit_bias(apply_allowed_token_ids(logits, allowed_token_ids, has_allowed),
-                                 bias_token_ids, bias_values),
-        lambda: logits,
-    )
+    """Allowed-token mask then logit bias; skipped (two [R, V] passes) when no row uses either.
+
+    ``cond_free`` (static): always applied, which leaves rows without either unchanged.
+    """
+
+    def on():
+        return apply_logit_bias(apply_allowed_token_ids(logits, allowed_token_ids, has_allowed),
+                                bias_token_ids, bias_values)
+
+    if cond_free:
+        return on()
+    return lax.cond(restrictions_active(allowed_token_ids, has_allowed, bias_token_ids), on, lambda: logits)
 
 
 def penalties_active(presence: jax.Array, frequency: jax.Array, repetition: jax.Array) -> jax.Array:
@@ -93,11 +99,13 @@ def apply_penalties(
     frequency: jax.Array,
     repetition: jax.Array,
     row_slots: jax.Array | None = None,
+    cond_free: bool = False,
 ) -> jax.Array:
     """`penalize`, skipped (with the reads of the [R, V] count and mask tables) when all are off.
 
     With ``row_slots``, ``output_counts``/``prompt_mask`` are the runner's per-slot tables and
     the rows are gathered inside the taken branch, so a batch without penalties never reads them.
+    ``cond_free`` (static): always applied; neutral penalties (0, 0, 1) leave a row unchanged.
     """
 
     def on():
@@ -106,4 +114,6 @@ def apply_penalties(
             counts, mask = counts[row_slots], mask[row_slots]
         return penalize(logits, counts, mask, presence, frequency, repetition)
 
+    if cond_free:
+        return on()
     return lax.cond(penalties_active(presence, frequency, repetition), on, lambda: logits)
