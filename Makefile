@@ -5,7 +5,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 EXTRAS ?= test
 
-.PHONY: setup serve test lint bench-throughput clean
+.PHONY: setup serve test lint bench-throughput gpu-aot-check clean
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,5 +30,20 @@ lint: setup
 bench-throughput: setup
 	$(VENV)/bin/jaxserve bench throughput $(ARGS)
 
+# Compile every step variant for an H200 on this CPU (no GPU needed) and check the programs. It
+# builds its own virtual environment with the CUDA 12 plugin (a large install), so it is not part
+# of `make test` nor of CI. ARGS go to the script, e.g. ARGS="--models qwen3-0.6b --jobs 2".
+GPU_AOT_VENV ?= .venv-gpu-aot
+GPU_AOT_PY := $(GPU_AOT_VENV)/bin/python
+
+$(GPU_AOT_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(GPU_AOT_VENV)
+	$(GPU_AOT_PY) -m pip install --quiet --upgrade pip
+	$(GPU_AOT_PY) -m pip install --quiet -e ".[cuda12,triton]"
+	touch $@
+
+gpu-aot-check: $(GPU_AOT_VENV)/.installed
+	$(GPU_AOT_PY) scripts/gpu_aot_check.py $(ARGS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(GPU_AOT_VENV) build *.egg-info

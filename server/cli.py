@@ -1,4 +1,4 @@
-"""The ``jaxserve`` command: ``serve``, ``generate`` and ``bench {throughput,scheduler,serve}``.
+"""The ``jaxserve`` command: ``serve``, ``generate`` and ``bench {throughput,scheduler,serve,roofline}``.
 
 It lives with the server because ``serve`` needs it, and the server sits above the engine.
 Engine flags come from ``EngineConfig`` one-to-one (``--max-num-seqs`` ...), so every entry point
@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxserve.bench.serve_bench import add_serve_bench_args
 
     add_serve_bench_args(bsub.add_parser("serve", help="load generator against a running server"))
+    from jaxserve.bench.roofline import add_roofline_args
+
+    add_roofline_args(bsub.add_parser("roofline", help="the fastest each step bucket can run on a GPU (model)"))
     return parser
 
 
@@ -70,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         from jaxserve.bench.throughput import run_throughput_cli
 
         result = run_throughput_cli(args)
+    elif args.bench_command == "roofline":
+        from jaxserve.bench.roofline import run_roofline_cli
+
+        result = run_roofline_cli(args)
     elif args.bench_command == "scheduler":
         from jaxserve.bench.scheduler_bench import run_scheduler_bench
 

@@ -25,7 +25,18 @@ PRESETS = {
     "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, intermediate_size=3072, tie_word_embeddings=True,
                        dtype="bfloat16", max_position_embeddings=40960),
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=12288, tie_word_embeddings=False,
+                     dtype="bfloat16", max_position_embeddings=40960),
 }
+
+
+def preset_config(preset: str) -> dict:
+    """The ``config.json`` of a preset (a Qwen3 of that shape)."""
+    shape = PRESETS[preset]
+    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "torch_dtype": shape["dtype"], "bos_token_id": 1, "eos_token_id": 2,
+            "hidden_act": "silu", **{k: v for k, v in shape.items() if k != "dtype"}}
 
 
 def build_random_checkpoint(folder: str | Path, preset: str, seed: int = 0) -> Path:
@@ -34,9 +45,7 @@ def build_random_checkpoint(folder: str | Path, preset: str, seed: int = 0) -> P
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     shape = PRESETS[preset]
-    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rms_norm_eps": 1e-6,
-              "rope_theta": 1000000.0, "torch_dtype": shape["dtype"], "bos_token_id": 1, "eos_token_id": 2,
-              "hidden_act": "silu", **{k: v for k, v in shape.items() if k != "dtype"}}
+    config = preset_config(preset)
     cfg = ModelConfig.from_dict(config)
     rng = np.random.default_rng(seed)
     np_dtype = ml_dtypes.bfloat16 if shape["dtype"] == "bfloat16" else np.dtype(shape["dtype"])
