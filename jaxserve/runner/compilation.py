@@ -24,6 +24,11 @@ from jaxserve.runner.compile_stats import CompileStats
 
 logger = logging.getLogger("jaxserve")
 
+# Tracing and lowering run one at a time, compiles concurrently: lowering is short next to the
+# compile, and jax-triton builds its kernels with Python's ast while lowering, which is not
+# thread-safe ("AST constructor recursion depth mismatch" under concurrent warm-up).
+_LOWERING_LOCK = threading.Lock()
+
 
 def enable_persistent_compilation_cache(cache_dir: Optional[str]) -> None:
     """Point JAX's persistent compilation cache at ``cache_dir`` (process-wide setting).
@@ -92,7 +97,8 @@ class CompiledSteps:
     def lowered(self, variant: StepVariant) -> Any:
         """The variant's lowered program (for inspection; compiles nothing)."""
         args, static = self._trace_args(variant)
-        return self._jitted.trace(*args, **static).lower()
+        with _LOWERING_LOCK:
+            return self._jitted.trace(*args, **static).lower()
 
     def _compile(self, variant: StepVariant) -> None:
         hits_before = compile_stats.persistent_cache_hits()

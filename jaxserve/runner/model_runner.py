@@ -127,7 +127,8 @@ class ModelRunner:
         self.steps = CompiledSteps(self._jitted, self._trace_args, self.stats)
         self._prompt_logprobs_jit = jax.jit(self._prompt_logprobs)
         self.num_blocks = self._size_kv_cache()
-        self.state = self._new_state(self.num_blocks)
+        abstract = self.target.is_abstract
+        self.state = self._state_shapes(self.num_blocks) if abstract else self._zero_state(self.num_blocks)
         max_concurrency = self.num_blocks * self.block_size / max_model_len
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max concurrency %.1fx at %d tokens/request; "
@@ -138,25 +139,23 @@ class ModelRunner:
     def kv_cache(self):
         return self.state.kv_cache
 
-    def _new_state(self, num_blocks: int) -> DeviceState:
-        """Zeroed device state; abstract (shapes, no memory) for an abstract target."""
+    def _zero_state(self, num_blocks: int) -> DeviceState:
+        slots = self.config.max_num_seqs
+        return DeviceState(kv_cache=allocate_kv_cache(self.mc, num_blocks, self.block_size),
+                           penalties=PenaltyTables.zeros(slots, self.mc.vocab_size),
+                           prev_sampled=jnp.zeros((slots,), jnp.int32))
 
-        def zeros() -> DeviceState:
-            slots = self.config.max_num_seqs
-            return DeviceState(kv_cache=allocate_kv_cache(self.mc, num_blocks, self.block_size),
-                               penalties=PenaltyTables.zeros(slots, self.mc.vocab_size),
-                               prev_sampled=jnp.zeros((slots,), jnp.int32))
-
-        return self.target.place(jax.eval_shape(zeros)) if self.target.is_abstract else zeros()
+    def _state_shapes(self, num_blocks: int) -> DeviceState:
+        """The device state's shapes, no memory (with the target's sharding when abstract)."""
+        return self.target.place(jax.eval_shape(lambda: self._zero_state(num_blocks)))
 
     def _size_kv_cache(self) -> int:
         """KV blocks; on a local GPU sized by vLLM's gpu_memory_utilization, which needs the
         largest step's temporary memory, read from compiling the largest bucket first."""
         cfg = self.config
-        if self.target.platform != "gpu" or self.target.is_abstract or cfg.num_gpu_blocks_override is not None \
-                or cfg.kv_cache_memory is not None:
-            return determine_num_blocks(self.mc, cfg, self.max_model_len, platform="cpu"
-                                        if self.target.platform != "gpu" else "gpu")
+        local_gpu = self.target.platform == "gpu" and not self.target.is_abstract
+        if not local_gpu or cfg.num_gpu_blocks_override is not None or cfg.kv_cache_memory is not None:
+            return determine_num_blocks(self.mc, cfg, self.max_model_len, platform=self.target.platform)
         memory = gpu_device_memory(jax.devices()[0])
         return determine_num_blocks(self.mc, cfg, self.max_model_len, platform="gpu", memory=memory,
                                     peak_temp_bytes=self.peak_temp_bytes(self.max_blocks_per_seq + 1))
@@ -165,7 +164,7 @@ class ModelRunner:
         """The largest temporary memory of the largest token bucket's variants, compiled against
         a pool of ``num_blocks`` (the temporaries do not depend on the pool, which is aliased)."""
         largest = self.buckets.token_buckets[-1]
-        state = jax.eval_shape(lambda: self._new_state(num_blocks))
+        state = self._state_shapes(num_blocks)
         peak = 0
         for variant in self.variants():
             if variant.bucket == largest:
