@@ -117,10 +117,19 @@ def gpu_device_memory(device) -> DeviceMemory:
 
 def configure_xla_allocator(utilization: float) -> None:
     """Have XLA's GPU allocator preallocate ``utilization`` of the device, unless the user chose a
-    share already. Effective only before JAX starts its backends; afterwards the sizing uses
-    whatever pool exists (see :func:`kv_cache_budget`)."""
-    if envs.xla_mem_fraction() is None:
+    share already. Only before JAX starts its backends: afterwards the pool exists, the setting
+    would misstate it, and the sizing uses that pool (see :func:`kv_cache_budget`)."""
+    if envs.xla_mem_fraction() is None and not _backends_started():
         envs.set_xla_mem_fraction(utilization)
+
+
+def _backends_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+    except ImportError:  # private module; assume started, which only skips the setting
+        return True
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return True if started is None else bool(started())
 
 
 def determine_num_blocks(mc: ModelConfig, cfg: EngineConfig, max_model_len: int, *, platform: str = "cpu",

@@ -70,3 +70,15 @@ def test_gpu_sizing_through_determine_num_blocks():
     small = DeviceMemory(pool_bytes=3 * GIB, pool_fraction=0.9, held_bytes=2 * GIB)
     with pytest.raises(ValueError, match="max_model_len=4096"):
         determine_num_blocks(mc, EngineConfig(), 4096, platform="gpu", memory=small, peak_temp_bytes=0)
+
+
+def test_allocator_share_is_left_alone_once_jax_has_started(monkeypatch):
+    import jax
+
+    from jaxserve import envs
+    from jaxserve.runner.kv_cache import configure_xla_allocator
+
+    jax.devices()  # this process's backends are started
+    monkeypatch.delenv(envs.XLA_PYTHON_CLIENT_MEM_FRACTION, raising=False)
+    configure_xla_allocator(0.5)
+    assert envs.xla_mem_fraction() is None
