@@ -208,7 +208,7 @@ class ModelRunner:
         per token bucket on first use rather than at warm-up, since most workloads never ask.
         """
         logits = nnx.merge(self.graphdef, model_state).compute_logits(hidden)
-        return gather_logprobs(logits, next_token_ids, self.num_logprobs)
+        return gather_logprobs(logits, next_token_ids, self.num_logprobs, cond_free=self.cond_free)
 
     def _layout_for(self, bucket: int) -> PackLayout:
         if bucket not in self._layouts:
