@@ -1,21 +1,33 @@
 # Two entry points a fresh machine needs: `make serve` (the main job) and `make test`.
-# Both create the virtual environment on first use and install jaxserve into it from scratch.
+# Both create the virtual environment on first use and install jaxserve into it: `serve` the
+# runtime only (no torch, pytest or Jupyter), `test` and `lint` the test extras. Flags go in ARGS:
+#   make serve ARGS="--port 9000"
+#   make serve ARGS="Qwen/Qwen3-0.6B --max-model-len 4096"
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
+# One stamp per set of extras, so that `make serve` after `make test` installs nothing new.
 EXTRAS ?= test
 
-.PHONY: setup serve test lint bench-throughput gpu-aot-check clean
+.PHONY: setup setup-runtime serve test lint bench-throughput bench-startup gpu-aot-check clean
 
-$(VENV)/.installed-$(EXTRAS): pyproject.toml
+$(VENV)/.installed-runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-%: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[$*]"
 	touch $@
 
 setup: $(VENV)/.installed-$(EXTRAS)
 
-serve: setup
+setup-runtime: $(if $(wildcard $(VENV)/.installed-test),$(VENV)/.installed-test,$(VENV)/.installed-runtime)
+
+serve: setup-runtime
 	$(VENV)/bin/jaxserve serve $(ARGS)
 
 test: setup
@@ -29,6 +41,9 @@ lint: setup
 
 bench-throughput: setup
 	$(VENV)/bin/jaxserve bench throughput $(ARGS)
+
+bench-startup: setup-runtime
+	$(VENV)/bin/jaxserve bench startup $(ARGS)
 
 # Compile every step variant for an H200 on this CPU (no GPU needed) and check the programs. It
 # builds its own virtual environment with the CUDA 12 plugin (a large install), so it is not part

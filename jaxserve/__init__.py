@@ -24,6 +24,7 @@ _LAZY = {
     "RequestOutputKind": "jaxserve.engine.outputs",
     "PromptType": "jaxserve.engine.processor",
     "InvalidRequestError": "jaxserve.exceptions",
+    "ConfigError": "jaxserve.exceptions",
     "EngineDeadError": "jaxserve.exceptions",
     "EngineOverloadedError": "jaxserve.exceptions",
 }

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from jaxserve import envs
+from jaxserve.exceptions import ConfigError
 
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu")
 
@@ -19,9 +20,13 @@ ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu")
 @dataclasses.dataclass
 class EngineConfig:
     model: str | None = None
-    """HF checkpoint folder; None = the built-in demo model."""
+    """HF checkpoint folder or hub id (Qwen/Qwen3-0.6B); None = the built-in demo model."""
     tokenizer: str | None = None
-    """Tokenizer folder; defaults to the model folder."""
+    """Tokenizer folder or hub id; defaults to the model's."""
+    revision: str | None = None
+    """Hub revision of the model (branch, tag or commit); default: main."""
+    download_dir: str | None = None
+    """Hub cache folder to download into and read from; default: HF_HUB_CACHE (~/.cache/huggingface/hub)."""
     dtype: str = "auto"
     """Weight and activation dtype: auto (the checkpoint's), float32, bfloat16, float16."""
     max_model_len: int | None = None
@@ -42,8 +47,9 @@ class EngineConfig:
     """Order of admission and of preemption victims."""
     enforce_eager: bool = False
     """Run the step without jax.jit (for comparison with the compiled path)."""
-    async_scheduling: bool = False
-    """Schedule and prepare step N+1 while the device runs step N (outputs arrive one step later)."""
+    async_scheduling: bool = True
+    """Schedule and prepare step N+1 while the device runs step N (outputs arrive one step later;
+    the same tokens)."""
     attention_backend: Literal["auto", "xla", "pallas", "triton", "cpu"] = "auto"
     """auto = pallas on GPU; on a CPU, cpu (the C++ kernel) when it builds here, else xla."""
     seed: int = 0
@@ -70,8 +76,8 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
-        def bad(field: str, why: str) -> ValueError:
-            return ValueError(f"{field}: {why}, got {getattr(self, field)!r}")
+        def bad(field: str, why: str) -> ConfigError:
+            return ConfigError(f"{field}: {why}, got {getattr(self, field)!r}")
 
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise bad("block_size", "must be a positive power of two")
@@ -121,7 +127,9 @@ class EngineConfig:
                 continue
             flag = "--" + field.name.replace("_", "-")
             kind = hints[field.name]
-            help_text = f"{docs.get(field.name, '')} (default: {field.default})"
+            doc = docs.get(field.name, "")
+            # A docstring that explains its default says more than the bare value (often None).
+            help_text = doc if "default" in doc.lower() else f"{doc} (default: {field.default})"
             if kind is bool or kind == (bool | None):
                 parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
                                     default=field.default, help=help_text)
@@ -131,6 +139,20 @@ class EngineConfig:
             else:
                 base = next((t for t in (int, float, str) if t is kind or t in get_args(kind)), str)
                 parser.add_argument(flag, dest=field.name, type=base, default=field.default, help=help_text)
+
+    def cli_flags(self, skip: tuple[str, ...] = ()) -> list[str]:
+        """The flags that give this configuration from the defaults (those of changed fields)."""
+        flags = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name in skip or value == field.default:
+                continue
+            flag = "--" + field.name.replace("_", "-")
+            if isinstance(value, bool):
+                flags.append(flag if value else "--no-" + flag[2:])
+            elif value is not None:
+                flags += [flag, str(value)]
+        return flags
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> "EngineConfig":

@@ -20,6 +20,14 @@ JAX_SKIP_CUDA_CONSTRAINTS_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
 XLA_PYTHON_CLIENT_MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 """XLA's own: the share of GPU memory its allocator preallocates (0.75 when unset). A GPU engine
 sets it to ``gpu_memory_utilization`` when the user has not, before JAX starts its backends."""
+JAXSERVE_LOG_LEVEL = "JAXSERVE_LOG_LEVEL"
+"""The ``jaxserve`` command's log level (``debug`` also prints the traceback of a start-up error)."""
+
+# Hugging Face's own variables, read here with huggingface_hub's meaning so that a test or a
+# launcher may set them after huggingface_hub was imported (it reads them once, at import).
+HF_HOME = "HF_HOME"
+HF_HUB_CACHE = "HF_HUB_CACHE"
+HF_HUB_OFFLINE = "HF_HUB_OFFLINE"
 
 
 def cache_dir() -> Path:
@@ -51,3 +59,26 @@ def allow_cuda_plugin_without_gpu() -> None:
     """The CUDA plugin checks the driver's versions when it loads, which fails with no GPU; an
     ahead-of-time compile for a GPU needs the plugin and no driver. Set before JAX's first backend."""
     os.environ.setdefault(JAX_SKIP_CUDA_CONSTRAINTS_CHECK, "1")
+
+
+def log_level() -> Optional[str]:
+    """``$JAXSERVE_LOG_LEVEL`` upper-cased (``DEBUG``, ``INFO`` ...), or None when unset."""
+    value = os.environ.get(JAXSERVE_LOG_LEVEL)
+    return value.strip().upper() if value and value.strip() else None
+
+
+def hf_hub_cache() -> Path:
+    """The hub cache: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
+    ``$XDG_CACHE_HOME/huggingface/hub`` (``~/.cache/huggingface/hub``)."""
+    explicit = os.environ.get(HF_HUB_CACHE) or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    home = os.environ.get(HF_HOME) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def hf_hub_offline() -> bool:
+    """``$HF_HUB_OFFLINE`` (or transformers' older ``$TRANSFORMERS_OFFLINE``) set to a true value."""
+    value = os.environ.get(HF_HUB_OFFLINE) or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().upper() in ("1", "ON", "YES", "TRUE")

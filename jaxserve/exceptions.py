@@ -30,3 +30,9 @@ class EngineDeadError(RuntimeError):
 
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is full (HTTP 503); retry later."""
+
+
+class ConfigError(ValueError):
+    """A setting or model source that cannot work: a missing folder or hub id, a checkpoint jaxserve
+    cannot read, a flag out of range. Raised before any request is served; the command line
+    reports it in one line and exits with code 2."""

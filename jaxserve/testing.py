@@ -1,8 +1,8 @@
 """Tiny Hugging Face checkpoints for the test suite, one per supported architecture.
 
-Built with the demo model's builder (:mod:`jaxserve.models.demo`): real HF folders, random init
-with a fixed seed, a locally trained tokenizer. Building needs torch; loading does not. Test code
-only: nothing in the package imports this module.
+Built with the demo model's builder (:mod:`jaxserve.models.demo`): real HF folders, random weights
+drawn with numpy from a fixed seed, a locally trained tokenizer; no torch. Test code only: nothing
+in the package imports this module.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import jaxserve
 
 from .errors import ENGINE_DEAD, APIError, install_handlers
+from .ignored_fields import report_ignored_fields
+from .limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from .middleware import AuthMiddleware, BodyLimitMiddleware
 from .protocol import (
     ChatCompletionRequest,
@@ -30,14 +32,13 @@ from .protocol import (
 from .serving_chat import OpenAIServingChat, render_chat
 from .serving_completion import OpenAIServingCompletion
 from .state import ServerState
-
-DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+from .tokenizer_info import tokenizer_info
 
 
 def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
               chat_template: Optional[str] = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              model_root: Optional[str] = None) -> FastAPI:
+              model_root: Optional[str] = None, enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
     state = ServerState(engine, served_model_name=served_model_name, chat_template=chat_template,
                         model_root=model_root)
     app = FastAPI(title="jaxserve", version=jaxserve.__version__)
@@ -80,8 +81,8 @@ def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optio
         else:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
-                                token_strs=strs).model_dump(exclude_none=True)
+        answer = TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
+        return report_ignored_fields(body, JSONResponse(answer.model_dump()))
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -92,7 +93,15 @@ def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optio
         if bad:
             raise APIError(400, f"tokens: token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
                            param="tokens")
-        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens)).model_dump()
+        answer = DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
+        return report_ignored_fields(body, JSONResponse(answer.model_dump()))
+
+    if enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info():
+            if state.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer")
+            return tokenizer_info(state.tokenizer, state.chat_template).model_dump()
 
     @app.get("/health")
     async def health():

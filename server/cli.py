@@ -1,8 +1,13 @@
-"""The ``jaxserve`` command: ``serve``, ``generate`` and ``bench {throughput,scheduler,serve,roofline}``.
+"""The ``jaxserve`` command: ``serve``, ``generate`` and ``bench {throughput,startup,scheduler,serve,roofline}``.
 
 It lives with the server because ``serve`` needs it, and the server sits above the engine.
 Engine flags come from ``EngineConfig`` one-to-one (``--max-num-seqs`` ...), so every entry point
-accepts the same names as vLLM's.
+accepts the same names as vLLM's. Building the parser imports neither jax nor the web stack, so
+``--help`` answers at once.
+
+A setting that cannot work (``ConfigError``: a missing folder, a checkpoint without config.json,
+pickle-only weights, a flag out of range, a busy port) is one line on stderr and exit code 2;
+``--debug`` (or ``JAXSERVE_LOG_LEVEL=debug``) prints its traceback too, and jaxserve's debug log.
 """
 
 from __future__ import annotations
@@ -11,20 +16,31 @@ import argparse
 import json
 import logging
 import sys
+import time
+import traceback
 
-from jaxserve import EngineConfig
+from jaxserve import ConfigError, EngineConfig, envs
+
+EXIT_BAD_INPUT = 2  # argparse's own code for a bad command line
+
+
+def _add_common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true",
+                   help="debug logging, and the traceback of a start-up error (also: JAXSERVE_LOG_LEVEL=debug)")
 
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help="HF checkpoint folder (config.json + *.safetensors); default: the built-in demo model")
+                   help="HF checkpoint folder (config.json + *.safetensors) or hub id (e.g. Qwen/Qwen3-0.6B); "
+                        "default: the built-in demo model")
 
 
 def _engine_parser(sub, name: str, help: str) -> argparse.ArgumentParser:
     """A subcommand that builds an engine: the MODEL argument plus every EngineConfig flag."""
-    p = sub.add_parser(name, help=help)
+    p = sub.add_parser(name, help=help, description=help)
     _add_model_arg(p)
     EngineConfig.add_cli_args(p)
+    _add_common_args(p)
     return p
 
 
@@ -38,41 +54,79 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
 
     gen = _engine_parser(sub, "generate", "generate for a few prompts offline and print the results")
-    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable; default: three built-in ones)")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default: 32)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
 
-    bench = sub.add_parser("bench", help="benchmarks (JSON on stdout)")
+    bench = sub.add_parser("bench", help="benchmarks (JSON on stdout)", description="benchmarks (JSON on stdout)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     tp = _engine_parser(bsub, "throughput", "offline throughput, optionally side by side with transformers")
     from jaxserve.bench.throughput import add_throughput_args
 
     add_throughput_args(tp)
-    sched = bsub.add_parser("scheduler", help="microseconds per schedule+update step, no model")
-    sched.add_argument("--num-running", type=int, nargs="+", default=[64, 256, 1024])
-    sched.add_argument("--steps", type=int, default=200)
+    st = _engine_parser(bsub, "startup", "time to a ready `jaxserve serve`, with empty caches and with warm ones")
+    from jaxserve.bench.startup_bench import add_startup_bench_args
+
+    add_startup_bench_args(st)
+    sched = bsub.add_parser("scheduler", help="microseconds per schedule+update step, no model",
+                            description="microseconds per schedule+update step, no model")
+    sched.add_argument("--num-running", type=int, nargs="+", default=[64, 256, 1024],
+                       help="running-set sizes to time, one measurement each (default: 64 256 1024)")
+    sched.add_argument("--steps", type=int, default=200, help="steps timed per size (default: 200)")
+    _add_common_args(sched)
     from jaxserve.bench.serve_bench import add_serve_bench_args
 
-    add_serve_bench_args(bsub.add_parser("serve", help="load generator against a running server"))
+    serve_bench = bsub.add_parser("serve", help="load generator against a running server",
+                                  description="load generator against a running server")
+    add_serve_bench_args(serve_bench)
+    _add_common_args(serve_bench)
     from jaxserve.bench.roofline import add_roofline_args
 
-    add_roofline_args(bsub.add_parser("roofline", help="the fastest each step bucket can run on a GPU (model)"))
+    roofline = bsub.add_parser("roofline", help="the fastest each step bucket can run on a GPU (model)",
+                               description="the fastest each step bucket can run on a GPU (model)")
+    add_roofline_args(roofline)
+    _add_common_args(roofline)
     return parser
 
 
+def configure_logging(debug: bool) -> None:
+    """jaxserve's own log at INFO (``JAXSERVE_LOG_LEVEL`` or ``--debug`` change it); other libraries
+    only warn, so their start-up chatter (jax probing for a TPU) stays out unless debugging."""
+    level = "DEBUG" if debug else (envs.log_level() or "INFO")
+    logging.basicConfig(level=logging.INFO if debug else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jaxserve").setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    debug = args.debug or envs.log_level() == "DEBUG"
+    configure_logging(debug)
+    try:
+        return _run(args, started)
+    except ConfigError as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"jaxserve: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _run(args: argparse.Namespace, started: float) -> int:
     if args.command == "serve":
         from .serve import run_serve
 
-        return run_serve(args) or 0
+        return run_serve(args, started)
     if args.command == "generate":
         return _generate(args)
     if args.bench_command == "throughput":
         from jaxserve.bench.throughput import run_throughput_cli
 
         result = run_throughput_cli(args)
+    elif args.bench_command == "startup":
+        from jaxserve.bench.startup_bench import run_startup_bench_cli
+
+        result = run_startup_bench_cli(args, EngineConfig.from_cli_args(args, model=args.model))
     elif args.bench_command == "roofline":
         from jaxserve.bench.roofline import run_roofline_cli
 

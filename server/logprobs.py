@@ -13,7 +13,7 @@ from typing import Optional
 
 from jaxserve import CompletionOutput, Logprob, RequestOutput
 
-from .protocol import ChatLogProbs, ChatLogProbToken, ChatLogProbTop, CompletionLogProbs
+from .protocol import ChatLogProbs, ChatLogProbToken, ChatLogProbTop, CompletionLogProbs, PromptLogprob
 
 # -inf is not valid JSON: a token the sampler ruled out reports this floor instead (vLLM's value).
 LOGPROB_FLOOR = -9999.0
@@ -77,6 +77,14 @@ class TokenText:
         return list(self._text(token_id).encode("utf-8"))
 
 
+class TokenIdText(TokenText):
+    """``return_tokens_as_token_ids``: every token is shown as ``token_id:<id>``, as vLLM shows it,
+    so a client can map logprobs to ids whatever the tokenizer; ``bytes`` stay the token's own."""
+
+    def text(self, token_id: int, decoded: Optional[str] = None) -> str:
+        return f"token_id:{token_id}"
+
+
 def _is_byte_level(tokenizer) -> bool:
     try:
         decoder = tokenizer.backend_tokenizer.decoder
@@ -88,8 +96,16 @@ def _is_byte_level(tokenizer) -> bool:
 # ---- /v1/completions ---------------------------------------------------------------------------
 
 
+def top_entries(entry: dict[int, Logprob], token_id: int, top_n: Optional[int]) -> dict[int, Logprob]:
+    """The position's token and its ``top_n`` likeliest alternatives (all of them when None): the
+    engine may have computed more, for another field of the same request."""
+    if top_n is None:
+        return entry
+    return {tid: lp for tid, lp in entry.items() if tid == token_id or (lp.rank is not None and lp.rank <= top_n)}
+
+
 def _append_position(lp: CompletionLogProbs, text: str, token_id: int, entry: Optional[dict[int, Logprob]],
-                     tokens: TokenText, offset: int) -> int:
+                     tokens: TokenText, offset: int, top_n: Optional[int] = None) -> int:
     """One position of a completions ``logprobs`` object (no ``entry``: no logprobs there); returns
     the next text offset."""
     chosen = entry.get(token_id) if entry is not None else None
@@ -98,7 +114,7 @@ def _append_position(lp: CompletionLogProbs, text: str, token_id: int, entry: Op
     top: Optional[dict[str, float]] = None
     if entry is not None:
         top = {}
-        for tid, alt in sorted(entry.items(), key=lambda kv: kv[1].rank or 0):
+        for tid, alt in sorted(top_entries(entry, token_id, top_n).items(), key=lambda kv: kv[1].rank or 0):
             # Distinct ids can share a display string (partial UTF-8 shows as U+FFFD): keep the likelier.
             top.setdefault(tokens.text(tid, alt.decoded_token), floored(alt.logprob))
     lp.top_logprobs.append(top)
@@ -117,20 +133,34 @@ def completion_logprobs(out: CompletionOutput, tokens: TokenText, start_offset: 
     return lp
 
 
-def prepend_prompt_logprobs(ro: RequestOutput, tokens: TokenText, generated: CompletionLogProbs) -> CompletionLogProbs:
+def prepend_prompt_logprobs(ro: RequestOutput, tokens: TokenText, generated: CompletionLogProbs,
+                            top_n: Optional[int] = None) -> CompletionLogProbs:
     """``echo`` with ``logprobs``: the prompt's tokens come first, the first one without a logprob
-    (nothing precedes it), as the OpenAI completions API reports them."""
+    (nothing precedes it), as the OpenAI completions API reports them; ``top_n`` alternatives each."""
     lp = CompletionLogProbs()
     offset = 0
     plp = ro.prompt_logprobs or []  # [None, {token: Logprob}, ...]
     for i, token_id in enumerate(ro.prompt_token_ids):
         entry = (plp[i] if i < len(plp) else None) or None  # the first position's None, or {}: no logprobs
-        offset = _append_position(lp, tokens.text(token_id), token_id, entry, tokens, offset)
+        offset = _append_position(lp, tokens.text(token_id), token_id, entry, tokens, offset, top_n)
     lp.tokens += generated.tokens
     lp.token_logprobs += generated.token_logprobs
     lp.top_logprobs += generated.top_logprobs
     lp.text_offset += generated.text_offset
     return lp
+
+
+def prompt_logprobs_field(ro: RequestOutput, top_n: int) -> list[Optional[dict[int, PromptLogprob]]]:
+    """vLLM's ``prompt_logprobs`` of a completions choice: per prompt position (None first), the
+    prompt token and its ``top_n`` alternatives by id."""
+    out: list[Optional[dict[int, PromptLogprob]]] = []
+    for token_id, entry in zip(ro.prompt_token_ids, ro.prompt_logprobs or []):
+        if entry is None:
+            out.append(None)
+            continue
+        out.append({tid: PromptLogprob(logprob=floored(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+                    for tid, lp in top_entries(entry, token_id, top_n).items()})
+    return out
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------------

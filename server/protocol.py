@@ -1,10 +1,13 @@
 """OpenAI wire format: request and response bodies as pydantic models.
 
-Field names and shapes follow the OpenAI API (plus vLLM's sampling extensions such as ``top_k``
-and ``ignore_eos``). Requests forbid unknown fields, and fields jaxserve cannot honour yet are
-listed in ``unsupported()`` so that the server answers 400 with the reason instead of silently
-ignoring them. Ranges that the engine itself checks (penalties, top_p, ...) are left to
-``SamplingParams``; what is checked here is what would otherwise reach numpy unbounded.
+Field names and shapes follow the OpenAI API plus vLLM's extensions (``top_k``, ``ignore_eos``,
+``min_tokens``, ``prompt_logprobs``, ``truncate_prompt_tokens`` ...; the README lists them). As in
+vLLM, a field no model declares is ignored, not refused: ``ignored_fields()`` names it, and the
+server logs it and reports it in a response header. Fields jaxserve knows but cannot honour
+(tools, guided decoding, ...) are listed by ``unsupported()``, so the server answers 400 with the
+reason instead of silently ignoring them. Ranges that the engine itself checks (penalties,
+top_p, ...) are left to ``SamplingParams``; what is checked here is what would otherwise reach
+numpy unbounded.
 """
 
 from __future__ import annotations
@@ -33,12 +36,29 @@ def random_id(prefix: str) -> str:
 
 
 class _Request(BaseModel):
-    # NaN/Infinity are valid in Python's JSON parser but never valid sampling values.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # NaN/Infinity are valid in Python's JSON parser but never valid sampling values. Unknown
+    # fields are kept aside (model_extra), to be reported, rather than refused.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    def ignored_fields(self) -> list[str]:
+        """Fields of the body that no model declares, nested ones as ``outer.inner``."""
+        names = list(self.model_extra or {})
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, _Request):
+                names += [f"{name}.{inner}" for inner in value.ignored_fields()]
+        return names
 
 
 class StreamOptions(_Request):
     include_usage: Optional[bool] = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (guidellm always asks).
+    continuous_usage_stats: Optional[bool] = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
 
 
 class _SamplingFields(_Request):
@@ -68,6 +88,19 @@ class _SamplingFields(_Request):
     user: Optional[str] = None
     priority: int = Field(0, ge=-_INT64, lt=_INT64)
     cache_salt: Optional[str] = None
+    # vLLM extensions: -1 truncates to max_model_len; tokens are dropped from the left.
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1, le=_INT32_MAX)
+    return_tokens_as_token_ids: bool = False
+    # vLLM extensions jaxserve knows but does not implement (400 when they would matter).
+    use_beam_search: bool = False
+    bad_words: Optional[list[str]] = None
+    logits_processors: Optional[list[Any]] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[Any]] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[Any] = None
+    response_format: Optional[ResponseFormat] = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -108,10 +141,27 @@ class _SamplingFields(_Request):
             kw["allowed_token_ids"] = self.allowed_token_ids
         return kw
 
+    def include_usage(self) -> tuple[bool, bool]:
+        """(usage chunk at the end, usage in every chunk): vLLM's reading of stream_options."""
+        options = self.stream_options
+        final = bool(options and options.include_usage)
+        return final, final and bool(options and options.continuous_usage_stats)
+
     def common_unsupported(self) -> list[tuple[str, str]]:
         out = []
         if self.stream_options is not None and not self.stream:
             out.append(("stream_options", "stream_options is only allowed when stream is true"))
+        if self.use_beam_search:
+            out.append(("use_beam_search", "beam search is not supported by jaxserve"))
+        for name in ("bad_words", "logits_processors"):
+            if getattr(self, name):
+                out.append((name, f"{name} is not supported by jaxserve"))
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+            if getattr(self, name) is not None:
+                out.append((name, "guided decoding (structured outputs) is not supported by jaxserve"))
+        if self.response_format is not None and self.response_format.type != "text":
+            out.append(("response_format", f"response_format type {self.response_format.type!r} is not "
+                                           "supported by jaxserve yet (only 'text')"))
         return out
 
 
@@ -128,6 +178,7 @@ class CompletionRequest(_SamplingFields):
     best_of: Optional[int] = None
     suffix: Optional[str] = None
     add_special_tokens: bool = True
+    prompt_logprobs: Optional[int] = Field(None, ge=0)
 
     def prompts(self) -> list[Union[str, list[int]]]:
         p = self.prompt
@@ -146,7 +197,13 @@ class CompletionRequest(_SamplingFields):
         if self.best_of is not None and self.best_of != self.n:
             out.append(("best_of", f"best_of={self.best_of} different from n={self.n} is not supported "
                                    "by jaxserve (only best_of == n)"))
+        if self.prompt_logprobs is not None and self.stream:
+            out.append(("prompt_logprobs", "prompt_logprobs are not available when stream is true"))
         return out
+
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens=0``: the answer is the prompt (and its logprobs), as in vLLM."""
+        return self.echo and self.max_tokens == 0
 
 
 class CompletionLogProbs(BaseModel):
@@ -162,12 +219,21 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
+class PromptLogprob(BaseModel):
+    """One token of a prompt position, as vLLM reports ``prompt_logprobs``."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
 class CompletionResponseChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, PromptLogprob]]]] = None
 
 
 class CompletionResponse(BaseModel):
@@ -204,11 +270,6 @@ class ChatMessage(BaseModel):
     name: Optional[str] = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_tokens: Optional[int] = Field(None, ge=0)
@@ -219,7 +280,6 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    response_format: Optional[ResponseFormat] = None
     # OpenAI fields jaxserve does not implement; present so that the 400 can name them.
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
@@ -247,9 +307,6 @@ class ChatCompletionRequest(_SamplingFields):
             out.append(("functions", "functions (function calling) are not supported by jaxserve"))
         if self.function_call not in (None, "none"):
             out.append(("function_call", "function_call is not supported by jaxserve"))
-        if self.response_format is not None and self.response_format.type != "text":
-            out.append(("response_format", f"response_format type {self.response_format.type!r} is not "
-                                           "supported by jaxserve yet (only 'text')"))
         if self.audio is not None or (self.modalities and self.modalities != ["text"]):
             out.append(("modalities", "only text output is supported by jaxserve"))
         if self.prediction is not None:
@@ -350,6 +407,13 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizerInfoResponse(BaseModel):
+    """vLLM's /tokenizer_info: the tokenizer's configuration (``tokenizer_config.json``'s fields)."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
 
 
 class TokenizeCompletionRequest(_Request):

@@ -1,22 +1,26 @@
 """``jaxserve serve [MODEL]``: server flags, engine start-up, uvicorn.
 
 Engine flags (``--max-model-len`` ...) are added by ``jaxserve_server.cli`` from ``EngineConfig``;
-this module adds the server's own and runs the server. ``--port 0`` picks a free port; the URL line
-printed once the socket is bound always carries the real one.
+this module adds the server's own and runs the server. The listening socket is bound before the
+engine starts, so a busy port fails at once, and uvicorn serves on that socket. ``--port 0`` picks a
+free port; the URL line printed once the server accepts connections carries the real one. A
+setting that cannot work raises ``ConfigError``, which the command reports in one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
-import sys
+import socket
+import time
 from typing import Optional
 
-from jaxserve import envs
+from jaxserve import ConfigError, EngineConfig, envs
 
-from .app import DEFAULT_MAX_REQUEST_BODY_BYTES
+from .limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -40,6 +44,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="most requests waiting for the engine; beyond that new requests get 503 (default: 1024)")
     g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BODY_BYTES})")
+    g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve /tokenizer_info (the tokenizer's configuration and chat template), which "
+                        "clients such as lm-eval use to tokenize through the server (default: off, as in vLLM)")
 
 
 def load_chat_template(value: Optional[str]) -> Optional[str]:
@@ -54,45 +61,66 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
     raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening address, bound now: a busy port is reported before any weight is loaded, and
+    uvicorn serves on this very socket (no second bind that could race another process)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no obstacle
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        reason = "the port is in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+        raise ConfigError(f"--host/--port: cannot listen on {host}:{port}: {reason}") from exc
+    return sock
+
+
+def run_serve(args: argparse.Namespace, started: Optional[float] = None) -> int:
+    """Serve until interrupted; ``started`` (``time.monotonic()``) is when the command began."""
+    started = time.monotonic() if started is None else started
+    if args.max_waiting < 1:
+        raise ConfigError("--max-waiting must be at least 1")
+    if args.max_request_body_bytes < 1:
+        raise ConfigError("--max-request-body-bytes must be at least 1")
+    try:
+        chat_template = load_chat_template(args.chat_template)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(str(exc)) from exc
+    api_key = args.api_key or envs.api_key()
+    config = EngineConfig.from_cli_args(args, model=args.model)
+    sock = bind_socket(args.host, args.port)
+    try:
+        _serve(args, config, sock, chat_template, api_key, started)
+    finally:
+        sock.close()
+    return 0
+
+
+def _serve(args, config, sock: socket.socket, chat_template: Optional[str], api_key: Optional[str],
+           started: float) -> None:
     import uvicorn
 
-    from jaxserve import AsyncLLM, EngineConfig
+    from jaxserve import AsyncLLM
 
     from .app import build_app
     from .gc_heap import freeze_startup_heap
 
-    if args.max_waiting < 1:
-        print("jaxserve: --max-waiting must be at least 1", file=sys.stderr)
-        return 2
-    if args.max_request_body_bytes < 1:
-        print("jaxserve: --max-request-body-bytes must be at least 1", file=sys.stderr)
-        return 2
-    try:
-        chat_template = load_chat_template(args.chat_template)
-    except (OSError, ValueError) as exc:
-        print(f"jaxserve: {exc}", file=sys.stderr)
-        return 2
-    api_key = args.api_key or envs.api_key()
-
-    config = EngineConfig.from_cli_args(args, model=args.model)
     engine = AsyncLLM.from_config(config, served_model_name=args.served_model_name,
                                   max_waiting=args.max_waiting, show_progress=True)
     freeze_startup_heap()
     try:
         app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                         chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,
-                        model_root=args.model)
-        uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                   timeout_keep_alive=30, lifespan="off")
-        server = _make_server(uv_config, app.state.jaxserve.model_name)
-        asyncio.run(server.serve())
+                        model_root=engine.model_root,
+                        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+        uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_keep_alive=30, lifespan="off")
+        server = _make_server(uv_config, app.state.jaxserve.model_name, started)
+        asyncio.run(server.serve(sockets=[sock]))
     finally:
         engine.shutdown()
-    return 0
 
 
-def _make_server(config, model_name: str):
+def _make_server(config, model_name: str, started: float):
     """A uvicorn.Server that announces the URL (with the bound port) once it accepts connections."""
     import uvicorn
 
@@ -103,7 +131,7 @@ def _make_server(config, model_name: str):
                 return
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             shown = f"[{host}]" if ":" in host else host
-            print(f"jaxserve: serving {model_name} at http://{shown}:{port}/v1", flush=True)
+            print(f"jaxserve: serving {model_name} at http://{shown}:{port}/v1 "
+                  f"(ready {time.monotonic() - started:.1f} s after the command started)", flush=True)
 
     return Server(config)
-

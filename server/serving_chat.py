@@ -12,7 +12,7 @@ from jaxserve import RequestOutput, SamplingParams
 
 from .errors import APIError
 from .generation import Generations
-from .logprobs import chat_logprobs
+from .logprobs import TokenText, chat_logprobs
 from .protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -23,7 +23,7 @@ from .protocol import (
     ChatResponseMessage,
     DeltaMessage,
 )
-from .serving_engine import OpenAIServing, ResponseIds, make_sampling_params, usage
+from .serving_engine import OpenAIServing, ResponseIds, StreamUsage, make_sampling_params, usage
 from .state import ServerState
 
 # Arguments the server passes to the template itself; a request may not override them.
@@ -99,10 +99,17 @@ class OpenAIServingChat(OpenAIServing):
                                 continue_final_message=req.continue_final_message,
                                 add_special_tokens=req.add_special_tokens,
                                 chat_template_kwargs=req.chat_template_kwargs)
+        keep = state.truncation(req.truncate_prompt_tokens)
+        if keep is not None and len(ids) > keep:
+            ids = ids[-keep:]
+            text = state.tokenizer.decode(ids)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         kw = req.sampling_kwargs()
         params = make_sampling_params(dict(kw, max_tokens=req.effective_max_tokens(), logprobs=logprobs))
         return [{"prompt": text, "prompt_token_ids": ids}], params
+
+    def _tokens(self, req: ChatCompletionRequest) -> TokenText:
+        return self.state.token_id_text if req.return_tokens_as_token_ids else self.state.token_text
 
     def response_body(self, req: ChatCompletionRequest, outputs: list[RequestOutput],
                       ids: ResponseIds) -> ChatCompletionResponse:
@@ -110,29 +117,36 @@ class OpenAIServingChat(OpenAIServing):
         top_k = req.top_logprobs or 0
         choices = [ChatCompletionResponseChoice(
             index=out.index, message=ChatResponseMessage(content=out.text),
-            logprobs=chat_logprobs(out, self.state.token_text, top_k) if req.logprobs else None,
+            logprobs=chat_logprobs(out, self._tokens(req), top_k) if req.logprobs else None,
             finish_reason=out.finish_reason, stop_reason=out.stop_reason) for out in ro.outputs]
         choices.sort(key=lambda c: c.index)
         return ChatCompletionResponse(id=ids.id, created=ids.created, model=ids.model, choices=choices,
                                       usage=usage(len(ro.prompt_token_ids), sum(len(o.token_ids) for o in ro.outputs)))
 
     async def stream_chunks(self, req: ChatCompletionRequest, generations: Generations, ids: ResponseIds,
-                            include_usage: bool) -> AsyncGenerator[ChatCompletionStreamResponse, None]:
+                            stream_usage: StreamUsage) -> AsyncGenerator[ChatCompletionStreamResponse, None]:
         top_k = req.top_logprobs or 0
+        tokens = self._tokens(req)
+        prompt_tokens = 0
+        generated = [0] * req.n  # tokens so far, per choice
 
         def chunk(choices, usage_info=None) -> ChatCompletionStreamResponse:
             return ChatCompletionStreamResponse(id=ids.id, created=ids.created, model=ids.model,
                                                 choices=choices, usage=usage_info)
 
-        prompt_tokens = 0
-        completion_tokens = 0
-        for i in range(req.n):
-            yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        def so_far(index: int):
+            return usage(prompt_tokens, generated[index]) if stream_usage.continuous else None
+
         async for _, ro in generations:
-            prompt_tokens = len(ro.prompt_token_ids)
+            if not prompt_tokens:
+                # the role chunks wait for the first output, which tells the prompt's length
+                prompt_tokens = len(ro.prompt_token_ids)
+                for i in range(req.n):
+                    yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
+                                so_far(i))
             for out in ro.outputs:
-                completion_tokens += len(out.token_ids)
-                lp = chat_logprobs(out, self.state.token_text, top_k) if req.logprobs and out.logprobs else None
+                generated[out.index] += len(out.token_ids)
+                lp = chat_logprobs(out, tokens, top_k) if req.logprobs and out.logprobs else None
                 if not out.text and not out.token_ids and out.finish_reason is None:
                     continue
                 # A step whose text is held back (a partial character or stop string) still sends
@@ -140,6 +154,6 @@ class OpenAIServingChat(OpenAIServing):
                 delta = DeltaMessage(content=out.text) if out.text or out.finish_reason is None else DeltaMessage()
                 yield chunk([ChatCompletionStreamChoice(index=out.index, delta=delta, logprobs=lp,
                                                         finish_reason=out.finish_reason,
-                                                        stop_reason=out.stop_reason)])
-        if include_usage:
-            yield chunk([], usage(prompt_tokens, completion_tokens))
+                                                        stop_reason=out.stop_reason)], so_far(out.index))
+        if stream_usage.final:
+            yield chunk([], usage(prompt_tokens, sum(generated)))

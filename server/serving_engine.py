@@ -23,6 +23,7 @@ from jaxserve import RequestOutput, RequestOutputKind, SamplingParams
 
 from .errors import APIError, bad_request, sse_error
 from .generation import ClientDisconnected, Generations, race_disconnect
+from .ignored_fields import report_ignored_fields
 from .protocol import UsageInfo, random_id
 from .state import ServerState
 
@@ -39,6 +40,14 @@ class ResponseIds:
     id: str
     created: int  # unix seconds
     model: str
+
+
+@dataclass(frozen=True)
+class StreamUsage:
+    """What a stream reports of its token counts (vLLM's stream_options)."""
+
+    final: bool  # one usage chunk at the end (include_usage)
+    continuous: bool  # the usage so far in every chunk (continuous_usage_stats, with include_usage)
 
 
 def sse_event(chunk: BaseModel, include_usage: bool) -> str:
@@ -104,10 +113,14 @@ class OpenAIServing(ABC):
 
     @abstractmethod
     def stream_chunks(self, req, generations: Generations, ids: ResponseIds,
-                      include_usage: bool) -> AsyncGenerator[BaseModel, None]:
-        """The chunks of a stream, the usage chunk last when ``include_usage``."""
+                      usage: StreamUsage) -> AsyncGenerator[BaseModel, None]:
+        """The chunks of a stream; with ``usage.final`` the usage chunk last, with
+        ``usage.continuous`` the usage so far in every chunk too."""
 
     async def __call__(self, req, raw_request: Request) -> Response:
+        return report_ignored_fields(req, await self._respond(req, raw_request))
+
+    async def _respond(self, req, raw_request: Request) -> Response:
         self.state.check_alive()
         prompts, params = self.prepare(req)
         ids = ResponseIds(random_id(self.id_prefix), int(time.time()), self.state.model_name)
@@ -136,9 +149,9 @@ class OpenAIServing(ABC):
         except ClientDisconnected:
             await generations.close()
             return Response(status_code=CLIENT_CLOSED)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunks = self.stream_chunks(req, generations, ids, include_usage)
-        return SSEResponse(_sse_events(chunks, include_usage), generations)
+        final, continuous = req.include_usage()
+        chunks = self.stream_chunks(req, generations, ids, StreamUsage(final, continuous))
+        return SSEResponse(_sse_events(chunks, final), generations)
 
 
 async def _sse_events(chunks: AsyncGenerator[BaseModel, None], include_usage: bool) -> AsyncIterator[str]:

@@ -14,5 +14,5 @@ ARCHITECTURES = tuple(TINY_CONFIGS)
 
 
 def build_tiny_checkpoints(root: Path) -> dict[str, str]:
-    """One random-init checkpoint folder per supported architecture, under ``root`` (needs torch)."""
+    """One random-init checkpoint folder per supported architecture, under ``root``."""
     return {arch: str(build_tiny_checkpoint(root / arch, arch, seed=1)) for arch in ARCHITECTURES}

@@ -1,9 +1,9 @@
-"""Random-weight checkpoints of a given shape for benchmarks, written with numpy (no torch).
+"""Random-weight checkpoints of a given shape for benchmarks (weights from :mod:`jaxserve.models.random_weights`).
 
 Presets name the shapes the issues benchmark: ``cpu-bench`` (small Qwen3 for the CPU throughput
-target) and ``qwen3-0.6b`` (Qwen3-0.6B's shape in bfloat16, for the GPU). The folder is a normal
-HF checkpoint (config.json + model.safetensors) loaded through the real loader; it has no
-tokenizer, so benchmarks feed token ids.
+target), ``qwen3-0.6b`` and ``qwen3-8b`` (those models' shapes in bfloat16, for the GPU). The
+folder is a normal HF checkpoint (config.json + model.safetensors) loaded through the real loader;
+it has no tokenizer, so benchmarks feed token ids.
 """
 
 from __future__ import annotations
@@ -11,12 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import ml_dtypes
-import numpy as np
-
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.loader import expected_tensors
-from jaxserve.models.safetensors_io import save_file
+from jaxserve.models.random_weights import random_tensors
+from jaxserve.models.safetensors_io import save_checkpoint_weights
 
 PRESETS = {
     "cpu-bench": dict(vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
@@ -44,18 +41,8 @@ def build_random_checkpoint(folder: str | Path, preset: str, seed: int = 0) -> P
     if (folder / "config.json").is_file():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    shape = PRESETS[preset]
     config = preset_config(preset)
     cfg = ModelConfig.from_dict(config)
-    rng = np.random.default_rng(seed)
-    np_dtype = ml_dtypes.bfloat16 if shape["dtype"] == "bfloat16" else np.dtype(shape["dtype"])
-    tensors = {}
-    for name, tshape in expected_tensors(cfg).items():
-        if name.endswith("norm.weight"):
-            arr = np.ones(tshape, np.float32)
-        else:
-            arr = rng.standard_normal(tshape, dtype=np.float32) * np.float32(0.02)
-        tensors[name] = arr.astype(np_dtype)
-    save_file(tensors, folder / "model.safetensors")
+    save_checkpoint_weights(random_tensors(cfg, seed=seed, std=0.02), folder)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder

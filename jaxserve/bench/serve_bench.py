@@ -218,29 +218,36 @@ async def run_serve_bench(*, base_url: str, requests: list[BenchRequest], model:
 
 def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default=None, help="server URL (default: http://HOST:PORT)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="server host when --base-url is not given (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="server port when --base-url is not given (default: 8000)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions"])
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions"],
+                   help="API route the requests go to (default: /v1/completions)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer <key>'")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default: 100)")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests per second, Poisson arrivals; inf sends all at once (default: inf)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
-    p.add_argument("--dataset-name", choices=["random", "prefix-repetition"], default="random")
-    p.add_argument("--random-input-len", type=int, default=128)
-    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--dataset-name", choices=["random", "prefix-repetition"], default="random",
+                   help="random token prompts, or prompts sharing a few prefixes (default: random)")
+    p.add_argument("--random-input-len", type=int, default=128, help="random dataset: prompt tokens (default: 128)")
+    p.add_argument("--random-output-len", type=int, default=64,
+                   help="random dataset: output tokens per request (default: 64)")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths uniform in [len*(1-r), len*(1+r)] (default: 0, fixed lengths)")
-    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
-    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
-    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
-    p.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256,
+                   help="prefix-repetition dataset: tokens of each shared prefix (default: 256)")
+    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256,
+                   help="prefix-repetition dataset: tokens after the prefix, own to each request (default: 256)")
+    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10,
+                   help="prefix-repetition dataset: distinct prefixes (default: 10)")
+    p.add_argument("--prefix-repetition-output-len", type=int, default=128,
+                   help="prefix-repetition dataset: output tokens per request (default: 128)")
     p.add_argument("--token-id-range", type=int, nargs=2, default=[10, 1000], metavar=("LO", "HI"),
                    help="prompt token ids are drawn uniformly from [LO, HI) (default: 10 1000)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--seed", type=int, default=0, help="seed of the dataset and of the arrival times")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: 600)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the dataset and of the arrival times (default: 0)")
 
 
 def build_requests(args) -> list[BenchRequest]:

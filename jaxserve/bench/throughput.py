@@ -48,25 +48,36 @@ def random_workload(num_prompts: int, input_range: tuple[int, int], output_range
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=["jaxserve", "hf", "both"], default="jaxserve")
+    p.add_argument("--backend", choices=["jaxserve", "hf", "both"], default="jaxserve",
+                   help="jaxserve, transformers (hf; needs torch), or both in one process, taking turns "
+                        "(default: jaxserve)")
     p.add_argument("--random-model", choices=["cpu-bench", "qwen3-0.6b"], default=None,
                    help="benchmark a random-weight model of this shape (built once, cached)")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len-range", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len-range", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"))
-    p.add_argument("--random-input-len", type=int, default=None, help="vLLM style: mean input length")
-    p.add_argument("--random-output-len", type=int, default=None, help="vLLM style: mean output length")
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--token-id-range", type=int, nargs=2, default=[10, 8000])
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--num-prompts", type=int, default=64, help="requests in the workload (default: 64)")
+    p.add_argument("--input-len-range", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
+                   help="prompt lengths, uniform in [MIN, MAX] (default: 32 256)")
+    p.add_argument("--output-len-range", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"),
+                   help="output lengths, uniform in [MIN, MAX] (default: 32 128)")
+    p.add_argument("--random-input-len", type=int, default=None,
+                   help="vLLM style: mean prompt length (overrides --input-len-range)")
+    p.add_argument("--random-output-len", type=int, default=None,
+                   help="vLLM style: mean output length (overrides --output-len-range)")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="with --random-*-len: lengths uniform in [len*(1-r), len*(1+r)] (default: 0)")
+    p.add_argument("--token-id-range", type=int, nargs=2, default=[10, 8000], metavar=("LO", "HI"),
+                   help="prompt token ids, uniform in [LO, HI) (default: 10 8000)")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="every request produces exactly its output length (default: on)")
     p.add_argument("--disable-detokenize", action="store_true",
                    help="vLLM's flag: return token ids only (no text), as the hf backend does")
     p.add_argument("--num-iters", type=int, default=1,
                    help="time the workload this many times per backend, the backends taking turns; "
                         "each backend reports its median iteration")
-    p.add_argument("--hf-batch-size", type=int, default=16)
-    p.add_argument("--torch-threads", type=int, default=None)
-    p.add_argument("--bench-seed", type=int, default=0, help="seed of the workload draw")
+    p.add_argument("--hf-batch-size", type=int, default=16,
+                   help="requests per static batch of the hf backend (default: 16)")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch.set_num_threads for the hf backend (default: torch's own choice)")
+    p.add_argument("--bench-seed", type=int, default=0, help="seed of the workload draw (default: 0)")
     p.add_argument("--profile", action="store_true", help="also report where the jaxserve step time goes")
     p.add_argument("--profile-ops", type=int, default=0, metavar="N",
                    help="also trace the run and report the N XLA operations that take the most time")

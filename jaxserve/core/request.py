@@ -22,6 +22,10 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
 
+    def __str__(self) -> str:
+        # IntEnum prints its value ("1"); logs and clients read the name, as vLLM prints it.
+        return self.name
+
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
         return status > RequestStatus.PREEMPTED

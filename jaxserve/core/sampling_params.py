@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from jaxserve.exceptions import InvalidRequestError
@@ -37,6 +37,9 @@ class SamplingParams:
     ``max_model_len``" (resolved by the scheduler). ``stop`` is normalised to a list.
     A greedy request (``temperature < 1e-5``) has ``top_p``, ``top_k`` and ``min_p`` reset to
     their neutral values, so the sampler never needs to special-case them.
+    ``all_stop_token_ids`` (vLLM's name) is ``stop_token_ids`` plus the model's EOS ids unless
+    ``ignore_eos``, once the engine has recorded them (``update_from_eos``): the ids that
+    ``min_tokens`` keeps out of the first outputs.
     """
 
     n: int = 1
@@ -61,6 +64,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: Optional[dict[int, float]] = None
     allowed_token_ids: Optional[list[int]] = None
+    _eos_token_ids: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         # After this, ``stop`` and ``stop_token_ids`` are always lists.
@@ -134,6 +138,15 @@ class SamplingParams:
                 fail("logit_bias", f"token ids must be non-negative, got {self.logit_bias!r}")
             if any(v != v or v in (float("inf"), float("-inf")) for v in self.logit_bias.values()):
                 fail("logit_bias", f"biases must be finite, got {self.logit_bias!r}")
+
+    def update_from_eos(self, eos_token_ids: list[int]) -> None:
+        """Record the model's EOS ids (the engine does, per request, before the core sees it)."""
+        self._eos_token_ids = [] if self.ignore_eos else list(eos_token_ids)
+
+    @property
+    def all_stop_token_ids(self) -> list[int]:
+        """``stop_token_ids`` then the recorded EOS ids, each once."""
+        return list(dict.fromkeys([*(self.stop_token_ids or []), *self._eos_token_ids]))
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -18,6 +18,9 @@ from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 from jaxserve.core.stats import SchedulerStats
+from jaxserve.engine.startup import StartupTimes
+from jaxserve.exceptions import ConfigError
+from jaxserve.models.hub import ModelSource, resolve_model
 
 if TYPE_CHECKING:
     from jaxserve.runner.model_runner import InFlightStep
@@ -42,19 +45,21 @@ class StepRecord:
     seconds: float
 
 
-def resolve_model_path(config: EngineConfig) -> str:
+def resolve_model_source(config: EngineConfig) -> ModelSource:
+    """The model's files: ``config.model`` as a folder or a hub id, or the demo model."""
     if config.model:
-        return config.model
+        return resolve_model(config.model, revision=config.revision, download_dir=config.download_dir)
     from jaxserve.models.demo import demo_model_path
 
-    return str(demo_model_path())
+    path = demo_model_path()
+    return ModelSource(path, str(path))
 
 
 def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) -> int:
     if config.max_model_len is None:
         return max_position_embeddings
     if config.max_model_len > max_position_embeddings:
-        raise ValueError(
+        raise ConfigError(
             f"max_model_len: {config.max_model_len} exceeds the model's max_position_embeddings "
             f"({max_position_embeddings})")
     return config.max_model_len
@@ -62,20 +67,26 @@ def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) ->
 
 class EngineCore:
     def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False):
+        self.config = config
+        self.startup = StartupTimes()
+        with self.startup.phase("model"):  # before jax is imported: a wrong name fails fast
+            self.model_source = resolve_model_source(config)
+        self.model_path = str(self.model_source.path)
+
         from jaxserve.models import load_model
         from jaxserve.runner.compilation import enable_persistent_compilation_cache
         from jaxserve.runner.kv_cache import configure_xla_allocator
         from jaxserve.runner.model_runner import ModelRunner
 
-        self.config = config
         configure_xla_allocator(config.gpu_memory_utilization)  # before JAX starts a GPU backend
-        self.model_path = resolve_model_path(config)
         if not config.enforce_eager:  # eager mode's per-op programs are not worth caching on disk
             enable_persistent_compilation_cache(config.resolved_compilation_cache_dir())
-        model = load_model(self.model_path, config.dtype, config.scan_layers)
+        with self.startup.phase("weights"):
+            model = load_model(self.model_path, config.dtype, config.scan_layers)
         self.model_config = model.config
         self.max_model_len = resolve_max_model_len(config, model.config.max_position_embeddings)
-        self.runner = ModelRunner(config, model, self.max_model_len)
+        with self.startup.phase("runner"):
+            self.runner = ModelRunner(config, model, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
@@ -89,6 +100,8 @@ class EngineCore:
         self.last_stats: SchedulerStats = self.scheduler.make_stats()
         self._in_flight: Optional[InFlightStep] = None  # async scheduling: dispatched, not yet collected
         self.runner.warm_up(show_progress)
+        self.startup.add("compile", self.runner.stats.warm_up_compile_seconds)
+        self.startup.add("first_runs", self.runner.stats.warm_up_run_seconds)
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -177,6 +190,7 @@ class EngineCore:
             "num_preemptions": s.num_preemptions,
             **self.runner.describe(),
             **{f"compile_{k}": v for k, v in self.runner.stats.as_dict().items()},
+            **{f"startup_{k}_seconds": v for k, v in self.startup.phases.items()},
         }
 
     def reset_prefix_cache(self) -> bool:

@@ -8,6 +8,7 @@ Input processing (tokenize, validate, fan out ``n``), the core step, output proc
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any, Optional
 
@@ -19,6 +20,7 @@ from jaxserve.engine.output_processor import OutputProcessor, ParentState
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.processor import InputProcessor, ProcessedRequest, PromptType
 from jaxserve.exceptions import InvalidRequestError
+from jaxserve.models.hub import resolve_model
 
 logger = logging.getLogger("jaxserve")
 
@@ -43,14 +45,27 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False,
                  served_model_name: Optional[str] = None):
         self.config = config
+        # A tokenizer given apart is looked up first, so a wrong name fails before any compile.
+        tokenizer_source = resolve_model(config.tokenizer, weights=False) if config.tokenizer else None
         self.core = EngineCore(config, show_progress=show_progress, record_steps=record_steps)
-        self.tokenizer = load_tokenizer(config.tokenizer or self.core.model_path)
+        with self.core.startup.phase("tokenizer"):
+            self.tokenizer = load_tokenizer(str((tokenizer_source or self.core.model_source).path))
         self.model_config = self.core.model_config
         self.max_model_len = self.core.max_model_len
         self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len, config)
         self.output_processor = OutputProcessor(self.tokenizer, on_finished=self._on_finished)
         self.served_model_name = served_model_name or (config.model or "jaxserve-demo")
+        self.model_root = self.core.model_source.root  # the folder, or the hub id
         self.metrics = EngineMetrics(self.served_model_name, self.core.attention_backend)
+        self.metrics.record_startup(self.core.startup.phases, self.core.runner.stats)
+        self._report_startup(show_progress)
+
+    def _report_startup(self, show_progress: bool) -> None:
+        stats = self.core.runner.stats
+        line = self.core.startup.summary(len(stats.compile_seconds_per_bucket), stats.persistent_cache_hits)
+        logger.info(line)
+        if show_progress and not logger.isEnabledFor(logging.INFO):  # no logging set up (a notebook)
+            print(f"jaxserve: {line}", file=sys.stderr, flush=True)  # stdout may carry JSON
 
     # ---- requests ------------------------------------------------------------------------------
 

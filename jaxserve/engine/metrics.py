@@ -95,8 +95,22 @@ class EngineMetrics:
         self.padding = Gauge("jaxserve:step_padding_ratio", "Share of padded token slots so far", lbl, registry=r)
         self.backend = Gauge("jaxserve:attention_backend_info", "Attention backend in use (value 1)",
                              lbl + ["backend"], registry=r)
+        self.startup = Gauge("jaxserve:startup_seconds", "Seconds of the engine's start-up, by phase",
+                             lbl + ["phase"], registry=r)
+        self.variant_compile = Gauge("jaxserve:startup_step_variant_seconds",
+                                     "Seconds to compile (or read from the persistent cache) each step variant",
+                                     lbl + ["variant", "cached"], registry=r)
         self._last: Optional[SchedulerStats] = None
         self._l(self.backend, backend=attention_backend).set(1)
+
+    def record_startup(self, phases: dict[str, float], compile_stats=None) -> None:
+        """Start-up seconds by phase and, from the runner's ``CompileStats``, by step variant."""
+        for phase, seconds in phases.items():
+            self._l(self.startup, phase=phase).set(seconds)
+        if compile_stats is not None:
+            cached = set(compile_stats.cached_variants)
+            for variant, seconds in compile_stats.compile_seconds_per_bucket.items():
+                self._l(self.variant_compile, variant=variant, cached=str(variant in cached).lower()).set(seconds)
 
     def _l(self, metric, **extra):
         # Labelled children are looked up once: labels() costs more than the update itself.

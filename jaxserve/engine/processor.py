@@ -16,7 +16,7 @@ from jaxserve.core.request import Request
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.exceptions import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
 from jaxserve.models.config import ModelConfig
-from jaxserve.sample.metadata import DEFAULT_MAX_ALLOWED_TOKENS, DEFAULT_MAX_LOGIT_BIAS
+from jaxserve.sample.metadata import DEFAULT_MAX_ALLOWED_TOKENS, DEFAULT_MAX_LOGIT_BIAS, MAX_MIN_TOKENS_STOP_IDS
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -48,6 +48,7 @@ class InputProcessor:
         self.eos_token_id = tok_eos if tok_eos is not None else (eos_ids[0] if eos_ids else None)
         # Models with several EOS ids (Llama 3) stop on all of them.
         self.extra_eos_ids = [e for e in eos_ids if e != self.eos_token_id]
+        self.all_eos_ids = ([] if self.eos_token_id is None else [self.eos_token_id]) + self.extra_eos_ids
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
@@ -67,6 +68,12 @@ class InputProcessor:
         """Raise ``InvalidRequestError`` if this engine cannot serve the request as given."""
         self._check_prompt(prompt_token_ids, params)
         self._check_token_ids("stop_token_ids", params.stop_token_ids or [])
+        if params.min_tokens:
+            suppressed = set(params.stop_token_ids or []) | set([] if params.ignore_eos else self.all_eos_ids)
+            if len(suppressed) > MAX_MIN_TOKENS_STOP_IDS:
+                raise InvalidRequestError(
+                    "stop_token_ids", f"with min_tokens, the {len(suppressed)} stop and EOS ids to mask exceed the "
+                                      f"sampler's static width MAX_MIN_TOKENS_STOP_IDS={MAX_MIN_TOKENS_STOP_IDS}")
         if params.logit_bias:
             self._check_width("logit_bias", len(params.logit_bias), "max_logit_bias", DEFAULT_MAX_LOGIT_BIAS)
             self._check_token_ids("logit_bias", params.logit_bias)
@@ -111,6 +118,8 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float,
                 priority: int = 0, cache_salt: Optional[str] = None) -> ProcessedRequest:
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         text, ids = self.tokenize_prompt(prompt)
         self.validate(ids, params)
         core = [self._core_request(child_request_id(i, request_id) if params.n > 1 else request_id,
@@ -119,7 +128,8 @@ class InputProcessor:
         return ProcessedRequest(request_id, text, ids, core)
 
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
-        if params.n == 1 and not self.extra_eos_ids:
+        """The core request's own copy when it needs one (n > 1, extra EOS ids, min_tokens)."""
+        if params.n == 1 and not self.extra_eos_ids and not params.min_tokens:
             return params
         child = params.clone()
         child.n = 1
@@ -127,6 +137,7 @@ class InputProcessor:
             child.seed = params.seed + index  # distinct but reproducible samples
         if self.extra_eos_ids and not params.ignore_eos:
             child.stop_token_ids = list(params.stop_token_ids or []) + self.extra_eos_ids
+        child.update_from_eos(self.all_eos_ids)
         return child
 
     def _core_request(self, core_id, ids, params, arrival_time, priority, cache_salt) -> Request:

@@ -14,6 +14,13 @@ def find_stop(text: str, stops: list[str], search_from: int) -> tuple[int, str] 
     return best
 
 
+def find_new_stop(text: str, stops: list[str], new_from: int) -> tuple[int, str] | None:
+    """Earliest stop string that ends in ``text[new_from:]``: each stop is searched from where it
+    could first straddle ``new_from``, so text before it is never matched on its own."""
+    hits = [hit for stop in stops if (hit := find_stop(text, [stop], new_from - len(stop) + 1)) is not None]
+    return min(hits, key=lambda hit: hit[0], default=None)
+
+
 def partial_stop_len(text: str, stops: list[str]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
     longest = 0

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jaxserve.exceptions import ConfigError
 from jaxserve.layers.rotary import RopeConfig
 
 _DTYPE_NAMES = {
@@ -25,7 +26,7 @@ def normalize_dtype_name(name: Any) -> str:
     """Map the spellings found in configs and CLI flags (``torch.bfloat16``, ``bf16``) to one name."""
     text = str(name).removeprefix("torch.").lower()
     if text not in _DTYPE_NAMES:
-        raise ValueError(f"dtype: unsupported value {name!r}; expected float32, bfloat16 or float16")
+        raise ConfigError(f"dtype: unsupported value {name!r}; expected float32, bfloat16 or float16")
     return _DTYPE_NAMES[text]
 
 
@@ -109,7 +110,7 @@ class ModelConfig:
 
 def _required(cfg: dict[str, Any], key: str) -> Any:
     if key not in cfg or cfg[key] is None:
-        raise ValueError(f"config.json: missing required field {key!r}")
+        raise ConfigError(f"config.json: missing required field {key!r}")
     return cfg[key]
 
 
@@ -121,7 +122,7 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in ("default", "llama3"):
-        raise ValueError(f"config.json: rope type {rope_type!r} is not supported (supported: default, llama3)")
+        raise ConfigError(f"config.json: rope type {rope_type!r} is not supported (supported: default, llama3)")
     if rope_type == "default":
         return RopeConfig(theta=float(theta))
     return RopeConfig(

@@ -1,22 +1,28 @@
 """The built-in demo model: a tiny random Qwen3 built on first use into the cache folder.
 
-No model hub is needed. The checkpoint is a real Hugging Face folder written by transformers' own
-model classes (random init, fixed seed) plus a byte-level BPE tokenizer trained with
-``tokenizers`` on text generated here, with a ChatML chat template. Building needs torch; loading
-does not. The test suite builds its tiny checkpoints with the same functions (``jaxserve.testing``).
+No model hub and no torch are needed. The checkpoint is a real Hugging Face folder that
+transformers loads: ``config.json`` written by transformers' config class, weights drawn with numpy
+and written as safetensors (:mod:`jaxserve.models.random_weights`), and a byte-level BPE tokenizer
+trained with ``tokenizers`` on text generated here, with a ChatML chat template. A build is
+byte-identical from run to run. The test suite builds its tiny checkpoints with the same function
+(``jaxserve.testing``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from jaxserve import envs
+
+logger = logging.getLogger("jaxserve")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
@@ -31,7 +37,7 @@ DEMO_ARCH = "Qwen3ForCausalLM"
 DEMO_SHAPE: dict[str, Any] = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=3,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                   tie_word_embeddings=True)
-DEMO_VERSION = 1
+DEMO_VERSION = 2  # 2: weights drawn with numpy instead of torch
 
 _WORDS = (
     "the a engine model token request block cache batch step prefix chunk page kernel graph "
@@ -59,10 +65,14 @@ def training_corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
 
 
 def build_tokenizer(folder: str | Path, vocab_size: int = 512, seed: int = 0):
-    """Train a byte-level BPE tokenizer and save it as an HF tokenizer with a ChatML template."""
+    """Train a byte-level BPE tokenizer and write it as a Hugging Face tokenizer with a ChatML
+    template (``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``); returns it
+    loaded by transformers."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -71,13 +81,15 @@ def build_tokenizer(folder: str | Path, vocab_size: int = 512, seed: int = 0):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(training_corpus(seed=seed), trainer=trainer)
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
-    )
-    hf_tok.chat_template = CHATML_TEMPLATE
-    hf_tok.save_pretrained(str(folder))
-    return hf_tok
+    tok.save(str(folder / "tokenizer.json"))
+    # The older spelling (PreTrainedTokenizerFast, additional_special_tokens) is the one both
+    # transformers 4 and 5 read; decoding keeps spaces before punctuation as they were.
+    _write_json(folder / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "additional_special_tokens": ["<|im_start|>"], "clean_up_tokenization_spaces": False,
+    })
+    (folder / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def build_checkpoint(
@@ -88,13 +100,17 @@ def build_checkpoint(
     seed: int = 0,
     vocab_size: int = 512,
     dtype: str = "float32",
-    max_shard_size: str | None = None,
+    max_shard_bytes: int | None = None,
     initializer_range: float = 0.05,
     **overrides: Any,
 ) -> Path:
-    """Write a random-init HF checkpoint folder (config, safetensors, tokenizer, chat template)."""
-    import torch
+    """Write a random-init HF checkpoint folder (config, safetensors, tokenizer, chat template).
+
+    ``shape`` and ``overrides`` are fields of the architecture's transformers config;
+    ``initializer_range`` is the weights' standard deviation, as in transformers' own init."""
     import transformers
+
+    from jaxserve.models.random_weights import write_random_weights
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -104,13 +120,24 @@ def build_checkpoint(
     config = config_cls(
         vocab_size=len(tokenizer), max_position_embeddings=kwargs.pop("max_position_embeddings", 1024),
         bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, initializer_range=initializer_range, **kwargs,
+        pad_token_id=tokenizer.pad_token_id, initializer_range=initializer_range,
+        architectures=[architecture], dtype=dtype, **kwargs,
     )
-    torch.manual_seed(seed)
-    model = getattr(transformers, architecture)(config).to(getattr(torch, dtype)).eval()
-    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(str(folder), safe_serialization=True, **save_kwargs)
+    config.save_pretrained(str(folder))
+    _write_json(folder / "generation_config.json", {
+        "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id, "pad_token_id": config.pad_token_id,
+    })
+    write_random_weights(folder, seed=seed, std=initializer_range, max_shard_bytes=max_shard_bytes)
     return folder
+
+
+def _write_json(path: Path, value: dict) -> None:
+    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+def build_demo_checkpoint(folder: str | Path) -> Path:
+    """The demo model's checkpoint, written into ``folder`` (the same bytes every time)."""
+    return build_checkpoint(folder, DEMO_ARCH, DEMO_SHAPE, seed=0, vocab_size=1024, max_position_embeddings=2048)
 
 
 def demo_model_path() -> Path:
@@ -118,12 +145,14 @@ def demo_model_path() -> Path:
     key = hashlib.sha256(json.dumps([DEMO_ARCH, DEMO_VERSION, DEMO_SHAPE]).encode()).hexdigest()[:10]
     target = envs.cache_dir() / "models" / f"demo-{key}"
     if (target / "config.json").is_file():
+        logger.info("demo model: %s", target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
     # Build next to the target and rename, so a concurrent start never sees a half-written folder.
     staging = Path(tempfile.mkdtemp(prefix="demo-build-", dir=target.parent))
     try:
-        build_checkpoint(staging, DEMO_ARCH, DEMO_SHAPE, seed=0, vocab_size=1024, max_position_embeddings=2048)
+        build_demo_checkpoint(staging)
         try:
             staging.rename(target)
         except OSError:
@@ -131,4 +160,5 @@ def demo_model_path() -> Path:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    logger.info("demo model: built in %.1f s into %s", time.perf_counter() - start, target)
     return target

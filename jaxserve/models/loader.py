@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.exceptions import ConfigError
 from jaxserve.models.config import ModelConfig, normalize_dtype_name
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.safetensors_io import open_checkpoint_files
@@ -75,7 +76,7 @@ def check_tensors(cfg: ModelConfig, available: dict[str, tuple[int, ...]]) -> No
             problems.append(f"shape mismatch for {name}: checkpoint has {tuple(available[name])}, "
                             f"config implies {expected[name]}")
     if problems:
-        raise ValueError(f"checkpoint does not match its {cfg.architecture} config: " + "; ".join(problems))
+        raise ConfigError(f"checkpoint does not match its {cfg.architecture} config: " + "; ".join(problems))
 
 
 ParamPath = tuple[str | int, ...]  # a parameter's path in the module, as nnx.to_flat_state spells it

@@ -6,6 +6,8 @@ head_dim, tied embeddings) are read from the config, so one implementation serve
 
 from __future__ import annotations
 
+from jaxserve.exceptions import ConfigError
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -18,7 +20,7 @@ def resolve_architecture(architectures: list[str] | None) -> str:
     for name in architectures or []:
         if name in SUPPORTED_ARCHITECTURES:
             return name
-    raise ValueError(
+    raise ConfigError(
         f"unsupported model architecture {architectures!r}; "
         f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )

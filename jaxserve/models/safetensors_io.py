@@ -15,6 +15,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from jaxserve.exceptions import ConfigError
+
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
@@ -53,35 +55,51 @@ class SafetensorsFile:
 def open_checkpoint_files(folder: str | Path) -> dict[str, SafetensorsFile]:
     """Map every tensor name to the file holding it (single file or sharded with an index)."""
     folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
+    index = folder / INDEX_FILE
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         files = {name: SafetensorsFile(folder / name) for name in sorted(set(weight_map.values()))}
         return {tensor: files[file] for tensor, file in weight_map.items()}
-    shards = sorted(folder.glob("*.safetensors"))
-    if not shards:
-        pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
-        if pickled:
-            raise ValueError(
-                f"checkpoint {folder} holds only pickle files ({', '.join(pickled)}); jaxserve never "
-                "unpickles checkpoints (that can execute code). Convert it to safetensors first, e.g. "
-                "load it with transformers and call save_pretrained(..., safe_serialization=True)."
-            )
-        raise FileNotFoundError(f"no *.safetensors weights in checkpoint folder {folder}")
     mapping: dict[str, SafetensorsFile] = {}
-    for path in shards:
+    for path in safetensors_shards(folder):
         f = SafetensorsFile(path)
         for name in f.keys():
             mapping[name] = f
     return mapping
 
 
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def check_weights(folder: str | Path) -> None:
+    """Raise a ConfigError unless ``folder`` holds safetensors weights (an index or shards)."""
+    if not (Path(folder) / INDEX_FILE).is_file():
+        safetensors_shards(folder)
+
+
+def safetensors_shards(folder: str | Path) -> list[Path]:
+    """The folder's ``*.safetensors`` files; a ConfigError naming the pickle files when there are
+    none (they are never unpickled) or saying there are no weights at all."""
+    folder = Path(folder)
+    shards = sorted(folder.glob("*.safetensors"))
+    if shards:
+        return shards
+    pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+    if pickled:
+        raise ConfigError(
+            f"checkpoint {folder} holds only pickle files ({', '.join(pickled)}); jaxserve never "
+            "unpickles checkpoints (that can execute code). Convert it to safetensors first, e.g. "
+            "load it with transformers and call save_pretrained(..., safe_serialization=True).")
+    raise ConfigError(f"no *.safetensors weights in checkpoint folder {folder}")
+
+
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 
 def save_file(tensors: dict[str, np.ndarray], path: str | Path) -> None:
-    """Write tensors as one safetensors file (used to build random benchmark checkpoints)."""
-    header, offset = {}, 0
+    """Write tensors as one safetensors file, in the order given (the bytes depend on nothing else)."""
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}  # transformers reads "pt" files
+    offset = 0
     for name, arr in tensors.items():
         nbytes = arr.nbytes
         header[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + nbytes]}
@@ -93,3 +111,29 @@ def save_file(tensors: dict[str, np.ndarray], path: str | Path) -> None:
         f.write(raw)
         for arr in tensors.values():
             f.write(np.ascontiguousarray(arr).tobytes())
+
+
+def save_checkpoint_weights(tensors: dict[str, np.ndarray], folder: str | Path,
+                            max_shard_bytes: int | None = None) -> None:
+    """Write a checkpoint's weights as Hugging Face does: ``model.safetensors``, or shards of at most
+    ``max_shard_bytes`` (a larger tensor gets a shard of its own) named
+    ``model-0000i-of-0000n.safetensors`` plus the index that maps each tensor to its shard."""
+    folder = Path(folder)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, arr in tensors.items():
+        if max_shard_bytes is not None and shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    if len(shards) == 1:
+        save_file(tensors, folder / "model.safetensors")
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / file)
+        weight_map.update(dict.fromkeys(shard, file))
+    index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

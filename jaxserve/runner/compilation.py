@@ -4,16 +4,21 @@ A variant is a token bucket of the ``BucketTable`` plus whether the step is deco
 Pallas backend has a decode kernel). Every variant is compiled before the first request, so no
 request waits for a compile; a compile after warm-up is counted as unexpected. JAX's persistent
 compilation cache makes the next start-up read the programs instead of compiling them.
+
+Warm-up traces and lowers the variants one after another (Python, under the GIL) and hands each
+lowered program to a thread pool: XLA compiles (or reads from the persistent cache) with the GIL
+released, so compiles overlap the tracing of the next variants and, with cores to spare, each
+other.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 import jax
@@ -24,9 +29,9 @@ from jaxserve.runner.compile_stats import CompileStats
 
 logger = logging.getLogger("jaxserve")
 
-# Tracing and lowering run one at a time, compiles concurrently: lowering is short next to the
-# compile, and jax-triton builds its kernels with Python's ast while lowering, which is not
-# thread-safe ("AST constructor recursion depth mismatch" under concurrent warm-up).
+# Tracing and lowering run one at a time, whichever thread asks (warm-up lowers in its own thread;
+# scripts/gpu_aot_check.py from several): jax-triton builds its kernels with Python's ast while
+# lowering, which is not thread-safe ("AST constructor recursion depth mismatch").
 _LOWERING_LOCK = threading.Lock()
 
 
@@ -85,7 +90,6 @@ class CompiledSteps:
         self._compiled: dict[StepVariant, Any] = {}
         self.stats = stats
         self.warmed_up = False
-        self._stats_lock = threading.Lock()
         compile_stats.install_listener()
 
     def get(self, variant: StepVariant) -> Any:
@@ -101,37 +105,64 @@ class CompiledSteps:
             return self._jitted.trace(*args, **static).lower()
 
     def _compile(self, variant: StepVariant) -> None:
-        hits_before = compile_stats.persistent_cache_hits()
-        self._compile_only(variant)
-        self.stats.persistent_cache_hits += compile_stats.persistent_cache_hits() - hits_before
-
-    def _compile_only(self, variant: StepVariant) -> None:
         start = time.perf_counter()
-        compiled = self.lowered(variant).compile()
-        seconds = time.perf_counter() - start
-        with self._stats_lock:  # warm-up compiles from several threads
-            self._compiled[variant] = compiled
-            self.stats.num_compiles += 1
-            self.stats.compile_seconds += seconds
-            self.stats.compile_seconds_per_bucket[variant.name] = seconds
+        lowered = self.lowered(variant)
+        self.stats.lower_seconds += time.perf_counter() - start
+        self._record(variant, *_compile_lowered(lowered))
+
+    def _record(self, variant: StepVariant, executable: Any, seconds: float, cache_hit: bool) -> None:
+        self._compiled[variant] = executable
+        self.stats.num_compiles += 1
+        self.stats.compile_seconds += seconds
+        self.stats.compile_seconds_per_bucket[variant.name] = seconds
+        if cache_hit:
+            self.stats.persistent_cache_hits += 1
+            self.stats.cached_variants.append(variant.name)
+        logger.debug("step variant %s: %s in %.2f s", variant.name,
+                     "read from the persistent cache" if cache_hit else "compiled", seconds)
 
     def warm_up(self, variants: list[StepVariant], run_padding: Callable[[StepVariant], None],
-                show_progress: bool, workers: int | None = None) -> None:
-        """Compile every variant, ``workers`` at a time (default: half the cores; XLA's compile
-        releases the GIL), then run each once on padding: a program's first run pays one-time
-        costs (its buffers' first allocation and page faults) that would otherwise land on the
-        first requests; vLLM's dummy runs at start-up do the same."""
-        workers = workers or max(1, (os.cpu_count() or 1) // 2)
+                show_progress: bool, max_workers: Optional[int] = None) -> None:
+        """Compile every variant (``max_workers`` at once, default :func:`default_compile_threads`),
+        then run each once on padding: a program's first run pays one-time costs (its buffers'
+        first allocation and page faults) that would otherwise land on the first requests; vLLM's
+        dummy runs at start-up do the same."""
         todo = [v for v in variants if v not in self._compiled]
-        hits_before = compile_stats.persistent_cache_hits()
-        progress = tqdm(total=len(variants), desc="Compiling step buckets", disable=not show_progress, unit="variant")
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            for future in concurrent.futures.as_completed([pool.submit(self._compile_only, v) for v in todo]):
-                future.result()
-                progress.update()
-        self.stats.persistent_cache_hits += compile_stats.persistent_cache_hits() - hits_before
+        start = time.perf_counter()
+        workers = max(1, min(len(todo), max_workers or default_compile_threads()))
+        self.stats.compile_threads = workers
+        with ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool, \
+                tqdm(total=len(todo), desc="Compiling step variants", disable=not show_progress,
+                     unit="variant") as bar:
+            futures = []
+            for variant in todo:
+                lower_start = time.perf_counter()
+                lowered = self.lowered(variant)
+                self.stats.lower_seconds += time.perf_counter() - lower_start
+                future = pool.submit(_compile_lowered, lowered)
+                future.add_done_callback(lambda _: bar.update())
+                futures.append((variant, future))
+            for variant, future in futures:
+                self._record(variant, *future.result())
+        self.stats.warm_up_compile_seconds += time.perf_counter() - start
+        start = time.perf_counter()
         for variant in variants:
             run_padding(variant)
-        progress.update(len(variants) - len(todo))
-        progress.close()
+        self.stats.warm_up_run_seconds += time.perf_counter() - start
         self.warmed_up = True
+
+
+def default_compile_threads() -> int:
+    """Half the CPU cores: one XLA compile already keeps about two cores busy, so on a 2-core CPU
+    a second compile at once only slows the first (docs/benchmarks.md); tracing the next variants
+    still overlaps the one compile."""
+    return max(1, (os.cpu_count() or 1) // 2)
+
+
+def _compile_lowered(lowered: Any) -> tuple[Any, float, bool]:
+    """Compile (or read from the persistent cache) in the calling thread: the executable, the
+    seconds it took and whether it came from the cache."""
+    hits = compile_stats.thread_persistent_cache_hits()
+    start = time.perf_counter()
+    executable = lowered.compile()
+    return executable, time.perf_counter() - start, compile_stats.thread_persistent_cache_hits() > hits

@@ -10,6 +10,9 @@ from jax import monitoring
 _lock = threading.Lock()
 _persistent_cache_hits = 0
 _listener_installed = False
+# JAX reports a hit in the thread that compiles, so a per-thread count tells which of several
+# programs compiled at once came from the cache.
+_per_thread = threading.local()
 
 
 def _on_event(event: str, **kwargs) -> None:
@@ -17,6 +20,7 @@ def _on_event(event: str, **kwargs) -> None:
     if event == "/jax/compilation_cache/cache_hits":
         with _lock:
             _persistent_cache_hits += 1
+        _per_thread.hits = getattr(_per_thread, "hits", 0) + 1
 
 
 def install_listener() -> None:
@@ -31,13 +35,23 @@ def persistent_cache_hits() -> int:
     return _persistent_cache_hits
 
 
+def thread_persistent_cache_hits() -> int:
+    """Persistent-cache hits of compiles run by the calling thread."""
+    return getattr(_per_thread, "hits", 0)
+
+
 @dataclasses.dataclass
 class CompileStats:
     num_compiles: int = 0
-    compile_seconds: float = 0.0
+    compile_seconds: float = 0.0  # summed over variants (several compile at once at warm-up)
     persistent_cache_hits: int = 0
     unexpected_compiles: int = 0  # a shape outside the warm-up table: should stay 0
     compile_seconds_per_bucket: dict[str, float] = dataclasses.field(default_factory=dict)
+    cached_variants: list[str] = dataclasses.field(default_factory=list)  # read from the persistent cache
+    lower_seconds: float = 0.0  # tracing and lowering to StableHLO, before each compile
+    warm_up_compile_seconds: float = 0.0  # wall time of warm-up's tracing and compiling
+    compile_threads: int = 0  # XLA compiles running at once during warm-up
+    warm_up_run_seconds: float = 0.0  # the first run of each variant, on padding
     num_steps: int = 0
     real_tokens: int = 0
     padded_tokens: int = 0

@@ -116,7 +116,6 @@ def build_step_arrays(
     starts: list[int],
     num_scheduled: list[int],
     prev_rows: list[int],
-    new_slots: set[int],
     token_bucket: int,
     num_rows: int,
     block_size: int,
@@ -170,10 +169,6 @@ def build_step_arrays(
     logits_indices[:r] = query_start_loc[1 : r + 1] - 1
     row_slots = np.full(r_pad, padding_slot, np.int32)
     row_slots[:r] = slot
-    reset_slots = np.full(r_pad, padding_slot, np.int32)  # the new requests' slots first
-    if new_slots:
-        fresh = slot[np.isin(slot, list(new_slots))]
-        reset_slots[: len(fresh)] = fresh
     samples = (start + n >= batch.num_tokens[slot]).tolist()
     arrays = {
         "input_ids": input_ids,
@@ -188,6 +183,5 @@ def build_step_arrays(
         "num_seqs": np.asarray([r], np.int32),
         "logits_indices": logits_indices,
         "row_slots": row_slots,
-        "reset_slots": reset_slots,
     }
     return arrays, samples

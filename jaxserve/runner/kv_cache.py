@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxserve import envs
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import cdiv
+from jaxserve.exceptions import ConfigError
 from jaxserve.models.config import ModelConfig
 
 logger = logging.getLogger("jaxserve")
@@ -97,7 +98,7 @@ def blocks_for_budget(budget_bytes: int, per_block: int, block_size: int, max_mo
     num_blocks = max(0, int(budget_bytes // per_block))
     needed = cdiv(max_model_len, block_size) + 1
     if num_blocks < needed:
-        raise ValueError(
+        raise ConfigError(
             f"kv cache: {max(budget_bytes, 0)} bytes hold {num_blocks} blocks of {per_block} bytes, but one "
             f"request of max_model_len={max_model_len} needs {needed}; raise gpu_memory_utilization or "
             "kv_cache_memory, or lower max_model_len, max_num_batched_tokens or max_num_seqs")
@@ -109,7 +110,7 @@ def gpu_device_memory(device) -> DeviceMemory:
     ``platform`` allocator has no limit to size from)."""
     stats = device.memory_stats() or {}
     if "bytes_limit" not in stats:
-        raise ValueError("kv cache: the device reports no memory limit (XLA_PYTHON_CLIENT_ALLOCATOR=platform?); "
+        raise ConfigError("kv cache: the device reports no memory limit (XLA_PYTHON_CLIENT_ALLOCATOR=platform?); "
                          "set kv_cache_memory or num_gpu_blocks_override")
     fraction = envs.xla_mem_fraction() or XLA_DEFAULT_MEM_FRACTION
     return DeviceMemory(int(stats["bytes_limit"]), fraction, int(stats.get("bytes_in_use", 0)))
@@ -143,7 +144,7 @@ def determine_num_blocks(mc: ModelConfig, cfg: EngineConfig, max_model_len: int,
         return blocks_for_budget(cfg.kv_cache_memory, per_block, cfg.block_size, max_model_len)
     if platform == "gpu":
         if memory is None:
-            raise ValueError("kv cache: sizing by gpu_memory_utilization needs the device's memory figures")
+            raise ConfigError("kv cache: sizing by gpu_memory_utilization needs the device's memory figures")
         budget = kv_cache_budget(memory, cfg.gpu_memory_utilization, peak_temp_bytes)
         logger.info("KV cache budget: %s", budget.describe())
         return blocks_for_budget(budget.kv_bytes, per_block, cfg.block_size, max_model_len)

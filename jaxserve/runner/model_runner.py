@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import sys
 import time
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks, gp
 from jaxserve.runner.packing import PackLayout, pack, unpack
 from jaxserve.runner.target import StepTarget
 from jaxserve.sample.metadata import SamplingMetadata, SamplingTable
-from jaxserve.sample.penalties import PenaltyTables, update_penalty_tables
+from jaxserve.sample.penalties import PenaltyTables, update_penalty_tables, uses_penalties, write_penalty_row
 from jaxserve.sample.sampler import SamplerOutput, gather_logprobs, sample
 
 logger = logging.getLogger("jaxserve")
@@ -69,6 +68,14 @@ def resolve_attention_backend(requested: str, platform: str | None = None) -> st
         return "cpu"
     logger.warning("attention backend auto: using xla, since the cpu kernel is unavailable (%s)", reason)
     return "xla"
+
+
+def max_step_tokens(config: EngineConfig, max_model_len: int, num_blocks: int | None = None) -> int:
+    """The most tokens one step can ever schedule: the token budget, unless every request at full
+    length or the KV pool of ``num_blocks`` (block 0 is reserved; None: not sized yet) holds fewer.
+    Buckets above it are never used, so they are neither compiled nor warmed up."""
+    pool_tokens = config.max_num_batched_tokens if num_blocks is None else (num_blocks - 1) * config.block_size
+    return min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len, pool_tokens)
 
 
 def kernel_build_dir() -> Path:
@@ -98,7 +105,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
-        self.buckets = BucketTable.build(config.max_num_batched_tokens, config.max_num_seqs)
+        # Buckets up to what a step can schedule; the pool's own bound comes in once it is sized
+        # (sizing on a GPU compiles the largest bucket to read its temporary memory).
+        self.buckets = BucketTable.build(max_step_tokens(config, max_model_len), config.max_num_seqs)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.target.platform)
         interpret = config.interpret_kernels
         if interpret is None:
@@ -127,8 +136,11 @@ class ModelRunner:
         self.steps = CompiledSteps(self._jitted, self._trace_args, self.stats)
         self._prompt_logprobs_jit = jax.jit(self._prompt_logprobs)
         self.num_blocks = self._size_kv_cache()
+        self.buckets = BucketTable.build(max_step_tokens(config, max_model_len, self.num_blocks),
+                                         config.max_num_seqs)
         abstract = self.target.is_abstract
         self.state = self._state_shapes(self.num_blocks) if abstract else self._zero_state(self.num_blocks)
+        self._write_penalty_row = jax.jit(write_penalty_row, donate_argnums=(0,))
         max_concurrency = self.num_blocks * self.block_size / max_model_len
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max concurrency %.1fx at %d tokens/request; "
@@ -192,9 +204,8 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, model_state)
         hidden, kv_cache = model(input_ids, state.kv_cache, md, attn_fn)
         logits = model.compute_logits(hidden[x["logits_indices"]])
-        penalties = update_penalty_tables(state.penalties, reset_slots=x["reset_slots"], token_slots=x["token_slots"],
-                                          input_ids=input_ids, token_is_output=x["token_is_output"],
-                                          cond_free=self.cond_free)
+        penalties = update_penalty_tables(state.penalties, token_slots=x["token_slots"], input_ids=input_ids,
+                                          token_is_output=x["token_is_output"])
         out = sample(logits, SamplingMetadata.from_arrays(groups["sampling"]), penalties.output_counts,
                      penalties.prompt_mask, max_num_logprobs=self.num_logprobs, row_slots=x["row_slots"],
                      need_logprobs=x["need_logprobs"][0], all_greedy=all_greedy)
@@ -217,7 +228,7 @@ class ModelRunner:
 
     def _padding_inputs(self, bucket: int) -> dict[str, dict[str, np.ndarray]]:
         rows = self.buckets.num_rows(bucket)
-        arrays, _ = build_step_arrays(self.batch, [], [], [], [], set(), bucket, rows, self.block_size,
+        arrays, _ = build_step_arrays(self.batch, [], [], [], [], bucket, rows, self.block_size,
                                       self.slots.padding_slot)
         arrays["need_logprobs"] = np.zeros(1, np.bool_)
         return {"model": arrays, "sampling": self.sampling_table.padding(rows)}
@@ -252,16 +263,15 @@ class ModelRunner:
         """Compile every variant of the table now, so no request ever waits for a compile."""
         if self.config.enforce_eager:
             return
-        start = time.perf_counter()
         variants = self.variants()
         self.steps.warm_up(variants, self._run_padding_step, show_progress)
-        summary = (f"compiled {len(variants)} step variants (token buckets {list(self.buckets.token_buckets)}) "
-                   f"in {time.perf_counter() - start:.1f} s, {self.stats.persistent_cache_hits} from the "
-                   f"persistent cache; attention backend: {self.attention_backend}; layers "
-                   f"{'scanned' if self.scan_layers else 'unrolled'}")
-        logger.info(summary)
-        if show_progress:
-            print(f"jaxserve: {summary}", file=sys.stderr, flush=True)  # stdout may carry JSON
+        self._set_penalty_row(self.slots.padding_slot, 0)  # compiles the admission-time row write now
+        s = self.stats
+        logger.info("step variants: %d (token buckets %s), %d from the persistent cache; ready in %.1f s "
+                    "(tracing %.1f s, XLA %.1f s in %d threads), first runs %.1f s; attention backend %s; "
+                    "layers %s", len(variants), list(self.buckets.token_buckets), s.persistent_cache_hits,
+                    s.warm_up_compile_seconds, s.lower_seconds, s.compile_seconds, s.compile_threads,
+                    s.warm_up_run_seconds, self.attention_backend, "scanned" if self.scan_layers else "unrolled")
 
     def _run_padding_step(self, variant: StepVariant) -> None:
         """Execute a compiled variant once on padding only: no request, no KV write, no sample used."""
@@ -277,12 +287,21 @@ class ModelRunner:
 
     # ---- state updates from the scheduler --------------------------------------------------
 
-    def _update_states(self, so: SchedulerOutput) -> set[int]:
+    def _set_penalty_row(self, slot: int, num_known: int) -> None:
+        """Write slot ``slot``'s penalty row from its first ``num_known`` tokens (those the steps
+        will not feed: the prefix-cache hit), replacing whatever the slot held."""
+        width = self.batch.token_ids.shape[1]
+        token_ids = np.full(width, -1, np.int32)
+        token_ids[:num_known] = self.batch.token_ids[slot, :num_known]
+        token_is_output = np.arange(width) >= self.batch.num_prompt_tokens[slot]
+        penalties = self._write_penalty_row(self.state.penalties, np.int32(slot), token_ids, token_is_output)
+        self.state = dataclasses.replace(self.state, penalties=penalties)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in list(so.finished_req_ids) + list(so.preempted_req_ids):
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self.slots.release(state.slot)
-        new_slots = set()
         for new in so.scheduled_new_reqs:
             old = self.requests.pop(new.req_id, None)
             if old is not None:
@@ -290,7 +309,6 @@ class ModelRunner:
             params = new.sampling_params
             seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
             slot = self.slots.allocate()
-            new_slots.add(slot)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
                 output_token_ids=list(new.output_token_ids or []), sampling_params=params,
@@ -298,13 +316,14 @@ class ModelRunner:
                 prompt_logprobs_rows=[] if params.prompt_logprobs is not None else None)
             self.batch.add_request(slot, new.prompt_token_ids, new.output_token_ids or [], new.block_ids)
             self.sampling_table.set_row(slot, params, seed)
+            if uses_penalties(params):
+                self._set_penalty_row(slot, new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.requests[req_id]
             if new_blocks:
                 self.batch.append_blocks(state.slot, new_blocks)
             state.num_computed_tokens = num_computed
-        return new_slots
 
     # ---- execute -------------------------------------------------------------------------------
 
@@ -314,10 +333,10 @@ class ModelRunner:
 
     def dispatch(self, so: SchedulerOutput) -> InFlightStep:
         """Launch the step for ``so`` without waiting for it."""
-        new_slots = self._update_states(so)
+        self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return InFlightStep(so)
-        groups, plan, states = self._prepare_inputs(so, new_slots)
+        groups, plan, states = self._prepare_inputs(so)
         buf = pack(groups, self._layout_for(plan.token_bucket))
         if self.config.enforce_eager:  # op by op, every numpy slice would be its own transfer
             buf = jax.device_put(buf)
@@ -360,7 +379,7 @@ class ModelRunner:
             for i in range(t0, t0 + count):
                 rows.append((ids[i, :k].tolist(), values[i, :k].tolist(), int(ranks[i])))
 
-    def _prepare_inputs(self, so: SchedulerOutput, new_slots: set[int]):
+    def _prepare_inputs(self, so: SchedulerOutput):
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         counts = [so.num_scheduled_tokens[r] for r in req_ids]
@@ -373,8 +392,8 @@ class ModelRunner:
             raise RuntimeError("runner state out of sync: a slot's token row disagrees with its request")
         starts = [s.num_computed_tokens for s in states]
         prev = [self._prev_row_of.get(r, -1) for r in req_ids]
-        arrays, samples = build_step_arrays(self.batch, slots, starts, counts, prev, new_slots,
-                                            bucket, rows, self.block_size, self.slots.padding_slot)
+        arrays, samples = build_step_arrays(self.batch, slots, starts, counts, prev, bucket, rows,
+                                            self.block_size, self.slots.padding_slot)
         # A row's draw is keyed by how many tokens its request generated before it; with async
         # scheduling the host may not have the last of them yet, so count from the positions.
         generated = [max(0, c + n - s.num_prompt_tokens) for s, c, n in zip(states, starts, counts)]

@@ -8,9 +8,13 @@ The sampler runs inside the runner's compiled step, so every array here has a st
   Unused slots hold token id -1 and value 0.
 * `allowed_token_ids`: `[R, A]`, `A = max_allowed_tokens`, plus `has_allowed[R]`. The boolean
   `[R, V]` mask is built on device from these ids. Unused slots hold -1.
+* `min_tokens_stop_ids`: `[R, S]`, `S = MAX_MIN_TOKENS_STOP_IDS`, plus `min_tokens[R]`: the stop
+  and EOS ids masked out while the row has generated fewer than `min_tokens` tokens (vLLM's
+  min-tokens logits processor). Filled only for a request with `min_tokens`; unused slots hold -1.
 
-A request whose `logit_bias` or `allowed_token_ids` is longer than its width is refused by the
-engine's input processor (``InvalidRequestError`` naming the field) rather than truncated.
+A request whose `logit_bias`, `allowed_token_ids` or (with `min_tokens`) stop ids are longer than
+their width is refused by the engine's input processor (``InvalidRequestError`` naming the
+field) rather than truncated.
 
 Rows are filled in one place, ``SamplingTable.set_row``: the runner writes a request's row when
 it is admitted and gathers a step's rows by slot; ``sampling_arrays`` builds arrays for a plain
@@ -29,6 +33,8 @@ from jaxserve.core.sampling_params import SAMPLING_EPS, SamplingParams
 
 DEFAULT_MAX_LOGIT_BIAS = 64
 DEFAULT_MAX_ALLOWED_TOKENS = 256
+# Stop plus EOS ids a min_tokens request may mask (Llama 3 alone has three EOS ids).
+MAX_MIN_TOKENS_STOP_IDS = 16
 
 
 @jax.tree_util.register_dataclass
@@ -49,6 +55,8 @@ class SamplingMetadata:
     bias_values: f32[R, B]       added to the logit of the matching token
     allowed_token_ids: i32[R, A] -1 => unused slot
     has_allowed: bool[R]         True => only `allowed_token_ids` may be sampled
+    min_tokens: i32[R]           0 => off; while positions < min_tokens, `min_tokens_stop_ids` are masked
+    min_tokens_stop_ids: i32[R, S] -1 => unused slot
     """
 
     temperature: Any
@@ -64,6 +72,8 @@ class SamplingMetadata:
     bias_values: Any
     allowed_token_ids: Any
     has_allowed: Any
+    min_tokens: Any
+    min_tokens_stop_ids: Any
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:
@@ -92,6 +102,8 @@ def padding_arrays(num_rows: int, max_logit_bias: int, max_allowed_tokens: int) 
         "bias_values": np.zeros((r, max_logit_bias), np.float32),
         "allowed_token_ids": np.full((r, max_allowed_tokens), -1, np.int32),
         "has_allowed": np.zeros(r, np.bool_),
+        "min_tokens": np.zeros(r, np.int32),
+        "min_tokens_stop_ids": np.full((r, MAX_MIN_TOKENS_STOP_IDS), -1, np.int32),
     }
 
 
@@ -142,6 +154,10 @@ class SamplingTable:
         if params.allowed_token_ids is not None:
             a["allowed_token_ids"][slot, : len(params.allowed_token_ids)] = params.allowed_token_ids
             a["has_allowed"][slot] = True
+        if params.min_tokens:
+            stop_ids = params.all_stop_token_ids
+            a["min_tokens"][slot] = min(params.min_tokens, np.iinfo(np.int32).max)
+            a["min_tokens_stop_ids"][slot, : len(stop_ids)] = stop_ids
 
     def gather(self, row_slots: np.ndarray, positions: Sequence[int]) -> dict[str, np.ndarray]:
         """Arrays for rows whose slots are ``row_slots`` (padding rows: the padding slot);

@@ -1,4 +1,5 @@
-"""Logits processors that can change the greedy choice: allowed tokens, logit bias, penalties.
+"""Logits processors that can change the greedy choice: allowed tokens, min tokens, logit bias,
+penalties.
 
 All take and return f32[R, V] and act per row, vectorised over the batch.
 """
@@ -36,31 +37,52 @@ def apply_logit_bias(logits: jax.Array, bias_token_ids: jax.Array, bias_values: 
     return logits.at[rows, cols].add(bias_values, mode="drop")
 
 
-def restrictions_active(allowed_token_ids: jax.Array, has_allowed: jax.Array, bias_token_ids: jax.Array) -> jax.Array:
-    """True if any row has an allowed-token list or a logit bias."""
-    return jnp.any(has_allowed) | jnp.any(bias_token_ids >= 0)
+def min_tokens_rows(positions: jax.Array, min_tokens: jax.Array) -> jax.Array:
+    """Rows that have generated fewer than their ``min_tokens`` outputs."""
+    return positions < min_tokens
 
 
-def apply_allowed_and_bias(
+def apply_min_tokens(logits: jax.Array, positions: jax.Array, min_tokens: jax.Array,
+                     stop_ids: jax.Array) -> jax.Array:
+    """vLLM's min-tokens processor: a row short of its ``min_tokens`` outputs cannot sample its stop
+    or EOS ids (-inf), so it never ends early instead of merely not stopping on them."""
+    ids = jnp.where(min_tokens_rows(positions, min_tokens)[:, None], stop_ids, -1)
+    rows, cols = _scatter_indices(ids, logits.shape[-1])
+    return logits.at[rows, cols].set(-jnp.inf, mode="drop")
+
+
+def restrictions_active(allowed_token_ids: jax.Array, has_allowed: jax.Array, bias_token_ids: jax.Array,
+                        positions: jax.Array, min_tokens: jax.Array) -> jax.Array:
+    """True if any row has an allowed-token list, a logit bias or a min_tokens still to reach."""
+    return jnp.any(has_allowed) | jnp.any(bias_token_ids >= 0) | jnp.any(min_tokens_rows(positions, min_tokens))
+
+
+def apply_restrictions(
     logits: jax.Array,
     allowed_token_ids: jax.Array,
     has_allowed: jax.Array,
     bias_token_ids: jax.Array,
     bias_values: jax.Array,
+    positions: jax.Array,
+    min_tokens: jax.Array,
+    min_tokens_stop_ids: jax.Array,
     cond_free: bool = False,
 ) -> jax.Array:
-    """Allowed-token mask then logit bias; skipped (two [R, V] passes) when no row uses either.
+    """Allowed-token mask, min-tokens mask, then logit bias (vLLM's order); skipped (three [R, V]
+    passes) when no row uses any of them.
 
-    ``cond_free`` (static): always applied, which leaves rows without either unchanged.
+    ``cond_free`` (static): always applied, which leaves rows that use none of them unchanged.
     """
 
     def on():
-        return apply_logit_bias(apply_allowed_token_ids(logits, allowed_token_ids, has_allowed),
-                                bias_token_ids, bias_values)
+        masked = apply_allowed_token_ids(logits, allowed_token_ids, has_allowed)
+        masked = apply_min_tokens(masked, positions, min_tokens, min_tokens_stop_ids)
+        return apply_logit_bias(masked, bias_token_ids, bias_values)
 
     if cond_free:
         return on()
-    return lax.cond(restrictions_active(allowed_token_ids, has_allowed, bias_token_ids), on, lambda: logits)
+    return lax.cond(restrictions_active(allowed_token_ids, has_allowed, bias_token_ids, positions, min_tokens),
+                    on, lambda: logits)
 
 
 def penalties_active(presence: jax.Array, frequency: jax.Array, repetition: jax.Array) -> jax.Array:

@@ -3,7 +3,8 @@
 Order (vLLM V1's sampler, `vllm/v1/sample/sampler.py`):
   1. raw logprobs: log_softmax of the model's logits before any processing (vLLM's default
      `logprobs_mode='raw_logprobs'`); the returned logprobs, top-K and rank all use these;
-  2. allowed-token mask, then logit bias (both can change the greedy choice);
+  2. allowed-token mask, min-tokens mask (stop and EOS ids while a row is short of its
+     `min_tokens`), then logit bias (all can change the greedy choice);
   3. penalties: repetition (prompt + output tokens), frequency and presence (output tokens only).
      As in vLLM, penalties come after the bias, so a repetition penalty divides a biased logit;
   4. greedy rows (temperature < SAMPLING_EPS) take the argmax of the processed logits;
@@ -14,7 +15,7 @@ Order (vLLM V1's sampler, `vllm/v1/sample/sampler.py`):
 `lax.cond`s keep the common batches cheap: a batch that is all greedy with nothing to process and
 no logprobs takes only the argmax; otherwise an all-greedy batch skips step 5 entirely, a batch
 without penalties skips reading the [R, V] count and mask tables, and a batch without allowed
-lists or logit bias skips those two [R, V] passes.
+lists, min-tokens rows or logit bias skips those three [R, V] passes.
 
 The GPU step holds no conditional (``jaxserve/runner/target.py`` says why): there the host, which
 knows whether every row is greedy, passes ``all_greedy`` and gets a program with or without
@@ -31,7 +32,7 @@ from jax import lax
 
 from jaxserve.core.sampling_params import SAMPLING_EPS
 from jaxserve.sample.metadata import SamplingMetadata
-from jaxserve.sample.processors import apply_allowed_and_bias, apply_penalties, penalties_active, restrictions_active
+from jaxserve.sample.processors import apply_penalties, apply_restrictions, penalties_active, restrictions_active
 from jaxserve.sample.truncation import (
     DEFAULT_TOP_K_CAP,
     top_k_in_rounds,
@@ -57,8 +58,8 @@ def process_logits(
     row_slots: jax.Array | None = None, cond_free: bool = False,
 ) -> jax.Array:
     """Steps 2-3: the logits both greedy and random rows choose from."""
-    logits = apply_allowed_and_bias(logits, md.allowed_token_ids, md.has_allowed, md.bias_token_ids, md.bias_values,
-                                    cond_free)
+    logits = apply_restrictions(logits, md.allowed_token_ids, md.has_allowed, md.bias_token_ids, md.bias_values,
+                                md.positions, md.min_tokens, md.min_tokens_stop_ids, cond_free)
     return apply_penalties(
         logits, output_counts, prompt_mask, md.presence_penalty, md.frequency_penalty, md.repetition_penalty,
         row_slots, cond_free,
@@ -192,7 +193,8 @@ def sample(
     # else. One cond around everything also spares a copy of the [R, V] logits: the processing
     # conds cannot update the logits in place while the raw ones stay alive for logprobs.
     plain = (~jnp.asarray(need_logprobs, jnp.bool_) & jnp.all(greedy_rows(md.temperature))
-             & ~restrictions_active(md.allowed_token_ids, md.has_allowed, md.bias_token_ids)
+             & ~restrictions_active(md.allowed_token_ids, md.has_allowed, md.bias_token_ids, md.positions,
+                                    md.min_tokens)
              & ~penalties_active(md.presence_penalty, md.frequency_penalty, md.repetition_penalty))
     return lax.cond(plain, lambda: SamplerOutput(first_argmax(logits), *no_logprobs()), full)
 

@@ -16,6 +16,11 @@ def test_status_helpers():
     assert RequestStatus.get_finished_reason(RequestStatus.RUNNING) is None
 
 
+def test_status_prints_its_name():
+    assert [str(s) for s in (RequestStatus.WAITING, RequestStatus.FINISHED_ABORTED)] == ["WAITING", "FINISHED_ABORTED"]
+    assert f"{RequestStatus.RUNNING}" == "RUNNING"
+
+
 def test_token_bookkeeping():
     r = make_request([1, 2, 3])
     assert r.status == RequestStatus.WAITING and not r.is_finished()

@@ -226,7 +226,8 @@ def test_parallel_samples_share_the_prompt_blocks(llm):
 
 
 def test_async_scheduling_gives_the_sync_results(llm, demo_model):
-    """Outputs arrive a step later, but every token, stop, logprob and seeded draw is the same."""
+    """Outputs arrive a step later, but every token, stop, logprob and seeded draw is the same
+    (``llm`` schedules asynchronously, the default)."""
     prompts = random_prompts(12, seed=9, hi=120) + ["Once upon a time", "hello"]
     greedy = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                           use_tqdm=False)[0].outputs[0]
@@ -245,12 +246,13 @@ def test_async_scheduling_gives_the_sync_results(llm, demo_model):
                  [sorted((t, round(lp.logprob, 4)) for t, lp in e.items()) for e in o.outputs[0].logprobs or []])
                 for o in outs]
 
-    async_llm = LLM(demo_model, show_progress=False, **{**ENGINE_TESTS_SHAPE, "async_scheduling": True})
-    expected, got = run(llm), run(async_llm)
+    assert llm.config.async_scheduling
+    sync_llm = LLM(demo_model, show_progress=False, **{**ENGINE_TESTS_SHAPE, "async_scheduling": False})
+    expected, got = run(sync_llm), run(llm)
     assert got == expected
     assert expected[0][1] == "stop" and expected[-2][1] == "stop"  # the early stops really happened
-    assert async_llm.stats()["compile_unexpected_compiles"] == 0
-    assert_pool_empty(async_llm)
+    assert llm.stats()["compile_unexpected_compiles"] == 0
+    assert_pool_empty(llm)
 
 
 def test_penalty_counts_of_a_reused_slot_start_from_zero(demo_model):

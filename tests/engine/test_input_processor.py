@@ -9,7 +9,7 @@ from jaxserve import EngineConfig, SamplingParams
 from jaxserve.engine.processor import InputProcessor
 from jaxserve.exceptions import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
 from jaxserve.models.config import ModelConfig
-from jaxserve.sample.metadata import DEFAULT_MAX_ALLOWED_TOKENS, DEFAULT_MAX_LOGIT_BIAS
+from jaxserve.sample.metadata import DEFAULT_MAX_ALLOWED_TOKENS, DEFAULT_MAX_LOGIT_BIAS, MAX_MIN_TOKENS_STOP_IDS
 
 VOCAB = 100
 MAX_MODEL_LEN = 32
@@ -44,6 +44,7 @@ def refused(proc: InputProcessor, prompt, **params) -> InvalidRequestError:
     ([1], {"logit_bias": {i: 1.0 for i in range(DEFAULT_MAX_LOGIT_BIAS + 1)}}, "logit_bias", None),
     ([1], {"allowed_token_ids": [0, VOCAB]}, "allowed_token_ids", None),
     ([1], {"allowed_token_ids": list(range(DEFAULT_MAX_ALLOWED_TOKENS + 1))}, "allowed_token_ids", None),
+    ([1], {"min_tokens": 1, "stop_token_ids": list(range(3, 3 + MAX_MIN_TOKENS_STOP_IDS))}, "stop_token_ids", None),
     ([1], {"logprobs": 6}, "logprobs", None),
     ([1], {"prompt_logprobs": 6}, "prompt_logprobs", None),
     ("text", {}, "prompt", None),  # no tokenizer: text prompts cannot be served
@@ -76,3 +77,20 @@ def test_n_fans_out_to_distinct_child_requests():
     ids = [r.request_id for r in processed.core_requests]
     assert ids == ["0_p", "1_p", "2_p"]
     assert [r.sampling_params.seed for r in processed.core_requests] == [7, 8, 9]
+
+
+def test_min_tokens_masks_the_stop_ids_and_the_eos_id_within_the_width():
+    proc = processor()
+    stop_ids = list(range(3, 2 + MAX_MIN_TOKENS_STOP_IDS))  # with EOS 2: exactly the width
+    core = proc.process("r", [1], SamplingParams(min_tokens=2, stop_token_ids=stop_ids), arrival_time=0.0)
+    assert core.core_requests[0].sampling_params.all_stop_token_ids == [*stop_ids, 2]
+    ignored = proc.process("s", [1], SamplingParams(min_tokens=2, ignore_eos=True, stop_token_ids=[*stop_ids, 99]),
+                           arrival_time=0.0)
+    assert ignored.core_requests[0].sampling_params.all_stop_token_ids == [*stop_ids, 99]  # no EOS to mask
+    # without min_tokens nothing is masked, so any number of stop ids is served
+    proc.process("t", [1], SamplingParams(stop_token_ids=list(range(3, 60))), arrival_time=0.0)
+
+
+def test_a_request_id_must_be_a_string():
+    with pytest.raises(TypeError, match="request_id must be a string"):
+        processor().process(7, [1], SamplingParams(), arrival_time=0.0)  # type: ignore[arg-type]

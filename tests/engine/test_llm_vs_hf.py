@@ -86,10 +86,11 @@ def test_preemption_matches_hf(demo_model, prompts, hf_outputs):
 
 
 @pytest.mark.parametrize("blocks", [160, 25], ids=["roomy", "preempting"])
-def test_async_scheduling_matches_hf(demo_model, prompts, hf_outputs, blocks):
-    # Step N+1 is scheduled while step N runs; decode inputs come from the device.
+def test_sync_scheduling_matches_hf(demo_model, prompts, hf_outputs, blocks):
+    # The other tests run the default, async scheduling (step N+1 scheduled while step N runs,
+    # decode inputs from the device); this one schedules each step after the last one finished.
     ours, llm = run(demo_model, prompts, max_num_batched_tokens=64, num_gpu_blocks_override=blocks,
-                    async_scheduling=True)
+                    async_scheduling=False)
     assert ours == hf_outputs
     stats = llm.stats()
     assert stats["compile_unexpected_compiles"] == 0

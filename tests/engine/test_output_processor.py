@@ -245,6 +245,51 @@ def test_a_multibyte_stop_string_matches_once_its_character_completes(tokenizer)
     assert "".join(only(only(ros).outputs).text for ros, _ in steps[: ends[0] + 1]) == "日"
 
 
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    """vLLM's detokenizer case: ``stop="e"`` with ``min_tokens`` goes on past the early matches and
+    stops at the first "e" in the text of a later output."""
+    run = Run(tokenizer, CUMULATIVE, stop="e", min_tokens=5)
+    tokens = run.ids(" the quick fox jumps over the lazy dog.")
+    early_text = tokenizer.decode(tokens[:5])
+    assert "e" in early_text  # " the quick fox jumps over": would stop at once without min_tokens
+    steps = run.stream(tokens, finish_reason=None)
+    stopped = [i for i, (ros, aborts) in enumerate(steps) if aborts == ["r"]]
+    assert stopped == [5]  # " the" (the 6th output) holds the first searchable "e"
+    out = only(only(steps[5][0]).outputs)
+    assert out.finish_reason == "stop" and out.stop_reason == "e"
+    assert out.text == early_text + " th" and out.token_ids == tokens[:6]
+
+
+def test_a_stop_string_straddling_the_min_tokens_boundary_counts(tokenizer):
+    run = Run(tokenizer, CUMULATIVE, stop="jumps over", min_tokens=4)
+    tokens = run.ids(" the quick fox jumps over the lazy dog.")
+    ros, aborts = run.step(*[EngineCoreOutput("r", tokens[:5])])
+    out = only(only(ros).outputs)
+    assert aborts == ["r"] and out.text == " the quick fox " and out.stop_reason == "jumps over"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_adds_no_text_unless_asked(tokenizer, include):
+    run = Run(tokenizer, DELTA, include_stop_str_in_output=include)
+    the, quick, fox = run.ids(" the quick fox")
+    outs = [only(only(ros).outputs) for ros, _ in (run.step(EngineCoreOutput("r", [the])),
+                                                   run.step(EngineCoreOutput("r", [quick, fox], "stop", fox)))]
+    assert [o.token_ids for o in outs] == [[the], [quick, fox]]  # the stop id stays in token_ids
+    assert "".join(o.text for o in outs) == (" the quick fox" if include else " the quick")
+    assert outs[-1].stop_reason == fox
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_eos_text_is_left_out_even_when_special_tokens_are_shown(tokenizer, include):
+    eos = tokenizer.eos_token_id
+    run = Run(tokenizer, CUMULATIVE, skip_special_tokens=False, include_stop_str_in_output=include)
+    the = run.ids(" the")[0]
+    run.step(EngineCoreOutput("r", [the]))
+    out = only(only(run.step(EngineCoreOutput("r", [eos], "stop"))[0]).outputs)
+    assert out.token_ids == [the, eos]
+    assert out.text == (" the" + tokenizer.eos_token if include else " the")
+
+
 # ---- logprobs -----------------------------------------------------------------------------------
 
 
@@ -288,6 +333,47 @@ def test_prompt_logprobs_start_with_none_and_follow_the_prompt(tokenizer):
     for i, tok in enumerate(prompt[1:], start=1):
         assert plp[i][tok] == Logprob(-float(i), 2, tokenizer.decode([tok]))
         assert plp[i][alt] == Logprob(-0.5, 1, " dog")
+
+
+def test_delta_sends_the_prompt_logprobs_once(tokenizer):
+    run = Run(tokenizer, DELTA, prompt_logprobs=1)
+    prompt = run.prompt_ids
+    rows = [([tok, tok], [-1.0, -1.0], 1) for tok in prompt[1:]]
+    tokens = run.ids(STORY)
+    first = only(run.step(EngineCoreOutput("r", [tokens[0]], new_prompt_logprobs=rows))[0])
+    assert len(first.prompt_logprobs) == len(prompt)
+    later = [only(ros) for ros, _ in run.stream(tokens[1:])]
+    assert all(ro.prompt_logprobs is None for ro in later)
+
+
+def test_without_detokenize_logprobs_carry_no_text(tokenizer):
+    run = Run(tokenizer, FINAL_ONLY, detokenize=False, logprobs=1, prompt_logprobs=1)
+    (the, fox), alt = run.ids(" the fox"), run.ids(" dog")[0]
+    run.step(EngineCoreOutput("r", [], new_prompt_logprobs=[([t, alt], [-1.0, -0.5], 2) for t in run.prompt_ids[1:]]))
+    run.step(EngineCoreOutput("r", [the], new_logprobs=([the, alt], [-0.5, -0.25], 2)))
+    ro = only(run.step(EngineCoreOutput("r", [fox], "length", new_logprobs=([fox, fox], [-0.1, -0.1], 1)))[0])
+    out = only(ro.outputs)
+    assert out.text == "" and out.token_ids == [the, fox]
+    entries = [*out.logprobs, *ro.prompt_logprobs[1:]]
+    assert entries and all(lp.decoded_token is None for entry in entries for lp in entry.values())
+
+
+@pytest.mark.parametrize("text", ["日本", "a 😀 b"])
+def test_streamed_logprob_tokens_agree_with_the_streamed_text(tokenizer, text):
+    """A chunk whose token ends inside a character carries no text and an empty logprob token; the
+    chunk that completes the character carries it in both."""
+    run = Run(tokenizer, DELTA, logprobs=1)
+    tokens = run.ids(text)
+    alt = run.ids(" dog")[0]
+    outs = []
+    for i, t in enumerate(tokens):
+        finish = "length" if i == len(tokens) - 1 else None
+        step = run.step(EngineCoreOutput("r", [t], finish, new_logprobs=([t, alt], [-0.5, -1.0], 1)))
+        outs.append(only(only(step[0]).outputs))
+    assert "".join(o.text for o in outs) == text
+    for o in outs:
+        assert "".join(entry[t].decoded_token for t, entry in zip(o.token_ids, o.logprobs)) == o.text
+    assert any(o.text == "" for o in outs)  # some token really ended inside a character
 
 
 # ---- aborts -------------------------------------------------------------------------------------

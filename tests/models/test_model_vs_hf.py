@@ -116,7 +116,7 @@ def test_half_precision_close_to_float32(qwen3_checkpoint, dtype, atol):
 
 
 def test_sharded_checkpoint_loads(tmp_path):
-    folder = build_tiny_checkpoint(tmp_path / "sharded", "Qwen2ForCausalLM", seed=4, max_shard_size="60KB")
+    folder = build_tiny_checkpoint(tmp_path / "sharded", "Qwen2ForCausalLM", seed=4, max_shard_bytes=60_000)
     assert (folder / "model.safetensors.index.json").is_file()
     assert len(list(folder.glob("*.safetensors"))) > 1
     model = load_model(folder)

@@ -61,13 +61,12 @@ def test_step_arrays_match_a_per_request_oracle():
     bucket, rows = 24, 6
     arrays, samples = build_step_arrays(
         batch, [q["slot"] for q in reqs], [q["start"] for q in reqs], [q["n"] for q in reqs],
-        [q["prev"] for q in reqs], {3}, bucket, rows, BS, PAD)
+        [q["prev"] for q in reqs], bucket, rows, BS, PAD)
     want = oracle(reqs, bucket, rows)
     for name, value in want.items():
         np.testing.assert_array_equal(arrays[name], value, err_msg=name)
     assert samples == [True, False, True, True, True]
     np.testing.assert_array_equal(arrays["row_slots"], [3, 0, 5, 1, 2, PAD])
-    np.testing.assert_array_equal(arrays["reset_slots"], [3, PAD, PAD, PAD, PAD, PAD])
     np.testing.assert_array_equal(arrays["logits_indices"][:5], want["query_start_loc"][1:6] - 1)
     assert arrays["num_seqs"].tolist() == [5]
     total = want["query_start_loc"][-1]
@@ -77,7 +76,7 @@ def test_step_arrays_match_a_per_request_oracle():
     before = batch.num_tokens.copy()
     batch.append_tokens([1, 3], [77, 78])
     assert (batch.num_tokens - before).tolist() == [0, 1, 0, 1] + [0] * (len(before) - 4)
-    arrays, _ = build_step_arrays(batch, [1], [6], [1], [-1], set(), 1, 1, BS, PAD)
+    arrays, _ = build_step_arrays(batch, [1], [6], [1], [-1], 1, 1, BS, PAD)
     assert arrays["input_ids"][0] == 77 and arrays["prev_rows"][0] == -1
     assert batch.token_ids[3, before[3]] == 78
 
@@ -86,12 +85,12 @@ def test_a_token_neither_known_nor_in_flight_is_an_error():
     batch = PersistentBatch(SLOTS, MAX_LEN, -(-MAX_LEN // BS))
     batch.add_request(0, [1, 2, 3], [], [1])
     with pytest.raises(RuntimeError, match="neither known"):
-        build_step_arrays(batch, [0], [3], [1], [-1], set(), 1, 1, BS, PAD)
+        build_step_arrays(batch, [0], [3], [1], [-1], 1, 1, BS, PAD)
 
 
 def test_padding_only_step():
     batch = PersistentBatch(SLOTS, MAX_LEN, -(-MAX_LEN // BS))
-    arrays, samples = build_step_arrays(batch, [], [], [], [], set(), 8, 4, BS, PAD)
+    arrays, samples = build_step_arrays(batch, [], [], [], [], 8, 4, BS, PAD)
     assert samples == [] and arrays["num_seqs"].tolist() == [0]
     assert (arrays["slot_mapping"] == -1).all() and (arrays["query_start_loc"] == 0).all()
 

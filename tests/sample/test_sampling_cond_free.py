@@ -11,7 +11,6 @@ from jax import lax
 
 from jaxserve.bench.hlo_stats import analyze_hlo
 from jaxserve.sample import sample
-from jaxserve.sample.penalties import PenaltyTables, update_penalty_tables
 from jaxserve.sample.truncation import top_k_in_rounds
 from tests.sample.sampler_testlib import K, metadata, params
 from tests.sample.test_sampling_sampler import MATES, V, random_logits
@@ -32,10 +31,13 @@ def _history(seed=3):
 
 @pytest.mark.parametrize("batch", ["mixed", "greedy"])
 def test_cond_free_sampler_matches_the_cond_one(batch):
-    rows = [params(temperature=0.0)] * 3 + MATES if batch == "mixed" else (
-        [params(temperature=0.0, repetition_penalty=1.3, logit_bias={7: 5.0})] * 4 + [params(temperature=0.0)] * 4)
-    md = metadata(rows, V, positions=list(range(ROWS)))
     logits = random_logits(ROWS, seed=5)
+    # a row short of its min_tokens whose stop id is its argmax: the mask must change its token
+    min_tokens_row = params(temperature=0.0, min_tokens=ROWS + 1, stop_token_ids=[int(np.argmax(logits[7]))])
+    rows = [params(temperature=0.0)] * 2 + MATES + [min_tokens_row] if batch == "mixed" else (
+        [params(temperature=0.0, repetition_penalty=1.3, logit_bias={7: 5.0})] * 4 + [params(temperature=0.0)] * 3
+        + [min_tokens_row])
+    md = metadata(rows, V, positions=list(range(ROWS)))
     counts, mask = _history()
     ref = _sample(logits, md, counts, mask, jnp.asarray(True))
     out = _sample(logits, md, counts, mask, jnp.asarray(True), all_greedy=batch == "greedy")
@@ -43,6 +45,7 @@ def test_cond_free_sampler_matches_the_cond_one(batch):
     np.testing.assert_array_equal(out.logprob_token_ids, ref.logprob_token_ids)
     np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(out.sampled_token_rank, ref.sampled_token_rank)
+    assert int(out.sampled_token_ids[7]) != int(np.argmax(logits[7]))
 
 
 def test_cond_free_sampler_program_has_no_conditional():
@@ -64,18 +67,3 @@ def test_top_k_in_rounds_equals_top_k(k):
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_array_equal(values, ref_values)
 
-
-def test_penalty_tables_cleared_the_same_without_a_loop():
-    slots, vocab = 6, 50
-    rng = np.random.default_rng(0)
-    tables = PenaltyTables(jnp.asarray(rng.integers(0, 4, (slots + 1, vocab)), jnp.int32),
-                           jnp.asarray(rng.random((slots + 1, vocab)) < 0.5))
-    kwargs = dict(reset_slots=jnp.asarray([4, 1, slots, slots], jnp.int32),
-                  token_slots=jnp.asarray([4, 4, 1, 2, slots], jnp.int32),
-                  input_ids=jnp.asarray([3, 7, 7, 9, 0], jnp.int32),
-                  token_is_output=jnp.asarray([False, True, True, True, False]))
-    ref = update_penalty_tables(tables, **kwargs)
-    out = update_penalty_tables(tables, **kwargs, cond_free=True)
-    np.testing.assert_array_equal(out.output_counts, ref.output_counts)
-    np.testing.assert_array_equal(out.prompt_mask, ref.prompt_mask)
-    assert int(out.output_counts[1].sum()) == 1 and not bool(out.prompt_mask[1].any())  # row 1 was reset

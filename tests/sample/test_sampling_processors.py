@@ -102,3 +102,51 @@ def test_processors_run_under_jit_with_bf16_logits():
     logits = jax.random.normal(jax.random.PRNGKey(0), (R, V)).astype(jnp.bfloat16)
     out = run_sample(logits, metadata([params(temperature=0.0), params(temperature=0.9, top_k=3)], V, num_rows=R))
     assert int(out.sampled_token_ids[0]) == int(jnp.argmax(logits[0].astype(jnp.float32)))
+
+
+def min_tokens_params(min_tokens: int, stop_token_ids: list[int], eos: list[int], **fields):
+    p = params(temperature=0.0, min_tokens=min_tokens, stop_token_ids=stop_token_ids, **fields)
+    p.update_from_eos(eos)
+    return p
+
+
+def test_min_tokens_masks_stop_and_eos_ids_until_reached():
+    logits = low_logits([9.0, 8.0, 7.0, 1.0])  # row 0 prefers 0, then 1, then 2
+    logits[1, :4] = [9.0, 8.0, 7.0, 1.0]
+    rows = [min_tokens_params(3, [1], eos=[0]), min_tokens_params(3, [1], eos=[0], ignore_eos=True)]
+    short = metadata(rows, V, num_rows=R, positions=[2, 2])
+    processed = np.asarray(process_logits(jnp.asarray(logits), short, jnp.zeros((R, V), jnp.int32),
+                                          jnp.zeros((R, V), bool)))
+    assert np.isneginf(processed[0, :2]).all() and processed[0, 2] == 7.0  # stop id 1 and EOS 0 masked
+    assert np.isneginf(processed[1, 1]) and processed[1, 0] == 9.0  # ignore_eos: only the stop id
+    np.testing.assert_array_equal(processed[2:], logits[2:])  # padding rows untouched
+    assert np.asarray(run_sample(logits, short).sampled_token_ids)[:2].tolist() == [2, 0]
+    reached = metadata(rows, V, num_rows=R, positions=[3, 3])
+    assert np.asarray(run_sample(logits, reached).sampled_token_ids)[:2].tolist() == [0, 0]
+
+
+def test_min_tokens_mask_beats_a_large_bias_and_random_draws():
+    logits = low_logits([0.0] * 4)
+    row = min_tokens_params(5, [], eos=[3], logit_bias={3: 100.0})
+    assert int(run_sample(logits, metadata([row], V, num_rows=R, positions=[4])).sampled_token_ids[0]) != 3
+    assert int(run_sample(logits, metadata([row], V, num_rows=R, positions=[5])).sampled_token_ids[0]) == 3
+    # every draw (positions 0..DRAWS-1) is short of min_tokens: the stop ids never come out
+    draws = draw_tokens(logits[0], V, temperature=2.0, min_tokens=10**6, max_tokens=None, stop_token_ids=[3, 7])
+    assert not {3, 7} & set(draws.tolist()) and len(set(draws.tolist())) > 20
+
+
+def test_a_written_penalty_row_replaces_the_slot_and_steps_add_to_it():
+    from jaxserve.sample.penalties import PenaltyTables, update_penalty_tables, write_penalty_row
+
+    tables = PenaltyTables(jnp.ones((3, V), jnp.int32), jnp.ones((3, V), bool))  # stale history everywhere
+    known = np.array([5, 9, 9, 7, 7, 7, -1, -1], np.int32)  # prompt 5, 9, 9, then outputs 7, 7, 7
+    is_output = np.arange(8) >= 3
+    tables = write_penalty_row(tables, jnp.int32(1), jnp.asarray(known), jnp.asarray(is_output))
+    tables = update_penalty_tables(tables, token_slots=jnp.asarray([1, 1, 2]), input_ids=jnp.asarray([7, 11, 3]),
+                                   token_is_output=jnp.asarray([True, True, False]))
+    counts, mask = np.asarray(tables.output_counts), np.asarray(tables.prompt_mask)
+    want_counts = np.zeros(V, np.int32)
+    want_counts[[7, 11]] = [4, 1]
+    np.testing.assert_array_equal(counts[1], want_counts)
+    assert set(np.flatnonzero(mask[1])) == {5, 9}
+    assert (counts[[0, 2]] >= 1).all() and mask[[0, 2]].all()  # other slots untouched

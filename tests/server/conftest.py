@@ -15,8 +15,8 @@ from tests.server.server_testing import MAX_BODY_BYTES, MAX_WAITING, start_serve
 @pytest.fixture(scope="session")
 def server():
     log_path = Path(tempfile.mkdtemp(prefix="jaxserve-srv-")) / "server.log"
-    handle = start_server(["--max-waiting", str(MAX_WAITING), "--max-request-body-bytes", str(MAX_BODY_BYTES)],
-                          log_path)
+    handle = start_server(["--max-waiting", str(MAX_WAITING), "--max-request-body-bytes", str(MAX_BODY_BYTES),
+                           "--enable-tokenizer-info-endpoint"], log_path)
     yield handle
     stop_server(handle)
     assert "Traceback" not in handle.log_tail(200_000), handle.log_tail()

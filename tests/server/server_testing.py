@@ -24,6 +24,8 @@ MAX_WAITING = 64
 MAX_BODY_BYTES = 65536
 # A cold start compiles every bucket when the persistent cache is empty.
 START_TIMEOUT_S = 300
+# The response header naming request fields the server ignored (spelled out: the wire name is API).
+IGNORED_FIELDS_HEADER = "X-Jaxserve-Ignored-Fields"
 
 
 def engine_flags() -> list[str]:

@@ -25,7 +25,7 @@ from jaxserve import (
 from jaxserve.exceptions import CONTEXT_LENGTH_EXCEEDED
 from jaxserve_server.app import build_app
 from jaxserve_server.errors import bad_request, engine_error, error_body
-from tests.server.server_testing import MAX_BODY_BYTES, assert_error, wait_idle
+from tests.server.server_testing import IGNORED_FIELDS_HEADER, MAX_BODY_BYTES, assert_error, wait_idle
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -63,10 +63,17 @@ BAD_COMPLETIONS = [
     ({"prompt": [[1, 2], "mixed"]}, "prompt"),
     ({}, "prompt"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "x", "stream": True, "stream_options": {"bogus": 1}}, "stream_options"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "often"}}, "stream_options"),
     ({"prompt": "x", "suffix": "tail"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "totally_unknown_field": 1}, "totally_unknown_field"),
+    ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+    ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "x", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": -2}, "prompt_logprobs"),
+    ({"prompt": "x", "truncate_prompt_tokens": 100000}, "truncate_prompt_tokens"),
+    ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"prompt": "x", "min_tokens": 2, "stop_token_ids": list(range(3, 40))}, "stop_token_ids"),
 ]
 
 BAD_CHATS = [
@@ -84,7 +91,8 @@ BAD_CHATS = [
     ({"messages": [{"content": "no role"}]}, "messages"),
     ({"messages": CHAT, "n": -1}, "n"),
     ({"messages": CHAT, "add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
-    ({"messages": CHAT, "unknown_thing": 1}, "unknown_thing"),
+    ({"messages": CHAT, "guided_choice": ["a", "b"]}, "guided_choice"),
+    ({"messages": CHAT, "return_tokens_as_token_ids": "yes please"}, "return_tokens_as_token_ids"),
 ]
 
 
@@ -172,6 +180,8 @@ def test_burst_of_malformed_requests_leaves_server_healthy(http, server):
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
         for body in bodies:
             r = http.post(path, content=body, headers={"content-type": "application/json"})
+            if r.status_code == 200 and path == "/tokenize" and IGNORED_FIELDS_HEADER in r.headers:
+                continue  # /tokenize takes {"prompt": "x"}: the rest of such a body is unknown to it, so ignored
             assert r.status_code == 400, (path, body, r.status_code, r.text)
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert http.get("/health").status_code == 200

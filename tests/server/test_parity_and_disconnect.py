@@ -103,15 +103,16 @@ def test_non_streaming_client_that_disconnects_is_aborted(server):
     assert httpx.get(f"{server.base}/health").status_code == 200
 
 
-def test_async_scheduling_server_matches_and_frees_its_blocks(tmp_path):
-    """A server with --async-scheduling streams the offline greedy text, and clients that leave
-    mid-stream (while a step for them is already in flight) still free every block."""
+def test_sync_scheduling_server_matches_and_frees_its_blocks(tmp_path):
+    """A server with --no-async-scheduling streams the offline greedy text (the shared server
+    schedules asynchronously, the default), and clients that leave mid-stream still free every
+    block."""
     prompts = parity_prompts()
     llm = LLM(show_progress=False, **SERVER_SHAPE)
     expected = [o.outputs[0].text for o in llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)]
     del llm
-    handle = start_server(["--async-scheduling"], tmp_path / "server.log")
+    handle = start_server(["--no-async-scheduling"], tmp_path / "server.log")
     try:
         async def stream_text(client, prompt):
             body = {"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True, "stream": True}

@@ -1,0 +1,87 @@
+"""Warm-up compiles step variants in a thread pool, attributes persistent-cache hits per variant,
+and skips the buckets a configuration can never reach."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.runner.compilation import CompiledSteps, StepVariant, enable_persistent_compilation_cache
+from jaxserve.runner.compile_stats import CompileStats
+from jaxserve.runner.model_runner import max_step_tokens
+
+
+def _toy_steps(scale: float) -> CompiledSteps:
+    """A jitted function with one program per bucket; ``scale`` makes the programs of two
+    instances differ, so each instance has its own cache entries."""
+
+    def step(x):
+        return jnp.cumsum(jnp.sin(x) * scale) @ jnp.ones_like(x)
+
+    def trace_args(variant: StepVariant):
+        return (jax.ShapeDtypeStruct((variant.bucket,), jnp.float32),), {}
+
+    return CompiledSteps(jax.jit(step), trace_args, CompileStats())
+
+
+@pytest.fixture
+def compile_cache(tmp_path):
+    enable_persistent_compilation_cache(str(tmp_path / "xla"))
+    yield tmp_path / "xla"
+    from jaxserve import envs
+
+    enable_persistent_compilation_cache(str(envs.cache_dir() / "xla"))  # the suite's folder again
+
+
+def test_threaded_warm_up_compiles_each_variant_once_and_attributes_cache_hits(compile_cache):
+    variants = [StepVariant(b) for b in (8, 16, 24, 32, 48)]
+    ran = []
+    cold = _toy_steps(1.5)
+    cold.warm_up(variants, ran.append, show_progress=False, max_workers=3)
+    s = cold.stats
+    assert ran == variants and cold.warmed_up
+    assert (s.num_compiles, s.compile_threads, s.persistent_cache_hits, s.cached_variants) == (5, 3, 0, [])
+    assert sorted(s.compile_seconds_per_bucket) == sorted(v.name for v in variants)
+    assert s.lower_seconds > 0 and s.warm_up_compile_seconds > 0
+    x = np.linspace(0, 1, 24, dtype=np.float32)
+    expected = float(np.cumsum(np.sin(x) * 1.5) @ np.ones_like(x))
+    assert float(cold.get(StepVariant(24))(x)) == pytest.approx(expected, rel=1e-5)
+    assert s.unexpected_compiles == 0
+
+    # A second instance of the same programs finds them on disk; half of them were read already
+    # by a partial warm-up, so only the rest are counted, each under its own variant.
+    warm = _toy_steps(1.5)
+    warm.get(variants[0])
+    warm.warm_up(variants, lambda v: None, show_progress=False, max_workers=2)
+    assert sorted(warm.stats.cached_variants) == sorted(v.name for v in variants)
+    assert warm.stats.persistent_cache_hits == 5 and warm.stats.num_compiles == 5
+
+    other = _toy_steps(2.5)
+    other.warm_up(variants[:2], lambda v: None, show_progress=False)
+    assert other.stats.persistent_cache_hits == 0
+
+
+@pytest.mark.parametrize("shape,blocks,top", [
+    (dict(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=2048), 10_000, 2048),
+    (dict(max_num_batched_tokens=2048, max_num_seqs=2, max_model_len=256), 10_000, 512),  # 2 requests of 256
+    (dict(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=2048), 41, 640),  # 40 usable blocks
+])
+def test_buckets_stop_at_the_most_tokens_a_step_can_hold(shape, blocks, top):
+    config = EngineConfig(**shape, block_size=16)
+    assert max_step_tokens(config, shape["max_model_len"], blocks) == top
+
+
+def test_engine_compiles_no_bucket_above_what_its_requests_can_fill(demo_model):
+    from jaxserve import LLM, SamplingParams
+
+    # Two requests of at most 64 tokens: a step never holds more than 128 of the 256 budgeted.
+    llm = LLM(demo_model, show_progress=False, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=256,
+              num_gpu_blocks_override=40)
+    assert llm.stats()["token_buckets"] == [16, 32, 64, 128]
+    prompts = [{"prompt_token_ids": list(range(10, 70))}, {"prompt_token_ids": list(range(20, 80))}]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+    assert llm.stats()["compile_unexpected_compiles"] == 0
