@@ -33,7 +33,7 @@ envs.allow_cuda_plugin_without_gpu()
 
 import jax  # noqa: E402
 
-from jaxserve.bench import gpu_aot  # noqa: E402
+from jaxserve.bench import gpu_aot, gpu_targets  # noqa: E402
 from jaxserve.bench.hlo_stats import analyze_hlo  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 
@@ -42,7 +42,7 @@ HLO_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int32": "
 
 
 def default_target_config() -> Path:
-    return SHARED_TARGET if SHARED_TARGET.is_file() else gpu_aot.target_config_path("h200")
+    return SHARED_TARGET if SHARED_TARGET.is_file() else gpu_targets.target_config_path("h200")
 
 
 def hlo_shape(x) -> tuple[str, tuple[int, ...]]:
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="variants compiled at once")
     args = ap.parse_args(argv)
     sharding = gpu_aot.compile_only_sharding(args.target_config.read_text())
-    spec = gpu_aot.gpu_spec("h200", args.target_config.read_text())
+    spec = gpu_targets.gpu_spec("h200", args.target_config.read_text())
     print(json.dumps({"jax": jax.__version__, "target": spec.description, "target_config": str(args.target_config)}),
           flush=True)
     start = time.perf_counter()

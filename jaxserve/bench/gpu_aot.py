@@ -1,7 +1,7 @@
 """Compiling jaxserve's step for a GPU on a machine without one.
 
-With the CUDA plugin installed, ``jax.experimental.topologies`` turns a ``GpuTargetConfig`` (the
-text proto in ``targets/``) into compile-only devices; arrays carrying their sharding lower and
+With the CUDA plugin installed, ``jax.experimental.topologies`` turns a ``GpuTargetConfig`` (a
+text proto of :mod:`.gpu_targets`) into compile-only devices; arrays carrying their sharding lower and
 compile through the real XLA:GPU pipeline (fusion, autotuning defaults, Triton for Pallas, ptxas)
 with no GPU present. A runner built on such a target (:func:`abstract_runner`) never allocates:
 its weights, KV pool and inputs are shapes only.
@@ -9,57 +9,20 @@ its weights, KV pool and inputs are shapes only.
 
 from __future__ import annotations
 
-import dataclasses
-import re
-from pathlib import Path
 from typing import Any
 
 import jax
 from flax import nnx
 
 from jaxserve import envs
-from jaxserve.bench.random_model import PRESETS, preset_config
+from jaxserve.bench.gpu_targets import GpuSpec
+from jaxserve.bench.presets import preset_config
 from jaxserve.config import EngineConfig
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.runner.kv_cache import DeviceMemory, blocks_for_budget, bytes_per_block, kv_cache_budget
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.target import StepTarget
-
-TARGETS_DIR = Path(__file__).with_name("targets")
-PRESET_NAMES = tuple(PRESETS)
-# Dense bf16 tensor-core peak (NVIDIA's H100/H200 SXM figure); the target config has no such field.
-BF16_PEAK_FLOPS = {"h200": 989.4e12}
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuSpec:
-    """What the roofline and the KV sizing need of a GPU, read from its target config."""
-
-    name: str
-    description: str
-    memory_bytes: int
-    hbm_bytes_per_s: float
-    bf16_flops: float
-    sm_count: int
-
-
-def target_config_path(gpu: str) -> Path:
-    return TARGETS_DIR / f"{gpu}_target_config.txtpb"
-
-
-def _field(text: str, name: str) -> str:
-    match = re.search(rf"\b{name}:\s*\"?([^\"\n]+)\"?", text)
-    if match is None:
-        raise ValueError(f"target config has no {name}")
-    return match.group(1)
-
-
-def gpu_spec(gpu: str, text: str) -> GpuSpec:
-    return GpuSpec(name=gpu, description=_field(text, "device_description_str"),
-                   memory_bytes=int(_field(text, "device_memory_size")),
-                   hbm_bytes_per_s=float(_field(text, "memory_bandwidth")),
-                   bf16_flops=BF16_PEAK_FLOPS[gpu], sm_count=int(_field(text, "core_count")))
 
 
 def compile_only_sharding(target_config: str) -> jax.sharding.NamedSharding:

@@ -20,11 +20,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from typing import TYPE_CHECKING
 
-from jaxserve.bench import gpu_aot
+from jaxserve.bench.gpu_targets import BF16_PEAK_FLOPS, GpuSpec, gpu_spec, target_config_path
+from jaxserve.bench.presets import PRESETS, preset_config
 from jaxserve.config import EngineConfig
-from jaxserve.models.config import ModelConfig
-from jaxserve.runner.buckets import BucketTable
+
+if TYPE_CHECKING:  # the command line builds its parser without importing jax
+    from jaxserve.models.config import ModelConfig
 
 SAMPLER_LOGITS_PASSES = 4  # the f32 [R, V] logits: written by the head, read by softmax, argmax, logprobs
 
@@ -75,7 +78,7 @@ def activation_bytes(mc: ModelConfig, shape: StepShape, itemsize: int) -> int:
             + SAMPLER_LOGITS_PASSES * shape.seqs * mc.vocab_size * 4)
 
 
-def roofline_row(mc: ModelConfig, spec: gpu_aot.GpuSpec, shape: StepShape, itemsize: int) -> dict:
+def roofline_row(mc: ModelConfig, spec: GpuSpec, shape: StepShape, itemsize: int) -> dict:
     weights = weight_bytes(mc, itemsize)
     kv_read = shape.kv_read_tokens * kv_bytes_per_token(mc, itemsize)
     kv_write = shape.tokens * kv_bytes_per_token(mc, itemsize)
@@ -96,6 +99,8 @@ def roofline_row(mc: ModelConfig, spec: gpu_aot.GpuSpec, shape: StepShape, items
 def xla_step_figures(preset: str, config: EngineConfig, target_config: str, buckets: list[int]) -> dict[int, dict]:
     """Per bucket: XLA's FLOPs of the lowered step (attention kernel excluded) and the compiled
     step's temporary bytes, compiled for the GPU without one."""
+    from jaxserve.bench import gpu_aot
+
     sharding = gpu_aot.compile_only_sharding(target_config)
     model = gpu_aot.abstract_model(preset, False)
     runner = gpu_aot.abstract_runner(model, dataclasses.replace(config, num_gpu_blocks_override=4096), sharding,
@@ -123,21 +128,26 @@ def table(rows: list[dict]) -> str:
 
 
 def add_roofline_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="qwen3-0.6b", choices=sorted(gpu_aot.PRESET_NAMES),
-                   help="a model shape (random-model preset)")
-    p.add_argument("--gpu", default="h200", choices=sorted(gpu_aot.BF16_PEAK_FLOPS))
-    p.add_argument("--context-len", type=int, default=1024, help="tokens of context per sequence")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--model", default="qwen3-0.6b", choices=sorted(PRESETS),
+                   help="a model shape (random-model preset; default: qwen3-0.6b)")
+    p.add_argument("--gpu", default="h200", choices=sorted(BF16_PEAK_FLOPS),
+                   help="the GPU whose target description gives memory and bandwidth (default: h200)")
+    p.add_argument("--context-len", type=int, default=1024,
+                   help="tokens of context per sequence (default: 1024)")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="the engine's max_num_seqs: buckets up to it are decode steps (default: 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="the engine's token budget, the largest bucket (default: 2048)")
     p.add_argument("--compile", action="store_true",
                    help="also compile each bucket for the GPU (needs the CUDA plugin) for XLA's figures")
 
 
 def run_roofline_cli(args: argparse.Namespace) -> dict:
-    from jaxserve.bench.random_model import preset_config
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.runner.buckets import BucketTable
 
-    target_text = gpu_aot.target_config_path(args.gpu).read_text()
-    spec = gpu_aot.gpu_spec(args.gpu, target_text)
+    target_text = target_config_path(args.gpu).read_text()
+    spec = gpu_spec(args.gpu, target_text)
     mc = ModelConfig.from_dict(preset_config(args.model))
     itemsize = 2 if mc.dtype in ("bfloat16", "float16") else 4
     buckets = BucketTable.build(args.max_num_batched_tokens, args.max_num_seqs).token_buckets

@@ -70,9 +70,9 @@ def attempt(result: dict, key: str, fn) -> None:
 
 
 def compile_deviceless() -> dict:
-    from jaxserve.bench import gpu_aot
+    from jaxserve.bench import gpu_aot, gpu_targets
 
-    sharding = gpu_aot.compile_only_sharding(gpu_aot.target_config_path("h200").read_text())
+    sharding = gpu_aot.compile_only_sharding(gpu_targets.target_config_path("h200").read_text())
     arg = jax.ShapeDtypeStruct((M, K), jnp.bfloat16, sharding=sharding)
     lowered = jax.jit(matmul()).trace(arg, arg).lower()
     text = lowered.as_text()

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.bench import gpu_aot
+from jaxserve.bench import gpu_aot, gpu_targets
 from jaxserve.bench.hlo_stats import analyze_hlo
 
 L, D = 6, 256
@@ -55,7 +55,7 @@ def test_a_pool_that_is_not_donated_is_not_aliased():
 
 
 def test_h200_spec_from_the_packaged_target_config():
-    spec = gpu_aot.gpu_spec("h200", gpu_aot.target_config_path("h200").read_text())
+    spec = gpu_targets.gpu_spec("h200", gpu_targets.target_config_path("h200").read_text())
     assert spec.sm_count == 132 and spec.hbm_bytes_per_s == 4.8e12
     assert spec.memory_bytes == 151397597184 and "H200" in spec.description
 
@@ -65,6 +65,6 @@ def test_compile_only_devices_need_the_cuda_plugin():
         import jax_plugins.xla_cuda12  # noqa: F401
     except ImportError:
         with pytest.raises(RuntimeError, match="compile-only CUDA devices"):
-            gpu_aot.compile_only_sharding(gpu_aot.target_config_path("h200").read_text())
+            gpu_aot.compile_only_sharding(gpu_targets.target_config_path("h200").read_text())
     else:
         pytest.skip("the CUDA plugin is installed here: scripts/gpu_aot_check.py covers this path")

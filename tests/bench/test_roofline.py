@@ -2,14 +2,14 @@
 
 import json
 
-from jaxserve.bench import gpu_aot
-from jaxserve.bench.random_model import preset_config
+from jaxserve.bench import gpu_aot, gpu_targets
+from jaxserve.bench.presets import preset_config
 from jaxserve.bench.roofline import kv_bytes_per_token, roofline_row, step_shape, weight_bytes
 from jaxserve.models.config import ModelConfig
 from jaxserve_server.cli import main
 
 MC = ModelConfig.from_dict(preset_config("qwen3-0.6b"))
-SPEC = gpu_aot.gpu_spec("h200", gpu_aot.target_config_path("h200").read_text())
+SPEC = gpu_targets.gpu_spec("h200", gpu_targets.target_config_path("h200").read_text())
 
 
 def test_weights_match_the_abstract_model():

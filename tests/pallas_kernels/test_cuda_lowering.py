@@ -19,10 +19,10 @@ def cuda_device():
 
     if not CUDA_LOWERING_NEEDS_DEVICE:
         return {}
-    from jaxserve.bench import gpu_aot
+    from jaxserve.bench import gpu_aot, gpu_targets
 
     try:
-        return {"sharding": gpu_aot.compile_only_sharding(gpu_aot.target_config_path("h200").read_text())}
+        return {"sharding": gpu_aot.compile_only_sharding(gpu_targets.target_config_path("h200").read_text())}
     except RuntimeError as e:
         pytest.skip(f"jax >= 0.11 lowers Pallas Triton kernels for a CUDA device, and none can be made here: {e}")
 
