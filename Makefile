@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # One stamp per set of extras, so that `make serve` after `make test` installs nothing new.
 EXTRAS ?= test
 
-.PHONY: setup setup-runtime serve test lint bench-throughput bench-startup clean
+.PHONY: setup setup-runtime serve test lint bench-throughput bench-startup gpu-aot-check clean
 
 $(VENV)/.installed-runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,5 +45,20 @@ bench-throughput: setup
 bench-startup: setup-runtime
 	$(VENV)/bin/jaxserve bench startup $(ARGS)
 
+# Compile every step variant for an H200 on this CPU (no GPU needed) and check the programs. It
+# builds its own virtual environment with the CUDA 12 plugin (a large install), so it is not part
+# of `make test` nor of CI. ARGS go to the script, e.g. ARGS="--models qwen3-0.6b --jobs 2".
+GPU_AOT_VENV ?= .venv-gpu-aot
+GPU_AOT_PY := $(GPU_AOT_VENV)/bin/python
+
+$(GPU_AOT_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(GPU_AOT_VENV)
+	$(GPU_AOT_PY) -m pip install --quiet --upgrade pip
+	$(GPU_AOT_PY) -m pip install --quiet -e ".[cuda12,triton]"
+	touch $@
+
+gpu-aot-check: $(GPU_AOT_VENV)/.installed
+	$(GPU_AOT_PY) scripts/gpu_aot_check.py $(ARGS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(GPU_AOT_VENV) build *.egg-info

@@ -57,7 +57,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     """KV cache size in bytes (overrides gpu_memory_utilization)."""
     gpu_memory_utilization: float = 0.9
-    """Fraction of free device memory for the KV cache (on GPU)."""
+    """Fraction of the GPU's total memory this engine may use (vLLM's meaning): the KV cache gets
+    what the weights, the largest step's temporaries and a fixed reserve leave of it."""
     num_gpu_blocks_override: int | None = None
     """Exact number of KV cache blocks."""
     max_logprobs: int = 20

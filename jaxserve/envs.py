@@ -15,6 +15,11 @@ JAXSERVE_HASH_SEED = "JAXSERVE_HASH_SEED"
 """Fixes the root of the prefix-cache hash chain (random per process when unset)."""
 JAXSERVE_API_KEY = "JAXSERVE_API_KEY"
 """Bearer key the server requires when ``--api-key`` is not given."""
+JAX_SKIP_CUDA_CONSTRAINTS_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
+"""JAX's own: lets the CUDA plugin load on a machine without a GPU, for compile-only devices."""
+XLA_PYTHON_CLIENT_MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+"""XLA's own: the share of GPU memory its allocator preallocates (0.75 when unset). A GPU engine
+sets it to ``gpu_memory_utilization`` when the user has not, before JAX starts its backends."""
 JAXSERVE_LOG_LEVEL = "JAXSERVE_LOG_LEVEL"
 """The ``jaxserve`` command's log level (``debug`` also prints the traceback of a start-up error)."""
 
@@ -43,6 +48,22 @@ def hash_seed() -> Optional[str]:
 
 def api_key() -> Optional[str]:
     return os.environ.get(JAXSERVE_API_KEY) or None
+
+
+def xla_mem_fraction() -> Optional[float]:
+    value = os.environ.get(XLA_PYTHON_CLIENT_MEM_FRACTION)
+    return float(value) if value else None
+
+
+def set_xla_mem_fraction(fraction: float) -> None:
+    """Read by XLA when its GPU client starts; a later change has no effect in this process."""
+    os.environ[XLA_PYTHON_CLIENT_MEM_FRACTION] = f"{fraction:.4f}"
+
+
+def allow_cuda_plugin_without_gpu() -> None:
+    """The CUDA plugin checks the driver's versions when it loads, which fails with no GPU; an
+    ahead-of-time compile for a GPU needs the plugin and no driver. Set before JAX's first backend."""
+    os.environ.setdefault(JAX_SKIP_CUDA_CONSTRAINTS_CHECK, "1")
 
 
 def log_level() -> Optional[str]:

@@ -52,6 +52,7 @@ from .ragged_paged_attention import (
 from .reference import ragged_paged_attention_reference, write_kv
 from .triton_attention import (
     TritonLaunchPlan,
+    jax_triton_importable,
     ragged_paged_attention_triton,
     triton_available,
     triton_interpret_available,
@@ -67,7 +68,7 @@ __all__ = [
     "MixedConfig", "num_q_tiles", "ragged_paged_attention", "ragged_paged_attention_cpu",
     "ragged_paged_attention_decode", "ragged_paged_attention_mixed",
     "ragged_paged_attention_reference", "ragged_paged_attention_triton",
-    "ragged_paged_attention_xla", "triton_available", "triton_interpret_available",
+    "ragged_paged_attention_xla", "jax_triton_importable", "triton_available", "triton_interpret_available",
     "triton_launch_plan", "TritonLaunchPlan", "write_kv",
 ]
 
@@ -85,7 +86,12 @@ def get_attention_fn(backend: str, interpret: bool = False, build_dir=None, **tu
     if backend == "pallas":
         return functools.partial(ragged_paged_attention, interpret=interpret, **tuning)
     if backend == "triton":
-        ok, reason = triton_interpret_available() if interpret else triton_available()
+        if interpret:
+            ok, reason = triton_interpret_available()
+        elif tuning.get("compute_capability") is not None:  # ahead of time, for a GPU not present
+            ok, reason = jax_triton_importable()
+        else:
+            ok, reason = triton_available()
         if not ok:
             what = "cannot interpret here" if interpret else "is unavailable"
             raise RuntimeError(f"the triton attention backend {what}: {reason}")

@@ -475,16 +475,23 @@ def lowerable_configs():
     return out
 
 
-def lower_for_cuda(config: dict, *, num_tokens=64, num_seqs=8, num_q_heads=16, num_kv_heads=8,
-                   num_blocks=64, max_blocks=16, sliding_window=None, soft_cap=None):
-    """Lower one :func:`lowerable_configs` entry for CUDA (works on a CPU-only jaxlib).
+# jax >= 0.11 compiles a Pallas Triton kernel while lowering it, for the compute capability of
+# a CUDA device: a real one or a compile-only one (jax.experimental.topologies, which needs the
+# CUDA plugin). Older versions lower for CUDA with no device at all.
+CUDA_LOWERING_NEEDS_DEVICE = jax.__version_info__ >= (0, 11)
 
-    Returns the lowered StableHLO text.
+
+def lower_for_cuda(config: dict, *, num_tokens=64, num_seqs=8, num_q_heads=16, num_kv_heads=8,
+                   num_blocks=64, max_blocks=16, sliding_window=None, soft_cap=None, sharding=None):
+    """Lower one :func:`lowerable_configs` entry for CUDA (works on a CPU-only jaxlib before 0.11).
+
+    ``sharding``: place the arguments on a (compile-only) CUDA device instead of naming the
+    platform, as jax >= 0.11 needs (:data:`CUDA_LOWERING_NEEDS_DEVICE`). Returns the StableHLO text.
     """
     cfg = dict(config)
     mode, dtype = cfg.pop("mode"), jnp.dtype(cfg.pop("dtype"))
     d, bs = cfg.pop("head_dim"), cfg.pop("block_size")
-    sds = jax.ShapeDtypeStruct
+    sds = functools.partial(jax.ShapeDtypeStruct, sharding=sharding)
     args = (sds((num_tokens, num_q_heads, d), dtype),
             sds((num_blocks, bs, num_kv_heads, d), dtype),
             sds((num_blocks, bs, num_kv_heads, d), dtype),
@@ -492,4 +499,5 @@ def lower_for_cuda(config: dict, *, num_tokens=64, num_seqs=8, num_q_heads=16, n
             sds((num_seqs + 1,), jnp.int32), sds((1,), jnp.int32))
     fn = functools.partial(ragged_paged_attention, sm_scale=1.0 / math.sqrt(d), mode=mode,
                            sliding_window=sliding_window, soft_cap=soft_cap, **cfg)
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    traced = jax.jit(fn).trace(*args)
+    return (traced.lower() if sharding is not None else traced.lower(lowering_platforms=("cuda",))).as_text()

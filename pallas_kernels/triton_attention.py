@@ -48,6 +48,12 @@ def triton_available() -> tuple[bool, str]:
         return False, f"no GPU backend in this jaxlib ({type(e).__name__}: {e})"
     if not gpus:
         return False, "no GPU device visible to jax"
+    return jax_triton_importable()
+
+
+@functools.lru_cache(maxsize=1)
+def jax_triton_importable() -> tuple[bool, str]:
+    """``(True, "")`` when triton and jax_triton import (enough to lower for a compile-only GPU)."""
     for name in ("triton", "jax_triton"):
         try:
             importlib.import_module(name)
@@ -160,28 +166,33 @@ def _require_interpreter() -> None:
         raise RuntimeError(f"the triton backend cannot interpret here: {reason}")
 
 
-def _require_triton():
-    ok, reason = triton_available()
+def _require_triton(compute_capability: int | None = None):
+    # With an explicit compute capability the kernel is compiled for that GPU, present or not.
+    ok, reason = triton_available() if compute_capability is None else jax_triton_importable()
     if not ok:
         raise RuntimeError(f"the triton attention backend is unavailable: {reason}")
     import jax_triton
 
     from . import _triton_kernels
+    from .triton_ptx import pin_ptx_to_cuda12
+
+    pin_ptx_to_cuda12()
     return jax_triton, _triton_kernels
 
 
 def ragged_paged_attention_triton(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                                   num_seqs, *, sm_scale, sliding_window=None, soft_cap=None,
                                   interpret=False, block_q=None, block_kv=None, num_warps=None,
-                                  num_stages=None):
+                                  num_stages=None, compute_capability=None):
     """Ragged paged attention through a Triton kernel. Same contract as the others.
 
     On a GPU through ``jax_triton``; with ``interpret=True`` in Triton's interpreter on the host.
+    ``compute_capability`` (e.g. 90) compiles for that GPU without one present (ahead of time).
     """
     if interpret:
         _require_interpreter()  # at trace time, not first inside the host callback
     else:
-        jt, kernels = _require_triton()
+        jt, kernels = _require_triton(compute_capability)
     plan, operands = _plan_and_operands(
         q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, block_q=block_q, block_kv=block_kv,
@@ -194,7 +205,8 @@ def ragged_paged_attention_triton(q, k_cache, v_cache, kv_lens, block_tables, qu
         out_kw = {"out_type": out_sds} if "out_type" in params else {"out_shape": out_sds}
         out = jt.triton_call(
             *operands, kernel=kernels.ragged_paged_attention_kernel, grid=plan.grid,
-            num_warps=plan.num_warps, num_stages=plan.num_stages, **out_kw, **plan.constexprs)
+            num_warps=plan.num_warps, num_stages=plan.num_stages, compute_capability=compute_capability,
+            **out_kw, **plan.constexprs)
     return _zero_padding(out.reshape(q.shape), operands[1], num_seqs)
 
 
@@ -273,62 +285,3 @@ def _launch_with_torch(kernel, plan: TritonLaunchPlan, operands, device: str) ->
     if out.dtype == torch.bfloat16:
         return out.cpu().view(torch.int16).numpy().view(jnp.bfloat16)
     return out.cpu().numpy()
-
-
-# ---- compiling for the GPU without one --------------------------------------------------------
-
-_PTR = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}
-SM90_MAX_SHARED_BYTES = 232448  # per block on an H100/H200 (227 KiB)
-
-
-def compile_configs() -> list[dict]:
-    """Launches the runner can make with the triton backend: the default tiles of a decode bucket
-    and of a prefill bucket, and the explicit tiles the Pallas lowering tests also cover, for each
-    dtype; ``triton_launch_plan`` keywords."""
-    base = dict(num_q_heads=16, num_kv_heads=8, num_blocks=4096, max_blocks=128, sm_scale=0.125)
-    out = []
-    for dtype in ("bfloat16", "float16", "float32"):
-        for head_dim, block_size in ((128, 16), (128, 32), (64, 16)):
-            shape = dict(base, head_dim=head_dim, block_size=block_size, dtype=dtype)
-            out.append(dict(shape, num_tokens=256, num_seqs=256))  # decode bucket
-            out.append(dict(shape, num_tokens=2048, num_seqs=256))  # prefill / mixed bucket
-        out.append(dict(base, head_dim=128, block_size=16, dtype=dtype, num_tokens=2048, num_seqs=8,
-                        block_q=16, block_kv=32, num_warps=4, num_stages=2, sliding_window=4096,
-                        soft_cap=30.0))
-    return out
-
-
-def compile_for_cuda(config: dict, capability: int = 90) -> dict:
-    """Compile the kernel for one :func:`compile_configs` entry down to a cubin for
-    ``sm_<capability>`` with Triton's own compiler: no GPU needed (triton ships ptxas). Needs triton
-    in compiled mode, so not in a process that asked for the interpreter."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from . import _triton_kernels
-
-    plan = triton_launch_plan(**config)
-    ptr = _PTR[config["dtype"]]
-    signature = {"te_ptr": "*i32", "qsl_ptr": "*i32", "kvl_ptr": "*i32", "bt_ptr": "*i32",
-                 "q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "o_ptr": ptr}
-    signature.update({name: "constexpr" for name in plan.constexprs})
-    source = ASTSource(fn=_triton_kernels.ragged_paged_attention_kernel, signature=signature,
-                       constexprs=dict(plan.constexprs))
-    kernel = triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                            options=dict(num_warps=plan.num_warps, num_stages=plan.num_stages))
-    return {"ptx_bytes": len(kernel.asm["ptx"]), "cubin_bytes": len(kernel.asm["cubin"]),
-            "shared_bytes": int(kernel.metadata.shared), "grid": list(plan.grid)}
-
-
-if __name__ == "__main__":  # python -m pallas_kernels.triton_attention: compile every config, JSON out
-    import json
-    import sys as _sys
-
-    results = []
-    for cfg in compile_configs():
-        try:
-            results.append({"config": cfg, **compile_for_cuda(cfg)})
-        except Exception as e:  # noqa: BLE001 - report every config
-            results.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:2000]})
-    json.dump(results, _sys.stdout)

@@ -1,5 +1,5 @@
 """The ``jaxserve`` command: ``serve``, ``generate``, ``trace``, ``diagnose`` and
-``bench {throughput,startup,scheduler,serve,soak}``.
+``bench {throughput,startup,scheduler,serve,soak,roofline}``.
 
 It lives with the server because ``serve`` needs it, and the server sits above the engine.
 Engine flags come from ``EngineConfig`` one-to-one (``--max-num-seqs`` ...), so every entry point
@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxserve.bench.soak import add_soak_args
 
     add_soak_args(soak)
+    from jaxserve.bench.roofline import add_roofline_args
+
+    roofline = bsub.add_parser("roofline", help="the fastest each step bucket can run on a GPU (model)",
+                               description="the fastest each step bucket can run on a GPU (model)")
+    add_roofline_args(roofline)
+    _add_common_args(roofline)
     return parser
 
 
@@ -155,6 +161,10 @@ def _run(args: argparse.Namespace, started: float) -> int:
         from jaxserve.bench.startup_bench import run_startup_bench_cli
 
         result = run_startup_bench_cli(args, EngineConfig.from_cli_args(args, model=args.model))
+    elif args.bench_command == "roofline":
+        from jaxserve.bench.roofline import run_roofline_cli
+
+        result = run_roofline_cli(args)
     elif args.bench_command == "scheduler":
         from jaxserve.bench.scheduler_bench import run_scheduler_bench
 

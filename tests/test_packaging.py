@@ -43,8 +43,10 @@ def test_wheel_carries_the_kernel_source_without_setuptools_warnings(tmp_path):
                           "--wheel-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "pallas_kernels.csrc" not in out.stdout + out.stderr
+    assert "jaxserve.bench.targets" not in out.stdout + out.stderr
     (wheel,) = tmp_path.glob("jaxserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "pallas_kernels/csrc/paged_attention_cpu.cc" in names
+    assert "jaxserve/bench/targets/h200_target_config.txtpb" in names
     assert {"jaxserve/models/hub.py", "jaxserve_server/cli.py", "jaxserve_server/tool_parsers/hermes.py",
             "jaxserve_server/reasoning/think_tags.py", "jaxserve_server/dashboard.html"} <= set(names)

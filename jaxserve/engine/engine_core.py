@@ -88,8 +88,10 @@ class EngineCore:
 
         from jaxserve.models import load_model
         from jaxserve.runner.compilation import enable_persistent_compilation_cache
+        from jaxserve.runner.kv_cache import configure_xla_allocator
         from jaxserve.runner.model_runner import ModelRunner
 
+        configure_xla_allocator(config.gpu_memory_utilization)  # before JAX starts a GPU backend
         if not config.enforce_eager:  # eager mode's per-op programs are not worth caching on disk
             enable_persistent_compilation_cache(config.resolved_compilation_cache_dir())
         with self.startup.phase("weights"):

@@ -9,11 +9,11 @@ of two layouts:
 - scanned (:class:`ScannedLayers`): one layer traced under ``lax.scan``, so a deep model compiles
   about as fast as a shallow one, with the KV cache in the scan carry so that XLA updates it in
   place. The price is paid every step: each layer's weights are sliced out of the stack, and on
-  XLA:CPU a slice is a copy.
+  XLA:CPU and XLA:GPU alike a slice is a copy.
 - unrolled (an ``nnx.List`` of layers): each matmul reads its own weights; compile time grows
   with depth.
 
-:func:`default_scan_layers` picks by depth; ``--scan-layers`` overrides it.
+:func:`default_scan_layers` picks by platform and depth; ``--scan-layers`` overrides it.
 """
 
 from __future__ import annotations
@@ -33,12 +33,17 @@ from jaxserve.models.layer_stack import ScannedLayers
 
 KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [L, num_blocks, block_size, Hkv, D]
 
-# Deepest model unrolled by default: unrolled steps run faster (no weight slices copied per step),
-# scanned ones compile faster, which every start-up pays and which grows with depth.
+# Deepest model unrolled by default on a CPU: unrolled steps run faster (no weight slices copied per
+# step), scanned ones compile faster, which every start-up pays and which grows with depth.
 UNROLL_MAX_LAYERS = 8
 
 
-def default_scan_layers(num_layers: int) -> bool:
+def default_scan_layers(num_layers: int, platform: str | None = None) -> bool:
+    """A GPU always unrolls: XLA:GPU copies every layer's weight slices out of the stack on each
+    step under a scan (``scripts/gpu_aot_check.py`` shows it); a CPU scans models deeper than
+    ``UNROLL_MAX_LAYERS``."""
+    if (platform or jax.default_backend()) == "gpu":
+        return False
     return num_layers > UNROLL_MAX_LAYERS
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
@@ -27,6 +28,11 @@ from jaxserve.runner import compile_stats
 from jaxserve.runner.compile_stats import CompileStats
 
 logger = logging.getLogger("jaxserve")
+
+# Tracing and lowering run one at a time, whichever thread asks (warm-up lowers in its own thread;
+# scripts/gpu_aot_check.py from several): jax-triton builds its kernels with Python's ast while
+# lowering, which is not thread-safe ("AST constructor recursion depth mismatch").
+_LOWERING_LOCK = threading.Lock()
 
 
 def enable_persistent_compilation_cache(cache_dir: Optional[str]) -> None:
@@ -52,14 +58,18 @@ def enable_persistent_compilation_cache(cache_dir: Optional[str]) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-@dataclasses.dataclass(frozen=True, order=True)
+@dataclasses.dataclass(frozen=True)
 class StepVariant:
     bucket: int  # padded token count
     decode_only: bool = False  # every request advances one token (the decode kernel's case)
+    # The GPU step's sampler, chosen by the host: True = every row greedy, False = some row draws.
+    # None: the sampler decides on the device (the CPU step, with conds).
+    all_greedy: bool | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.bucket}{'-decode' if self.decode_only else ''}"
+        sampler = {None: "", True: "-greedy", False: "-random"}[self.all_greedy]
+        return f"{self.bucket}{'-decode' if self.decode_only else ''}{sampler}"
 
 
 # A variant's trace arguments: the positional arguments (abstract where possible) and the static
@@ -91,7 +101,8 @@ class CompiledSteps:
     def lowered(self, variant: StepVariant) -> Any:
         """The variant's lowered program (for inspection; compiles nothing)."""
         args, static = self._trace_args(variant)
-        return self._jitted.trace(*args, **static).lower()
+        with _LOWERING_LOCK:
+            return self._jitted.trace(*args, **static).lower()
 
     def _compile(self, variant: StepVariant) -> None:
         start = time.perf_counter()

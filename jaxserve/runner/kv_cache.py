@@ -1,18 +1,26 @@
 """KV cache sizing and allocation.
 
 Sizing follows vLLM's knobs, first match wins: ``num_gpu_blocks_override`` (exact blocks),
-``kv_cache_memory`` (bytes), ``gpu_memory_utilization`` (a fraction of the device's memory, less
-what the weights already hold and a reserve for activations). On CPU, where "device memory" is
-the host's, the default is enough for ``max_num_seqs`` full-length sequences, capped at 256 MiB.
+``kv_cache_memory`` (bytes), ``gpu_memory_utilization``: the fraction of the device's *total*
+memory this process may use (vLLM's meaning). The cache gets that share less what is already held
+(the weights), less the largest compiled step's temporary memory (``memory_analysis()`` of the
+executables) and less :data:`GPU_RESERVE_BYTES`; :func:`kv_cache_budget` is that arithmetic.
+XLA's allocator is told the same share before it starts (:func:`configure_xla_allocator`), so the
+pool it preallocates is exactly the memory the budget was drawn from.
+
+On CPU, where "device memory" is the host's, the default is enough for ``max_num_seqs``
+full-length sequences, capped at 256 MiB.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
 import jax.numpy as jnp
 
+from jaxserve import envs
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.exceptions import ConfigError
@@ -21,6 +29,11 @@ from jaxserve.models.config import ModelConfig
 logger = logging.getLogger("jaxserve")
 
 CPU_DEFAULT_KV_BYTES = 256 * 1024 * 1024
+# Outside what the budget counts: cuBLAS/cuDNN workspaces, the allocator's fragmentation, and the
+# small programs compiled on first use.
+GPU_RESERVE_BYTES = 1024 * 1024 * 1024
+# XLA's GPU client preallocates this share of the device when XLA_PYTHON_CLIENT_MEM_FRACTION is unset.
+XLA_DEFAULT_MEM_FRACTION = 0.75
 
 
 def bytes_per_block(mc: ModelConfig, block_size: int) -> int:
@@ -29,38 +42,121 @@ def bytes_per_block(mc: ModelConfig, block_size: int) -> int:
     return 2 * mc.num_hidden_layers * block_size * mc.num_key_value_heads * mc.head_dim * itemsize
 
 
-def activation_reserve_bytes(mc: ModelConfig, cfg: EngineConfig) -> int:
-    """A generous bound on the step's live activations (hidden, MLP, logits, sampler tables)."""
-    t = cfg.max_num_batched_tokens
-    width = max(mc.hidden_size, mc.intermediate_size * 2, mc.q_size + 2 * mc.kv_size)
-    rows = min(cfg.max_num_seqs, t)
-    return 8 * t * width * 4 + 6 * rows * mc.vocab_size * 4 + 2 * (cfg.max_num_seqs + 1) * mc.vocab_size * 5
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """What the KV sizing reads of one device. ``pool_bytes``: XLA's allocator limit (its
+    ``bytes_limit``); ``pool_fraction``: the share of the device that limit was set to, so that
+    ``total = pool_bytes / pool_fraction``; ``held_bytes``: allocated already (the weights)."""
+
+    pool_bytes: int
+    pool_fraction: float
+    held_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.pool_bytes / self.pool_fraction)
 
 
-def determine_num_blocks(mc: ModelConfig, cfg: EngineConfig, max_model_len: int) -> int:
+@dataclasses.dataclass(frozen=True)
+class KVBudget:
+    """Invariant: ``kv_bytes = usable - held - peak_temp - reserve`` with ``usable =
+    min(utilization * total, pool)``; it may be negative (the caller refuses it)."""
+
+    total: int
+    utilization: float
+    usable: int
+    held: int
+    peak_temp: int
+    reserve: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.usable - self.held - self.peak_temp - self.reserve
+
+    def describe(self) -> str:
+        gib = 1024**3
+        return (f"{self.utilization:.2f} x {self.total / gib:.2f} GiB = {self.usable / gib:.2f} GiB usable - "
+                f"{self.held / gib:.2f} GiB held (weights) - {self.peak_temp / gib:.2f} GiB largest step "
+                f"temporaries - {self.reserve / gib:.2f} GiB reserve = {self.kv_bytes / gib:.2f} GiB for the KV cache")
+
+
+def kv_cache_budget(memory: DeviceMemory, utilization: float, peak_temp_bytes: int,
+                    reserve_bytes: int = GPU_RESERVE_BYTES) -> KVBudget:
+    """vLLM's ``gpu_memory_utilization``: this process may use ``utilization`` of the device's
+    total memory; the KV cache gets what the weights, the step's temporaries and the reserve leave.
+    A pool smaller than that share caps it (the allocator cannot hand out more)."""
+    usable = min(int(utilization * memory.total_bytes), memory.pool_bytes)
+    if usable < int(utilization * memory.total_bytes):
+        logger.warning("XLA's memory pool (%d bytes) is smaller than gpu_memory_utilization %.2f of the device; "
+                       "the KV cache is sized from the pool", memory.pool_bytes, utilization)
+    return KVBudget(memory.total_bytes, utilization, usable, memory.held_bytes, peak_temp_bytes, reserve_bytes)
+
+
+def blocks_for_budget(budget_bytes: int, per_block: int, block_size: int, max_model_len: int) -> int:
+    """Blocks that fit ``budget_bytes``; refuses a cache that cannot hold one ``max_model_len``
+    request (its blocks plus the reserved null block 0)."""
+    num_blocks = max(0, int(budget_bytes // per_block))
+    needed = cdiv(max_model_len, block_size) + 1
+    if num_blocks < needed:
+        raise ConfigError(
+            f"kv cache: {max(budget_bytes, 0)} bytes hold {num_blocks} blocks of {per_block} bytes, but one "
+            f"request of max_model_len={max_model_len} needs {needed}; raise gpu_memory_utilization or "
+            "kv_cache_memory, or lower max_model_len, max_num_batched_tokens or max_num_seqs")
+    return num_blocks
+
+
+def gpu_device_memory(device) -> DeviceMemory:
+    """The allocator figures of a GPU ``device``; a clear error when it reports none (the
+    ``platform`` allocator has no limit to size from)."""
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        raise ConfigError("kv cache: the device reports no memory limit (XLA_PYTHON_CLIENT_ALLOCATOR=platform?); "
+                         "set kv_cache_memory or num_gpu_blocks_override")
+    fraction = envs.xla_mem_fraction() or XLA_DEFAULT_MEM_FRACTION
+    return DeviceMemory(int(stats["bytes_limit"]), fraction, int(stats.get("bytes_in_use", 0)))
+
+
+def configure_xla_allocator(utilization: float) -> None:
+    """Have XLA's GPU allocator preallocate ``utilization`` of the device, unless the user chose a
+    share already. Only before JAX starts its backends: afterwards the pool exists, the setting
+    would misstate it, and the sizing uses that pool (see :func:`kv_cache_budget`)."""
+    if envs.xla_mem_fraction() is None and not _backends_started():
+        envs.set_xla_mem_fraction(utilization)
+
+
+def _backends_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+    except ImportError:  # private module; assume started, which only skips the setting
+        return True
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return True if started is None else bool(started())
+
+
+def determine_num_blocks(mc: ModelConfig, cfg: EngineConfig, max_model_len: int, *, platform: str = "cpu",
+                         memory: DeviceMemory | None = None, peak_temp_bytes: int = 0) -> int:
+    """Blocks of the KV cache. On a GPU without an explicit size, ``memory`` (the device's
+    figures) and ``peak_temp_bytes`` (the largest compiled step's temporaries) are required."""
     per_block = bytes_per_block(mc, cfg.block_size)
     if cfg.num_gpu_blocks_override is not None:
         return cfg.num_gpu_blocks_override
     if cfg.kv_cache_memory is not None:
-        budget = cfg.kv_cache_memory
-    else:
-        device = jax.devices()[0]
-        stats = device.memory_stats() if device.platform == "gpu" else None
-        if stats and "bytes_limit" in stats:
-            total = stats["bytes_limit"]
-            budget = int(cfg.gpu_memory_utilization * total) - stats.get("bytes_in_use", 0)
-            budget -= activation_reserve_bytes(mc, cfg)
-        else:
-            blocks_per_seq = cdiv(max_model_len, cfg.block_size)
-            budget = min(CPU_DEFAULT_KV_BYTES, (cfg.max_num_seqs * blocks_per_seq + 1) * per_block)
-    num_blocks = int(budget // per_block)
-    if num_blocks < 2:
-        raise ConfigError(
-            f"kv cache: the budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes; "
-            "raise kv_cache_memory / gpu_memory_utilization or lower max_model_len")
-    return num_blocks
+        return blocks_for_budget(cfg.kv_cache_memory, per_block, cfg.block_size, max_model_len)
+    if platform == "gpu":
+        if memory is None:
+            raise ConfigError("kv cache: sizing by gpu_memory_utilization needs the device's memory figures")
+        budget = kv_cache_budget(memory, cfg.gpu_memory_utilization, peak_temp_bytes)
+        logger.info("KV cache budget: %s", budget.describe())
+        return blocks_for_budget(budget.kv_bytes, per_block, cfg.block_size, max_model_len)
+    blocks_per_seq = cdiv(max_model_len, cfg.block_size)
+    budget_bytes = min(CPU_DEFAULT_KV_BYTES, (cfg.max_num_seqs * blocks_per_seq + 1) * per_block)
+    return blocks_for_budget(budget_bytes, per_block, cfg.block_size, max_model_len)
+
+
+def kv_cache_shape(mc: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    return (mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads, mc.head_dim)
 
 
 def allocate_kv_cache(mc: ModelConfig, num_blocks: int, block_size: int) -> tuple[jax.Array, jax.Array]:
-    shape = (mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads, mc.head_dim)
+    shape = kv_cache_shape(mc, num_blocks, block_size)
     return jnp.zeros(shape, mc.dtype), jnp.zeros(shape, mc.dtype)

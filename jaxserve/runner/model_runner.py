@@ -34,6 +34,7 @@ import pallas_kernels
 from jaxserve import envs
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import cdiv
+from jaxserve.core.sampling_params import SAMPLING_EPS
 from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models.llama import LlamaForCausalLM
@@ -42,8 +43,9 @@ from jaxserve.runner.compilation import CompiledSteps, StepVariant
 from jaxserve.runner.compile_stats import CompileStats
 from jaxserve.runner.device_state import DeviceState, StepOutput
 from jaxserve.runner.input_batch import CachedRequestState, PersistentBatch, SlotAllocator, StepPlan, build_step_arrays
-from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks
+from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks, gpu_device_memory
 from jaxserve.runner.packing import PackLayout, pack, unpack
+from jaxserve.runner.target import StepTarget
 from jaxserve.sample.metadata import SamplingMetadata, SamplingTable
 from jaxserve.sample.penalties import PenaltyTables, update_penalty_tables, uses_penalties, write_penalty_row
 from jaxserve.sample.sampler import SamplerOutput, gather_logprobs, sample
@@ -76,10 +78,10 @@ class PreparedStep:
         return 0 if self.groups is None else len(self.groups["model"]["row_slots"])
 
 
-def resolve_attention_backend(requested: str) -> str:
+def resolve_attention_backend(requested: str, platform: str | None = None) -> str:
     if requested != "auto":
         return requested
-    if jax.default_backend() == "gpu":
+    if (platform or jax.default_backend()) == "gpu":
         return "pallas"
     ok, reason = pallas_kernels.cpu_attention_available(envs.kernel_build_dir())
     if ok:
@@ -88,35 +90,47 @@ def resolve_attention_backend(requested: str) -> str:
     return "xla"
 
 
-def max_step_tokens(config: EngineConfig, max_model_len: int, num_blocks: int) -> int:
+def max_step_tokens(config: EngineConfig, max_model_len: int, num_blocks: int | None = None) -> int:
     """The most tokens one step can ever schedule: the token budget, unless every request at full
-    length or the KV pool (block 0 is reserved) holds fewer. Buckets above it are never used, so
-    they are neither compiled nor warmed up."""
-    return min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len,
-               (num_blocks - 1) * config.block_size)
+    length or the KV pool of ``num_blocks`` (block 0 is reserved; None: not sized yet) holds fewer.
+    Buckets above it are never used, so they are neither compiled nor warmed up."""
+    pool_tokens = config.max_num_batched_tokens if num_blocks is None else (num_blocks - 1) * config.block_size
+    return min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len, pool_tokens)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, max_model_len: int):
+    """``target`` (default: the local device) decides the step's control flow (``cond_free``, see
+    :mod:`.target`); an abstract target builds a runner that only lowers and compiles."""
+
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, max_model_len: int,
+                 target: StepTarget | None = None):
         self.config = config
+        self.target = target or StepTarget.local()
+        # Read at trace time by the sampler and the penalty update: no conditional, no
+        # data-dependent loop in the compiled step.
+        self.cond_free = self.target.cond_free
         # The step is a pure function of the weights: the module is split once into its graph and
         # its state, the state passed to the compiled step and merged with the graph inside the
         # trace. The state as nnx.flatten gives it, a list of arrays in graph order: a call passes
         # a list on faster than nnx.State (Variables flatten through Python) or nested dicts.
-        self.graphdef, self.model_state = nnx.flatten(model, with_paths=False)
+        self.graphdef, model_state = nnx.flatten(model, with_paths=False)
+        self.model_state = self.target.place(model_state)
         self.scan_layers = model.scan_layers
         self.mc = model.config
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
-        self.num_blocks = determine_num_blocks(model.config, config, max_model_len)
-        self.buckets = BucketTable.build(max_step_tokens(config, max_model_len, self.num_blocks), config.max_num_seqs)
-        self.attention_backend = resolve_attention_backend(config.attention_backend)
+        # Buckets up to what a step can schedule; the pool's own bound comes in once it is sized
+        # (sizing on a GPU compiles the largest bucket to read its temporary memory).
+        self.buckets = BucketTable.build(max_step_tokens(config, max_model_len), config.max_num_seqs)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.target.platform)
         interpret = config.interpret_kernels
         if interpret is None:
-            interpret = jax.default_backend() != "gpu"
+            interpret = self.target.platform != "gpu"
+        tuning = ({"compute_capability": self.target.compute_capability}
+                  if self.attention_backend == "triton" and self.target.compute_capability else {})
         self.attn_fn = pallas_kernels.get_attention_fn(self.attention_backend, interpret=interpret,
-                                                       build_dir=envs.kernel_build_dir())
+                                                       build_dir=envs.kernel_build_dir(), **tuning)
         # Pallas has a decode-only kernel (split-K over pages); steps where every request advances
         # one token get their own compiled variant that uses it.
         self.decode_attn_fn = (pallas_kernels.get_attention_fn("pallas", interpret=interpret, mode="decode")
@@ -129,18 +143,20 @@ class ModelRunner:
         self.slots = SlotAllocator(slots)
         self.batch = PersistentBatch(slots, max_model_len, self.max_blocks_per_seq)
         self.sampling_table = SamplingTable(slots)
-        self.state = DeviceState(
-            kv_cache=allocate_kv_cache(self.mc, self.num_blocks, self.block_size),
-            penalties=PenaltyTables.zeros(slots, self.mc.vocab_size),
-            prev_sampled=jnp.zeros((slots,), jnp.int32))
         self.requests: dict[str, CachedRequestState] = {}
         self._prev_row_of: dict[str, int] = {}  # each request's row in state.prev_sampled
         self._rng = np.random.default_rng(config.seed)
         self.stats = CompileStats()
         self._layouts: dict[int, PackLayout] = {}
-        jitted = jax.jit(self._step, static_argnames=("layout", "decode_only"), donate_argnums=(1,))
-        self.steps = CompiledSteps(jitted, self._trace_args, self.stats)
+        self._jitted = jax.jit(self._step, static_argnames=("layout", "decode_only", "all_greedy"),
+                               donate_argnums=(1,))
+        self.steps = CompiledSteps(self._jitted, self._trace_args, self.stats)
         self._prompt_logprobs_jit = jax.jit(self._prompt_logprobs)
+        self.num_blocks = self._size_kv_cache()
+        self.buckets = BucketTable.build(max_step_tokens(config, max_model_len, self.num_blocks),
+                                         config.max_num_seqs)
+        abstract = self.target.is_abstract
+        self.state = self._state_shapes(self.num_blocks) if abstract else self._zero_state(self.num_blocks)
         self._write_penalty_row = jax.jit(write_penalty_row, donate_argnums=(0,))
         max_concurrency = self.num_blocks * self.block_size / max_model_len
         logger.info(
@@ -152,6 +168,39 @@ class ModelRunner:
     def kv_cache(self):
         return self.state.kv_cache
 
+    def _zero_state(self, num_blocks: int) -> DeviceState:
+        slots = self.config.max_num_seqs
+        return DeviceState(kv_cache=allocate_kv_cache(self.mc, num_blocks, self.block_size),
+                           penalties=PenaltyTables.zeros(slots, self.mc.vocab_size),
+                           prev_sampled=jnp.zeros((slots,), jnp.int32))
+
+    def _state_shapes(self, num_blocks: int) -> DeviceState:
+        """The device state's shapes, no memory (with the target's sharding when abstract)."""
+        return self.target.place(jax.eval_shape(lambda: self._zero_state(num_blocks)))
+
+    def _size_kv_cache(self) -> int:
+        """KV blocks; on a local GPU sized by vLLM's gpu_memory_utilization, which needs the
+        largest step's temporary memory, read from compiling the largest bucket first."""
+        cfg = self.config
+        local_gpu = self.target.platform == "gpu" and not self.target.is_abstract
+        if not local_gpu or cfg.num_gpu_blocks_override is not None or cfg.kv_cache_memory is not None:
+            return determine_num_blocks(self.mc, cfg, self.max_model_len, platform=self.target.platform)
+        memory = gpu_device_memory(jax.devices()[0])
+        return determine_num_blocks(self.mc, cfg, self.max_model_len, platform="gpu", memory=memory,
+                                    peak_temp_bytes=self.peak_temp_bytes(self.max_blocks_per_seq + 1))
+
+    def peak_temp_bytes(self, num_blocks: int) -> int:
+        """The largest temporary memory of the largest token bucket's variants, compiled against
+        a pool of ``num_blocks`` (the temporaries do not depend on the pool, which is aliased)."""
+        largest = self.buckets.token_buckets[-1]
+        state = self._state_shapes(num_blocks)
+        peak = 0
+        for variant in self.variants():
+            if variant.bucket == largest:
+                compiled = self._jitted.trace(*self._step_args(variant, state), **self._static_args(variant))
+                peak = max(peak, int(compiled.lower().compile().memory_analysis().temp_size_in_bytes))
+        return peak
+
     def describe(self) -> dict:
         """What this runner was built with: pool size, backend, layer layout, token buckets."""
         return {"num_gpu_blocks": self.num_blocks, "attention_backend": self.attention_backend,
@@ -160,7 +209,7 @@ class ModelRunner:
     # ---- the step ------------------------------------------------------------------------------
 
     def _step(self, model_state, state: DeviceState, buf, bitmask, *, layout: PackLayout,
-              decode_only: bool = False) -> StepOutput:
+              decode_only: bool = False, all_greedy: bool | None = None) -> StepOutput:
         groups = unpack(buf, layout)
         x = groups["model"]
         prev = x["prev_rows"]
@@ -176,7 +225,8 @@ class ModelRunner:
                                           token_is_output=x["token_is_output"])
         out = sample(logits, SamplingMetadata.from_arrays(groups["sampling"]), penalties.output_counts,
                      penalties.prompt_mask, max_num_logprobs=self.num_logprobs, row_slots=x["row_slots"],
-                     need_logprobs=x["need_logprobs"][0], token_bitmask=bitmask, use_bitmask=x["use_bitmask"][0])
+                     need_logprobs=x["need_logprobs"][0], token_bitmask=bitmask, use_bitmask=x["use_bitmask"][0],
+                     all_greedy=all_greedy)
         prev_sampled = state.prev_sampled.at[: out.sampled_token_ids.shape[0]].set(out.sampled_token_ids)
         return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden)
 
@@ -187,7 +237,7 @@ class ModelRunner:
         per token bucket on first use rather than at warm-up, since most workloads never ask.
         """
         logits = nnx.merge(self.graphdef, model_state).compute_logits(hidden)
-        return gather_logprobs(logits, next_token_ids, self.num_logprobs)
+        return gather_logprobs(logits, next_token_ids, self.num_logprobs, cond_free=self.cond_free)
 
     def _layout_for(self, bucket: int) -> PackLayout:
         if bucket not in self._layouts:
@@ -203,22 +253,30 @@ class ModelRunner:
         return {"model": arrays, "sampling": self.sampling_table.padding(rows)}
 
     def variants(self) -> list[StepVariant]:
-        """Every step variant compiled at warm-up."""
+        """Every step variant compiled at warm-up: per token bucket, a decode-only one for the
+        decode kernel, and on a GPU a greedy and a random sampler program of each."""
         out = [StepVariant(b) for b in self.buckets.token_buckets]
         if self.decode_attn_fn is not None:
             out += [StepVariant(b, True) for b in self.buckets.token_buckets if b <= self.buckets.max_num_seqs]
+        if self.cond_free:
+            out = [dataclasses.replace(v, all_greedy=g) for v in out for g in (True, False)]
         return out
 
     def _trace_args(self, variant: StepVariant) -> tuple[tuple, dict]:
-        layout = self._layout_for(variant.bucket)
-        buf = jax.ShapeDtypeStruct((layout.total,), jnp.int32)
+        return self._step_args(variant, self.state), self._static_args(variant)
+
+    def _step_args(self, variant: StepVariant, state) -> tuple:
+        buf = jax.ShapeDtypeStruct((self._layout_for(variant.bucket).total,), jnp.int32)
         bitmask = jax.ShapeDtypeStruct((self.buckets.num_rows(variant.bucket), self.bitmask_width), jnp.int32)
-        return (self.model_state, self.state, buf, bitmask), {"layout": layout, "decode_only": variant.decode_only}
+        return self.model_state, self.target.place(state), self.target.place(buf), self.target.place(bitmask)
+
+    def _static_args(self, variant: StepVariant) -> dict:
+        return {"layout": self._layout_for(variant.bucket), "decode_only": variant.decode_only,
+                "all_greedy": variant.all_greedy}
 
     def _executable(self, variant: StepVariant):
         if self.config.enforce_eager:
-            return functools.partial(self._step, layout=self._layout_for(variant.bucket),
-                                     decode_only=variant.decode_only)
+            return functools.partial(self._step, **self._static_args(variant))
         return self.steps.get(variant)
 
     def warm_up(self, show_progress: bool = True) -> None:
@@ -328,7 +386,10 @@ class ModelRunner:
         # Compiled: the executable takes the fresh numpy buffer as its one transfer (an explicit
         # device_put first costs several times as much host time per step).
         decode_only = self.decode_attn_fn is not None and plan.num_tokens == len(plan.req_ids)
-        result = self._launch(self._executable(StepVariant(plan.token_bucket, decode_only)), buf, bitmask)
+        all_greedy = (all(s.sampling_params.temperature < SAMPLING_EPS for s in states)
+                      if self.cond_free else None)
+        result = self._launch(self._executable(StepVariant(plan.token_bucket, decode_only, all_greedy)), buf,
+                              bitmask)
         self._prev_row_of = {r: i for i, r in enumerate(plan.req_ids)}
         self.stats.record_step(plan.num_tokens, plan.token_bucket)
         if any(s.sampling_params.prompt_logprobs is not None for s in states):

@@ -17,6 +17,10 @@ Order (vLLM V1's sampler, `vllm/v1/sample/sampler.py`):
 no logprobs takes only the argmax; otherwise an all-greedy batch skips step 5 entirely, a batch
 without penalties skips reading the [R, V] count and mask tables, and a batch without allowed
 lists, min-tokens rows or logit bias skips those three [R, V] passes.
+
+The GPU step holds no conditional (``jaxserve/runner/target.py`` says why): there the host, which
+knows whether every row is greedy, passes ``all_greedy`` and gets a program with or without
+step 5; everything else runs as selects, and the random rows' truncation sorts every row.
 """
 
 from __future__ import annotations
@@ -36,7 +40,13 @@ from jaxserve.sample.processors import (
     penalties_active,
     restrictions_active,
 )
-from jaxserve.sample.truncation import DEFAULT_TOP_K_CAP, top_k_sorted, truncate, truncation_threshold
+from jaxserve.sample.truncation import (
+    DEFAULT_TOP_K_CAP,
+    top_k_in_rounds,
+    top_k_sorted,
+    truncate,
+    truncation_threshold,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -53,16 +63,16 @@ class SamplerOutput:
 def process_logits(
     logits: jax.Array, md: SamplingMetadata, output_counts: jax.Array, prompt_mask: jax.Array,
     row_slots: jax.Array | None = None, token_bitmask: jax.Array | None = None,
-    use_bitmask: jax.Array | None = None,
+    use_bitmask: jax.Array | None = None, cond_free: bool = False,
 ) -> jax.Array:
     """Steps 2-3: the logits both greedy and random rows choose from."""
     if token_bitmask is not None:
-        logits = apply_token_bitmask(logits, token_bitmask, True if use_bitmask is None else use_bitmask)
+        logits = apply_token_bitmask(logits, token_bitmask, True if use_bitmask is None else use_bitmask, cond_free)
     logits = apply_restrictions(logits, md.allowed_token_ids, md.has_allowed, md.bias_token_ids, md.bias_values,
-                                md.positions, md.min_tokens, md.min_tokens_stop_ids)
+                                md.positions, md.min_tokens, md.min_tokens_stop_ids, cond_free)
     return apply_penalties(
         logits, output_counts, prompt_mask, md.presence_penalty, md.frequency_penalty, md.repetition_penalty,
-        row_slots,
+        row_slots, cond_free,
     )
 
 
@@ -102,12 +112,13 @@ def draw(keys: jax.Array, logits: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
 
 
-def sample_random(processed: jax.Array, md: SamplingMetadata, top_k_cap: int) -> jax.Array:
+def sample_random(processed: jax.Array, md: SamplingMetadata, top_k_cap: int, cond_free: bool = False) -> jax.Array:
     """Step 5 for every row (greedy rows' results are discarded by the caller)."""
     greedy = greedy_rows(md.temperature)
     temperature = jnp.where(greedy, 1.0, md.temperature)
     scaled = processed / temperature[:, None]
-    threshold = truncation_threshold(scaled, md.top_k, md.top_p, md.min_p, skip=greedy, cap=top_k_cap)
+    threshold = truncation_threshold(scaled, md.top_k, md.top_p, md.min_p, skip=greedy, cap=top_k_cap,
+                                     cond_free=cond_free)
     return draw(row_keys(md.seeds, md.positions), truncate(scaled, threshold))
 
 
@@ -122,11 +133,13 @@ def choose_tokens(processed: jax.Array, md: SamplingMetadata, top_k_cap: int) ->
     )
 
 
-def gather_logprobs(logits: jax.Array, sampled: jax.Array, num_logprobs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def gather_logprobs(logits: jax.Array, sampled: jax.Array, num_logprobs: int,
+                    cond_free: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(logprobs f32[R, K+1], token ids i32[R, K+1], rank i32[R]) from the raw logits.
 
     The [R, V] log_softmax is never stored: top-K runs on the logits (same order) and the
     normaliser is subtracted from the K+1 gathered values; the rank compare fuses it in.
+    ``cond_free`` (the GPU step): top-K in rounds of XLA:GPU's TopK kernel rather than a sort.
     """
     normaliser = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     sampled_col = sampled[:, None]
@@ -134,7 +147,7 @@ def gather_logprobs(logits: jax.Array, sampled: jax.Array, num_logprobs: int) ->
     rank = jnp.sum(logits - normaliser > sampled_logprob, axis=-1).astype(jnp.int32) + 1
     if num_logprobs == 0:
         return sampled_logprob, sampled_col, rank
-    top_logits, top_ids = top_k_sorted(logits, num_logprobs)
+    top_logits, top_ids = top_k_in_rounds(logits, num_logprobs) if cond_free else top_k_sorted(logits, num_logprobs)
     logprobs = jnp.concatenate([sampled_logprob, top_logits - normaliser], axis=-1)
     token_ids = jnp.concatenate([sampled_col, top_ids.astype(jnp.int32)], axis=-1)
     return logprobs, token_ids, rank
@@ -152,6 +165,7 @@ def sample(
     need_logprobs: jax.Array | None = None,
     token_bitmask: jax.Array | None = None,
     use_bitmask: jax.Array | None = None,
+    all_greedy: bool | None = None,
 ) -> SamplerOutput:
     """Sample one token per row of logits [R, V] (any float dtype; computed in f32).
 
@@ -163,8 +177,14 @@ def sample(
     (i32[R, ceil(V/32)], structured outputs) masks each row's logits first when ``use_bitmask``
     (traced bool) is True; logprobs stay those of the raw logits.
     `max_num_logprobs` and `top_k_cap` are static.
+    ``all_greedy`` (static): None decides on the device, with conds; True/False is the host's
+    word on whether every row is greedy, for a program without any conditional (the GPU step),
+    which always computes the logprobs.
     """
     logits = logits.astype(jnp.float32)
+    if all_greedy is not None:
+        return sample_cond_free(logits, md, output_counts, prompt_mask, max_num_logprobs=max_num_logprobs,
+                                row_slots=row_slots, all_greedy=all_greedy, token_bitmask=token_bitmask)
     r = logits.shape[0]
     k = max_num_logprobs + 1 if max_num_logprobs else 1
 
@@ -192,3 +212,19 @@ def sample(
                                     md.min_tokens)
              & ~penalties_active(md.presence_penalty, md.frequency_penalty, md.repetition_penalty))
     return lax.cond(plain, lambda: SamplerOutput(first_argmax(logits), *no_logprobs()), full)
+
+
+def sample_cond_free(logits: jax.Array, md: SamplingMetadata, output_counts: jax.Array, prompt_mask: jax.Array, *,
+                     max_num_logprobs: int, row_slots: jax.Array | None, all_greedy: bool,
+                     token_bitmask: jax.Array | None = None) -> SamplerOutput:
+    """`sample` with no conditional: processing (and the bitmask, whose all-ones rows change
+    nothing) always applied, step 5 present only when the host says some row is random, logprobs
+    always computed."""
+    processed = process_logits(logits, md, output_counts, prompt_mask, row_slots, token_bitmask, cond_free=True)
+    greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    if all_greedy:
+        sampled = greedy_ids
+    else:
+        random_ids = sample_random(processed, md, DEFAULT_TOP_K_CAP, cond_free=True)
+        sampled = jnp.where(greedy_rows(md.temperature), greedy_ids, random_ids)
+    return SamplerOutput(sampled, *gather_logprobs(logits, sampled, max_num_logprobs, cond_free=True))

@@ -40,6 +40,25 @@ def top_k_sorted(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return lax.optimization_barrier(lax.top_k(x, k))
 
 
+# Widest top-k XLA:GPU runs as its TopK kernel; a wider one becomes a sort of the whole row.
+GPU_TOP_K_KERNEL_MAX = 16
+
+
+def top_k_in_rounds(x: jax.Array, k: int, width: int = GPU_TOP_K_KERNEL_MAX) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k` as rounds of at most ``width``, each masking the ids it found: on a GPU every
+    round is the TopK kernel, where one top-k wider than ``width`` would sort each row. The result
+    equals ``lax.top_k`` except among tied -inf entries (their ids may come in another order)."""
+    values, ids = [], []
+    rows = jnp.arange(x.shape[0])[:, None]
+    for start in range(0, k, width):
+        v, i = lax.top_k(x, min(width, k - start))
+        values.append(v)
+        ids.append(i)
+        if start + width < k:
+            x = x.at[rows, i].set(-jnp.inf)
+    return jnp.concatenate(values, axis=-1), jnp.concatenate(ids, axis=-1)
+
+
 def effective_top_k(top_k: jax.Array, vocab_size: int) -> jax.Array:
     """top_k with 'off' (<= 0) and oversize values mapped to V."""
     return jnp.where((top_k <= 0) | (top_k >= vocab_size), vocab_size, top_k)
@@ -128,13 +147,18 @@ def truncation_threshold(
     min_p: jax.Array,
     skip: jax.Array,
     cap: int = DEFAULT_TOP_K_CAP,
+    cond_free: bool = False,
 ) -> jax.Array:
     """Per-row logit threshold for top-k/min-p/top-p on temperature-scaled logits f32[R, V].
 
     `skip` marks rows whose threshold is not used (greedy), so they never force the full sort.
+    ``cond_free`` (static): every row from the full sort, with no conditional. XLA:GPU lowers a
+    top-k wider than 16 to a sort of the whole row anyway, so the partial sort saves nothing there.
     """
     vocab_size = scaled.shape[-1]
     k = effective_top_k(top_k, vocab_size)
+    if cond_free:
+        return full_sort_threshold(scaled, k, top_p, min_p)
     top_vals, _ = top_k_sorted(scaled, min(cap, vocab_size))
     fast, decided = threshold_from_sorted(
         top_vals, k, top_p, min_p, vocab_size, full_min_p_mass=min_p_mass(scaled, min_p)

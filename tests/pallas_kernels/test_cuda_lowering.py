@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 import pallas_kernels as pk
 
 CONFIGS = pk.lowerable_configs()
+
+
+@pytest.fixture(scope="module")
+def cuda_device():
+    """Keywords placing a lowering on a CUDA device: none needed before jax 0.11; from 0.11 on, a
+    compile-only H200 (the CUDA plugin required), else the tests skip with the reason."""
+    from pallas_kernels.ragged_paged_attention import CUDA_LOWERING_NEEDS_DEVICE
+
+    if not CUDA_LOWERING_NEEDS_DEVICE:
+        return {}
+    from jaxserve.bench import gpu_aot, gpu_targets
+
+    try:
+        return {"sharding": gpu_aot.compile_only_sharding(gpu_targets.target_config_path("h200").read_text())}
+    except RuntimeError as e:
+        pytest.skip(f"jax >= 0.11 lowers Pallas Triton kernels for a CUDA device, and none can be made here: {e}")
 
 
 def _is_triton(text: str) -> bool:
@@ -28,33 +46,33 @@ def test_config_list_covers_the_runner_choices():
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_name)
-def test_lowers_for_cuda_with_triton(config):
-    assert _is_triton(pk.lower_for_cuda(config))
+def test_lowers_for_cuda_with_triton(config, cuda_device):
+    assert _is_triton(pk.lower_for_cuda(config, **cuda_device))
 
 
 @pytest.mark.parametrize("mode", ["mixed", "decode"])
 @pytest.mark.parametrize("shape", [dict(num_q_heads=32, num_kv_heads=8),  # Llama-style GQA 4
                                    dict(num_q_heads=12, num_kv_heads=4),  # non power-of-two group
                                    dict(num_q_heads=8, num_kv_heads=8)])  # MHA
-def test_lowers_with_window_softcap_and_other_groups(mode, shape):
+def test_lowers_with_window_softcap_and_other_groups(mode, shape, cuda_device):
     config = dict(mode=mode, dtype="bfloat16", head_dim=128, block_size=16)
-    assert _is_triton(pk.lower_for_cuda(config, sliding_window=128, soft_cap=50.0, **shape))
+    assert _is_triton(pk.lower_for_cuda(config, sliding_window=128, soft_cap=50.0, **shape, **cuda_device))
 
 
-def test_lowers_auto_mode_and_big_buckets():
+def test_lowers_auto_mode_and_big_buckets(cuda_device):
     """auto (lax.cond of both kernels) and a large decode/prefill bucket shape."""
     assert _is_triton(pk.lower_for_cuda(
-        dict(mode="auto", dtype="bfloat16", head_dim=128, block_size=16)))
+        dict(mode="auto", dtype="bfloat16", head_dim=128, block_size=16), **cuda_device))
     assert _is_triton(pk.lower_for_cuda(
         dict(mode="decode", dtype="bfloat16", head_dim=128, block_size=16), num_tokens=256,
-        num_seqs=256, num_blocks=4096, max_blocks=128))
+        num_seqs=256, num_blocks=4096, max_blocks=128, **cuda_device))
     assert _is_triton(pk.lower_for_cuda(
         dict(mode="mixed", dtype="bfloat16", head_dim=128, block_size=16), num_tokens=8192,
-        num_seqs=8, num_blocks=4096, max_blocks=128))
+        num_seqs=8, num_blocks=4096, max_blocks=128, **cuda_device))
 
 
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
-def test_whole_decoder_lowers_for_cuda_in_both_layer_layouts(qwen3_checkpoint, scan_layers):
+def test_whole_decoder_lowers_for_cuda_in_both_layer_layouts(qwen3_checkpoint, scan_layers, cuda_device):
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -66,7 +84,7 @@ def test_whole_decoder_lowers_for_cuda_in_both_layer_layouts(qwen3_checkpoint, s
     graphdef, state = nnx.split(model)
     cfg = model.config
     attn = pk.get_attention_fn("pallas", interpret=False)
-    sds = jax.ShapeDtypeStruct
+    sds = functools.partial(jax.ShapeDtypeStruct, sharding=cuda_device.get("sharding"))
     tokens, rows, max_blocks = 32, 8, 16
     md = AttentionMetadata(
         positions=sds((tokens,), jnp.int32), slot_mapping=sds((tokens,), jnp.int32),
@@ -79,8 +97,10 @@ def test_whole_decoder_lowers_for_cuda_in_both_layer_layouts(qwen3_checkpoint, s
         hidden, kv = model(ids, kv, md, attn)
         return model.compute_logits(hidden), kv
 
-    text = jax.jit(step).trace(state, sds((tokens,), jnp.int32), (pool, pool), md).lower(
-        lowering_platforms=("cuda",)).as_text()
+    if cuda_device:
+        state = jax.tree.map(lambda x: sds(x.shape, x.dtype), state)
+    traced = jax.jit(step).trace(state, sds((tokens,), jnp.int32), (pool, pool), md)
+    text = (traced.lower() if cuda_device else traced.lower(lowering_platforms=("cuda",))).as_text()
     assert _is_triton(text)
     # The scan body holds the one kernel call; unrolled, each layer has its own.
     calls = text.count("custom_call @__gpu$xla.gpu.triton") + text.count("custom_call @triton_kernel_call")

@@ -68,10 +68,21 @@ def test_threaded_warm_up_compiles_each_variant_once_and_attributes_cache_hits(c
     (dict(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=2048), 10_000, 2048),
     (dict(max_num_batched_tokens=2048, max_num_seqs=2, max_model_len=256), 10_000, 512),  # 2 requests of 256
     (dict(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=2048), 41, 640),  # 40 usable blocks
+    (dict(max_num_batched_tokens=2048, max_num_seqs=2, max_model_len=256), None, 512),  # pool not sized yet
 ])
 def test_buckets_stop_at_the_most_tokens_a_step_can_hold(shape, blocks, top):
     config = EngineConfig(**shape, block_size=16)
     assert max_step_tokens(config, shape["max_model_len"], blocks) == top
+
+
+def test_runner_trims_its_buckets_to_the_pool_once_sized(demo_model):
+    from jaxserve.models import load_model
+    from jaxserve.runner.model_runner import ModelRunner
+
+    # 5 blocks, block 0 reserved: 64 tokens at most, though requests and budget allow 256.
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, num_gpu_blocks_override=5)
+    runner = ModelRunner(config, load_model(demo_model), 64)
+    assert runner.buckets.token_buckets[-1] == 64
 
 
 def test_engine_compiles_no_bucket_above_what_its_requests_can_fill(demo_model):

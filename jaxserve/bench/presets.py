@@ -1,0 +1,25 @@
+"""The model shapes the benchmarks name (``--random-model``, ``bench roofline --model``): Qwen3
+configurations as ``config.json`` dicts. Imports nothing of jax, so the command line can offer
+them without loading it."""
+
+from __future__ import annotations
+
+PRESETS = {
+    "cpu-bench": dict(vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=32, intermediate_size=768, tie_word_embeddings=True,
+                      dtype="float32", max_position_embeddings=2048),
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=3072, tie_word_embeddings=True,
+                       dtype="bfloat16", max_position_embeddings=40960),
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=12288, tie_word_embeddings=False,
+                     dtype="bfloat16", max_position_embeddings=40960),
+}
+
+
+def preset_config(preset: str) -> dict:
+    """The ``config.json`` of a preset (a Qwen3 of that shape)."""
+    shape = PRESETS[preset]
+    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "torch_dtype": shape["dtype"], "bos_token_id": 1, "eos_token_id": 2,
+            "hidden_act": "silu", **{k: v for k, v in shape.items() if k != "dtype"}}

@@ -1,0 +1,60 @@
+"""The device a runner's compiled step is built for: the local one, or an abstract one for an
+ahead-of-time compile (``scripts/gpu_aot_check.py`` compiles for an H200 on a CPU machine).
+
+The platform decides the control flow of the step, in this one place. XLA:GPU reads the
+predicate of a ``conditional`` and the condition of a data-dependent ``while`` back to the host,
+stalling the stream once per branch each step, so the GPU step holds neither: the host picks a
+greedy or a random sampler program and every optional pass runs as a select. XLA:CPU runs them
+inline, where skipping work a batch does not need is a real saving, so the CPU keeps its conds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+
+def normalize_platform(platform: str) -> str:
+    """``cuda``/``rocm``/``gpu`` -> ``gpu``; everything else unchanged (``cpu``, ``tpu``)."""
+    return "gpu" if platform.lower() in ("cuda", "rocm", "gpu") else platform.lower()
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTarget:
+    """``platform``: where the step runs (``gpu``/``cpu``). ``sharding``: set for an abstract
+    target, whose arrays are never allocated; every input of the step then carries it, and the
+    runner can only lower and compile (``runner.steps.lowered``), not run.
+    """
+
+    platform: str
+    sharding: Any = None
+    compute_capability: int | None = None  # an abstract GPU's, e.g. 90; kernels compiled outside XLA need it
+
+    @classmethod
+    def local(cls) -> "StepTarget":
+        return cls(normalize_platform(jax.default_backend()))
+
+    @classmethod
+    def abstract(cls, sharding: Any) -> "StepTarget":
+        device = next(iter(sharding.device_set))
+        capability = getattr(device, "compute_capability", None)
+        return cls(normalize_platform(device.platform), sharding,
+                   None if capability is None else round(float(capability) * 10))
+
+    @property
+    def is_abstract(self) -> bool:
+        return self.sharding is not None
+
+    @property
+    def cond_free(self) -> bool:
+        """True when the step must hold no conditional and no data-dependent loop (GPU)."""
+        return self.platform == "gpu"
+
+    def place(self, tree: Any) -> Any:
+        """Arrays of ``tree`` as they enter the step: unchanged locally, abstract values that
+        carry the target's sharding otherwise."""
+        if not self.is_abstract:
+            return tree
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.sharding), tree)

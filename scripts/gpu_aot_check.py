@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""Compile every step variant jaxserve would compile on an H200, on this machine, without a GPU.
+
+    make gpu-aot-check                       # builds .venv-gpu-aot (jax[cuda12]) on first use
+    .venv-gpu-aot/bin/python scripts/gpu_aot_check.py --models qwen3-0.6b --jobs 2
+
+For each model shape (bf16, block_size 16, default buckets) and each attention backend that
+targets GPUs, every variant is lowered and compiled for compile-only H200 devices made from the
+target config (``jax.experimental.topologies``). One JSON line per variant on stdout: compile
+seconds, temporary / argument / alias bytes, ``conditional`` and ``while`` ops (and the
+data-dependent ones), copies of weight- or pool-shaped buffers, custom calls and the Pallas
+kernels behind them; then a table per model and a summary line. Exits 1 when a step has a host
+round trip, a weight or pool copy, or a KV pool that is not updated in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the local backend; the GPU is compile-only
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from jaxserve import envs  # noqa: E402
+
+envs.allow_cuda_plugin_without_gpu()
+
+import jax  # noqa: E402
+
+from jaxserve.bench import gpu_aot, gpu_targets  # noqa: E402
+from jaxserve.bench.hlo_stats import analyze_hlo  # noqa: E402
+from jaxserve.config import EngineConfig  # noqa: E402
+
+SHARED_TARGET = REPO.parent / "shared" / "gpu" / "h200_target_config.txtpb"
+HLO_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int32": "s32", "bool": "pred"}
+
+
+def default_target_config() -> Path:
+    return SHARED_TARGET if SHARED_TARGET.is_file() else gpu_targets.target_config_path("h200")
+
+
+def hlo_shape(x) -> tuple[str, tuple[int, ...]]:
+    return HLO_DTYPES.get(str(x.dtype), str(x.dtype)), tuple(x.shape)
+
+
+def check_variant(runner, variant, weight_shapes, pool_shapes) -> dict:
+    start = time.perf_counter()
+    lowered = runner.steps.lowered(variant)
+    lowered_s = time.perf_counter() - start
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - start - lowered_s
+    mem = compiled.memory_analysis()
+    stats = analyze_hlo(compiled.as_text(), weight_shapes, pool_shapes)
+    problems = []
+    if stats.host_round_trips:
+        problems.append(f"{stats.conditionals} conditionals, {stats.data_dependent_whiles} data-dependent whiles")
+    if stats.weight_copies:
+        problems.append(f"{len(stats.weight_copies)} weight copies")
+    if stats.pool_copies:
+        problems.append(f"{len(stats.pool_copies)} KV pool copies")
+    if not stats.pool_aliased:
+        problems.append("KV pool not aliased")
+    return {"variant": variant.name, "bucket": variant.bucket, "decode_only": variant.decode_only,
+            "all_greedy": variant.all_greedy, "lower_s": round(lowered_s, 2), "compile_s": round(compile_s, 2),
+            "temp_bytes": int(mem.temp_size_in_bytes), "argument_bytes": int(mem.argument_size_in_bytes),
+            "alias_bytes": int(mem.alias_size_in_bytes), **stats.as_dict(), "problems": problems}
+
+
+def check_model(preset: str, backend: str, args, sharding, spec) -> list[dict]:
+    scan = {"auto": None, "true": True, "false": False}[args.scan_layers]
+    model = gpu_aot.abstract_model(preset, False if scan is None else scan)  # a GPU engine unrolls
+    max_model_len = args.max_model_len or model.config.max_position_embeddings
+    base = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=2)
+    blocks, _ = gpu_aot.kv_blocks_on(spec, model, base, max_model_len, peak_temp_bytes=0)
+    config = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=blocks)
+    runner = gpu_aot.abstract_runner(model, config, sharding, max_model_len)
+    weight_shapes = {hlo_shape(x) for x in jax.tree.leaves(runner.model_state)}
+    pool_shapes = {hlo_shape(x) for x in jax.tree.leaves(runner.state.kv_cache)}
+    variants = [v for v in runner.variants() if not args.buckets or v.bucket in args.buckets]
+    rows = []
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        futures = {pool.submit(check_variant, runner, v, weight_shapes, pool_shapes): v for v in variants}
+        for future in concurrent.futures.as_completed(futures):
+            try:
+                row = future.result()
+            except Exception as e:  # noqa: BLE001 - a variant that does not compile is a failure to report
+                row = {"variant": futures[future].name, "problems": [f"{type(e).__name__}: {e}"[:2000]]}
+            row = {"model": preset, "backend": backend, **row}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    peak = max((r.get("temp_bytes", 0) for r in rows), default=0)
+    final_blocks, budget = gpu_aot.kv_blocks_on(spec, model, config, max_model_len, peak)
+    print(json.dumps({"model": preset, "backend": backend, "kv_sizing": budget.describe(),
+                      "num_gpu_blocks": final_blocks, "kv_tokens": final_blocks * config.block_size,
+                      "compiled_with_blocks": blocks, "max_model_len": max_model_len}), flush=True)
+    return sorted(rows, key=lambda r: (r.get("bucket", 0), r.get("decode_only", False), str(r.get("all_greedy"))))
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | backend | variant | compile s | temp MiB | cond/while (data-dep.) | weight/pool copies "
+             "| pool aliased | custom calls |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "compile_s" not in r:
+            lines.append(f"| {r['model']} | {r['backend']} | {r['variant']} | failed: {r['problems'][0][:80]} |")
+            continue
+        calls = ", ".join(f"{k} x{v}" for k, v in sorted(r["custom_calls"].items()))
+        lines.append(
+            f"| {r['model']} | {r['backend']} | {r['variant']} | {r['compile_s']:.1f} | {r['temp_bytes'] / 2**20:.0f} "
+            f"| {r['conditionals']}/{r['whiles']} ({r['data_dependent_whiles']}) "
+            f"| {len(r['weight_copies'])}/{len(r['pool_copies'])} | {'yes' if r['pool_aliased'] else 'NO'} | {calls} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target-config", type=Path, default=default_target_config(),
+                    help="GpuTargetConfig text proto (default: the shared H200 one, else the packaged copy)")
+    ap.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-8b"])
+    ap.add_argument("--backends", nargs="+", default=["pallas", "triton"], choices=["pallas", "triton", "xla"])
+    ap.add_argument("--buckets", type=int, nargs="*", default=None, help="only these token buckets")
+    ap.add_argument("--scan-layers", choices=["auto", "true", "false"], default="auto",
+                    help="auto: the GPU engine's default (unrolled)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's (40960)")
+    ap.add_argument("--jobs", type=int, default=1, help="variants compiled at once")
+    args = ap.parse_args(argv)
+    sharding = gpu_aot.compile_only_sharding(args.target_config.read_text())
+    spec = gpu_targets.gpu_spec("h200", args.target_config.read_text())
+    print(json.dumps({"jax": jax.__version__, "target": spec.description, "target_config": str(args.target_config)}),
+          flush=True)
+    start = time.perf_counter()
+    rows = []
+    for preset in args.models:
+        for backend in args.backends:
+            rows += check_model(preset, backend, args, sharding, spec)
+    print(table(rows))
+    failures = [f"{r['model']}/{r['backend']}/{r['variant']}: {'; '.join(r['problems'])}"
+                for r in rows if r["problems"]]
+    print(json.dumps({"variants": len(rows), "failures": failures, "elapsed_s": round(time.perf_counter() - start, 1)}))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The ahead-of-time GPU check's pieces that run anywhere: the HLO statistics (on CPU programs)
+and the target description."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxserve.bench import gpu_aot, gpu_targets
+from jaxserve.bench.hlo_stats import analyze_hlo
+
+L, D = 6, 256
+WEIGHTS = {("f32", (L, D, D)), ("f32", (D, D))}
+POOL = {("f32", (64, D))}
+
+
+def _layers(scan: bool):
+    def f(w, pool, x, i):
+        if scan:
+            x, _ = jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)
+        else:  # one parameter per layer, as jaxserve's unrolled layout holds them
+            for wl in w:
+                x = jnp.tanh(x @ wl)
+        return pool.at[i].set(x[0]), x
+
+    return jax.jit(f, donate_argnums=(1,))
+
+
+def _args(scan: bool):
+    w = jnp.ones((L, D, D)) if scan else [jnp.ones((D, D))] * L
+    return (w, jnp.zeros((64, D)), jnp.ones((8, D)), jnp.int32(3))
+
+
+def test_a_layer_scan_copies_weight_slices_and_unrolled_layers_do_not():
+    # XLA:CPU materialises each layer's slice of the stacked weights, as XLA:GPU does.
+    scanned = analyze_hlo(_layers(True).lower(*_args(True)).compile().as_text(), WEIGHTS, POOL)
+    assert scanned.weight_copies and scanned.whiles == 1 and scanned.data_dependent_whiles == 0
+    unrolled = analyze_hlo(_layers(False).lower(*_args(False)).compile().as_text(), WEIGHTS, POOL)
+    assert unrolled.weight_copies == [] and unrolled.whiles == 0
+    assert scanned.pool_aliased and unrolled.pool_aliased and not unrolled.pool_copies
+
+
+def test_host_round_trips_are_counted():
+    def f(x, n):
+        x = jax.lax.cond(x.sum() > 0, lambda: x * 2, lambda: x)
+        return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] * 0.5), (0, x))[1]
+
+    stats = analyze_hlo(jax.jit(f).lower(jnp.ones(8), 3).compile().as_text(), set(), set())
+    assert stats.conditionals == 1 and stats.data_dependent_whiles == 1 and stats.host_round_trips == 2
+
+
+def test_a_pool_that_is_not_donated_is_not_aliased():
+    f = jax.jit(lambda pool, x: pool.at[0].set(x))
+    stats = analyze_hlo(f.lower(jnp.zeros((64, D)), jnp.ones(D)).compile().as_text(), set(), POOL)
+    assert not stats.pool_aliased
+
+
+def test_h200_spec_from_the_packaged_target_config():
+    spec = gpu_targets.gpu_spec("h200", gpu_targets.target_config_path("h200").read_text())
+    assert spec.sm_count == 132 and spec.hbm_bytes_per_s == 4.8e12
+    assert spec.memory_bytes == 151397597184 and "H200" in spec.description
+
+
+def test_compile_only_devices_need_the_cuda_plugin():
+    try:
+        import jax_plugins.xla_cuda12  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="compile-only CUDA devices"):
+            gpu_aot.compile_only_sharding(gpu_targets.target_config_path("h200").read_text())
+    else:
+        pytest.skip("the CUDA plugin is installed here: scripts/gpu_aot_check.py covers this path")

@@ -1,0 +1,84 @@
+"""KV cache sizing with vLLM's meaning of gpu_memory_utilization, against a fake device."""
+
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.models import ModelConfig
+from jaxserve.runner.kv_cache import (
+    DeviceMemory,
+    blocks_for_budget,
+    bytes_per_block,
+    determine_num_blocks,
+    kv_cache_budget,
+)
+
+GIB = 1024**3
+
+
+def test_budget_is_the_utilization_share_less_weights_temporaries_and_reserve():
+    # XLA told to preallocate 0.9 of an 80 GiB device: the pool is 72 GiB.
+    memory = DeviceMemory(pool_bytes=72 * GIB, pool_fraction=0.9, held_bytes=2 * GIB)
+    budget = kv_cache_budget(memory, 0.9, peak_temp_bytes=3 * GIB, reserve_bytes=1 * GIB)
+    assert budget.total == 80 * GIB
+    assert budget.usable == 72 * GIB
+    assert budget.kv_bytes == (72 - 2 - 3 - 1) * GIB
+    assert "66.00 GiB for the KV cache" in budget.describe()
+
+
+def test_a_default_pool_smaller_than_the_share_caps_the_budget():
+    # XLA's default preallocation (0.75 of 80 GiB = 60 GiB) cannot give 0.9 x 80 GiB.
+    memory = DeviceMemory(pool_bytes=60 * GIB, pool_fraction=0.75, held_bytes=0)
+    budget = kv_cache_budget(memory, 0.9, peak_temp_bytes=0, reserve_bytes=0)
+    assert budget.total == 80 * GIB and budget.usable == 60 * GIB
+
+
+def test_lower_utilization_than_the_pool_is_honoured():
+    memory = DeviceMemory(pool_bytes=72 * GIB, pool_fraction=0.9, held_bytes=1 * GIB)
+    assert kv_cache_budget(memory, 0.5, 0, 0).kv_bytes == 39 * GIB
+
+
+def test_cache_must_hold_one_max_model_len_request():
+    per_block = 1000
+    assert blocks_for_budget(per_block * 65 + 999, per_block, block_size=16, max_model_len=1024) == 65
+    with pytest.raises(ValueError, match="max_model_len=1024 needs 65"):
+        blocks_for_budget(per_block * 64, per_block, block_size=16, max_model_len=1024)
+    with pytest.raises(ValueError, match="kv cache"):
+        blocks_for_budget(-5 * GIB, per_block, block_size=16, max_model_len=1024)
+
+
+def _model_config(layers=28, kv_heads=8, head_dim=128):
+    return ModelConfig.from_dict({
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 1000, "hidden_size": 1024, "intermediate_size": 3072,
+        "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"})
+
+
+def test_gpu_sizing_through_determine_num_blocks():
+    mc = _model_config()
+    per_block = bytes_per_block(mc, 16)
+    assert per_block == 2 * 28 * 16 * 8 * 128 * 2
+    memory = DeviceMemory(pool_bytes=int(0.9 * 141 * GIB), pool_fraction=0.9, held_bytes=int(1.2 * GIB))
+    blocks = determine_num_blocks(mc, EngineConfig(), 4096, platform="gpu", memory=memory,
+                                  peak_temp_bytes=GIB)
+    expected = kv_cache_budget(memory, 0.9, GIB).kv_bytes // per_block
+    assert blocks == expected
+    # The explicit knobs still win, in vLLM's order.
+    assert determine_num_blocks(mc, EngineConfig(num_gpu_blocks_override=7), 4096, platform="gpu") == 7
+    assert determine_num_blocks(mc, EngineConfig(kv_cache_memory=per_block * 300), 4096, platform="gpu") == 300
+    with pytest.raises(ValueError, match="device's memory"):
+        determine_num_blocks(mc, EngineConfig(), 4096, platform="gpu")
+    small = DeviceMemory(pool_bytes=3 * GIB, pool_fraction=0.9, held_bytes=2 * GIB)
+    with pytest.raises(ValueError, match="max_model_len=4096"):
+        determine_num_blocks(mc, EngineConfig(), 4096, platform="gpu", memory=small, peak_temp_bytes=0)
+
+
+def test_allocator_share_is_left_alone_once_jax_has_started(monkeypatch):
+    import jax
+
+    from jaxserve import envs
+    from jaxserve.runner.kv_cache import configure_xla_allocator
+
+    jax.devices()  # this process's backends are started
+    monkeypatch.delenv(envs.XLA_PYTHON_CLIENT_MEM_FRACTION, raising=False)
+    configure_xla_allocator(0.5)
+    assert envs.xla_mem_fraction() is None
