@@ -4,12 +4,13 @@ holds no conditional and no data-dependent loop; the CPU step keeps its conds.""
 import jax
 import pytest
 
+from jaxserve import envs
 from jaxserve.bench.hlo_stats import analyze_hlo
 from jaxserve.config import EngineConfig
 from jaxserve.models import load_model
 from jaxserve.runner.compilation import StepVariant
 from jaxserve.runner.kv_cache import kv_cache_shape
-from jaxserve.runner.model_runner import ModelRunner, kernel_build_dir
+from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.target import StepTarget
 
 CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=40)
@@ -18,7 +19,7 @@ CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override
 def _runner(demo_model, platform: str) -> ModelRunner:
     import pallas_kernels
 
-    ok, reason = pallas_kernels.cpu_attention_available(kernel_build_dir())
+    ok, reason = pallas_kernels.cpu_attention_available(envs.kernel_build_dir())
     if not ok:  # the xla backend walks the context in a data-dependent loop of its own
         pytest.skip(f"the cpu attention kernel is unavailable: {reason}")
     model = load_model(demo_model, scan_layers=False)
