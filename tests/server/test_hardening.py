@@ -101,7 +101,7 @@ class FailingEngine(ScriptedEngine):
     """Its requests fail inside the engine after one token (finish reason "error")."""
 
     async def generate(self, prompt, params, request_id, *, priority=0, cache_salt=None,
-                       output_kind=RequestOutputKind.DELTA):
+                       output_kind=RequestOutputKind.DELTA, entry_times=None):
         if output_kind == RequestOutputKind.DELTA:
             yield RequestOutput(request_id, None, [1, 2], [CompletionOutput(0, "x", [40])], finished=False)
             await asyncio.sleep(0)
