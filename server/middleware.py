@@ -17,7 +17,9 @@ from typing import Iterable
 
 from .errors import error_body
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+# /dashboard is a static page with no data of its own: a browser cannot send a bearer token when it
+# opens a page, so the page takes the key from its URL fragment and sends it with its requests.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/dashboard"})
 
 
 async def _send_error(send, status: int, message: str, *, code: str | None = None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -134,3 +135,26 @@ def test_trace_endpoint_and_command(server, http, tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     check_chrome_trace(json.loads(out.read_text()))
     assert (summary["requests"], summary["steps"], summary["output"]) == (num_requests, num_steps, str(out))
+
+
+def test_with_an_api_key_the_page_opens_and_its_data_needs_the_key(demo_model):
+    """A browser cannot send a bearer token when it opens a page: the page is open (it holds no
+    data) and passes the key from its URL fragment to the debug routes, which still require it."""
+    from transformers import AutoTokenizer
+
+    from jaxserve import EngineConfig
+    from jaxserve_server.app import build_app
+
+    engine = SimpleNamespace(config=EngineConfig(), tokenizer=AutoTokenizer.from_pretrained(demo_model),
+                             served_model_name="m", max_model_len=64, model_config=SimpleNamespace(vocab_size=8),
+                             is_dead=False, get_step_records=lambda n: [])
+    app = build_app(engine, api_key="sekrit", enable_debug_endpoints=True)
+
+    async def get_all():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://inproc") as c:
+            return (await c.get("/dashboard"), await c.get("/debug/steps"),
+                    await c.get("/debug/steps", headers={"Authorization": "Bearer sekrit"}))
+
+    page, without_key, with_key = asyncio.run(get_all())
+    assert page.status_code == 200 and "location.hash" in page.text and "Authorization" in page.text
+    assert without_key.status_code == 401 and with_key.status_code == 200 and with_key.json() == {"steps": []}
