@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from jaxserve.bench.processes import stop_process
 from jaxserve.bench.startup_bench import _drain, _wait_for_url
 
 # A pool of this many KV blocks forces preemptions at the default concurrency.
@@ -91,12 +92,7 @@ class ServerProcess:
         return sum(1 for line in self.log if "Traceback" in line or line.startswith("ERROR"))
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop_process(self.proc)
 
 
 def _metrics(client, base: str) -> dict[str, float]:

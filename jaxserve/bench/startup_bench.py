@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from jaxserve import envs
+from jaxserve.bench.processes import stop_process
 
 _URL = re.compile(r"jaxserve: serving \S+ at (http://\S+)/v1")
 
@@ -81,12 +82,7 @@ def start_once(flags: list[str], cache_dir: Path, timeout: float) -> dict:
             raise SystemExit("jaxserve bench startup: the server did not start:\n" + "".join(log[-40:]))
         metrics = _read_metrics(url)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc)
     return {"ready_s": ready_s, **startup_breakdown(metrics, ready_s)}
 
 

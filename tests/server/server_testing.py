@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from jaxserve.bench.processes import stop_process
 from tests.shapes import SERVER_SHAPE
 
 # The shared server's admission limits, which the error tests probe.
@@ -88,12 +89,7 @@ def start_server(extra: list[str], log_path: Path) -> ServerHandle:
 
 def stop_server(handle: ServerHandle) -> None:
     """Terminate (kill after 30 s) and close the log."""
-    handle.proc.terminate()
-    try:
-        handle.proc.wait(30)
-    except subprocess.TimeoutExpired:
-        handle.proc.kill()
-        handle.proc.wait(10)
+    stop_process(handle.proc)
     if handle.log_file is not None:
         handle.log_file.close()
 
