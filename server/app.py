@@ -43,9 +43,14 @@ from .state import ServerState
 from .tokenizer_info import tokenizer_info
 
 
+# One server-sent event of a stream: ``data`` is a JSON chunk, an error object, or ``[DONE]``.
+SSE_EVENT_SCHEMA = {"type": "object", "required": ["data"],
+                    "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+
+
 def generation_responses(body: type) -> dict:
     """The documented answers of a generation route: its JSON body, or a stream of events."""
-    return {200: {"model": body, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    return {200: {"model": body, "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}},
             **error_responses(400, 404, 408, 413, 500, 503)}
 
 

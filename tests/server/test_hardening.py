@@ -270,7 +270,7 @@ class BrokenOutputEngine(ScriptedEngine):
     """Its second output cannot be turned into a chunk (no text): a bug, not a failed request."""
 
     async def generate(self, prompt, params, request_id, *, priority=0, cache_salt=None,
-                       output_kind=RequestOutputKind.DELTA):
+                       output_kind=RequestOutputKind.DELTA, entry_times=None):
         yield RequestOutput(request_id, None, [1, 2], [CompletionOutput(0, "x", [40])], finished=False)
         await asyncio.sleep(0)
         yield RequestOutput(request_id, None, [1, 2], [CompletionOutput(0, None, [41], finish_reason="length")],

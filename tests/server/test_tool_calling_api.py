@@ -18,7 +18,7 @@ import httpx
 import jsonschema
 import pytest
 
-from jaxserve import CompletionOutput, RequestOutput, RequestOutputKind
+from jaxserve import CompletionOutput, EngineConfig, RequestOutput, RequestOutputKind
 from jaxserve_server.app import build_app
 from jaxserve_server.chat_output import ChatParsers
 from tests.server.server_testing import assert_error
@@ -43,6 +43,7 @@ class ScriptedTextEngine:
 
     served_model_name = "scripted"
     max_model_len = 4096
+    config = EngineConfig()
 
     def __init__(self, tokenizer, script: str, piece: int = 5):
         self.tokenizer = tokenizer
@@ -56,7 +57,7 @@ class ScriptedTextEngine:
         return b""
 
     async def generate(self, prompt, params, request_id, *, priority=0, cache_salt=None,
-                       output_kind=RequestOutputKind.DELTA):
+                       output_kind=RequestOutputKind.DELTA, entry_times=None):
         self.requests.append((prompt, params))
         pieces = [self.script[i:i + self.piece] for i in range(0, len(self.script), self.piece)]
         if output_kind == RequestOutputKind.FINAL_ONLY:
