@@ -20,6 +20,7 @@ from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from .errors import APIError
+from .openapi import error_responses
 
 MAX_ITEMS = 10_000
 DASHBOARD_PAGE = Path(__file__).parent / "dashboard.html"
@@ -28,7 +29,7 @@ DASHBOARD_PAGE = Path(__file__).parent / "dashboard.html"
 def add_debug_endpoints(app: FastAPI, engine) -> None:
     """Register the routes; ``engine`` is an ``AsyncLLM`` (or has its timeline and step methods)."""
 
-    @app.get("/debug/requests/{request_id:path}")
+    @app.get("/debug/requests/{request_id:path}", responses=error_responses(404))
     async def request_timeline(request_id: str):
         timeline = engine.get_request_timeline(request_id)
         if timeline is None:
@@ -36,18 +37,18 @@ def add_debug_endpoints(app: FastAPI, engine) -> None:
                                 "see --max-request-timelines)", param="request_id")
         return JSONResponse(timeline.as_dict())
 
-    @app.get("/debug/requests")
+    @app.get("/debug/requests", responses=error_responses(400))
     async def recent_requests(limit: int = Query(100, ge=0, le=MAX_ITEMS)):
         return JSONResponse({"requests": [t.as_dict() for t in engine.recent_request_timelines(limit)]})
 
-    @app.get("/debug/steps")
+    @app.get("/debug/steps", responses=error_responses(400))
     async def recent_steps(last: int = Query(100, ge=0, le=MAX_ITEMS)):
         return JSONResponse({"steps": [r.as_dict() for r in engine.get_step_records(last)]})
 
-    @app.get("/dashboard")
+    @app.get("/dashboard", response_class=HTMLResponse)
     async def dashboard():
         return HTMLResponse(DASHBOARD_PAGE.read_text(encoding="utf-8"))
 
-    @app.get("/debug/trace")
+    @app.get("/debug/trace", responses=error_responses(400))
     async def trace(steps: int = Query(2000, ge=0, le=MAX_ITEMS), requests: int = Query(200, ge=0, le=MAX_ITEMS)):
         return JSONResponse(engine.build_trace(steps, requests))
