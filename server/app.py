@@ -42,7 +42,6 @@ from .serving_completion import OpenAIServingCompletion
 from .state import ServerState
 from .tokenizer_info import tokenizer_info
 
-
 # One server-sent event of a stream: ``data`` is a JSON chunk, an error object, or ``[DONE]``.
 SSE_EVENT_SCHEMA = {"type": "object", "required": ["data"],
                     "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
