@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.make_dry_run import make_dry_run as make_dry_run_process
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def make_dry_run(target: str, venv: Path) -> list[str]:
-    out = subprocess.run(["make", "-n", target, f"VENV={venv}"], cwd=REPO, capture_output=True, text=True,
-                         timeout=60)
+    out = make_dry_run_process(target, f"VENV={venv}")
     assert out.returncode == 0, out.stderr
     return out.stdout.splitlines()
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.make_dry_run import make_dry_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,8 +37,7 @@ def test_make_commands_name_real_targets(tmp_path):
     commands = readme_commands("make")
     assert {"serve", "test"} <= {argv[1] for argv in commands}, commands
     for argv in commands:
-        out = subprocess.run(["make", "-n", *argv[1:], f"VENV={tmp_path / 'venv'}"], cwd=REPO,
-                             capture_output=True, text=True, timeout=60)
+        out = make_dry_run(*argv[1:], f"VENV={tmp_path / 'venv'}")
         assert out.returncode == 0, (argv, out.stderr)
         if argv[1:] == ["serve", "ARGS=--port 9000"]:
             assert out.stdout.splitlines()[-1].endswith("jaxserve serve --port 9000")
