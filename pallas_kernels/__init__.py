@@ -57,6 +57,7 @@ from .triton_attention import (
     triton_available,
     triton_interpret_available,
     triton_launch_plan,
+    triton_ready,
 )
 from .xla_attention import ragged_paged_attention_xla
 
@@ -69,7 +70,7 @@ __all__ = [
     "ragged_paged_attention_decode", "ragged_paged_attention_mixed",
     "ragged_paged_attention_reference", "ragged_paged_attention_triton",
     "ragged_paged_attention_xla", "jax_triton_importable", "triton_available", "triton_interpret_available",
-    "triton_launch_plan", "TritonLaunchPlan", "write_kv",
+    "triton_ready", "triton_launch_plan", "TritonLaunchPlan", "write_kv",
 ]
 
 
@@ -86,12 +87,7 @@ def get_attention_fn(backend: str, interpret: bool = False, build_dir=None, **tu
     if backend == "pallas":
         return functools.partial(ragged_paged_attention, interpret=interpret, **tuning)
     if backend == "triton":
-        if interpret:
-            ok, reason = triton_interpret_available()
-        elif tuning.get("compute_capability") is not None:  # ahead of time, for a GPU not present
-            ok, reason = jax_triton_importable()
-        else:
-            ok, reason = triton_available()
+        ok, reason = triton_ready(interpret, tuning.get("compute_capability"))
         if not ok:
             what = "cannot interpret here" if interpret else "is unavailable"
             raise RuntimeError(f"the triton attention backend {what}: {reason}")

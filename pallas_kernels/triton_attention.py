@@ -160,15 +160,24 @@ def triton_launch_plan(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, 
                             constexprs=constexprs)
 
 
+def triton_ready(interpret: bool, compute_capability: int | None = None) -> tuple[bool, str]:
+    """Whether the kernel can run here: in Triton's interpreter, compiled ahead of time for a GPU
+    of ``compute_capability`` (present or not), or on this machine's GPU; (False, why) otherwise."""
+    if interpret:
+        return triton_interpret_available()
+    if compute_capability is not None:
+        return jax_triton_importable()
+    return triton_available()
+
+
 def _require_interpreter() -> None:
-    ok, reason = triton_interpret_available()
+    ok, reason = triton_ready(interpret=True)
     if not ok:
         raise RuntimeError(f"the triton backend cannot interpret here: {reason}")
 
 
 def _require_triton(compute_capability: int | None = None):
-    # With an explicit compute capability the kernel is compiled for that GPU, present or not.
-    ok, reason = triton_available() if compute_capability is None else jax_triton_importable()
+    ok, reason = triton_ready(False, compute_capability)
     if not ok:
         raise RuntimeError(f"the triton attention backend is unavailable: {reason}")
     import jax_triton

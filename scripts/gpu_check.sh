@@ -34,7 +34,7 @@ cat "$out/e2e.json"
 echo "== bench throughput: Qwen3-0.6B shape, bf16, 256 prompts of 100-1024 in / 100-1024 out =="
 timeout 210 $py -m jaxserve_server.cli bench throughput --random-model qwen3-0.6b --num-prompts 256 \
   --input-len-range 100 1024 --output-len-range 100 1024 --token-id-range 10 150000 \
-  --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --attention-backend pallas --async-scheduling \
+  --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --attention-backend pallas \
   > "$out/throughput.json" 2> "$out/throughput.err"; echo "rc=$?"
 cat "$out/throughput.json"
 

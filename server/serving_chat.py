@@ -20,7 +20,7 @@ from .chat_output import ChatParsers, ChoiceDelta, ChoiceParser, finish_reason, 
 from .chat_tokens import tokenize_with_plain_content
 from .errors import APIError, invalid_request
 from .generation import Generations
-from .logprobs import TokenText, chat_logprobs
+from .logprobs import chat_logprobs
 from .protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -177,9 +177,6 @@ class OpenAIServingChat(OpenAIServing):
         _constrained_calls(kw, req, choice, tools)
         params = make_sampling_params(dict(kw, max_tokens=req.effective_max_tokens(), logprobs=logprobs))
         return [{"prompt": text, "prompt_token_ids": ids}], params
-
-    def _tokens(self, req: ChatCompletionRequest) -> TokenText:
-        return self.state.token_id_text if req.return_tokens_as_token_ids else self.state.token_text
 
     def response_body(self, req: ChatCompletionRequest, outputs: list[RequestOutput],
                       ids: ResponseIds) -> ChatCompletionResponse:

@@ -17,7 +17,7 @@ from jaxserve import CompletionOutput, RequestOutput, SamplingParams
 from . import entry_times
 from .errors import APIError
 from .generation import Generations
-from .logprobs import TokenText, completion_logprobs, prepend_prompt_logprobs, prompt_logprobs_field
+from .logprobs import completion_logprobs, prepend_prompt_logprobs, prompt_logprobs_field
 from .protocol import (
     MAX_PROMPTS,
     CompletionLogProbs,
@@ -78,9 +78,6 @@ class OpenAIServingCompletion(OpenAIServing):
         tok = self.state.tokenizer
         return "" if tok is None else tok.decode(out.prompt_token_ids)
 
-    def _tokens(self, req: CompletionRequest) -> TokenText:
-        return self.state.token_id_text if req.return_tokens_as_token_ids else self.state.token_text
-
     def _generated(self, req: CompletionRequest, out: CompletionOutput) -> CompletionOutput:
         """What the client sees of a sample: nothing when only the prompt is echoed."""
         if not req.echo_only():
@@ -125,7 +122,8 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_tokens.setdefault(p_index, len(ro.prompt_token_ids))
             if ro.prompt_logprobs is not None:
                 prompt_logprobs.setdefault(p_index, ro.prompt_logprobs)
-            ro = dataclasses.replace(ro, prompt_logprobs=prompt_logprobs.get(p_index))
+            if req.echo and req.logprobs is not None:  # the echoed prompt carries its logprobs
+                ro = dataclasses.replace(ro, prompt_logprobs=prompt_logprobs.get(p_index))
             for engine_out in ro.outputs:
                 out = self._generated(req, engine_out)
                 index = p_index * req.n + out.index

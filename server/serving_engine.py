@@ -106,6 +106,10 @@ class OpenAIServing(ABC):
     def __init__(self, state: ServerState):
         self.state = state
 
+    def _tokens(self, req):
+        """How logprob tokens are written: their text, or ``token_id:N`` when the request asks."""
+        return self.state.token_id_text if req.return_tokens_as_token_ids else self.state.token_text
+
     @abstractmethod
     def prepare(self, req) -> tuple[list[Any], SamplingParams]:
         """Check the request; return the engine prompts and the sampling parameters for all of them."""

@@ -29,8 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from jaxserve.bench.processes import stop_process
-from jaxserve.bench.startup_bench import _drain, _wait_for_url
+from jaxserve.bench.processes import drain_lines, stop_process, wait_for_url
 
 # A pool of this many KV blocks forces preemptions at the default concurrency.
 DEFAULT_SOAK_BLOCKS = 64
@@ -65,9 +64,9 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.lines: queue.Queue[Optional[str]] = queue.Queue()
-        threading.Thread(target=_drain, args=(self.proc, self.lines), daemon=True).start()
+        threading.Thread(target=drain_lines, args=(self.proc, self.lines), daemon=True).start()
         self.log: list[str] = []
-        url = _wait_for_url(self.lines, self.log, time.monotonic() + timeout)
+        url = wait_for_url(self.lines, self.log, time.monotonic() + timeout)
         if url is None:
             self.stop()
             raise SystemExit("jaxserve bench soak: the server did not start:\n" + "".join(self.log[-40:]))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import queue
-import re
 import shutil
 import statistics
 import subprocess
@@ -26,9 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from jaxserve import envs
-from jaxserve.bench.processes import stop_process
-
-_URL = re.compile(r"jaxserve: serving \S+ at (http://\S+)/v1")
+from jaxserve.bench.processes import drain_lines, stop_process, wait_for_url
 
 
 def add_startup_bench_args(p: argparse.ArgumentParser) -> None:
@@ -72,11 +69,11 @@ def start_once(flags: list[str], cache_dir: Path, timeout: float) -> dict:
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue[Optional[str]] = queue.Queue()
-    reader = threading.Thread(target=_drain, args=(proc, lines), daemon=True)
+    reader = threading.Thread(target=drain_lines, args=(proc, lines), daemon=True)
     reader.start()
     log: list[str] = []
     try:
-        url = _wait_for_url(lines, log, start + timeout)
+        url = wait_for_url(lines, log, start + timeout)
         ready_s = time.monotonic() - start
         if url is None:
             raise SystemExit("jaxserve bench startup: the server did not start:\n" + "".join(log[-40:]))
@@ -84,27 +81,6 @@ def start_once(flags: list[str], cache_dir: Path, timeout: float) -> dict:
     finally:
         stop_process(proc)
     return {"ready_s": ready_s, **startup_breakdown(metrics, ready_s)}
-
-
-def _drain(proc: subprocess.Popen, lines: queue.Queue) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.put(line)
-    lines.put(None)
-
-
-def _wait_for_url(lines: queue.Queue, log: list[str], deadline: float) -> Optional[str]:
-    while True:
-        try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            return None
-        if line is None:
-            return None
-        log.append(line)
-        m = _URL.search(line)
-        if m:
-            return m.group(1)
 
 
 def _read_metrics(base_url: str) -> str:

@@ -179,12 +179,6 @@ class JaxserveBench:
         }
 
 
-def _has_tokenizer(model: str) -> bool:
-    from pathlib import Path
-
-    return any((Path(model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-
-
 def _output_rate(it: dict) -> float:
     return it["output_tokens"] / it["elapsed_s"]
 
@@ -272,6 +266,7 @@ def run_throughput_cli(args) -> dict:
     from jaxserve import envs
     from jaxserve.bench import op_profile
     from jaxserve.config import EngineConfig
+    from jaxserve.engine.llm_engine import has_tokenizer_files
 
     if args.profile_ops:
         op_profile.request_cpu_op_events()  # before anything starts the XLA backend
@@ -289,7 +284,7 @@ def run_throughput_cli(args) -> dict:
     inp, out = _ranges(args)
     workload = random_workload(args.num_prompts, inp, out, tuple(args.token_id_range), args.bench_seed)
     overrides = {}
-    if args.structured and not args.tokenizer and not _has_tokenizer(model):
+    if args.structured and not args.tokenizer and not has_tokenizer_files(model):
         from jaxserve.models.demo import demo_model_path
 
         overrides["tokenizer"] = str(demo_model_path())

@@ -56,10 +56,6 @@ class ScheduleRecord:
     def num_decode_tokens(self) -> int:
         return self.num_scheduled_tokens - self.num_prefill_tokens
 
-    def waiting(self) -> dict[str, str]:
-        """Each waiting request id with the reason it waits."""
-        return dict.fromkeys(self.waiting_ids, self.waiting_reason or "")
-
 
 def is_prefill(num_computed_before: int, num_tokens: int, num_prompt_tokens: int) -> bool:
     """A step's tokens are a prefill chunk unless they are one token past the prompt (a decode);

@@ -158,6 +158,8 @@ class EngineCore:
         """Requests whose grammar failed to compile (a limit or the timeout) end as aborted."""
         assert self.structured_outputs is not None
         failed = self.structured_outputs.take_failed()
+        if not failed:
+            return []
         for request_id, reason in failed:
             logger.warning("request %s aborted: %s", request_id, reason)
         self.scheduler.finish_requests([r for r, _ in failed], RequestStatus.FINISHED_ABORTED)

@@ -31,13 +31,17 @@ logger = logging.getLogger("jaxserve")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def load_tokenizer(path: str):
-    """The checkpoint's tokenizer, or None for a weights-only folder (token-id prompts only)."""
+def has_tokenizer_files(path: str) -> bool:
     from pathlib import Path
 
+    return any((Path(path) / f).is_file() for f in _TOKENIZER_FILES)
+
+
+def load_tokenizer(path: str):
+    """The checkpoint's tokenizer, or None for a weights-only folder (token-id prompts only)."""
     from transformers import AutoTokenizer
 
-    if not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
+    if not has_tokenizer_files(path):
         logger.warning("no tokenizer files in %s: only token-id prompts, no detokenization", path)
         return None
     # trust_remote_code stays off: nothing from a checkpoint is executed.

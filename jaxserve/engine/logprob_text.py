@@ -10,7 +10,6 @@ a streamed chunk whose text is held back for an incomplete character carries an 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Optional
 
 REPLACEMENT = "\ufffd"
 # A UTF-8 character has at most 4 bytes: a longer pending run is malformed, shown as it decodes.
@@ -66,8 +65,3 @@ class TokenDecoder:
 
     def sequence(self) -> LogprobTokenText:
         return LogprobTokenText(self.decode_one, self.decode_many)
-
-
-def no_texts(token_ids: list[int]) -> list[Optional[str]]:
-    """``detokenize=False`` or no tokenizer: no text for any token."""
-    return [None] * len(token_ids)

@@ -104,11 +104,15 @@ class CompiledSteps:
         with _LOWERING_LOCK:
             return self._jitted.trace(*args, **static).lower()
 
-    def _compile(self, variant: StepVariant) -> None:
+    def _lower_timed(self, variant: StepVariant) -> Any:
+        """``lowered``, its seconds added to ``stats.lower_seconds``."""
         start = time.perf_counter()
         lowered = self.lowered(variant)
         self.stats.lower_seconds += time.perf_counter() - start
-        self._record(variant, *_compile_lowered(lowered))
+        return lowered
+
+    def _compile(self, variant: StepVariant) -> None:
+        self._record(variant, *_compile_lowered(self._lower_timed(variant)))
 
     def _record(self, variant: StepVariant, executable: Any, seconds: float, cache_hit: bool) -> None:
         self._compiled[variant] = executable
@@ -136,10 +140,7 @@ class CompiledSteps:
                      unit="variant") as bar:
             futures = []
             for variant in todo:
-                lower_start = time.perf_counter()
-                lowered = self.lowered(variant)
-                self.stats.lower_seconds += time.perf_counter() - lower_start
-                future = pool.submit(_compile_lowered, lowered)
+                future = pool.submit(_compile_lowered, self._lower_timed(variant))
                 future.add_done_callback(lambda _: bar.update())
                 futures.append((variant, future))
             for variant, future in futures:

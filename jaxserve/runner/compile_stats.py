@@ -8,7 +8,6 @@ import threading
 from jax import monitoring
 
 _lock = threading.Lock()
-_persistent_cache_hits = 0
 _listener_installed = False
 # JAX reports a hit in the thread that compiles, so a per-thread count tells which of several
 # programs compiled at once came from the cache.
@@ -16,10 +15,7 @@ _per_thread = threading.local()
 
 
 def _on_event(event: str, **kwargs) -> None:
-    global _persistent_cache_hits
     if event == "/jax/compilation_cache/cache_hits":
-        with _lock:
-            _persistent_cache_hits += 1
         _per_thread.hits = getattr(_per_thread, "hits", 0) + 1
 
 
@@ -29,10 +25,6 @@ def install_listener() -> None:
         if not _listener_installed:
             monitoring.register_event_listener(_on_event)
             _listener_installed = True
-
-
-def persistent_cache_hits() -> int:
-    return _persistent_cache_hits
 
 
 def thread_persistent_cache_hits() -> int:

@@ -32,7 +32,8 @@ logger = logging.getLogger("jaxserve")
 
 
 def bitmask_width(vocab_size: int) -> int:
-    """int32 words of one bitmask row (32 tokens per word)."""
+    """int32 words of one bitmask row (32 tokens per word); the compiled step's bitmask input has
+    this width for the model's vocabulary."""
     return (vocab_size + 31) // 32
 
 
@@ -159,16 +160,14 @@ class StructuredOutputManager:
             return None
         bitmask = np.full((num_rows, self.width), -1, np.int32)
         tok_width = bitmask_width(self.backend.vocab_size)
+        idx = [i for _, i in rows]
+        bitmask[idx] = 0
         if tok_width == self.width:
-            idx = [i for _, i in rows]
-            bitmask[idx] = 0
             llnp.fill_next_token_bitmask_par(self._executor, rows, bitmask)
         else:  # llguidance writes rows of the tokenizer's width: fill compactly, then place them
             compact = np.zeros((len(rows), tok_width), np.int32)
             llnp.fill_next_token_bitmask_par(self._executor, [(m, k) for k, (m, _) in enumerate(rows)], compact)
-            idx = [i for _, i in rows]
             n = min(tok_width, self.width)
-            bitmask[idx] = 0
             bitmask[idx, :n] = compact[:, :n]
         return bitmask
 
