@@ -243,7 +243,7 @@ class EngineCore:
         runner = self.runner
         return StepRecord(
             step=self.scheduler.step_counter, schedule=record_schedule(self.scheduler, so),
-            token_bucket=runner.buckets.pick(tokens) if tokens else 0,
+            token_bucket=runner.pick_bucket(tokens) if tokens else 0,
             decode_only=runner.decode_attn_fn is not None and 0 < tokens == len(so.num_scheduled_tokens),
             backend=runner.attention_backend, compiled=not self.config.enforce_eager, start=start,
             idle_gap_s=max(0.0, start - self._last_step_end), schedule_s=scheduled - start)

@@ -198,7 +198,8 @@ class LLMEngine:
         self.tracer.export(parent.timeline(keep_token_ids=False))
 
     def shutdown(self) -> None:
-        """Send what is still buffered (spans) and stop background exporters."""
+        """Send what is still buffered (spans), stop background exporters and compiles."""
+        self.core.runner.steps.stop_background()
         if self.tracer is not None:
             self.tracer.shutdown()
 

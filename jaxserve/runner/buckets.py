@@ -9,37 +9,43 @@ to about ``log2(max_num_batched_tokens)``.
 Decode steps (``T <= max_num_seqs``: one token per running request) also get the midpoints
 ``1.5 * 2^k``. As requests finish, the running count drifts through every value; with powers of
 two alone a batch of 33 pays for 64 rows. The midpoints bound that padding at 33% instead of 50%,
-for two or three more variants (``docs/benchmarks.md`` has the figures).
+for two or three more variants (``docs/benchmarks.md`` has the figures). They only save padding, so
+the engine becomes ready without them and compiles them in the background.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections.abc import Collection
 
 
 @dataclasses.dataclass(frozen=True)
 class BucketTable:
     token_buckets: tuple[int, ...]
     max_num_seqs: int
+    midpoints: tuple[int, ...] = ()  # the decode midpoints among token_buckets
 
     @classmethod
     def build(cls, max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 16) -> "BucketTable":
-        buckets, t = [], min_tokens
+        buckets, midpoints, t = [], [], min_tokens
         while t < max_num_batched_tokens:
             buckets.append(t)
             if t * 3 // 2 <= min(max_num_seqs, max_num_batched_tokens - 1):
-                buckets.append(t * 3 // 2)
+                midpoints.append(t * 3 // 2)
             t *= 2
         buckets.append(max_num_batched_tokens)
-        return cls(tuple(sorted(set(buckets))), max_num_seqs)
+        return cls(tuple(sorted(set(buckets + midpoints))), max_num_seqs, tuple(midpoints))
 
     def num_rows(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.max_num_seqs)
 
-    def pick(self, num_tokens: int) -> int:
-        """The smallest bucket holding ``num_tokens``."""
+    def pick(self, num_tokens: int, pending: Collection[int] = ()) -> int:
+        """The smallest bucket holding ``num_tokens``, skipping the ``pending`` ones (deferred
+        buckets not compiled yet; never all of them, so a bucket is always found)."""
         i = bisect.bisect_left(self.token_buckets, num_tokens)
         if i == len(self.token_buckets):
             raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.token_buckets[-1]}")
+        while self.token_buckets[i] in pending:
+            i += 1
         return self.token_buckets[i]

@@ -9,10 +9,15 @@ Warm-up traces and lowers the variants one after another (Python, under the GIL)
 lowered program to a thread pool: XLA compiles (or reads from the persistent cache) with the GIL
 released, so compiles overlap the tracing of the next variants and, with cores to spare, each
 other.
+
+Variants that only save padding (the decode midpoints) may be deferred: warm-up returns without
+them and one background thread compiles them while the engine serves; until a bucket's variants
+are all in, steps use the next larger bucket (``pending_buckets``).
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -80,8 +85,9 @@ TraceArgs = Callable[[StepVariant], tuple[tuple, dict[str, Any]]]
 class CompiledSteps:
     """The compiled executables of one jitted step function, by variant.
 
-    Invariant: after ``warm_up``, ``stats.unexpected_compiles`` counts every variant compiled
-    on demand (a shape outside the table; it should stay 0).
+    Invariants: after ``warm_up``, ``stats.unexpected_compiles`` counts every variant compiled
+    on demand (a shape outside the table; it should stay 0). A bucket is in ``pending_buckets``
+    from ``warm_up`` until every deferred variant of it is compiled, and only then.
     """
 
     def __init__(self, jitted: Any, trace_args: TraceArgs, stats: CompileStats):
@@ -90,6 +96,9 @@ class CompiledSteps:
         self._compiled: dict[StepVariant, Any] = {}
         self.stats = stats
         self.warmed_up = False
+        self.pending_buckets: set[int] = set()
+        self._background: Optional[threading.Thread] = None
+        self._stop = threading.Event()
         compile_stats.install_listener()
 
     def get(self, variant: StepVariant) -> Any:
@@ -126,11 +135,13 @@ class CompiledSteps:
                      "read from the persistent cache" if cache_hit else "compiled", seconds)
 
     def warm_up(self, variants: list[StepVariant], run_padding: Callable[[StepVariant], None],
-                show_progress: bool, max_workers: Optional[int] = None) -> None:
+                show_progress: bool, max_workers: Optional[int] = None,
+                deferred: list[StepVariant] | None = None) -> None:
         """Compile every variant (``max_workers`` at once, default :func:`default_compile_threads`),
         then run each once on padding: a program's first run pays one-time costs (its buffers'
         first allocation and page faults) that would otherwise land on the first requests; vLLM's
-        dummy runs at start-up do the same."""
+        dummy runs at start-up do the same. Then start compiling the ``deferred`` variants in the
+        background (no first run: it would race the engine's steps for the donated state)."""
         todo = [v for v in variants if v not in self._compiled]
         start = time.perf_counter()
         workers = max(1, min(len(todo), max_workers or default_compile_threads()))
@@ -151,6 +162,65 @@ class CompiledSteps:
             run_padding(variant)
         self.stats.warm_up_run_seconds += time.perf_counter() - start
         self.warmed_up = True
+        if deferred:
+            self._start_background(deferred)
+
+    def _start_background(self, deferred: list[StepVariant]) -> None:
+        self.pending_buckets = {v.bucket for v in deferred}
+        self._background = threading.Thread(target=self._compile_deferred, args=(deferred,),
+                                            name="jaxserve-compile-deferred", daemon=True)
+        _BACKGROUND.add(self)
+        self._background.start()
+
+    def _compile_deferred(self, deferred: list[StepVariant]) -> None:
+        """Compile bucket by bucket, smallest first; a bucket leaves ``pending_buckets`` once all
+        its variants are in. A failure is logged and leaves the bucket pending (steps keep using
+        the next larger one), never reaches a request."""
+        start = time.perf_counter()
+        try:
+            self._compile_buckets(deferred)
+        finally:
+            _BACKGROUND.discard(self)
+        self.stats.background_compile_seconds = time.perf_counter() - start
+        logger.info("%d deferred step variants compiled in the background in %.1f s",
+                    self.stats.background_compiles, self.stats.background_compile_seconds)
+
+    def _compile_buckets(self, deferred: list[StepVariant]) -> None:
+        for bucket in sorted(self.pending_buckets):
+            try:
+                for variant in (v for v in deferred if v.bucket == bucket):
+                    if self._stop.is_set():
+                        return
+                    self._record(variant, *_compile_lowered(self._lower_timed(variant)))
+                    self.stats.background_compiles += 1
+            except Exception:  # the engine serves on without this bucket
+                logger.exception("compiling deferred bucket %d failed; its steps use the next bucket", bucket)
+                continue
+            # a new set, so a step reading the old one never sees it change
+            self.pending_buckets = self.pending_buckets - {bucket}
+
+    def wait_for_deferred(self, timeout: Optional[float] = None) -> bool:
+        """Block until the background compiles are done; False if ``timeout`` ran out first."""
+        if self._background is not None:
+            self._background.join(timeout)
+            return not self._background.is_alive()
+        return True
+
+    def stop_background(self) -> None:
+        """Stop after the compile in progress (at engine shutdown and interpreter exit)."""
+        self._stop.set()
+        self.wait_for_deferred()
+
+
+# Background compilers still running; stopped at exit so no XLA compile runs while the
+# interpreter tears down.
+_BACKGROUND: set[CompiledSteps] = set()
+
+
+@atexit.register
+def _stop_all_background() -> None:
+    for steps in list(_BACKGROUND):
+        steps.stop_background()
 
 
 def default_compile_threads() -> int:

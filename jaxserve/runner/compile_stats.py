@@ -44,6 +44,8 @@ class CompileStats:
     warm_up_compile_seconds: float = 0.0  # wall time of warm-up's tracing and compiling
     compile_threads: int = 0  # XLA compiles running at once during warm-up
     warm_up_run_seconds: float = 0.0  # the first run of each variant, on padding
+    background_compiles: int = 0  # deferred variants compiled after warm-up, while serving
+    background_compile_seconds: float = 0.0  # wall time until the last of them was in
     num_steps: int = 0
     real_tokens: int = 0
     padded_tokens: int = 0

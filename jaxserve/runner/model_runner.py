@@ -157,6 +157,10 @@ class ModelRunner:
                                          config.max_num_seqs)
         abstract = self.target.is_abstract
         self.state = self._state_shapes(self.num_blocks) if abstract else self._zero_state(self.num_blocks)
+        # What a step is traced with: the state's shapes and placement, never its arrays, which
+        # each step donates (a background compile may trace while a step runs).
+        self._state_spec = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), self.state)
         self._write_penalty_row = jax.jit(write_penalty_row, donate_argnums=(0,))
         max_concurrency = self.num_blocks * self.block_size / max_model_len
         logger.info(
@@ -262,8 +266,13 @@ class ModelRunner:
             out = [dataclasses.replace(v, all_greedy=g) for v in out for g in (True, False)]
         return out
 
+    def pick_bucket(self, num_tokens: int) -> int:
+        """The bucket a step of ``num_tokens`` runs in: the smallest compiled one that holds it."""
+        pending = () if self.config.enforce_eager else self.steps.pending_buckets
+        return self.buckets.pick(num_tokens, pending)
+
     def _trace_args(self, variant: StepVariant) -> tuple[tuple, dict]:
-        return self._step_args(variant, self.state), self._static_args(variant)
+        return self._step_args(variant, self._state_spec), self._static_args(variant)
 
     def _step_args(self, variant: StepVariant, state) -> tuple:
         buf = jax.ShapeDtypeStruct((self._layout_for(variant.bucket).total,), jnp.int32)
@@ -283,13 +292,15 @@ class ModelRunner:
         """Compile every variant of the table now, so no request ever waits for a compile."""
         if self.config.enforce_eager:
             return
-        variants = self.variants()
-        self.steps.warm_up(variants, self._run_padding_step, show_progress)
+        variants = [v for v in self.variants() if v.bucket not in self.buckets.midpoints]
+        deferred = [v for v in self.variants() if v.bucket in self.buckets.midpoints]
+        self.steps.warm_up(variants, self._run_padding_step, show_progress, deferred=deferred)
         self._set_penalty_row(self.slots.padding_slot, 0)  # compiles the admission-time row write now
         s = self.stats
-        logger.info("step variants: %d (token buckets %s), %d from the persistent cache; ready in %.1f s "
-                    "(tracing %.1f s, XLA %.1f s in %d threads), first runs %.1f s; attention backend %s; "
-                    "layers %s", len(variants), list(self.buckets.token_buckets), s.persistent_cache_hits,
+        logger.info("step variants: %d (token buckets %s; %d more compiling in the background), %d from the "
+                    "persistent cache; ready in %.1f s (tracing %.1f s, XLA %.1f s in %d threads), first runs "
+                    "%.1f s; attention backend %s; layers %s", len(variants), list(self.buckets.token_buckets),
+                    len(deferred), s.persistent_cache_hits,
                     s.warm_up_compile_seconds, s.lower_seconds, s.compile_seconds, s.compile_threads,
                     s.warm_up_run_seconds, self.attention_backend, "scanned" if self.scan_layers else "unrolled")
 
@@ -428,7 +439,7 @@ class ModelRunner:
         states = [self.requests[r] for r in req_ids]
         counts = [so.num_scheduled_tokens[r] for r in req_ids]
         total = so.total_num_scheduled_tokens
-        bucket = self.buckets.pick(total)
+        bucket = self.pick_bucket(total)
         rows = self.buckets.num_rows(bucket)
         slots = [s.slot for s in states]
         if not np.array_equal(self.batch.num_tokens[slots], [s.num_tokens for s in states]):

@@ -26,6 +26,13 @@ def test_bucket_table_midpoints_only_below_max_num_seqs():
     assert BucketTable.build(max_num_batched_tokens=20, max_num_seqs=64).token_buckets == (16, 20)
 
 
+def test_pick_skips_midpoints_still_compiling():
+    table = BucketTable.build(max_num_batched_tokens=1024, max_num_seqs=64)
+    assert table.midpoints == (24, 48)
+    assert [table.pick(n, pending={24, 48}) for n in (17, 25, 33, 49)] == [32, 32, 64, 64]
+    assert [table.pick(n, pending={48}) for n in (17, 33)] == [24, 64]
+
+
 def test_pack_roundtrip_all_dtypes():
     arrays = {
         "ids": np.arange(6, dtype=np.int32).reshape(2, 3),

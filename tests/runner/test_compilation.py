@@ -3,6 +3,9 @@ and skips the buckets a configuration can never reach."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,6 +67,63 @@ def test_threaded_warm_up_compiles_each_variant_once_and_attributes_cache_hits(c
     assert other.stats.persistent_cache_hits == 0
 
 
+def _gated_steps(gate: threading.Event, failing: int | None = None) -> CompiledSteps:
+    """Toy steps whose buckets above 16 trace only once ``gate`` is set (``failing`` never traces)."""
+
+    def trace_args(variant: StepVariant):
+        if variant.bucket > 16:
+            gate.wait()
+        if variant.bucket == failing:
+            raise RuntimeError("no such program")
+        return (jax.ShapeDtypeStruct((variant.bucket,), jnp.float32),), {}
+
+    return CompiledSteps(jax.jit(lambda x: jnp.cumsum(x)), trace_args, CompileStats())
+
+
+def test_deferred_variants_compile_in_the_background_after_warm_up(compile_cache):
+    gate = threading.Event()
+    steps = _gated_steps(gate)
+    ran = []
+    steps.warm_up([StepVariant(16)], ran.append, show_progress=False,
+                  deferred=[StepVariant(24), StepVariant(48)])
+    # warm-up returned while the deferred ones wait: served without them, never run on padding
+    assert steps.warmed_up and ran == [StepVariant(16)]
+    assert steps.pending_buckets == {24, 48} and not steps.wait_for_deferred(timeout=0.05)
+    gate.set()
+    assert steps.wait_for_deferred(timeout=60)
+    s = steps.stats
+    assert steps.pending_buckets == set()
+    assert (s.num_compiles, s.background_compiles, s.unexpected_compiles) == (3, 2, 0)
+    assert s.background_compile_seconds > 0
+    steps.get(StepVariant(48))  # already compiled: no compile on demand
+    assert (s.num_compiles, s.unexpected_compiles) == (3, 0)
+
+
+def test_a_failing_deferred_bucket_stays_pending_and_the_rest_compile(compile_cache):
+    gate = threading.Event()
+    gate.set()
+    steps = _gated_steps(gate, failing=24)
+    steps.warm_up([StepVariant(16)], lambda v: None, show_progress=False,
+                  deferred=[StepVariant(24), StepVariant(48)])
+    assert steps.wait_for_deferred(timeout=60)
+    assert steps.pending_buckets == {24} and steps.stats.background_compiles == 1
+
+
+def test_stopping_the_background_compiles_no_more(compile_cache):
+    gate = threading.Event()
+    steps = _gated_steps(gate)
+    steps.warm_up([StepVariant(16)], lambda v: None, show_progress=False,
+                  deferred=[StepVariant(24), StepVariant(48)])
+    stopper = threading.Thread(target=steps.stop_background)
+    stopper.start()
+    while not steps._stop.is_set():
+        time.sleep(0.01)
+    gate.set()  # the compile in progress (24) finishes; 48 is never started
+    stopper.join(60)
+    assert not stopper.is_alive()
+    assert steps.stats.background_compiles == 1 and steps.pending_buckets == {48}
+
+
 @pytest.mark.parametrize("shape,blocks,top", [
     (dict(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=2048), 10_000, 2048),
     (dict(max_num_batched_tokens=2048, max_num_seqs=2, max_model_len=256), 10_000, 512),  # 2 requests of 256
@@ -96,3 +156,21 @@ def test_engine_compiles_no_bucket_above_what_its_requests_can_fill(demo_model):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
     assert llm.stats()["compile_unexpected_compiles"] == 0
+
+
+def test_engine_is_ready_before_its_midpoints_and_uses_them_once_compiled(demo_model):
+    from jaxserve import LLM, SamplingParams
+
+    # 32 requests at most: 24 is a decode midpoint, compiled after the engine is ready.
+    llm = LLM(demo_model, show_progress=False, record_steps=True, max_model_len=64, max_num_seqs=32,
+              max_num_batched_tokens=64, num_gpu_blocks_override=160)
+    runner = llm.llm_engine.core.runner
+    assert runner.buckets.midpoints == (24,) and llm.stats()["token_buckets"] == [16, 24, 32, 64]
+    assert runner.steps.wait_for_deferred(timeout=300)
+    stats = llm.stats()
+    assert stats["compile_num_compiles"] == 4 and stats["compile_background_compiles"] == 1
+    prompts = [{"prompt_token_ids": [5 + i, 9, 11]} for i in range(20)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    decode_buckets = {r.token_bucket for r in llm.get_step_records() if r.schedule.num_scheduled_tokens == 20}
+    assert decode_buckets == {24}
+    assert llm.stats()["compile_unexpected_compiles"] == 0 and llm.stats()["compile_num_compiles"] == 4
