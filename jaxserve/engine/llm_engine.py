@@ -77,6 +77,7 @@ class LLMEngine:
         self.metrics = EngineMetrics(self.served_model_name, self.core.attention_backend)
         self.metrics.record_startup(self.core.startup.phases, self.core.runner.stats)
         self._report_startup(show_progress)
+        self.core.runner.start_deferred_compiles()
 
     def _grammar_backend(self):
         """Structured outputs' grammars for this tokenizer (its llguidance form is built on first

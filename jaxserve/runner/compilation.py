@@ -11,8 +11,8 @@ released, so compiles overlap the tracing of the next variants and, with cores t
 other.
 
 Variants that only save padding (the decode midpoints) may be deferred: warm-up returns without
-them and one background thread compiles them while the engine serves; until a bucket's variants
-are all in, steps use the next larger bucket (``pending_buckets``).
+them and, once the engine is ready, one background thread compiles them while it serves; until a
+bucket's variants are all in, steps use the next larger bucket (``pending_buckets``).
 """
 
 from __future__ import annotations
@@ -97,6 +97,7 @@ class CompiledSteps:
         self.stats = stats
         self.warmed_up = False
         self.pending_buckets: set[int] = set()
+        self._deferred: list[StepVariant] = []
         self._background: Optional[threading.Thread] = None
         self._stop = threading.Event()
         compile_stats.install_listener()
@@ -140,8 +141,9 @@ class CompiledSteps:
         """Compile every variant (``max_workers`` at once, default :func:`default_compile_threads`),
         then run each once on padding: a program's first run pays one-time costs (its buffers'
         first allocation and page faults) that would otherwise land on the first requests; vLLM's
-        dummy runs at start-up do the same. Then start compiling the ``deferred`` variants in the
-        background (no first run: it would race the engine's steps for the donated state)."""
+        dummy runs at start-up do the same. The ``deferred`` variants are left pending for
+        :meth:`start_deferred` (no first run: it would race the engine's steps for the donated
+        state)."""
         todo = [v for v in variants if v not in self._compiled]
         start = time.perf_counter()
         workers = max(1, min(len(todo), max_workers or default_compile_threads()))
@@ -162,12 +164,15 @@ class CompiledSteps:
             run_padding(variant)
         self.stats.warm_up_run_seconds += time.perf_counter() - start
         self.warmed_up = True
-        if deferred:
-            self._start_background(deferred)
+        self._deferred = [v for v in deferred or [] if v not in self._compiled]
+        self.pending_buckets = {v.bucket for v in self._deferred}
 
-    def _start_background(self, deferred: list[StepVariant]) -> None:
-        self.pending_buckets = {v.bucket for v in deferred}
-        self._background = threading.Thread(target=self._compile_deferred, args=(deferred,),
+    def start_deferred(self) -> None:
+        """Compile the deferred variants in a background thread. Called once the engine is ready,
+        not from warm-up: tracing holds the GIL and would slow what start-up still does."""
+        if not self._deferred or self._background is not None:
+            return
+        self._background = threading.Thread(target=self._compile_deferred, args=(self._deferred,),
                                             name="jaxserve-compile-deferred", daemon=True)
         _BACKGROUND.add(self)
         self._background.start()

@@ -304,6 +304,10 @@ class ModelRunner:
                     s.warm_up_compile_seconds, s.lower_seconds, s.compile_seconds, s.compile_threads,
                     s.warm_up_run_seconds, self.attention_backend, "scanned" if self.scan_layers else "unrolled")
 
+    def start_deferred_compiles(self) -> None:
+        """Compile the decode midpoints in the background (see :mod:`.compilation`)."""
+        self.steps.start_deferred()
+
     def _run_padding_step(self, variant: StepVariant) -> None:
         """Execute a compiled variant once on padding only: no request, no KV write, no sample used."""
         buf = pack(self._padding_inputs(variant.bucket), self._layout_for(variant.bucket))

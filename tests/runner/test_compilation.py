@@ -88,7 +88,9 @@ def test_deferred_variants_compile_in_the_background_after_warm_up(compile_cache
                   deferred=[StepVariant(24), StepVariant(48)])
     # warm-up returned while the deferred ones wait: served without them, never run on padding
     assert steps.warmed_up and ran == [StepVariant(16)]
-    assert steps.pending_buckets == {24, 48} and not steps.wait_for_deferred(timeout=0.05)
+    assert steps.pending_buckets == {24, 48} and steps.stats.num_compiles == 1
+    steps.start_deferred()
+    assert not steps.wait_for_deferred(timeout=0.05)
     gate.set()
     assert steps.wait_for_deferred(timeout=60)
     s = steps.stats
@@ -105,6 +107,7 @@ def test_a_failing_deferred_bucket_stays_pending_and_the_rest_compile(compile_ca
     steps = _gated_steps(gate, failing=24)
     steps.warm_up([StepVariant(16)], lambda v: None, show_progress=False,
                   deferred=[StepVariant(24), StepVariant(48)])
+    steps.start_deferred()
     assert steps.wait_for_deferred(timeout=60)
     assert steps.pending_buckets == {24} and steps.stats.background_compiles == 1
 
@@ -114,6 +117,7 @@ def test_stopping_the_background_compiles_no_more(compile_cache):
     steps = _gated_steps(gate)
     steps.warm_up([StepVariant(16)], lambda v: None, show_progress=False,
                   deferred=[StepVariant(24), StepVariant(48)])
+    steps.start_deferred()
     stopper = threading.Thread(target=steps.stop_background)
     stopper.start()
     while not steps._stop.is_set():
