@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from jaxserve.bench import prom
 from jaxserve.bench.processes import drain_lines, stop_process, wait_for_url
 
 # A pool of this many KV blocks forces preemptions at the default concurrency.
@@ -96,17 +97,11 @@ class ServerProcess:
 
 def _metrics(client, base: str) -> dict[str, float]:
     """Samples of /metrics summed over labels, plus request_success by finished_reason."""
-    text = client.get(f"{base}/metrics", timeout=30).text
-    out: dict[str, float] = collections.defaultdict(float)
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, value = line.rsplit(" ", 1)
-        name = name_labels.split("{", 1)[0]
-        out[name] += float(value)
-        if name == "jaxserve:request_success_total" and 'finished_reason="' in name_labels:
-            reason = name_labels.split('finished_reason="', 1)[1].split('"', 1)[0]
-            out[f"finished:{reason}"] += float(value)
+    samples = prom.read_samples(client.get(f"{base}/metrics", timeout=30).text)
+    out = collections.defaultdict(float, prom.summed(samples))
+    for s in samples:
+        if s.name == "jaxserve:request_success_total" and "finished_reason" in s.labels:
+            out[f"finished:{s.labels['finished_reason']}"] += s.value
     return out
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from jaxserve import envs
+from jaxserve.bench import prom
 from jaxserve.bench.processes import drain_lines, stop_process, wait_for_url
 
 
@@ -77,32 +78,23 @@ def start_once(flags: list[str], cache_dir: Path, timeout: float) -> dict:
         ready_s = time.monotonic() - start
         if url is None:
             raise SystemExit("jaxserve bench startup: the server did not start:\n" + "".join(log[-40:]))
-        metrics = _read_metrics(url)
+        metrics = prom.fetch(url)
     finally:
         stop_process(proc)
     return {"ready_s": ready_s, **startup_breakdown(metrics, ready_s)}
 
 
-def _read_metrics(base_url: str) -> str:
-    import httpx
-
-    return httpx.get(f"{base_url}/metrics", timeout=30).text
-
-
 def startup_breakdown(metrics_text: str, ready_s: float) -> dict:
     """Phases and step variants from ``/metrics``; ``outside_engine_s`` is the rest of the time to
     ready (interpreter and imports, server set-up)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     phases: dict[str, float] = {}
     variants: dict[str, dict] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            if sample.name == "jaxserve:startup_seconds":
-                phases[sample.labels["phase"]] = sample.value
-            elif sample.name == "jaxserve:startup_step_variant_seconds":
-                variants[sample.labels["variant"]] = {"seconds": sample.value,
-                                                      "cached": sample.labels["cached"] == "true"}
+    for sample in prom.read_samples(metrics_text):
+        if sample.name == "jaxserve:startup_seconds":
+            phases[sample.labels["phase"]] = sample.value
+        elif sample.name == "jaxserve:startup_step_variant_seconds":
+            variants[sample.labels["variant"]] = {"seconds": sample.value,
+                                                  "cached": sample.labels["cached"] == "true"}
     engine_s = sum(phases.values())
     return {"engine_s": engine_s, "outside_engine_s": ready_s - engine_s, "phases_s": phases,
             "num_variants": len(variants), "persistent_cache_hits": sum(v["cached"] for v in variants.values()),

@@ -96,15 +96,10 @@ def stop_server(handle: ServerHandle) -> None:
 
 def metric(base: str, name: str) -> float:
     """One sample of /metrics (summed over labels); 0 for a labelled metric not yet touched."""
-    text = httpx.get(f"{base}/metrics", timeout=10).text
-    total, found = 0.0, False
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-            found = True
-    declared = f"# TYPE {name} " in text or f"# TYPE {name.removesuffix('_total')} " in text
-    assert found or declared, f"{name} not in /metrics"
-    return total
+    text = prom.fetch(base, timeout=10)
+    values = prom.summed(prom.read_samples(text))
+    assert name in values or prom.declared(text, name), f"{name} not in /metrics"
+    return values.get(name, 0.0)
 
 
 def wait_idle(base: str, timeout_s: float = 15.0) -> tuple[float, float]:
