@@ -85,15 +85,6 @@ class _Request(BaseModel):
     # types as OpenAI's API has them ("max_tokens": "16" is refused, not converted).
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _only_unicode_text(cls, data: Any) -> Any:
-        # Every string, known field or not, once, before any is used (tokenized, hashed, echoed).
-        where = find_invalid_text(data)
-        if where is not None:
-            raise InvalidTextError(where)
-        return data
-
     def ignored_fields(self) -> list[str]:
         """Fields of the body that no model declares, nested ones as ``outer.inner``."""
         names = list(self.model_extra or {})
@@ -102,6 +93,20 @@ class _Request(BaseModel):
             if isinstance(value, _Request):
                 names += [f"{name}.{inner}" for inner in value.ignored_fields()]
         return names
+
+
+class _Body(_Request):
+    """A whole request body (nested objects are plain ``_Request``s)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_unicode_text(cls, data: Any) -> Any:
+        # Every string, known field or not, once, before any is used (tokenized, hashed, echoed);
+        # here only, so nested models do not walk their part again.
+        where = find_invalid_text(data)
+        if where is not None:
+            raise InvalidTextError(where)
+        return data
 
 
 class StreamOptions(_Request):
@@ -148,7 +153,7 @@ class StructuredOutputsBody(_Request):
                 if getattr(self, name) is not None}
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: Optional[str] = None
@@ -596,14 +601,14 @@ class TokenizerInfoResponse(BaseModel):
     tokenizer_class: str
 
 
-class TokenizeCompletionRequest(_Request):
+class TokenizeCompletionRequest(_Body):
     model: Optional[str] = None
     prompt: StrictStr
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(_Request):
+class TokenizeChatRequest(_Body):
     model: Optional[str] = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -624,7 +629,7 @@ class TokenizeResponse(BaseModel):
     token_strs: Optional[list[str]] = None
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_Body):
     model: Optional[str] = None
     tokens: list[StrictInt]
 
