@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from jaxserve.bench import prom
 from jaxserve.bench.processes import stop_process
 from tests.shapes import SERVER_SHAPE
 
