@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Optional
@@ -68,6 +69,7 @@ class Profiler:
     def __init__(self) -> None:
         self._log_dir: Optional[Path] = None
         self._before: set[Path] = set()
+        self._started = 0.0
 
     @property
     def running(self) -> bool:
@@ -82,6 +84,7 @@ class Profiler:
         folder = Path(log_dir).expanduser() if log_dir else envs.profiler_dir()
         folder.mkdir(parents=True, exist_ok=True)
         self._before = set(_run_dirs(folder))
+        self._started = time.time()
         jax.profiler.start_trace(str(folder), create_perfetto_trace=True)
         self._log_dir = folder
         return folder
@@ -94,13 +97,19 @@ class Profiler:
             raise RuntimeError("no profile is being recorded (call start_profile first)")
         folder, self._log_dir = self._log_dir, None
         jax.profiler.stop_trace()
-        new = sorted(set(_run_dirs(folder)) - self._before, key=lambda p: p.stat().st_mtime)
-        if not new:
+        # A run folder is named by the second it began: a second run in the same second reuses it.
+        written = [p for p in _run_dirs(folder) if p not in self._before or _last_write(p) >= self._started]
+        if not written:
             raise RuntimeError(f"jax.profiler wrote no run folder under {folder}")
-        run = new[-1]
+        run = max(written, key=_last_write)
         perfetto = run / PERFETTO_FILE
         xplane = next(iter(sorted(run.glob("*.xplane.pb"))), None)
         return Profile(folder, run, perfetto if perfetto.is_file() else None, xplane)
+
+
+def _last_write(run_dir: Path) -> float:
+    """When a file of ``run_dir`` was last written (a folder's own time misses rewritten files)."""
+    return max((f.stat().st_mtime for f in run_dir.iterdir() if f.is_file()), default=run_dir.stat().st_mtime)
 
 
 def _run_dirs(log_dir: Path) -> list[Path]:

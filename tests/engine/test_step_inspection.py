@@ -77,3 +77,7 @@ def test_profile_writes_a_perfetto_trace(llm, tmp_path):
     assert by_thread and all(s >= 0 for s in by_thread.values()) and max(by_thread.values()) > 0
     with pytest.raises(RuntimeError, match="no profile is being recorded"):
         llm.stop_profile()
+    llm.start_profile(str(tmp_path))  # a second trace into the same folder, likely the same second
+    llm.generate([[7, 8]], SamplingParams(max_tokens=2), use_tqdm=False)
+    again = llm.stop_profile()
+    assert again.perfetto_trace is not None and again.perfetto_trace.stat().st_mtime >= profile.perfetto_trace.stat().st_mtime
