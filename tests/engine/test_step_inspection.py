@@ -80,4 +80,5 @@ def test_profile_writes_a_perfetto_trace(llm, tmp_path):
     llm.start_profile(str(tmp_path))  # a second trace into the same folder, likely the same second
     llm.generate([[7, 8]], SamplingParams(max_tokens=2), use_tqdm=False)
     again = llm.stop_profile()
-    assert again.perfetto_trace is not None and again.perfetto_trace.stat().st_mtime >= profile.perfetto_trace.stat().st_mtime
+    assert again.perfetto_trace is not None
+    assert again.perfetto_trace.stat().st_mtime >= profile.perfetto_trace.stat().st_mtime
