@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 from jaxserve import envs
 from jaxserve.exceptions import ConfigError
 
-ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu")
+ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu")  # built in; more may be registered
 
 
 @dataclasses.dataclass
@@ -50,8 +50,10 @@ class EngineConfig:
     async_scheduling: bool = True
     """Schedule and prepare step N+1 while the device runs step N (outputs arrive one step later;
     the same tokens)."""
-    attention_backend: Literal["auto", "xla", "pallas", "triton", "cpu"] = "auto"
-    """auto = pallas on GPU; on a CPU, cpu (the C++ kernel) when it builds here, else xla."""
+    attention_backend: str = "auto"
+    """auto, xla, pallas, triton, cpu, or a name registered with
+    pallas_kernels.register_attention_backend in this process. auto = pallas on GPU; on a CPU,
+    cpu (the C++ kernel) when it builds here, else xla."""
     seed: int = 0
     """Seed of the engine's RNG (draws seeds for unseeded requests)."""
     kv_cache_memory: int | None = None
@@ -119,8 +121,9 @@ class EngineConfig:
             raise bad("max_model_len", "must be >= 2")
         if self.long_prefill_token_threshold < 0:
             raise bad("long_prefill_token_threshold", "must be >= 0")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise bad("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}")
+        if not _is_backend_name(self.attention_backend):
+            # Registered names are known only to the kernels' registry: the runner checks them.
+            raise bad("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)} or a registered name")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise bad("scheduling_policy", "must be 'fcfs' or 'priority'")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -197,6 +200,12 @@ class EngineConfig:
         values = {k: v for k, v in vars(args).items() if k in names}
         values.update(overrides)
         return cls(**values)
+
+
+def _is_backend_name(name: Any) -> bool:
+    """A built-in backend, or a name a registered one could have (letters, digits, ``_-.``)."""
+    return isinstance(name, str) and (name in ATTENTION_BACKENDS or (
+        bool(name) and all(c.isalnum() or c in "_-." for c in name)))
 
 
 def _field_docs(cls: type) -> dict[str, str]:

@@ -20,6 +20,9 @@ JAX_SKIP_CUDA_CONSTRAINTS_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
 XLA_PYTHON_CLIENT_MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 """XLA's own: the share of GPU memory its allocator preallocates (0.75 when unset). A GPU engine
 sets it to ``gpu_memory_utilization`` when the user has not, before JAX starts its backends."""
+JAXSERVE_PROFILER_DIR = "JAXSERVE_PROFILER_DIR"
+"""Where ``LLM.start_profile()`` writes its traces when not given a folder (vLLM's
+``VLLM_TORCH_PROFILER_DIR``); default: the ``profiles`` folder of the cache."""
 JAXSERVE_LOG_LEVEL = "JAXSERVE_LOG_LEVEL"
 """The ``jaxserve`` command's log level (``debug`` also prints the traceback of a start-up error)."""
 
@@ -40,6 +43,12 @@ def cache_dir() -> Path:
 def kernel_build_dir() -> Path:
     """Where kernels built on first use (the ``cpu`` attention backend's library) live."""
     return cache_dir() / "kernels"
+
+
+def profiler_dir() -> Path:
+    """``$JAXSERVE_PROFILER_DIR``, else ``profiles`` in :func:`cache_dir`."""
+    explicit = os.environ.get(JAXSERVE_PROFILER_DIR)
+    return Path(explicit).expanduser() if explicit else cache_dir() / "profiles"
 
 
 def hash_seed() -> Optional[str]:

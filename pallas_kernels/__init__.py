@@ -23,6 +23,11 @@ by the context they need; :func:`ragged_paged_attention_reference` is the oracle
 same kernel in Triton's interpreter on CPU), ``cpu`` = :func:`ragged_paged_attention_cpu` (a C++
 kernel called through XLA's FFI, built on first use; the fast path on a CPU).
 
+More backends are registered at run time: ``register_attention_backend(name, fn)`` checks ``fn``
+against the reference on small ragged batches (:func:`check_against_reference`) and makes it
+available to :func:`get_attention_fn` and to ``EngineConfig(attention_backend=name)`` in this
+process; :func:`available_backends` lists built-in and registered names.
+
 For the runner: all shapes are static (bucketed T and R); every data-dependent quantity
 (``kv_lens``, ``block_tables``, ``query_start_loc``, ``num_seqs``) may be traced. ``sm_scale``,
 ``sliding_window``, ``soft_cap`` and the tuning keywords are static Python values. The Pallas and
@@ -50,6 +55,15 @@ from .ragged_paged_attention import (
     ragged_paged_attention_mixed,
 )
 from .reference import ragged_paged_attention_reference, write_kv
+from .registry import (
+    BUILTIN_BACKENDS,
+    BackendCheck,
+    available_backends,
+    check_against_reference,
+    register_attention_backend,
+    registered_attention_fn,
+    unregister_attention_backend,
+)
 from .triton_attention import (
     TritonLaunchPlan,
     jax_triton_importable,
@@ -61,10 +75,11 @@ from .triton_attention import (
 )
 from .xla_attention import ragged_paged_attention_xla
 
-BACKENDS = ("xla", "pallas", "triton", "cpu")
+BACKENDS = BUILTIN_BACKENDS
 
 __all__ = [
-    "BACKENDS", "cpu_attention_available", "DecodeConfig", "default_decode_config",
+    "available_backends", "BackendCheck", "BACKENDS", "check_against_reference", "register_attention_backend",
+    "unregister_attention_backend", "cpu_attention_available", "DecodeConfig", "default_decode_config",
     "default_mixed_config", "get_attention_fn", "lower_for_cuda", "lowerable_configs",
     "MixedConfig", "num_q_tiles", "ragged_paged_attention", "ragged_paged_attention_cpu",
     "ragged_paged_attention_decode", "ragged_paged_attention_mixed",
@@ -75,7 +90,8 @@ __all__ = [
 
 
 def get_attention_fn(backend: str, interpret: bool = False, build_dir=None, **tuning):
-    """A callable with the contract signature for ``backend`` in :data:`BACKENDS`.
+    """A callable with the contract signature for ``backend``, built in (:data:`BACKENDS`) or
+    registered (:func:`register_attention_backend`; ``interpret`` and ``build_dir`` do not apply).
 
     ``interpret`` applies to ``pallas`` (Pallas interpret mode) and ``triton`` (Triton's
     interpreter); ``tuning`` keywords are bound into the callable (e.g. ``mode="decode"``,
@@ -97,4 +113,7 @@ def get_attention_fn(backend: str, interpret: bool = False, build_dir=None, **tu
         if not ok:
             raise RuntimeError(f"the cpu attention backend is unavailable: {reason}")
         return functools.partial(ragged_paged_attention_cpu, **tuning)
-    raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    registered = registered_attention_fn(backend)
+    if registered is not None:
+        return functools.partial(registered, **tuning)
+    raise ValueError(f"unknown attention backend {backend!r}; expected one of {available_backends()}")

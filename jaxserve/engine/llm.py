@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
-from typing import Any, Optional, Sequence, Union
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
@@ -14,9 +15,13 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import Metric
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.processor import PromptType
+from jaxserve.engine.profiling import Profile, Profiler
 from jaxserve.engine.step_records import StepRecord
 from jaxserve.engine.timeline import RequestTimeline
 from jaxserve.exceptions import InvalidRequestError
+
+if TYPE_CHECKING:  # the runner imports jax; LLM loads it with the engine
+    from jaxserve.runner.inspection import StepInputs, StepProgram
 
 
 class LLM:
@@ -31,6 +36,7 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_args)
         self.llm_engine = LLMEngine(self.config, show_progress=show_progress, record_steps=record_steps)
         self._counter = itertools.count()
+        self._profiler = Profiler()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -130,6 +136,33 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
+
+    # ---- looking inside the step (docs/design.md, "Inspecting a step") ----------------------
+
+    def get_step_program(self, bucket: int, *, decode_only: bool = False) -> StepProgram:
+        """Token bucket ``bucket``'s compiled step as the engine runs it: jaxpr, StableHLO and
+        optimized HLO text, XLA's ``cost_analysis()`` and ``memory_analysis()``."""
+        from jaxserve.runner.inspection import find_variant, step_program
+
+        runner = self.llm_engine.core.runner
+        return step_program(runner.steps, find_variant(runner.variants(), bucket, decode_only))
+
+    def get_last_step_inputs(self) -> Optional[StepInputs]:
+        """The packed inputs of the last launched step, decoded into named arrays (None before
+        the first step). With async scheduling that step may still be running."""
+        from jaxserve.runner.inspection import decode_step
+
+        packed = self.llm_engine.core.runner.last_packed
+        return None if packed is None else decode_step(packed)
+
+    def start_profile(self, log_dir: Optional[str] = None) -> Path:
+        """Start a ``jax.profiler`` trace into ``log_dir`` (default ``$JAXSERVE_PROFILER_DIR``,
+        else the cache's ``profiles`` folder); returns the folder."""
+        return self._profiler.start(log_dir)
+
+    def stop_profile(self) -> Profile:
+        """Stop the trace; the ``Profile`` names its Perfetto and TensorBoard files."""
+        return self._profiler.stop()
 
 
 def _template_message(message: dict[str, Any]) -> dict[str, Any]:

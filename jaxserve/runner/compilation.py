@@ -108,11 +108,18 @@ class CompiledSteps:
             self.stats.unexpected_compiles += self.warmed_up
         return self._compiled[variant]
 
-    def lowered(self, variant: StepVariant) -> Any:
-        """The variant's lowered program (for inspection; compiles nothing)."""
+    def traced(self, variant: StepVariant) -> Any:
+        """The variant's traced program (``.jaxpr``, ``.lower()``; for inspection, compiles nothing)."""
         args, static = self._trace_args(variant)
         with _LOWERING_LOCK:
-            return self._jitted.trace(*args, **static).lower()
+            return self._jitted.trace(*args, **static)
+
+    def lowered(self, variant: StepVariant, traced: Any = None) -> Any:
+        """The variant's lowered program (for inspection; compiles nothing), from ``traced`` when
+        given (the same variant's ``traced``)."""
+        traced = traced if traced is not None else self.traced(variant)
+        with _LOWERING_LOCK:
+            return traced.lower()
 
     def _lower_timed(self, variant: StepVariant) -> Any:
         """``lowered``, its seconds added to ``stats.lower_seconds``."""

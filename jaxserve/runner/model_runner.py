@@ -36,6 +36,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.core.sampling_params import SAMPLING_EPS
 from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from jaxserve.exceptions import ConfigError
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.runner.buckets import BucketTable
@@ -43,6 +44,7 @@ from jaxserve.runner.compilation import CompiledSteps, StepVariant
 from jaxserve.runner.compile_stats import CompileStats
 from jaxserve.runner.device_state import DeviceState, StepOutput
 from jaxserve.runner.input_batch import CachedRequestState, PersistentBatch, SlotAllocator, StepPlan, build_step_arrays
+from jaxserve.runner.inspection import PackedStep
 from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks, gpu_device_memory
 from jaxserve.runner.packing import PackLayout, pack, unpack
 from jaxserve.runner.target import StepTarget
@@ -79,7 +81,11 @@ class PreparedStep:
 
 
 def resolve_attention_backend(requested: str, platform: str | None = None) -> str:
+    """``auto`` made concrete for ``platform``; any other name must be built in or registered."""
     if requested != "auto":
+        if requested not in pallas_kernels.available_backends():
+            raise ConfigError(f"attention_backend: not built in nor registered in this process (known: "
+                              f"{', '.join(pallas_kernels.available_backends())}), got {requested!r}")
         return requested
     if (platform or jax.default_backend()) == "gpu":
         return "pallas"
@@ -148,6 +154,7 @@ class ModelRunner:
         self._rng = np.random.default_rng(config.seed)
         self.stats = CompileStats()
         self._layouts: dict[int, PackLayout] = {}
+        self.last_packed: PackedStep | None = None  # the last launched step's inputs, for inspection
         self._jitted = jax.jit(self._step, static_argnames=("layout", "decode_only", "all_greedy"),
                                donate_argnums=(1,))
         self.steps = CompiledSteps(self._jitted, self._trace_args, self.stats)
@@ -394,6 +401,8 @@ class ModelRunner:
             return InFlightStep(so)
         groups["model"]["use_bitmask"] = np.asarray([bitmask is not None])
         buf = pack(groups, self._layout_for(plan.token_bucket))
+        self.last_packed = PackedStep(buf, self._layout_for(plan.token_bucket), plan.token_bucket, plan.num_tokens,
+                                      tuple(plan.req_ids), self.block_size)
         if bitmask is None:
             bitmask = self._allowed_all_bitmask(prepared.num_rows)
         if self.config.enforce_eager:  # op by op, every numpy slice would be its own transfer

@@ -4,7 +4,7 @@ The runner builds small numpy arrays in named groups (model inputs; sampling par
 would be its own transfer, and on a GPU the fixed cost per copy dominates such small arrays.
 ``pack`` lays them end to end in one int32 buffer (float32 and uint32 bit-cast, bool widened);
 inside the compiled step ``unpack`` slices them back out at static offsets, which XLA folds away,
-into the same groups.
+into the same groups. ``decode`` does the same on the host, to look at a step's inputs.
 """
 
 from __future__ import annotations
@@ -74,5 +74,17 @@ def unpack(buf: jax.Array, layout: PackLayout) -> dict[str, dict[str, jax.Array]
             value = words
         else:
             value = jax.lax.bitcast_convert_type(words, jnp.dtype(f.dtype))
+        out.setdefault(f.group, {})[f.name] = value
+    return out
+
+
+def decode(buf: np.ndarray, layout: PackLayout) -> dict[str, dict[str, np.ndarray]]:
+    """``unpack`` on the host: the groups of a packed numpy buffer, as copies in their dtypes."""
+    if buf.shape != (layout.total,):
+        raise ValueError(f"buffer of shape {buf.shape} does not match the layout's {layout.total} words")
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for f in layout.fields:
+        words = buf[f.offset : f.offset + f.size].reshape(f.shape)
+        value = words != 0 if f.dtype == "bool" else words.view(np.dtype(f.dtype)).copy()
         out.setdefault(f.group, {})[f.name] = value
     return out
