@@ -103,9 +103,13 @@ class CompiledSteps:
         compile_stats.install_listener()
 
     def get(self, variant: StepVariant) -> Any:
+        """The variant's executable. A deferred one still compiling is waited for (steps never ask
+        for one; inspection may), any other missing one compiled now."""
+        if variant not in self._compiled and variant in self._deferred:
+            self.wait_for_deferred()
         if variant not in self._compiled:
             self._compile(variant)
-            self.stats.unexpected_compiles += self.warmed_up
+            self.stats.unexpected_compiles += self.warmed_up and variant not in self._deferred
         return self._compiled[variant]
 
     def traced(self, variant: StepVariant) -> Any:
@@ -200,7 +204,7 @@ class CompiledSteps:
     def _compile_buckets(self, deferred: list[StepVariant]) -> None:
         for bucket in sorted(self.pending_buckets):
             try:
-                for variant in (v for v in deferred if v.bucket == bucket):
+                for variant in (v for v in deferred if v.bucket == bucket and v not in self._compiled):
                     if self._stop.is_set():
                         return
                     self._record(variant, *_compile_lowered(self._lower_timed(variant)))

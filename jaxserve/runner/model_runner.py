@@ -268,7 +268,10 @@ class ModelRunner:
         decode kernel, and on a GPU a greedy and a random sampler program of each."""
         out = [StepVariant(b) for b in self.buckets.token_buckets]
         if self.decode_attn_fn is not None:
-            out += [StepVariant(b, True) for b in self.buckets.token_buckets if b <= self.buckets.max_num_seqs]
+            # A decode step has at most max_num_seqs tokens, padded to that bucket or, while the
+            # midpoints compile, to the next power of two.
+            top = self.buckets.pick(self.buckets.max_num_seqs, pending=self.buckets.midpoints)
+            out += [StepVariant(b, True) for b in self.buckets.token_buckets if b <= top]
         if self.cond_free:
             out = [dataclasses.replace(v, all_greedy=g) for v in out for g in (True, False)]
         return out

@@ -101,6 +101,20 @@ def test_deferred_variants_compile_in_the_background_after_warm_up(compile_cache
     assert (s.num_compiles, s.unexpected_compiles) == (3, 0)
 
 
+def test_asking_for_a_deferred_variant_waits_for_it_or_compiles_it_as_expected(compile_cache):
+    gate = threading.Event()
+    gate.set()
+    steps = _gated_steps(gate)
+    steps.warm_up([StepVariant(16)], lambda v: None, show_progress=False,
+                  deferred=[StepVariant(24), StepVariant(48)])
+    steps.get(StepVariant(24))  # not started (an engine not yet ready): compiled now, as planned
+    assert (steps.stats.num_compiles, steps.stats.unexpected_compiles) == (2, 0)
+    steps.start_deferred()
+    steps.get(StepVariant(48))  # waits for the background thread, which compiles only 48
+    assert steps.pending_buckets == set() and steps.stats.background_compiles == 1
+    assert (steps.stats.num_compiles, steps.stats.unexpected_compiles) == (3, 0)
+
+
 def test_a_failing_deferred_bucket_stays_pending_and_the_rest_compile(compile_cache):
     gate = threading.Event()
     gate.set()
@@ -178,3 +192,18 @@ def test_engine_is_ready_before_its_midpoints_and_uses_them_once_compiled(demo_m
     decode_buckets = {r.token_bucket for r in llm.get_step_records() if r.schedule.num_scheduled_tokens == 20}
     assert decode_buckets == {24}
     assert llm.stats()["compile_unexpected_compiles"] == 0 and llm.stats()["compile_num_compiles"] == 4
+
+
+@pytest.mark.parametrize("max_num_seqs,max_tokens,decode_buckets", [
+    (4, 32, [16]),  # 4 decodes pad to 16, above max_num_seqs
+    (24, 64, [16, 24, 32]),  # 24 decodes use 32 while the midpoint 24 compiles
+])
+def test_pallas_decode_variants_cover_every_bucket_a_decode_step_can_use(demo_model, max_num_seqs, max_tokens,
+                                                                          decode_buckets):
+    from jaxserve.models import load_model
+    from jaxserve.runner.model_runner import ModelRunner
+
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens, num_gpu_blocks_override=40,
+                          attention_backend="pallas", interpret_kernels=True)
+    runner = ModelRunner(config, load_model(demo_model), 64)
+    assert sorted(v.bucket for v in runner.variants() if v.decode_only) == decode_buckets
