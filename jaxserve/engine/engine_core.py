@@ -18,7 +18,7 @@ import importlib.util
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
@@ -78,15 +78,21 @@ def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) ->
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False):
+    """``model``: a model object to serve instead of loading ``config.model`` (the contract is in
+    :mod:`jaxserve.models.contract`); ``model_source`` is then None."""
+
+    def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False,
+                 model: Any = None):
         self.config = config
         self.startup = StartupTimes()
         start_cpu_kernel_build(config)
-        with self.startup.phase("model"):  # before this thread imports jax: a wrong name fails fast
-            self.model_source = resolve_model_source(config)
-        self.model_path = str(self.model_source.path)
+        self.model_source: Optional[ModelSource] = None
+        if model is None:
+            with self.startup.phase("model"):  # before this thread imports jax: a wrong name fails fast
+                self.model_source = resolve_model_source(config)
 
         from jaxserve.models import load_model
+        from jaxserve.models.contract import check_model_object
         from jaxserve.runner.compilation import enable_persistent_compilation_cache
         from jaxserve.runner.kv_cache import configure_xla_allocator
         from jaxserve.runner.model_runner import ModelRunner
@@ -94,8 +100,15 @@ class EngineCore:
         configure_xla_allocator(config.gpu_memory_utilization)  # before JAX starts a GPU backend
         if not config.enforce_eager:  # eager mode's per-op programs are not worth caching on disk
             enable_persistent_compilation_cache(config.resolved_compilation_cache_dir())
-        with self.startup.phase("weights"):
-            model = load_model(self.model_path, config.dtype, config.scan_layers)
+        if model is None:
+            assert self.model_source is not None
+            with self.startup.phase("weights"):
+                model = load_model(str(self.model_source.path), config.dtype, config.scan_layers)
+        else:
+            check_model_object(model)
+            if config.model or config.dtype != "auto" or config.scan_layers is not None:
+                raise ConfigError("model, dtype and scan_layers describe a checkpoint to load; "
+                                  "a model object is served as it is built")
         self.model_config = model.config
         self.max_model_len = resolve_max_model_len(config, model.config.max_position_embeddings)
         with self.startup.phase("runner"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
@@ -25,16 +26,28 @@ if TYPE_CHECKING:  # the runner imports jax; LLM loads it with the engine
 
 
 class LLM:
-    """An engine for offline use. ``model=None`` loads the built-in demo model.
+    """An engine for offline use.
 
-    Keyword arguments are ``EngineConfig`` fields (``max_model_len``, ``max_num_seqs``,
+    ``model`` is a checkpoint folder or hub id, None for the built-in demo model, or a model
+    object: a Flax NNX module with the call contract of ``LlamaForCausalLM`` (``config``,
+    ``__call__``, ``compute_logits``; see :mod:`jaxserve.models.contract`), served as it is.
+    ``tokenizer`` is a folder or hub id, or a tokenizer object (transformers' interface); with a
+    model object and no tokenizer, prompts must be token ids.
+
+    Other keyword arguments are ``EngineConfig`` fields (``max_model_len``, ``max_num_seqs``,
     ``enforce_eager``, ``attention_backend`` ...).
     """
 
-    def __init__(self, model: Optional[str] = None, *, show_progress: bool = True, record_steps: bool = False,
-                 **engine_args: Any):
-        self.config = EngineConfig(model=model, **engine_args)
-        self.llm_engine = LLMEngine(self.config, show_progress=show_progress, record_steps=record_steps)
+    def __init__(self, model: Union[str, os.PathLike, Any, None] = None, *, tokenizer: Any = None,
+                 show_progress: bool = True, record_steps: bool = False, **engine_args: Any):
+        model_object = None if model is None or isinstance(model, (str, os.PathLike)) else model
+        tokenizer_object = None if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)) else tokenizer
+        self.config = EngineConfig(
+            model=None if model is None or model_object is not None else os.fspath(model),
+            tokenizer=None if tokenizer is None or tokenizer_object is not None else os.fspath(tokenizer),
+            **engine_args)
+        self.llm_engine = LLMEngine(self.config, show_progress=show_progress, record_steps=record_steps,
+                                    model=model_object, tokenizer=tokenizer_object)
         self._counter = itertools.count()
         self._profiler = Profiler()
 

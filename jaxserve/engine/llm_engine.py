@@ -49,20 +49,25 @@ def load_tokenizer(path: str):
 
 
 class LLMEngine:
+    """``model``: a model object served instead of ``config.model`` (see
+    :mod:`jaxserve.models.contract`); ``tokenizer``: a tokenizer object used instead of loading
+    ``config.tokenizer`` or the model's."""
+
     def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False,
-                 served_model_name: Optional[str] = None):
+                 served_model_name: Optional[str] = None, model: Any = None, tokenizer: Any = None):
         self.config = config
         # A tokenizer given apart is looked up first, so a wrong name fails before any compile.
         tokenizer_source = resolve_model(config.tokenizer, weights=False) if config.tokenizer else None
-        self.served_model_name = served_model_name or (config.model or "jaxserve-demo")
+        default_name = type(model).__name__ if model is not None else (config.model or "jaxserve-demo")
+        self.served_model_name = served_model_name or default_name
         self.tracer = None
         if config.otlp_traces_endpoint:  # before the engine starts: a missing extra fails at once
             from jaxserve.engine.otel import RequestTracer
 
             self.tracer = RequestTracer(config.otlp_traces_endpoint, self.served_model_name)
-        self.core = EngineCore(config, show_progress=show_progress, record_steps=record_steps)
+        self.core = EngineCore(config, show_progress=show_progress, record_steps=record_steps, model=model)
         with self.core.startup.phase("tokenizer"):
-            self.tokenizer = load_tokenizer(str((tokenizer_source or self.core.model_source).path))
+            self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer(tokenizer_source)
         self.model_config = self.core.model_config
         self.max_model_len = self.core.max_model_len
         grammar_backend = self._grammar_backend()
@@ -73,11 +78,19 @@ class LLMEngine:
                                                 keep_token_ids=config.record_token_ids)
         if self.tracer is not None:
             self.output_processor.on_ended = self._export_span
-        self.model_root = self.core.model_source.root  # the folder, or the hub id
+        # The folder or the hub id; a model object has neither.
+        self.model_root = self.core.model_source.root if self.core.model_source else self.served_model_name
         self.metrics = EngineMetrics(self.served_model_name, self.core.attention_backend)
         self.metrics.record_startup(self.core.startup.phases, self.core.runner.stats)
         self._report_startup(show_progress)
         self.core.runner.start_deferred_compiles()
+
+    def _load_tokenizer(self, tokenizer_source):
+        source = tokenizer_source or self.core.model_source
+        if source is None:  # a model object and no tokenizer
+            logger.warning("no tokenizer given with the model object: only token-id prompts, no detokenization")
+            return None
+        return load_tokenizer(str(source.path))
 
     def _grammar_backend(self):
         """Structured outputs' grammars for this tokenizer (its llguidance form is built on first

@@ -121,7 +121,7 @@ class ModelRunner:
         # a list on faster than nnx.State (Variables flatten through Python) or nested dicts.
         self.graphdef, model_state = nnx.flatten(model, with_paths=False)
         self.model_state = self.target.place(model_state)
-        self.scan_layers = model.scan_layers
+        self.scan_layers = bool(getattr(model, "scan_layers", False))  # optional on a model object
         self.mc = model.config
         self.max_model_len = max_model_len
         self.block_size = config.block_size
