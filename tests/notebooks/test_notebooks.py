@@ -30,16 +30,10 @@ MAX_COMMITTED_BYTES = 64 * 1024
 EXPECTED = ("01_engine_tour.ipynb", "02_compile_vs_eager.ipynb", "03_prefix_caching.ipynb",
             "04_inside_the_step.ipynb", "05_attention_backends_and_kernels.ipynb",
             "06_bring_your_own_model.ipynb", "07_scheduler_under_load.ipynb")
-# Issue 24's notebooks built on another branch (the public handles and backend registry).
-FROM_OTHER_BRANCH = ("04_inside_the_step.ipynb", "05_attention_backends_and_kernels.ipynb")
 
 
 def test_notebooks_exist():
-    names = {p.name for p in NOTEBOOKS}
-    assert set(EXPECTED) - set(FROM_OTHER_BRANCH) <= names
-    missing = sorted(set(FROM_OTHER_BRANCH) - names)
-    if missing:  # remove this branch once both halves of issue 24 are merged
-        pytest.xfail(f"not merged yet: {', '.join(missing)}")
+    assert {p.name for p in NOTEBOOKS} == set(EXPECTED)
 
 
 def test_readme_lists_every_notebook():
