@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional, Sequence
@@ -33,6 +34,11 @@ from jaxserve.structured.backend import GrammarBackend, GrammarError
 from jaxserve.structured.reasoner import Reasoner
 
 logger = logging.getLogger("jaxserve")
+
+
+# Constrained rows from which a step's masks are filled in llguidance's thread pool (vLLM's
+# threshold): below it a pool's hand-off can cost more than the masks themselves.
+PARALLEL_FILL_MIN_ROWS = 128
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -75,9 +81,10 @@ class StructuredOutputManager:
         self.width = bitmask_width(model_vocab_size)
         self.compile_timeout_s = compile_timeout_s
         self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="jaxserve-grammar")
-        # One thread: 64 rows take well under a millisecond, and a second thread only adds its
-        # hand-off (docs/benchmarks.md).
-        self._executor = llguidance.LLExecutor(mask_threads or 1)
+        # Masks of up to PARALLEL_FILL_MIN_ROWS rows are filled on the engine thread; larger batches
+        # in llguidance's pool of this many threads, made on first use (vLLM's sizes).
+        self._mask_threads = mask_threads or max(1, min((os.cpu_count() or 2) // 2, 8))
+        self._executor: Optional[llguidance.LLExecutor] = None
         self._states: dict[str, GrammarState] = {}
         self._matchers: dict[str, llguidance.LLMatcher] = {}  # the ready ones (the per-step lookups)
         # Requests still thinking -> their last tokens (an end tag of several tokens may straddle
@@ -250,17 +257,33 @@ class StructuredOutputManager:
         if not rows:
             return None
         bitmask = np.full((num_rows, self.width), -1, np.int32)
+        bitmask[[i for _, i in rows]] = 0  # ids past the tokenizer's vocabulary stay illegal
+        if len(rows) < PARALLEL_FILL_MIN_ROWS:
+            self._fill_here(rows, bitmask)
+        else:
+            self._fill_parallel(rows, bitmask)
+        return bitmask
+
+    def _fill_here(self, rows: list[tuple[llguidance.LLMatcher, int]], bitmask: np.ndarray) -> None:
+        """Each row's mask computed on this thread, written straight into the row's first words
+        (the tokenizer's width); no hand-off to a pool thread, which a busy host may wake late."""
+        base, row_bytes = bitmask.ctypes.data, bitmask.shape[1] * 4
+        tok_bytes = bitmask_width(self.backend.vocab_size) * 4
+        for matcher, i in rows:
+            matcher.unsafe_compute_mask_ptr(base + i * row_bytes, tok_bytes)
+
+    def _fill_parallel(self, rows: list[tuple[llguidance.LLMatcher, int]], bitmask: np.ndarray) -> None:
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(self._mask_threads)
         tok_width = bitmask_width(self.backend.vocab_size)
-        idx = [i for _, i in rows]
-        bitmask[idx] = 0
         if tok_width == self.width:
             llnp.fill_next_token_bitmask_par(self._executor, rows, bitmask)
-        else:  # llguidance writes rows of the tokenizer's width: fill compactly, then place them
-            compact = np.zeros((len(rows), tok_width), np.int32)
-            llnp.fill_next_token_bitmask_par(self._executor, [(m, k) for k, (m, _) in enumerate(rows)], compact)
-            n = min(tok_width, self.width)
-            bitmask[idx, :n] = compact[:, :n]
-        return bitmask
+            return
+        # llguidance's pool writes rows of the tokenizer's width: fill compactly, then place them.
+        compact = np.zeros((len(rows), tok_width), np.int32)
+        llnp.fill_next_token_bitmask_par(self._executor, [(m, k) for k, (m, _) in enumerate(rows)], compact)
+        n = min(tok_width, self.width)
+        bitmask[[i for _, i in rows], :n] = compact[:, :n]
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

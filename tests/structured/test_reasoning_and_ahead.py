@@ -33,9 +33,10 @@ def allowed_ids(row: np.ndarray) -> np.ndarray:
 
 
 def manager_with(tokenizer, requests: dict[str, tuple[StructuredOutputsParams, list[int]]],
-                 reasoner: Reasoner | None) -> StructuredOutputManager:
+                 reasoner: Reasoner | None, model_vocab: int | None = None) -> StructuredOutputManager:
     """A manager whose requests (params, prompt ids) have ready matchers."""
-    manager = StructuredOutputManager(GrammarBackend(tokenizer, max_grammar_bytes=4096), len(tokenizer),
+    manager = StructuredOutputManager(GrammarBackend(tokenizer, max_grammar_bytes=4096),
+                                      model_vocab or len(tokenizer),
                                       compile_timeout_s=30, reasoner=reasoner)
     for request_id, (params, prompt) in requests.items():
         manager.add_request(request_id, params, prompt)
@@ -160,3 +161,20 @@ def test_the_end_tag_fed_ahead_is_undone_with_the_thinking_state(tokenizer):
     manager.settle()  # the scheduler did not take it
     assert manager.is_thinking("t")
     assert manager.accept_tokens("t", end[-1:]) is False and not manager.is_thinking("t")
+
+
+@pytest.mark.parametrize("model_vocab", [1024, 1100])  # the tokenizer's width, and a padded one
+def test_masks_filled_here_and_in_the_pool_agree(tokenizer, model_vocab):
+    from jaxserve.structured.manager import PARALLEL_FILL_MIN_ROWS
+
+    n = PARALLEL_FILL_MIN_ROWS + 2
+    params = StructuredOutputsParams(choice=CHOICES)
+    manager = manager_with(tokenizer, {f"r{k}": (params, []) for k in range(n)}, None, model_vocab)
+    for k, choice in enumerate(CHOICES):  # rows in different grammar states
+        manager.accept_tokens(f"r{k}", tokenizer.encode(choice, add_special_tokens=False)[:2])
+    req_ids = ["free"] + [f"r{k}" for k in range(n)]
+    pooled = manager.grammar_bitmask(req_ids, num_rows=n + 3)  # a pool-sized batch
+    one_by_one = np.concatenate([manager.grammar_bitmask([r], 1) for r in req_ids[1:]])
+    np.testing.assert_array_equal(pooled[1:n + 1], one_by_one)
+    assert (pooled[0] == -1).all() and (pooled[n + 1:] == -1).all()
+    assert allowed_ids(pooled[1]).max() < len(tokenizer) and not (pooled[1:3] == pooled[1]).all(axis=1).all()
