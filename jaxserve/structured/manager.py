@@ -4,8 +4,10 @@ matchers, and each step's token bitmask (vLLM V1's ``StructuredOutputManager``).
 Invariants:
   * a request is tracked from ``add_request`` until ``release`` (the scheduler calls it when the
     request finishes) or until ``take_failed`` hands it back because its grammar failed;
-  * a ready request's matcher has consumed exactly the request's output tokens after its
-    reasoning (preemption keeps them, so the matcher never rolls back);
+  * between steps, a ready request's matcher has consumed exactly the request's output tokens
+    after its reasoning (preemption keeps them, so it never rolls back; within a step, tokens fed
+    ``accept_ahead`` of the scheduler that the scheduler then does not take are rolled back by
+    ``settle``);
   * with a ``reasoner`` (the engine's ``reasoning_parser``), a request whose prompt does not end
     its reasoning is *thinking*: its row is not masked and its tokens are not fed to the matcher
     until it generates the end tag; the first token after the tag is the first constrained one;

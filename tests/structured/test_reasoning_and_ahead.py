@@ -178,3 +178,16 @@ def test_masks_filled_here_and_in_the_pool_agree(tokenizer, model_vocab):
     np.testing.assert_array_equal(pooled[1:n + 1], one_by_one)
     assert (pooled[0] == -1).all() and (pooled[n + 1:] == -1).all()
     assert allowed_ids(pooled[1]).max() < len(tokenizer) and not (pooled[1:3] == pooled[1]).all(axis=1).all()
+
+
+def test_an_end_token_fed_ahead_is_undone(tokenizer):
+    # "a+" accepts after one "a" yet allows more: EOS then ends it, and an undo must reopen it.
+    manager = manager_with(tokenizer, {"r": (StructuredOutputsParams(regex="a+"), [])}, None)
+    a, eos = tokenizer.encode("a", add_special_tokens=False), tokenizer.eos_token_id
+    assert manager.accept_tokens("r", a) is False
+    before = manager.grammar_bitmask(["r"], 1).copy()
+    assert eos in allowed_ids(before[0]) and a[0] in allowed_ids(before[0])
+    manager.accept_ahead({"r": eos})
+    manager.settle()
+    np.testing.assert_array_equal(manager.grammar_bitmask(["r"], 1), before)
+    assert manager.accept_tokens("r", a + [eos]) is True
