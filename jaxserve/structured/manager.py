@@ -183,7 +183,10 @@ class StructuredOutputManager:
         matchers, ahead = self._matchers, self._ahead
         for request_id, token_id in sampled.items():
             if request_id in matchers:
-                ahead[request_id] = self._advance(request_id, [token_id])
+                try:
+                    ahead[request_id] = self._advance(request_id, [token_id])
+                except Exception:  # the scheduler's own accept of it then fails this request alone
+                    logger.exception("request %s: feeding its token ahead failed", request_id)
 
     def settle(self) -> None:
         """Undo the tokens fed ahead that the scheduler did not take (a request it dropped the
