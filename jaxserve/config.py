@@ -15,6 +15,8 @@ from jaxserve import envs
 from jaxserve.exceptions import ConfigError
 
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu")  # built in; more may be registered
+# The reasoning parsers' names (``jaxserve.structured.reasoner`` and the server's parsers know each).
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 @dataclasses.dataclass
@@ -90,6 +92,11 @@ class EngineConfig:
     """JSON constraints allow any JSON whitespace between tokens (vLLM's default). Off: compact JSON
     (vLLM's disable_any_whitespace), since a model that favours whitespace could otherwise emit it
     without end; a request's whitespace_pattern still applies."""
+    reasoning_parser: str | None = None
+    """How the model marks its reasoning (vLLM's reasoning parsers): 'qwen3' (content unless the
+    output opens <think>) or 'deepseek_r1' (reasoning until </think>). Structured outputs then
+    constrain only what follows </think>, generated or already in the prompt, and the server
+    splits <think>...</think> into message.reasoning_content. Default: none."""
     max_step_records: int = 4096
     """Per-step records kept in a ring (who ran and with how many tokens, who waited and why,
     preemptions, KV blocks, bucket, timings); 0 turns step recording off."""
@@ -136,6 +143,8 @@ class EngineConfig:
             raise bad("structured_outputs_max_grammar_bytes", "must be >= 1")
         if not self.structured_outputs_compile_timeout_s > 0:
             raise bad("structured_outputs_compile_timeout_s", "must be > 0")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise bad("reasoning_parser", f"must be one of {', '.join(REASONING_PARSERS)}")
         for field in ("max_step_records", "max_request_timelines"):
             if getattr(self, field) < 0:
                 raise bad(field, "must be >= 0")

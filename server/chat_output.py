@@ -104,12 +104,9 @@ class ChatParsers:
             tools = RequiredToolCallsParser()
         elif choice.mode == "named":
             tools = NamedToolCallParser(choice.function or "")
-        # Structured outputs constrain required/named output from its first token (no reasoning
-        # comes before it), so the reasoning split applies to the free modes only.
-        constrained = choice.mode in ("required", "named")
-        reasoning = None
-        if self.reasoning_parser and not constrained:
-            reasoning = reasoning_parser_class(self.reasoning_parser)()
+        # In every mode: the engine's structured outputs (required/named) constrain only what
+        # follows the reasoning, so the calls are in the content, as in the free modes.
+        reasoning = reasoning_parser_class(self.reasoning_parser)() if self.reasoning_parser else None
         return ChoiceParser(reasoning, tools)
 
 

@@ -69,16 +69,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None,
                    help="how tool calls are read from the model's text for tool_choice 'auto': 'hermes' "
                         "(<tool_call>{...}</tool_call>, Qwen2.5/Qwen3/Hermes) (default: none)")
-    g.add_argument("--reasoning-parser", default=None,
-                   help="split <think>...</think> into message.reasoning_content: 'qwen3' (content unless the "
-                        "output opens <think>) or 'deepseek_r1' (reasoning until </think>) (default: none)")
     g.add_argument("--enable-debug-endpoints", action="store_true",
                    help="serve /debug/requests/{id} (a request's timeline), /debug/requests, /debug/steps "
                         "(the newest step records) and /debug/trace (a Chrome/Perfetto trace) (default: off)")
 
 
 def chat_parsers(args: argparse.Namespace):
-    """The parser flags as ``ChatParsers``, checked: an unknown name is a start-up error."""
+    """The parser flags as ``ChatParsers``, checked: an unknown name is a start-up error.
+    ``--reasoning-parser`` is the engine's flag (``EngineConfig.reasoning_parser``): the engine
+    reads it for structured outputs, the server for the reasoning split."""
     from .chat_output import ChatParsers
 
     parsers = ChatParsers(enable_auto_tool_choice=args.enable_auto_tool_choice,

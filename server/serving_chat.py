@@ -146,7 +146,9 @@ class OpenAIServingChat(OpenAIServing):
 
     def __init__(self, state: ServerState, parsers: Optional[ChatParsers] = None):
         super().__init__(state)
-        self.parsers = parsers or ChatParsers()
+        # Without explicit settings, the split follows the engine's reasoning parser, after whose
+        # end its structured outputs start.
+        self.parsers = parsers or ChatParsers(reasoning_parser=state.engine.config.reasoning_parser)
 
     def tool_choice(self, req: ChatCompletionRequest) -> ToolChoice:
         try:

@@ -6,9 +6,11 @@ while the device computes step N, instead of between steps.
 
 Structured outputs: a constrained row's bitmask is filled from its matcher after the matcher has
 consumed every earlier token. So when step N+1 holds a constrained request whose token from step
-N is still in flight, step N is collected and its tokens accepted before N+1 is launched (vLLM
-does the same); N+1's scheduling and inputs were still built while N ran. Steps without such a
-request keep the full overlap.
+N is still in flight, the host waits for N's sampled ids only, feeds them to the matchers ahead
+of the scheduler (``accept_ahead``), fills N+1's bitmask and launches N+1; N's full collection
+and the scheduler's update then run while N+1 computes, as in a step without such a request.
+N+1's scheduling and inputs were built while N ran. What the device waits for is the read of N's
+ids, the matchers' advance and the fill.
 """
 
 from __future__ import annotations
@@ -139,9 +141,16 @@ class EngineCore:
     def enable_structured_outputs(self, backend: GrammarBackend) -> None:
         """Serve structured outputs with ``backend``'s grammars (the engine's tokenizer)."""
         from jaxserve.structured.manager import StructuredOutputManager
+        from jaxserve.structured.reasoner import Reasoner
 
+        name = self.config.reasoning_parser
+        reasoner = Reasoner.from_tokenizer(name, backend.hf_tokenizer) if name else None
+        if reasoner is not None and not reasoner.single_token_tags:
+            logger.info("reasoning parser %s: the tokenizer has no <think>/</think> tokens; their encodings "
+                        "%s/%s mark the reasoning", name, list(reasoner.start), list(reasoner.end))
         self.structured_outputs = StructuredOutputManager(
-            backend, self.model_config.vocab_size, self.config.structured_outputs_compile_timeout_s)
+            backend, self.model_config.vocab_size, self.config.structured_outputs_compile_timeout_s,
+            reasoner=reasoner)
         self.scheduler.structured_outputs = self.structured_outputs
 
     def add_request(self, request: Request) -> None:
@@ -149,7 +158,7 @@ class EngineCore:
         if params is not None:
             if self.structured_outputs is None:  # the input processor refuses these first
                 raise ValueError("structured outputs need a tokenizer")
-            self.structured_outputs.add_request(request.request_id, params)
+            self.structured_outputs.add_request(request.request_id, params, request.prompt_token_ids)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -220,9 +229,10 @@ class EngineCore:
         previous, previous_record = self._in_flight, self._in_flight_record
         self._in_flight, self._in_flight_record = None, None
         outputs: list[EngineCoreOutput] = []
-        if previous is not None and self._needs_previous_tokens(prepared, previous):
-            outputs = self._collect(previous, previous_record, time.monotonic())  # advances the matchers
-            previous = None
+        ahead = previous is not None and self._needs_previous_tokens(prepared, previous)
+        if ahead:
+            assert previous is not None and self.structured_outputs is not None
+            self.structured_outputs.accept_ahead(self.runner.sampled_tokens(previous))
         launch_start = time.monotonic()
         dispatched = self.runner.launch(prepared, self._bitmask(prepared))
         t2 = time.monotonic()
@@ -233,6 +243,8 @@ class EngineCore:
             self._in_flight, self._in_flight_record = dispatched, record
         if previous is not None:
             outputs = self._collect(previous, previous_record, t2)
+        if ahead:
+            self.structured_outputs.settle()  # type: ignore[union-attr]
         self.last_stats = self.scheduler.make_stats()
         if record is not None and not ran:
             self._close_record(record, None, [], t2, t2, t2)

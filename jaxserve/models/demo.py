@@ -97,10 +97,11 @@ def training_corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
     return lines
 
 
-def build_tokenizer(folder: str | Path, vocab_size: int = 512, seed: int = 0):
+def build_tokenizer(folder: str | Path, vocab_size: int = 512, seed: int = 0, added_tokens: tuple[str, ...] = ()):
     """Train a byte-level BPE tokenizer and write it as a Hugging Face tokenizer with the chat
     template (``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``); returns it
-    loaded by transformers."""
+    loaded by transformers. ``added_tokens`` become whole tokens that decode as text (as Qwen3's
+    ``<think>`` and ``</think>`` are)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer
 
@@ -114,6 +115,8 @@ def build_tokenizer(folder: str | Path, vocab_size: int = 512, seed: int = 0):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(training_corpus(seed=seed), trainer=trainer)
+    if added_tokens:
+        tok.add_tokens(list(added_tokens))
     tok.save(str(folder / "tokenizer.json"))
     # The older spelling (PreTrainedTokenizerFast, additional_special_tokens) is the one both
     # transformers 4 and 5 read; decoding keeps spaces before punctuation as they were.
@@ -135,19 +138,21 @@ def build_checkpoint(
     dtype: str = "float32",
     max_shard_bytes: int | None = None,
     initializer_range: float = 0.05,
+    added_tokens: tuple[str, ...] = (),
     **overrides: Any,
 ) -> Path:
     """Write a random-init HF checkpoint folder (config, safetensors, tokenizer, chat template).
 
     ``shape`` and ``overrides`` are fields of the architecture's transformers config;
-    ``initializer_range`` is the weights' standard deviation, as in transformers' own init."""
+    ``initializer_range`` is the weights' standard deviation, as in transformers' own init;
+    ``added_tokens``: ``build_tokenizer``'s."""
     import transformers
 
     from jaxserve.models.random_weights import write_random_weights
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(folder, vocab_size=vocab_size, seed=seed)
+    tokenizer = build_tokenizer(folder, vocab_size=vocab_size, seed=seed, added_tokens=added_tokens)
     kwargs = {**shape, **overrides}
     config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
     config = config_cls(

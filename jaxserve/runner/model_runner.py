@@ -423,6 +423,17 @@ class ModelRunner:
             self._accumulate_prompt_logprobs(result.hidden, plan, states, so)
         return InFlightStep(so, result.sampler, plan, states)
 
+    def sampled_tokens(self, step: InFlightStep) -> dict[str, int]:
+        """Wait for a dispatched step's sampled ids only: request id -> token, for the rows that
+        sample (the tokens ``collect`` will hand the scheduler; its own read is then cached)."""
+        if step.out is None or step.plan is None:
+            return {}
+        start = time.perf_counter()
+        sampled = np.asarray(step.out.sampled_token_ids)
+        self.stats.device_wait_seconds += time.perf_counter() - start
+        plan = step.plan
+        return {r: t for r, ok, t in zip(plan.req_ids, plan.samples, sampled[: len(plan.req_ids)].tolist()) if ok}
+
     def collect(self, step: InFlightStep) -> ModelRunnerOutput:
         """Wait for a dispatched step and hand its tokens to the host-side request states."""
         if step.out is None:

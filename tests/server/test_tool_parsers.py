@@ -211,6 +211,19 @@ def test_reasoning_then_tool_calls_on_the_content():
             reasoning, content, [(c.name, c.arguments) for c in calls])
 
 
+@pytest.mark.parametrize("choice", [ToolChoice("required"), ToolChoice("named", "now")])
+def test_constrained_calls_follow_the_reasoning(choice):
+    # The engine constrains required/named calls only after </think>: the split applies to them too.
+    calls_json = '[{"name": "now", "arguments": {}}]' if choice.mode == "required" else "{}"
+    text = "<think>Time is asked.</think>\n" + calls_json
+    parsers = ChatParsers(reasoning_parser="deepseek_r1")
+    for cut in range(len(text) + 1):
+        parser = parsers.new_choice_parser(choice)
+        reasoning, content, calls = merged(parser.feed(text[:cut]) + parser.feed(text[cut:]) + parser.finish())
+        assert reasoning == "Time is asked." and content is None, cut
+        assert [(c.name, c.arguments) for c in calls] == [("now", "{}")] and parser.called
+
+
 def test_free_text_passes_through_untouched_without_parsers():
     parser = ChatParsers().new_choice_parser(ToolChoice("none"))
     assert not parser.active

@@ -33,3 +33,12 @@ start: term (" + " term){1,3}
 term: /[1-9][0-9]?/
 """
 SUM_REGEX = r"[1-9][0-9]?( \+ [1-9][0-9]?){1,3}"
+
+# An answer after reasoning (tests/engine/test_structured_reasoning.py and its server twin): enums
+# and bounded integers only, no string in which a biased </think> token could stand.
+ANSWER_SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]},
+                                                  "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                 "required": ["city", "n"], "additionalProperties": False}
+# The logit bias on </think> that makes a random model end its reasoning after a few tokens: about
+# one chance in ten per token on the tiny tokenizer's 514 tokens.
+THINK_END_BIAS = 4.0
