@@ -15,6 +15,8 @@ from jaxserve import envs
 from jaxserve.exceptions import ConfigError
 
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu")
+# Short spellings vLLM also accepts, next to the generated long flag.
+SHORT_FLAGS = {"data_parallel_size": "-dp"}
 
 
 @dataclasses.dataclass
@@ -52,6 +54,10 @@ class EngineConfig:
     the same tokens)."""
     attention_backend: Literal["auto", "xla", "pallas", "triton", "cpu"] = "auto"
     """auto = pallas on GPU; on a CPU, cpu (the C++ kernel) when it builds here, else xla."""
+    data_parallel_size: int = 1
+    """Engine replicas, each with its own scheduler, KV cache and devices (tensor_parallel_size
+    of them), behind one API; requests go to the least loaded replica or to the one holding their
+    prefix."""
     seed: int = 0
     """Seed of the engine's RNG (draws seeds for unseeded requests)."""
     kv_cache_memory: int | None = None
@@ -110,6 +116,8 @@ class EngineConfig:
             raise bad("block_size", "must be a positive power of two")
         if self.max_num_seqs < 1:
             raise bad("max_num_seqs", "must be >= 1")
+        if self.data_parallel_size < 1:
+            raise bad("data_parallel_size", "must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise bad("max_num_batched_tokens", "must be >= 1")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -162,20 +170,21 @@ class EngineConfig:
         for field in dataclasses.fields(cls):
             if field.name in skip:
                 continue
-            flag = "--" + field.name.replace("_", "-")
+            short = [SHORT_FLAGS[field.name]] if field.name in SHORT_FLAGS else []
+            flags = ["--" + field.name.replace("_", "-"), *short]
             kind = hints[field.name]
             doc = docs.get(field.name, "")
             # A docstring that explains its default says more than the bare value (often None).
             help_text = doc if "default" in doc.lower() else f"{doc} (default: {field.default})"
             if kind is bool or kind == (bool | None):
-                parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
+                parser.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction,
                                     default=field.default, help=help_text)
             elif get_origin(kind) is Literal:
-                parser.add_argument(flag, dest=field.name, choices=get_args(kind), default=field.default,
+                parser.add_argument(*flags, dest=field.name, choices=get_args(kind), default=field.default,
                                     help=help_text)
             else:
                 base = next((t for t in (int, float, str) if t is kind or t in get_args(kind)), str)
-                parser.add_argument(flag, dest=field.name, type=base, default=field.default, help=help_text)
+                parser.add_argument(*flags, dest=field.name, type=base, default=field.default, help=help_text)
 
     def cli_flags(self, skip: tuple[str, ...] = ()) -> list[str]:
         """The flags that give this configuration from the defaults (those of changed fields)."""

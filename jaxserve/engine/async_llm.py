@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -128,6 +129,16 @@ class AsyncLLM:
                                                     arrival_time=time.monotonic(), entry_times=entry_times))
         finally:
             self._processing -= 1
+        # aclosing: leaving early closes the inner stream now (its abort), not when it is collected.
+        async with contextlib.aclosing(self.generate_processed(processed, output_kind)) as stream:
+            async for out in stream:
+                yield out
+
+    async def generate_processed(self, processed: ProcessedRequest,
+                                 output_kind: RequestOutputKind = RequestOutputKind.DELTA
+                                 ) -> AsyncGenerator[RequestOutput, None]:
+        """``generate`` after tokenizing: hand the request to the loop thread and stream its outputs.
+        Leaving the iteration early aborts the request (``client_disconnect``)."""
         queue: asyncio.Queue = asyncio.Queue()
         self._submit(AddRequest(processed, output_kind, OutputTarget(asyncio.get_running_loop(), queue)))
         finished = False
@@ -142,7 +153,7 @@ class AsyncLLM:
                     break
         finally:
             if not finished:
-                self._submit(AbortRequest(request_id, CLIENT_DISCONNECT))
+                self._submit(AbortRequest(processed.request_id, CLIENT_DISCONNECT))
 
     async def abort(self, request_id: str) -> None:
         self._submit(AbortRequest(request_id))

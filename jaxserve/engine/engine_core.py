@@ -14,11 +14,12 @@ request keep the full overlap.
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib.util
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
@@ -78,8 +79,26 @@ def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) ->
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False):
+    """``devices``: the device group this engine runs on (a data-parallel replica's); None = JAX's
+    default device. Weights, KV cache and every step stay on ``devices[0]``."""
+
+    def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False,
+                 devices: Optional[Sequence[Any]] = None):
         self.config = config
+        self.devices = list(devices) if devices else None
+        with self.on_devices():
+            self._start(config, show_progress, record_steps)
+
+    def on_devices(self) -> contextlib.AbstractContextManager:
+        """A context in which JAX creates arrays and runs programs on this engine's device. JAX
+        keeps it per thread, so replicas stepping in their own threads do not disturb each other."""
+        if self.devices is None:
+            return contextlib.nullcontext()
+        import jax
+
+        return jax.default_device(self.devices[0])
+
+    def _start(self, config: EngineConfig, show_progress: bool, record_steps: bool) -> None:
         self.startup = StartupTimes()
         start_cpu_kernel_build(config)
         with self.startup.phase("model"):  # before this thread imports jax: a wrong name fails fast
@@ -151,7 +170,8 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         failed = self._finish_failed_grammars() if self.structured_outputs is not None else []
-        outputs = self._step_async() if self.config.async_scheduling else self._step_sync()
+        with self.on_devices():
+            outputs = self._step_async() if self.config.async_scheduling else self._step_sync()
         return failed + outputs if failed else outputs
 
     def _finish_failed_grammars(self) -> list[EngineCoreOutput]:

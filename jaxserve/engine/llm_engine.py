@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
@@ -50,7 +50,10 @@ def load_tokenizer(path: str):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False,
-                 served_model_name: Optional[str] = None):
+                 served_model_name: Optional[str] = None, devices: Optional[Sequence[Any]] = None,
+                 engine_index: int = 0):
+        """``devices``: the device group the engine runs on (None: JAX's default device);
+        ``engine_index``: its replica index under data parallelism (the metrics' ``engine`` label)."""
         self.config = config
         # A tokenizer given apart is looked up first, so a wrong name fails before any compile.
         tokenizer_source = resolve_model(config.tokenizer, weights=False) if config.tokenizer else None
@@ -60,7 +63,7 @@ class LLMEngine:
             from jaxserve.engine.otel import RequestTracer
 
             self.tracer = RequestTracer(config.otlp_traces_endpoint, self.served_model_name)
-        self.core = EngineCore(config, show_progress=show_progress, record_steps=record_steps)
+        self.core = EngineCore(config, show_progress=show_progress, record_steps=record_steps, devices=devices)
         with self.core.startup.phase("tokenizer"):
             self.tokenizer = load_tokenizer(str((tokenizer_source or self.core.model_source).path))
         self.model_config = self.core.model_config
@@ -74,7 +77,7 @@ class LLMEngine:
         if self.tracer is not None:
             self.output_processor.on_ended = self._export_span
         self.model_root = self.core.model_source.root  # the folder, or the hub id
-        self.metrics = EngineMetrics(self.served_model_name, self.core.attention_backend)
+        self.metrics = EngineMetrics(self.served_model_name, self.core.attention_backend, engine_index)
         self.metrics.record_startup(self.core.startup.phases, self.core.runner.stats)
         self._report_startup(show_progress)
 

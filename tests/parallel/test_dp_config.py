@@ -1,0 +1,40 @@
+"""``--data-parallel-size``: its flags, its validation and the device groups it asks for."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.dp_placement import replica_device_groups
+from jaxserve.exceptions import ConfigError
+
+
+def parse(*argv: str) -> EngineConfig:
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    return EngineConfig.from_cli_args(parser.parse_args(list(argv)))
+
+
+def test_long_and_short_flags_set_the_size():
+    assert parse().data_parallel_size == 1
+    assert parse("--data-parallel-size", "4").data_parallel_size == 4
+    assert parse("-dp", "2").data_parallel_size == 2
+    assert parse(*EngineConfig(data_parallel_size=3).cli_flags()).data_parallel_size == 3
+
+
+def test_a_size_below_one_is_refused():
+    with pytest.raises(ConfigError, match="data_parallel_size"):
+        EngineConfig(data_parallel_size=0)
+
+
+def test_each_replica_gets_its_own_consecutive_devices():
+    devices = ["d0", "d1", "d2", "d3"]
+    assert replica_device_groups(EngineConfig(data_parallel_size=3), devices) == [["d0"], ["d1"], ["d2"]]
+    assert replica_device_groups(EngineConfig(), devices) == [["d0"]]
+
+
+def test_too_few_devices_is_a_value_error_naming_both_sizes():
+    with pytest.raises(ValueError, match=r"data_parallel_size=3 x tensor_parallel_size=1 needs 3 devices.*only 2"):
+        replica_device_groups(EngineConfig(data_parallel_size=3), ["d0", "d1"])
