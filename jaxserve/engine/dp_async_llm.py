@@ -24,10 +24,9 @@ from typing import AsyncGenerator, Optional
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.async_llm import DEFAULT_INPUT_WORKERS, AsyncLLM
-from jaxserve.engine.dp_load import hash_for_routing, replica_load
+from jaxserve.engine.dp_load import hash_for_routing, pick_replica
 from jaxserve.engine.dp_metrics import merge_stats, render_merged
 from jaxserve.engine.dp_placement import replica_device_groups
-from jaxserve.engine.dp_router import choose_replica
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.processor import ProcessedRequest, PromptType
@@ -151,9 +150,7 @@ class DPAsyncLLM:
 
     def route(self, processed: ProcessedRequest) -> int:
         """The replica index that takes ``processed`` (see ``dp_router`` for the policy)."""
-        request = processed.core_requests[0]
-        loads = [replica_load(r.engine, seqs, request) for r, seqs in zip(self.replicas, self._live_seqs)]
-        return choose_replica(loads)
+        return pick_replica([r.engine for r in self.replicas], self._live_seqs, processed.core_requests[0])
 
     def replica_of(self, request_id: str) -> Optional[int]:
         """The replica serving a live request, or None."""

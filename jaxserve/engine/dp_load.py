@@ -7,9 +7,10 @@ reads are atomic under the GIL, so the worst case is a slightly stale routing ch
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from jaxserve.engine.dp_router import ReplicaLoad, count_cached_blocks
+from jaxserve.engine.dp_router import ReplicaLoad, choose_replica, count_cached_blocks
 
 if TYPE_CHECKING:
     from jaxserve.core.request import Request
@@ -34,3 +35,8 @@ def replica_load(engine: LLMEngine, live_seqs: int, request: Request) -> Replica
                                      kv.block_pool.get_cached_block)
     return ReplicaLoad(num_waiting=max(0, live_seqs - running), num_running=running,
                        kv_cache_usage=kv.usage, cached_blocks=cached)
+
+
+def pick_replica(engines: Sequence[LLMEngine], live_seqs: Sequence[int], request: Request) -> int:
+    """The index of the replica that takes ``request`` (``dp_router``'s policy)."""
+    return choose_replica([replica_load(e, n, request) for e, n in zip(engines, live_seqs)])
