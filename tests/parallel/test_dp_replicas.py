@@ -1,13 +1,17 @@
-"""``jaxserve serve --data-parallel-size 2`` on two fake CPU devices: one server, two replicas.
+"""Two engine replicas on two fake CPU devices, served (``jaxserve serve --data-parallel-size 2``)
+and offline (``LLM(data_parallel_size=2)``), each in a subprocess.
 
 Requests spread over both replicas (read from the per-replica metrics), greedy answers equal one
-engine's, streams dropped mid-way leave no block held on either, and a follow-up whose prompt
-extends an earlier one goes to the replica that caches it even when the other one is idler.
+engine's, streams dropped mid-way leave no block held on either, and follow-ups whose prompt
+extends an earlier one go to the replica that caches it even when the other one is idler.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -16,7 +20,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from tests.parallel.dp_testing import XLA_FLAGS, engine_samples, per_engine, wait_replicas_idle
+from tests.parallel.dp_testing import XLA_FLAGS, engine_samples, fake_devices_env, per_engine, wait_replicas_idle
 from tests.server.server_testing import start_server, stop_server
 from tests.shapes import SERVER_SHAPE
 
@@ -110,3 +114,32 @@ def test_follow_ups_go_to_the_replica_holding_their_prefix(dp_server):
     new_hits = [a - b for a, b in zip(per_engine(dp_server.base, "jaxserve:prefix_cache_hits_total"), hits)]
     assert new_hits[0] >= 8 * 5 * block and new_hits[1] == 0, new_hits
     assert wait_replicas_idle(dp_server.base) == [(0.0, 0.0, 0.0), (0.0, 0.0, 0.0)]
+
+
+OFFLINE_SCRIPT = """
+import json, sys
+from jaxserve import LLM, SamplingParams
+from tests.shapes import SERVER_SHAPE
+prompts, max_tokens = json.loads(sys.argv[1])
+llm = LLM(show_progress=False, data_parallel_size=2, **SERVER_SHAPE)
+outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+served = {m.labels["engine"]: m.value for m in llm.get_metrics() if m.name == "jaxserve:request_success_total"}
+print(json.dumps({"token_ids": [o.outputs[0].token_ids for o in outs], "served": served}))
+"""
+
+
+def test_offline_llm_with_two_replicas_matches_one_engine(reference):
+    batch = prompts(23)
+    expected = reference.generate(batch, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    proc = subprocess.run([sys.executable, "-c", OFFLINE_SCRIPT, json.dumps([batch, 16])], capture_output=True,
+                          text=True, timeout=600, env=fake_devices_env(), cwd=Path(__file__).parents[2])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["token_ids"] == [list(o.outputs[0].token_ids) for o in expected]
+    assert result["served"]["0"] > 0 and result["served"]["1"] > 0
+    assert result["served"]["total"] == len(batch)
+
+
+def test_too_few_devices_fail_before_any_weight_loads():
+    with pytest.raises(ValueError, match="data_parallel_size=64 x tensor_parallel_size=1 needs 64 devices"):
+        LLM(show_progress=False, data_parallel_size=64, model="/nonexistent/never-read")
