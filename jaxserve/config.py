@@ -15,8 +15,9 @@ from jaxserve import envs
 from jaxserve.exceptions import ConfigError
 
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu")
-# Short spellings vLLM also accepts, next to the generated long flag.
-SHORT_FLAGS = {"data_parallel_size": "-dp"}
+
+# vLLM's short spellings of some flags, besides the long one every field gets.
+CLI_SHORT_FLAGS: dict[str, str] = {"data_parallel_size": "-dp"}
 
 
 @dataclasses.dataclass
@@ -170,8 +171,9 @@ class EngineConfig:
         for field in dataclasses.fields(cls):
             if field.name in skip:
                 continue
-            short = [SHORT_FLAGS[field.name]] if field.name in SHORT_FLAGS else []
-            flags = ["--" + field.name.replace("_", "-"), *short]
+            flags = ["--" + field.name.replace("_", "-")]
+            if field.name in CLI_SHORT_FLAGS:
+                flags.append(CLI_SHORT_FLAGS[field.name])
             kind = hints[field.name]
             doc = docs.get(field.name, "")
             # A docstring that explains its default says more than the bare value (often None).

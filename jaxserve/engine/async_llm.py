@@ -29,7 +29,7 @@ from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.processor import ProcessedRequest, PromptType
 from jaxserve.engine.step_records import StepRecord
 from jaxserve.engine.timeline import ABORT, CLIENT_DISCONNECT, EntryTimes, RequestTimeline
-from jaxserve.exceptions import EngineDeadError, EngineOverloadedError
+from jaxserve.exceptions import ConfigError, EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger("jaxserve")
 # Threads that tokenize and validate prompts off the caller's event loop.
@@ -90,6 +90,9 @@ class AsyncLLM:
     @classmethod
     def from_config(cls, config: EngineConfig, *, served_model_name: Optional[str] = None, max_waiting: int = 1024,
                     show_progress: bool = True) -> "AsyncLLM":
+        if config.data_parallel_size > 1:  # one engine here would silently ignore the other replicas
+            raise ConfigError(f"data_parallel_size={config.data_parallel_size}: use DPAsyncLLM.from_config, "
+                              "which starts that many engines")
         return cls(LLMEngine(config, show_progress=show_progress, served_model_name=served_model_name),
                    max_waiting=max_waiting)
 

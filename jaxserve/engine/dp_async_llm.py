@@ -81,8 +81,9 @@ class DPAsyncLLM:
     def from_config(cls, config: EngineConfig, *, served_model_name: Optional[str] = None, max_waiting: int = 1024,
                     show_progress: bool = True) -> "DPAsyncLLM":
         engines = start_replica_engines(config, served_model_name=served_model_name, show_progress=show_progress)
-        # Each replica's own queue limit is the total: the router keeps them balanced.
-        return cls([AsyncLLM(e, max_waiting=max_waiting) for e in engines], max_waiting=max_waiting)
+        # Each replica's own queue limit is the total (this object enforces it); prompts are
+        # tokenized here, so a replica's own input pool stays idle: one thread.
+        return cls([AsyncLLM(e, max_waiting=max_waiting, input_workers=1) for e in engines], max_waiting=max_waiting)
 
     @property
     def data_parallel_size(self) -> int:

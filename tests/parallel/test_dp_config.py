@@ -38,3 +38,10 @@ def test_each_replica_gets_its_own_consecutive_devices():
 def test_too_few_devices_is_a_value_error_naming_both_sizes():
     with pytest.raises(ValueError, match=r"data_parallel_size=3 x tensor_parallel_size=1 needs 3 devices.*only 2"):
         replica_device_groups(EngineConfig(data_parallel_size=3), ["d0", "d1"])
+
+
+def test_a_single_engine_front_end_refuses_several_replicas():
+    from jaxserve import AsyncLLM
+
+    with pytest.raises(ConfigError, match="DPAsyncLLM"):
+        AsyncLLM.from_config(EngineConfig(data_parallel_size=2, model="/nonexistent/never-read"))

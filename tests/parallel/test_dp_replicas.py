@@ -116,6 +116,20 @@ def test_follow_ups_go_to_the_replica_holding_their_prefix(dp_server):
     assert wait_replicas_idle(dp_server.base) == [(0.0, 0.0, 0.0), (0.0, 0.0, 0.0)]
 
 
+def test_debug_routes_read_every_replica(dp_server):
+    """Timelines, step records and the trace merge the replicas; the dashboard page is served."""
+    asyncio.run(post_all(dp_server.url, [{"prompt": p, "max_tokens": 8, "temperature": 0} for p in prompts(3)]))
+    recent = httpx.get(f"{dp_server.base}/debug/requests", params={"limit": 4}).json()["requests"]
+    arrivals = [t["metrics"]["arrival_time"] for t in recent]
+    assert len(recent) == 4 and arrivals == sorted(arrivals)
+    steps = httpx.get(f"{dp_server.base}/debug/steps", params={"last": 50}).json()["steps"]
+    starts = [s["start"] for s in steps]
+    assert len(steps) == 50 and starts == sorted(starts)
+    trace = httpx.get(f"{dp_server.base}/debug/trace").json()
+    assert trace["traceEvents"]
+    assert httpx.get(f"{dp_server.base}/dashboard").status_code == 200
+
+
 OFFLINE_SCRIPT = """
 import json, sys
 from jaxserve import LLM, SamplingParams
