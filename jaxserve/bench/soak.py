@@ -102,6 +102,8 @@ def _metrics(client, base: str) -> dict[str, float]:
         if not line or line.startswith("#"):
             continue
         name_labels, value = line.rsplit(" ", 1)
+        if 'engine="total"' in name_labels:  # data parallelism's totals repeat the replicas' samples
+            continue
         name = name_labels.split("{", 1)[0]
         out[name] += float(value)
         if name == "jaxserve:request_success_total" and 'finished_reason="' in name_labels:

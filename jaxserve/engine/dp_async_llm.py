@@ -16,7 +16,6 @@ import concurrent.futures
 import contextlib
 import functools
 import heapq
-import logging
 import time
 from collections.abc import Sequence
 from typing import AsyncGenerator, Optional
@@ -26,29 +25,13 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.async_llm import DEFAULT_INPUT_WORKERS, AsyncLLM
 from jaxserve.engine.dp_load import hash_for_routing, pick_replica
 from jaxserve.engine.dp_metrics import merge_stats, render_merged
-from jaxserve.engine.dp_placement import replica_device_groups
-from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.dp_placement import start_replica_engines
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.processor import ProcessedRequest, PromptType
 from jaxserve.engine.step_records import StepRecord
 from jaxserve.engine.timeline import EntryTimes, RequestTimeline
 from jaxserve.engine.trace import build_trace
 from jaxserve.exceptions import EngineDeadError, EngineOverloadedError, InvalidRequestError
-
-logger = logging.getLogger("jaxserve")
-
-
-def start_replica_engines(config: EngineConfig, *, served_model_name: Optional[str] = None,
-                          show_progress: bool = True, record_steps: bool = False) -> list[LLMEngine]:
-    """One ``LLMEngine`` per device group, replica ``i`` labelled ``engine="i"`` in the metrics.
-    The device count is checked before any weight is loaded."""
-    groups = replica_device_groups(config)
-    engines = []
-    for index, devices in enumerate(groups):
-        logger.info("data parallel: starting replica %d of %d on %s", index, len(groups), devices)
-        engines.append(LLMEngine(config, show_progress=show_progress, record_steps=record_steps,
-                                 served_model_name=served_model_name, devices=devices, engine_index=index))
-    return engines
 
 
 class DPAsyncLLM:

@@ -12,9 +12,9 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.engine.dp_async_llm import start_replica_engines
 from jaxserve.engine.dp_load import hash_for_routing, pick_replica
 from jaxserve.engine.dp_metrics import merge_stats, merged_snapshot
+from jaxserve.engine.dp_placement import start_replica_engines
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import Metric
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
@@ -65,7 +65,7 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = str(next(self._counter))
                 salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-                engine = self._engine_for(rid, prompt, p, priority[i] if priority else 0, salt, live)
+                engine = self._add_routed(rid, prompt, p, priority[i] if priority else 0, salt, live)
                 added.append((engine, rid))
         except Exception:
             for engine, rid in added:
@@ -73,7 +73,7 @@ class LLM:
             raise
         return self._run([rid for _, rid in added], use_tqdm)
 
-    def _engine_for(self, rid: str, prompt: PromptType, params: SamplingParams, priority: int,
+    def _add_routed(self, rid: str, prompt: PromptType, params: SamplingParams, priority: int,
                     cache_salt: Optional[str], live: list[int]) -> LLMEngine:
         """Add the request to the engine the router picks (the only one without data parallelism);
         ``live``: the sequences each engine got so far, counted up here."""
