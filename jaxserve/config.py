@@ -17,7 +17,7 @@ from jaxserve.exceptions import ConfigError
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu")
 
 # vLLM's short spellings of some flags, besides the long one every field gets.
-CLI_SHORT_FLAGS: dict[str, str] = {"data_parallel_size": "-dp"}
+CLI_SHORT_FLAGS: dict[str, str] = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}
 
 
 @dataclasses.dataclass
@@ -102,6 +102,9 @@ class EngineConfig:
     """Finished requests whose timelines stay readable by id (live ones always are)."""
     record_token_ids: bool = False
     """Show each request's prompt and output token ids in its timeline."""
+    tensor_parallel_size: int = 1
+    """Devices each model is split over (Megatron-style: attention heads, MLP columns and the
+    vocabulary); must divide the attention heads and be at most the devices present."""
     otlp_traces_endpoint: str | None = None
     """OTLP/HTTP collector to send a span tree per request to (e.g. http://127.0.0.1:4318/v1/traces);
     needs the otel extra."""
@@ -145,6 +148,8 @@ class EngineConfig:
         for field in ("max_step_records", "max_request_timelines"):
             if getattr(self, field) < 0:
                 raise bad(field, "must be >= 0")
+        if self.tensor_parallel_size < 1:
+            raise bad("tensor_parallel_size", "must be >= 1")
         if self.max_logprobs < 0:
             raise bad("max_logprobs", "must be >= 0")
         for name in ("max_prompt_chars", "max_n", "max_stop_strings", "max_stop_str_chars"):

@@ -4,6 +4,7 @@ any weight is loaded."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -22,9 +23,7 @@ def replica_device_groups(config: EngineConfig, devices: Optional[Sequence[Any]]
         import jax
 
         devices = jax.local_devices()
-    dp = config.data_parallel_size
-    # tensor_parallel_size arrives with tensor parallelism; until then every replica has one device.
-    tp = getattr(config, "tensor_parallel_size", 1)
+    dp, tp = config.data_parallel_size, config.tensor_parallel_size
     if dp * tp > len(devices):
         raise ConfigError(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {dp * tp} devices, "
                           f"but only {len(devices)} are available (on a CPU, "
@@ -35,11 +34,13 @@ def replica_device_groups(config: EngineConfig, devices: Optional[Sequence[Any]]
 def start_replica_engines(config: EngineConfig, *, served_model_name: Optional[str] = None,
                           show_progress: bool = True, record_steps: bool = False) -> list[LLMEngine]:
     """One ``LLMEngine`` per device group, replica ``i`` labelled ``engine="i"`` in the metrics.
-    The device count is checked before any weight is loaded."""
+    The device count is checked before any weight is loaded. Replica ``i`` seeds its RNG with
+    ``seed + i``: unseeded requests on different replicas must not draw the same samples."""
     groups = replica_device_groups(config)
     engines = []
     for index, devices in enumerate(groups):
         logger.info("data parallel: starting replica %d of %d on %s", index, len(groups), devices)
-        engines.append(LLMEngine(config, show_progress=show_progress, record_steps=record_steps,
-                                 served_model_name=served_model_name, devices=devices, engine_index=index))
+        engines.append(LLMEngine(dataclasses.replace(config, seed=config.seed + index), show_progress=show_progress,
+                                 record_steps=record_steps, served_model_name=served_model_name, devices=devices,
+                                 engine_index=index))
     return engines

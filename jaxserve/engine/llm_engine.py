@@ -52,8 +52,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False,
                  served_model_name: Optional[str] = None, devices: Optional[Sequence[Any]] = None,
                  engine_index: int = 0):
-        """``devices``: the device group the engine runs on (None: JAX's default device);
-        ``engine_index``: its replica index under data parallelism (the metrics' ``engine`` label)."""
+        """``devices``: the jax devices the model runs on (default: the first
+        ``tensor_parallel_size`` of ``jax.devices()``); ``engine_index``: its replica index under
+        data parallelism (the metrics' ``engine`` label)."""
         self.config = config
         # A tokenizer given apart is looked up first, so a wrong name fails before any compile.
         tokenizer_source = resolve_model(config.tokenizer, weights=False) if config.tokenizer else None

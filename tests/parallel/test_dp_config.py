@@ -35,6 +35,14 @@ def test_each_replica_gets_its_own_consecutive_devices():
     assert replica_device_groups(EngineConfig(), devices) == [["d0"]]
 
 
+def test_a_replica_spans_tensor_parallel_size_devices():
+    devices = [f"d{i}" for i in range(8)]
+    groups = replica_device_groups(EngineConfig(data_parallel_size=2, tensor_parallel_size=4), devices)
+    assert groups == [devices[:4], devices[4:]]
+    with pytest.raises(ValueError, match="data_parallel_size=3 x tensor_parallel_size=4 needs 12 devices.*only 8"):
+        replica_device_groups(EngineConfig(data_parallel_size=3, tensor_parallel_size=4), devices)
+
+
 def test_too_few_devices_is_a_value_error_naming_both_sizes():
     with pytest.raises(ValueError, match=r"data_parallel_size=3 x tensor_parallel_size=1 needs 3 devices.*only 2"):
         replica_device_groups(EngineConfig(data_parallel_size=3), ["d0", "d1"])
