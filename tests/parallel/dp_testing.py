@@ -15,8 +15,9 @@ XLA_FLAGS = "--xla_force_host_platform_device_count=2"
 _SAMPLE = re.compile(r'^([^{\s]+)\{([^}]*)\}\s+(\S+)$')
 
 
-def fake_devices_env() -> dict[str, str]:
-    return dict(os.environ, XLA_FLAGS=XLA_FLAGS)
+def fake_devices_env(count: int = 2) -> dict[str, str]:
+    """The environment of a subprocess whose jax sees ``count`` CPU devices."""
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={count}")
 
 
 def engine_samples(base: str, name: str) -> dict[str, float]:

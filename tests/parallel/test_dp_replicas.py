@@ -1,5 +1,6 @@
-"""Two engine replicas on two fake CPU devices, served (``jaxserve serve --data-parallel-size 2``)
-and offline (``LLM(data_parallel_size=2)``), each in a subprocess.
+"""Two engine replicas on fake CPU devices, served (``jaxserve serve --data-parallel-size 2``, one
+device each) and offline (``LLM(data_parallel_size=2, tensor_parallel_size=2)``, two devices
+each), each in a subprocess.
 
 Requests spread over both replicas (read from the per-replica metrics), greedy answers equal one
 engine's, streams dropped mid-way leave no block held on either, and follow-ups whose prompt
@@ -134,21 +135,29 @@ OFFLINE_SCRIPT = """
 import json, sys
 from jaxserve import LLM, SamplingParams
 from tests.shapes import SERVER_SHAPE
-prompts, max_tokens = json.loads(sys.argv[1])
-llm = LLM(show_progress=False, data_parallel_size=2, **SERVER_SHAPE)
+prompts, max_tokens, tp = json.loads(sys.argv[1])
+llm = LLM(show_progress=False, data_parallel_size=2, tensor_parallel_size=tp, **SERVER_SHAPE)
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
 served = {m.labels["engine"]: m.value for m in llm.get_metrics() if m.name == "jaxserve:request_success_total"}
 print(json.dumps({"token_ids": [o.outputs[0].token_ids for o in outs], "served": served}))
 """
 
 
-def test_offline_llm_with_two_replicas_matches_one_engine(reference):
+def run_offline(batch: list[list[int]], max_tokens: int, tensor_parallel_size: int) -> dict:
+    """``LLM(data_parallel_size=2, tensor_parallel_size=...)`` in a subprocess with as many fake devices."""
+    env = fake_devices_env(2 * tensor_parallel_size)
+    proc = subprocess.run([sys.executable, "-c", OFFLINE_SCRIPT, json.dumps([batch, max_tokens, tensor_parallel_size])],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).parents[2])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_offline_two_replicas_of_two_devices_each_match_one_engine(reference):
+    """``LLM(data_parallel_size=2, tensor_parallel_size=2)`` on four devices (the served test
+    covers one device per replica)."""
     batch = prompts(23)
     expected = reference.generate(batch, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    proc = subprocess.run([sys.executable, "-c", OFFLINE_SCRIPT, json.dumps([batch, 16])], capture_output=True,
-                          text=True, timeout=600, env=fake_devices_env(), cwd=Path(__file__).parents[2])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_offline(batch, 16, tensor_parallel_size=2)
     assert result["token_ids"] == [list(o.outputs[0].token_ids) for o in expected]
     assert result["served"]["0"] > 0 and result["served"]["1"] > 0
     assert result["served"]["total"] == len(batch)
