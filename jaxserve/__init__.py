@@ -17,6 +17,7 @@ _LAZY = {
     "EngineConfig": "jaxserve.config",
     "LLM": "jaxserve.engine.llm",
     "AsyncLLM": "jaxserve.engine.async_llm",
+    "DPAsyncLLM": "jaxserve.engine.dp_async_llm",
     "RequestOutput": "jaxserve.engine.outputs",
     "CompletionOutput": "jaxserve.engine.outputs",
     "Logprob": "jaxserve.engine.outputs",

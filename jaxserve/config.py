@@ -18,6 +18,9 @@ ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu")  # built in; mor
 # The reasoning parsers' names (``jaxserve.structured.reasoner`` and the server's parsers know each).
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
+# vLLM's short spellings of some flags, besides the long one every field gets.
+CLI_SHORT_FLAGS: dict[str, str] = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}
+
 
 @dataclasses.dataclass
 class EngineConfig:
@@ -56,6 +59,10 @@ class EngineConfig:
     """auto, xla, pallas, triton, cpu, or a name registered with
     pallas_kernels.register_attention_backend in this process. auto = pallas on GPU; on a CPU,
     cpu (the C++ kernel) when it builds here, else xla."""
+    data_parallel_size: int = 1
+    """Engine replicas, each with its own scheduler, KV cache and devices (tensor_parallel_size
+    of them), behind one API; requests go to the least loaded replica or to the one holding their
+    prefix."""
     seed: int = 0
     """Seed of the engine's RNG (draws seeds for unseeded requests)."""
     kv_cache_memory: int | None = None
@@ -104,6 +111,9 @@ class EngineConfig:
     """Finished requests whose timelines stay readable by id (live ones always are)."""
     record_token_ids: bool = False
     """Show each request's prompt and output token ids in its timeline."""
+    tensor_parallel_size: int = 1
+    """Devices each model is split over (Megatron-style: attention heads, MLP columns and the
+    vocabulary); must divide the attention heads and be at most the devices present."""
     otlp_traces_endpoint: str | None = None
     """OTLP/HTTP collector to send a span tree per request to (e.g. http://127.0.0.1:4318/v1/traces);
     needs the otel extra."""
@@ -119,6 +129,8 @@ class EngineConfig:
             raise bad("block_size", "must be a positive power of two")
         if self.max_num_seqs < 1:
             raise bad("max_num_seqs", "must be >= 1")
+        if self.data_parallel_size < 1:
+            raise bad("data_parallel_size", "must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise bad("max_num_batched_tokens", "must be >= 1")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -148,6 +160,8 @@ class EngineConfig:
         for field in ("max_step_records", "max_request_timelines"):
             if getattr(self, field) < 0:
                 raise bad(field, "must be >= 0")
+        if self.tensor_parallel_size < 1:
+            raise bad("tensor_parallel_size", "must be >= 1")
         if self.max_logprobs < 0:
             raise bad("max_logprobs", "must be >= 0")
         for name in ("max_prompt_chars", "max_n", "max_stop_strings", "max_stop_str_chars"):
@@ -174,20 +188,22 @@ class EngineConfig:
         for field in dataclasses.fields(cls):
             if field.name in skip:
                 continue
-            flag = "--" + field.name.replace("_", "-")
+            flags = ["--" + field.name.replace("_", "-")]
+            if field.name in CLI_SHORT_FLAGS:
+                flags.append(CLI_SHORT_FLAGS[field.name])
             kind = hints[field.name]
             doc = docs.get(field.name, "")
             # A docstring that explains its default says more than the bare value (often None).
             help_text = doc if "default" in doc.lower() else f"{doc} (default: {field.default})"
             if kind is bool or kind == (bool | None):
-                parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
+                parser.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction,
                                     default=field.default, help=help_text)
             elif get_origin(kind) is Literal:
-                parser.add_argument(flag, dest=field.name, choices=get_args(kind), default=field.default,
+                parser.add_argument(*flags, dest=field.name, choices=get_args(kind), default=field.default,
                                     help=help_text)
             else:
                 base = next((t for t in (int, float, str) if t is kind or t in get_args(kind)), str)
-                parser.add_argument(flag, dest=field.name, type=base, default=field.default, help=help_text)
+                parser.add_argument(*flags, dest=field.name, type=base, default=field.default, help=help_text)
 
     def cli_flags(self, skip: tuple[str, ...] = ()) -> list[str]:
         """The flags that give this configuration from the defaults (those of changed fields)."""

@@ -147,13 +147,14 @@ def _serve(args, config, sock: socket.socket, chat_template: Optional[str], api_
            parsers, started: float) -> None:
     import uvicorn
 
-    from jaxserve import AsyncLLM
+    from jaxserve import AsyncLLM, DPAsyncLLM
 
     from .app import build_app
     from .gc_heap import freeze_startup_heap
 
-    engine = AsyncLLM.from_config(config, served_model_name=args.served_model_name,
-                                  max_waiting=args.max_waiting, show_progress=True)
+    engine_class = DPAsyncLLM if config.data_parallel_size > 1 else AsyncLLM
+    engine = engine_class.from_config(config, served_model_name=args.served_model_name,
+                                      max_waiting=args.max_waiting, show_progress=True)
     freeze_startup_heap()
     try:
         app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,

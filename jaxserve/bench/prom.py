@@ -25,10 +25,12 @@ def read_samples(text: str) -> list[Sample]:
 
 
 def summed(samples: list[Sample]) -> dict[str, float]:
-    """Each sample name's value summed over its label sets."""
+    """Each sample name's value summed over its label sets, but for data parallelism's
+    ``engine="total"`` samples, which repeat the replicas' own."""
     out: dict[str, float] = collections.defaultdict(float)
     for s in samples:
-        out[s.name] += s.value
+        if s.labels.get("engine") != "total":
+            out[s.name] += s.value
     return dict(out)
 
 

@@ -100,7 +100,8 @@ def _metrics(client, base: str) -> dict[str, float]:
     samples = prom.read_samples(client.get(f"{base}/metrics", timeout=30).text)
     out = collections.defaultdict(float, prom.summed(samples))
     for s in samples:
-        if s.name == "jaxserve:request_success_total" and "finished_reason" in s.labels:
+        if (s.name == "jaxserve:request_success_total" and "finished_reason" in s.labels
+                and s.labels.get("engine") != "total"):
             out[f"finished:{s.labels['finished_reason']}"] += s.value
     return out
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -28,7 +29,7 @@ from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.processor import ProcessedRequest, PromptType
 from jaxserve.engine.step_records import StepRecord
 from jaxserve.engine.timeline import ABORT, CLIENT_DISCONNECT, EntryTimes, RequestTimeline
-from jaxserve.exceptions import EngineDeadError, EngineOverloadedError
+from jaxserve.exceptions import ConfigError, EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger("jaxserve")
 # Threads that tokenize and validate prompts off the caller's event loop.
@@ -89,6 +90,9 @@ class AsyncLLM:
     @classmethod
     def from_config(cls, config: EngineConfig, *, served_model_name: Optional[str] = None, max_waiting: int = 1024,
                     show_progress: bool = True) -> "AsyncLLM":
+        if config.data_parallel_size > 1:  # one engine here would silently ignore the other replicas
+            raise ConfigError(f"data_parallel_size={config.data_parallel_size}: use DPAsyncLLM.from_config, "
+                              "which starts that many engines")
         return cls(LLMEngine(config, show_progress=show_progress, served_model_name=served_model_name),
                    max_waiting=max_waiting)
 
@@ -128,6 +132,16 @@ class AsyncLLM:
                                                     arrival_time=time.monotonic(), entry_times=entry_times))
         finally:
             self._processing -= 1
+        # aclosing: leaving early closes the inner stream now (its abort), not when it is collected.
+        async with contextlib.aclosing(self.generate_processed(processed, output_kind)) as stream:
+            async for out in stream:
+                yield out
+
+    async def generate_processed(self, processed: ProcessedRequest,
+                                 output_kind: RequestOutputKind = RequestOutputKind.DELTA
+                                 ) -> AsyncGenerator[RequestOutput, None]:
+        """``generate`` after tokenizing: hand the request to the loop thread and stream its outputs.
+        Leaving the iteration early aborts the request (``client_disconnect``)."""
         queue: asyncio.Queue = asyncio.Queue()
         self._submit(AddRequest(processed, output_kind, OutputTarget(asyncio.get_running_loop(), queue)))
         finished = False
@@ -142,7 +156,7 @@ class AsyncLLM:
                     break
         finally:
             if not finished:
-                self._submit(AbortRequest(request_id, CLIENT_DISCONNECT))
+                self._submit(AbortRequest(processed.request_id, CLIENT_DISCONNECT))
 
     async def abort(self, request_id: str) -> None:
         self._submit(AbortRequest(request_id))

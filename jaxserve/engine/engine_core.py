@@ -16,11 +16,12 @@ ids, the matchers' advance and the fill.
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib.util
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
@@ -81,11 +82,29 @@ def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) ->
 
 class EngineCore:
     """``model``: a model object to serve instead of loading ``config.model`` (the contract is in
-    :mod:`jaxserve.models.contract`); ``model_source`` is then None."""
+    :mod:`jaxserve.models.contract`); ``model_source`` is then None. ``devices``: the local jax
+    devices this engine's model runs on, ``tensor_parallel_size`` of them (default: the first ones
+    of ``jax.devices()``); a data-parallel replica gets its own group. The engine builds and steps
+    with ``devices[0]`` as JAX's default device, so an array made outside the runner's placement
+    lands there too."""
 
     def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False,
-                 model: Any = None):
+                 model: Any = None, devices: Optional[Sequence[Any]] = None):
         self.config = config
+        self.devices = list(devices) if devices else None
+        with self.on_devices():
+            self._start(config, show_progress, record_steps, model)
+
+    def on_devices(self) -> contextlib.AbstractContextManager:
+        """A context in which JAX creates arrays and runs programs on this engine's device. JAX
+        keeps it per thread, so replicas stepping in their own threads do not disturb each other."""
+        if self.devices is None:
+            return contextlib.nullcontext()
+        import jax
+
+        return jax.default_device(self.devices[0])
+
+    def _start(self, config: EngineConfig, show_progress: bool, record_steps: bool, model: Any) -> None:
         self.startup = StartupTimes()
         start_cpu_kernel_build(config)
         self.model_source: Optional[ModelSource] = None
@@ -97,24 +116,33 @@ class EngineCore:
         from jaxserve.models.contract import check_model_object
         from jaxserve.runner.compilation import enable_persistent_compilation_cache
         from jaxserve.runner.kv_cache import configure_xla_allocator
+        from jaxserve.runner.mesh import make_mesh, param_sharding, select_devices
         from jaxserve.runner.model_runner import ModelRunner
 
         configure_xla_allocator(config.gpu_memory_utilization)  # before JAX starts a GPU backend
         if not config.enforce_eager:  # eager mode's per-op programs are not worth caching on disk
             enable_persistent_compilation_cache(config.resolved_compilation_cache_dir())
+        tp = config.tensor_parallel_size
+        devices = select_devices(tp, self.devices)
+        mesh = make_mesh(devices, tp)
         if model is None:
             assert self.model_source is not None
-            with self.startup.phase("weights"):
-                model = load_model(str(self.model_source.path), config.dtype, config.scan_layers)
+            with self.startup.phase("weights"):  # each shard read straight onto its device
+                model = load_model(str(self.model_source.path), config.dtype, config.scan_layers,
+                                   tensor_parallel_size=tp,
+                                   place=lambda path, shape: param_sharding(mesh, path, len(shape)))
         else:
             check_model_object(model)
             if config.model or config.dtype != "auto" or config.scan_layers is not None:
                 raise ConfigError("model, dtype and scan_layers describe a checkpoint to load; "
                                   "a model object is served as it is built")
+            if tp > 1:
+                raise ConfigError("tensor_parallel_size: a model object is served as it is built, on one "
+                                  f"device; got {tp}")
         self.model_config = model.config
         self.max_model_len = resolve_max_model_len(config, model.config.max_position_embeddings)
         with self.startup.phase("runner"):
-            self.runner = ModelRunner(config, model, self.max_model_len)
+            self.runner = ModelRunner(config, model, self.max_model_len, devices=devices)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
@@ -173,7 +201,8 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         failed = self._finish_failed_grammars() if self.structured_outputs is not None else []
-        outputs = self._step_async() if self.config.async_scheduling else self._step_sync()
+        with self.on_devices():
+            outputs = self._step_async() if self.config.async_scheduling else self._step_sync()
         return failed + outputs if failed else outputs
 
     def _finish_failed_grammars(self) -> list[EngineCoreOutput]:

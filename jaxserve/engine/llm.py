@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import heapq
 import itertools
 import json
 import os
@@ -12,6 +14,9 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.dp_load import hash_for_routing, pick_replica
+from jaxserve.engine.dp_metrics import merge_stats, merged_snapshot
+from jaxserve.engine.dp_placement import start_replica_engines
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import Metric
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
@@ -19,7 +24,8 @@ from jaxserve.engine.processor import PromptType
 from jaxserve.engine.profiling import Profile, Profiler
 from jaxserve.engine.step_records import StepRecord
 from jaxserve.engine.timeline import RequestTimeline
-from jaxserve.exceptions import InvalidRequestError
+from jaxserve.engine.trace import build_trace
+from jaxserve.exceptions import ConfigError, InvalidRequestError
 
 if TYPE_CHECKING:  # the runner imports jax; LLM loads it with the engine
     from jaxserve.runner.inspection import StepInputs, StepProgram
@@ -35,7 +41,9 @@ class LLM:
     model object and no tokenizer, prompts must be token ids.
 
     Other keyword arguments are ``EngineConfig`` fields (``max_model_len``, ``max_num_seqs``,
-    ``enforce_eager``, ``attention_backend`` ...).
+    ``enforce_eager``, ``attention_backend`` ...). With ``data_parallel_size=M`` there are M
+    engines (``llm_engines``; ``llm_engine`` is the first), each prompt goes where the data-parallel
+    router sends it, and the engines step concurrently, one thread each.
     """
 
     def __init__(self, model: Union[str, os.PathLike, Any, None] = None, *, tokenizer: Any = None,
@@ -46,8 +54,16 @@ class LLM:
             model=None if model is None or model_object is not None else os.fspath(model),
             tokenizer=None if tokenizer is None or tokenizer_object is not None else os.fspath(tokenizer),
             **engine_args)
-        self.llm_engine = LLMEngine(self.config, show_progress=show_progress, record_steps=record_steps,
-                                    model=model_object, tokenizer=tokenizer_object)
+        if self.config.data_parallel_size > 1:
+            if model_object is not None:
+                raise ConfigError("data_parallel_size: a model object is one engine's; replicas load a "
+                                  f"checkpoint each (got {self.config.data_parallel_size})")
+            self.llm_engines = start_replica_engines(self.config, show_progress=show_progress,
+                                                     record_steps=record_steps)
+        else:
+            self.llm_engines = [LLMEngine(self.config, show_progress=show_progress, record_steps=record_steps,
+                                          model=model_object, tokenizer=tokenizer_object)]
+        self.llm_engine = self.llm_engines[0]
         self._counter = itertools.count()
         self._profiler = Profiler()
 
@@ -65,18 +81,34 @@ class LLM:
         """Generate for every prompt; outputs come back in the order of ``prompts``."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        ids = []
+        added: list[tuple[LLMEngine, str]] = []
+        live = [0] * len(self.llm_engines)  # sequences routed to each engine by this call
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = str(next(self._counter))
                 salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-                self.llm_engine.add_request(rid, prompt, p, output_kind=RequestOutputKind.FINAL_ONLY,
-                                            priority=priority[i] if priority else 0, cache_salt=salt)
-                ids.append(rid)
+                engine = self._add_routed(rid, prompt, p, priority[i] if priority else 0, salt, live)
+                added.append((engine, rid))
         except Exception:
-            self.llm_engine.abort_request(ids)
+            for engine, rid in added:
+                engine.abort_request([rid])
             raise
-        return self._run(ids, use_tqdm)
+        return self._run([rid for _, rid in added], use_tqdm)
+
+    def _add_routed(self, rid: str, prompt: PromptType, params: SamplingParams, priority: int,
+                    cache_salt: Optional[str], live: list[int]) -> LLMEngine:
+        """Add the request to the engine the router picks (the only one without data parallelism);
+        ``live``: the sequences each engine got so far, counted up here."""
+        engines = self.llm_engines
+        processed = engines[0].process_request(rid, prompt, params, priority=priority, cache_salt=cache_salt)
+        index = 0
+        if len(engines) > 1:
+            if self.config.enable_prefix_caching:
+                hash_for_routing(processed.core_requests[0], self.config.block_size)
+            index = pick_replica(engines, live, processed.core_requests[0])
+        engines[index].add_processed_request(processed, output_kind=RequestOutputKind.FINAL_ONLY)
+        live[index] += len(processed.core_requests)
+        return engines[index]
 
     def chat(
         self,
@@ -109,13 +141,13 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
-        engine = self.llm_engine
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, unit="req") as bar:
-            while engine.has_unfinished_requests():
-                for _, out in engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
+            if len(self.llm_engines) == 1:
+                _drain(self.llm_engine, results, bar)
+            else:  # one thread per engine: a step's device work runs without the GIL
+                with concurrent.futures.ThreadPoolExecutor(len(self.llm_engines)) as pool:
+                    for future in [pool.submit(_drain, e, results, bar) for e in self.llm_engines]:
+                        future.result()
         return [results[i] for i in ids]
 
     @property
@@ -125,30 +157,38 @@ class LLM:
         return self.llm_engine.step_records
 
     def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]:
-        """The newest ``limit`` step records (all kept with None), oldest first."""
-        return self.llm_engine.get_step_records(limit)
+        """The newest ``limit`` step records (all kept with None) of all engines, oldest first."""
+        if len(self.llm_engines) == 1:
+            return self.llm_engine.get_step_records(limit)
+        merged = list(heapq.merge(*(e.get_step_records(limit) for e in self.llm_engines), key=lambda r: r.start))
+        return merged if limit is None else merged[-limit:] if limit else []
 
     def get_request_timeline(self, request_id: str) -> Optional[RequestTimeline]:
         """A request's timeline (``RequestOutput.request_id``), while the engine keeps it."""
-        return self.llm_engine.get_request_timeline(request_id)
+        return next((t for e in self.llm_engines if (t := e.get_request_timeline(request_id)) is not None), None)
 
     def export_trace(self, path: Optional[str] = None, *, num_steps: Optional[int] = None,
                      num_requests: int = 100) -> dict:
         """A Chrome/Perfetto trace of the newest steps and requests; written to ``path`` if given."""
-        trace = self.llm_engine.build_trace(num_steps, num_requests)
+        timelines = sorted((t for e in self.llm_engines for t in e.recent_request_timelines(num_requests)),
+                           key=lambda t: t.metrics.arrival_time)
+        trace = build_trace(self.get_step_records(num_steps), timelines[-num_requests:] if num_requests else [])
         if path is not None:
             with open(path, "w", encoding="utf-8") as f:
                 json.dump(trace, f)
         return trace
 
     def get_metrics(self) -> list[Metric]:
-        return self.llm_engine.metrics.snapshot()
+        """Every engine's metrics (label ``engine``); with several, their totals (``engine="total"``)."""
+        return merged_snapshot([e.metrics.snapshot() for e in self.llm_engines])
 
     def stats(self) -> dict:
-        return self.llm_engine.stats()
+        if len(self.llm_engines) == 1:
+            return self.llm_engine.stats()
+        return merge_stats([e.stats() for e in self.llm_engines])
 
     def reset_prefix_cache(self) -> bool:
-        return self.llm_engine.reset_prefix_cache()
+        return all([e.reset_prefix_cache() for e in self.llm_engines])
 
     # ---- looking inside the step (docs/design.md, "Inspecting a step") ----------------------
 
@@ -176,6 +216,15 @@ class LLM:
     def stop_profile(self) -> Profile:
         """Stop the trace; the ``Profile`` names its Perfetto and TensorBoard files."""
         return self._profiler.stop()
+
+
+def _drain(engine: LLMEngine, results: dict[str, RequestOutput], bar) -> None:
+    """Step ``engine`` until it has nothing left, keeping each finished output."""
+    while engine.has_unfinished_requests():
+        for _, out in engine.step():
+            if out.finished:
+                results[out.request_id] = out
+                bar.update(1)
 
 
 def _template_message(message: dict[str, Any]) -> dict[str, Any]:

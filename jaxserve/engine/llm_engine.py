@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
@@ -54,7 +54,11 @@ class LLMEngine:
     ``config.tokenizer`` or the model's."""
 
     def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False,
-                 served_model_name: Optional[str] = None, model: Any = None, tokenizer: Any = None):
+                 served_model_name: Optional[str] = None, model: Any = None, tokenizer: Any = None,
+                 devices: Optional[Sequence[Any]] = None, engine_index: int = 0):
+        """``devices``: the jax devices the model runs on (default: the first
+        ``tensor_parallel_size`` of ``jax.devices()``); ``engine_index``: its replica index under
+        data parallelism (the metrics' ``engine`` label)."""
         self.config = config
         # A tokenizer given apart is looked up first, so a wrong name fails before any compile.
         tokenizer_source = resolve_model(config.tokenizer, weights=False) if config.tokenizer else None
@@ -65,7 +69,8 @@ class LLMEngine:
             from jaxserve.engine.otel import RequestTracer
 
             self.tracer = RequestTracer(config.otlp_traces_endpoint, self.served_model_name)
-        self.core = EngineCore(config, show_progress=show_progress, record_steps=record_steps, model=model)
+        self.core = EngineCore(config, show_progress=show_progress, record_steps=record_steps, model=model,
+                               devices=devices)
         with self.core.startup.phase("tokenizer"):
             self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer(tokenizer_source)
         self.model_config = self.core.model_config
@@ -80,7 +85,7 @@ class LLMEngine:
             self.output_processor.on_ended = self._export_span
         # The folder or the hub id; a model object has neither.
         self.model_root = self.core.model_source.root if self.core.model_source else self.served_model_name
-        self.metrics = EngineMetrics(self.served_model_name, self.core.attention_backend)
+        self.metrics = EngineMetrics(self.served_model_name, self.core.attention_backend, engine_index)
         self.metrics.record_startup(self.core.startup.phases, self.core.runner.stats)
         self._report_startup(show_progress)
         self.core.runner.start_deferred_compiles()

@@ -69,10 +69,13 @@ class BatchedHistogram:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, attention_backend: str = "unknown"):
+    """One engine's metrics. Every sample carries ``model_name`` and ``engine`` (the replica's index
+    under data parallelism, "0" otherwise), as vLLM labels them."""
+
+    def __init__(self, model_name: str, attention_backend: str = "unknown", engine_index: int = 0):
         self.registry = r = CollectorRegistry()
-        lbl = ["model_name"]
-        self._labels = {"model_name": model_name}
+        lbl = ["model_name", "engine"]
+        self._labels = {"model_name": model_name, "engine": str(engine_index)}
         self._children: dict = {}
         self.running = Gauge("jaxserve:num_requests_running", "Requests in the running set", lbl, registry=r)
         self.waiting = Gauge("jaxserve:num_requests_waiting", "Requests waiting", lbl, registry=r)

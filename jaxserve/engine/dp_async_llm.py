@@ -1,0 +1,183 @@
+"""DPAsyncLLM: ``data_parallel_size`` engine replicas in one process behind ``AsyncLLM``'s interface.
+
+vLLM's data-parallel front end (a load-balancing client over engine cores, fed by a coordinator's
+counts) in one process: each replica is a whole ``AsyncLLM`` (scheduler, KV pool, runner on its
+own device group, loop thread). Their loop threads step concurrently: a step's device work runs
+with the GIL released. This object tokenizes each prompt once, hashes its full blocks, asks the
+router which replica takes it (prefix hits, then load, then KV usage: ``dp_router``) and streams
+that replica's outputs. It owns the request-id -> replica map, so an abort reaches the right one
+and an id is unique across all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import heapq
+import time
+from collections.abc import Sequence
+from typing import AsyncGenerator, Optional
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.async_llm import DEFAULT_INPUT_WORKERS, AsyncLLM
+from jaxserve.engine.dp_load import hash_for_routing, pick_replica
+from jaxserve.engine.dp_metrics import merge_stats, render_merged
+from jaxserve.engine.dp_placement import start_replica_engines
+from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
+from jaxserve.engine.processor import ProcessedRequest, PromptType
+from jaxserve.engine.step_records import StepRecord
+from jaxserve.engine.timeline import EntryTimes, RequestTimeline
+from jaxserve.engine.trace import build_trace
+from jaxserve.exceptions import EngineDeadError, EngineOverloadedError, InvalidRequestError
+
+
+class DPAsyncLLM:
+    """``AsyncLLM``'s public interface over M replicas.
+
+    Invariants: ``_owner`` holds exactly the live requests (added before the first output, removed
+    when the stream ends, however it ends); ``_live_seqs[i]`` is the number of sequences of the
+    live requests owned by replica ``i``. Both are touched on the caller's event loop only.
+    """
+
+    def __init__(self, replicas: Sequence[AsyncLLM], *, max_waiting: int = 1024,
+                 input_workers: int = DEFAULT_INPUT_WORKERS):
+        if not replicas:
+            raise ValueError("DPAsyncLLM needs at least one replica")
+        self.replicas = list(replicas)
+        first = self.replicas[0]
+        self.config = first.config
+        self.tokenizer = first.tokenizer
+        self.model_config = first.model_config
+        self.max_model_len = first.max_model_len
+        self.served_model_name = first.served_model_name
+        self.model_root = first.model_root
+        self.max_waiting = max_waiting
+        self._owner: dict[str, int] = {}
+        self._live_seqs = [0] * len(self.replicas)
+        self._processing = 0
+        self._input_pool = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="jaxserve-input")
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, served_model_name: Optional[str] = None, max_waiting: int = 1024,
+                    show_progress: bool = True) -> "DPAsyncLLM":
+        engines = start_replica_engines(config, served_model_name=served_model_name, show_progress=show_progress)
+        # Each replica's own queue limit is the total (this object enforces it); prompts are
+        # tokenized here, so a replica's own input pool stays idle: one thread.
+        return cls([AsyncLLM(e, max_waiting=max_waiting, input_workers=1) for e in engines], max_waiting=max_waiting)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self.replicas)
+
+    # ---- health ------------------------------------------------------------------------------
+
+    @property
+    def is_dead(self) -> bool:
+        """One failed replica fails the whole server, as in vLLM: its requests are lost."""
+        return any(r.is_dead for r in self.replicas)
+
+    def check_health(self) -> None:
+        for index, replica in enumerate(self.replicas):
+            try:
+                replica.check_health()
+            except EngineDeadError as exc:
+                raise EngineDeadError(f"engine replica {index}: {exc}") from None
+
+    def num_waiting(self) -> int:
+        """Requests waiting in any replica, or still being tokenized."""
+        return sum(r.num_waiting() for r in self.replicas) + self._processing
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
+                       priority: int = 0, cache_salt: Optional[str] = None,
+                       output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+                       entry_times: Optional[EntryTimes] = None) -> AsyncGenerator[RequestOutput, None]:
+        """As ``AsyncLLM.generate``, on the replica the router picks."""
+        self.check_health()
+        if self.num_waiting() >= self.max_waiting:
+            raise EngineOverloadedError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
+        self._processing += 1
+        try:
+            processed = await asyncio.get_running_loop().run_in_executor(
+                self._input_pool, functools.partial(self._process, request_id, prompt, sampling_params, priority,
+                                                    cache_salt, time.monotonic(), entry_times))
+        finally:
+            self._processing -= 1
+        if request_id in self._owner:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        index = self.route(processed)
+        num_seqs = len(processed.core_requests)
+        self._owner[request_id] = index
+        self._live_seqs[index] += num_seqs
+        try:
+            async with contextlib.aclosing(self.replicas[index].generate_processed(processed, output_kind)) as stream:
+                async for out in stream:
+                    yield out
+        finally:
+            del self._owner[request_id]
+            self._live_seqs[index] -= num_seqs
+
+    def _process(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
+                 cache_salt: Optional[str], arrival_time: float, entry_times: Optional[EntryTimes]) -> ProcessedRequest:
+        """Tokenize and validate (any replica's processor: they are identical), then hash the
+        prompt's full blocks for routing; runs on an input thread."""
+        processed = self.replicas[0].engine.process_request(request_id, prompt, params, priority=priority,
+                                                            cache_salt=cache_salt, arrival_time=arrival_time,
+                                                            entry_times=entry_times)
+        if self.config.enable_prefix_caching:
+            hash_for_routing(processed.core_requests[0], self.config.block_size)
+        return processed
+
+    def route(self, processed: ProcessedRequest) -> int:
+        """The replica index that takes ``processed`` (see ``dp_router`` for the policy)."""
+        return pick_replica([r.engine for r in self.replicas], self._live_seqs, processed.core_requests[0])
+
+    def replica_of(self, request_id: str) -> Optional[int]:
+        """The replica serving a live request, or None."""
+        return self._owner.get(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        index = self._owner.get(request_id)
+        if index is not None:
+            await self.replicas[index].abort(request_id)
+
+    # ---- introspection / lifecycle -----------------------------------------------------------
+
+    def render_metrics(self) -> bytes:
+        """Every replica's samples (label ``engine``) and their totals (``engine="total"``)."""
+        return render_merged([r.engine.metrics.registry for r in self.replicas])
+
+    def get_request_timeline(self, request_id: str) -> Optional[RequestTimeline]:
+        for replica in self.replicas:
+            timeline = replica.get_request_timeline(request_id)
+            if timeline is not None:
+                return timeline
+        return None
+
+    def recent_request_timelines(self, limit: int = 100) -> list[RequestTimeline]:
+        """The newest ``limit`` over all replicas, by arrival."""
+        timelines = [t for r in self.replicas for t in r.recent_request_timelines(limit)]
+        timelines.sort(key=lambda t: t.metrics.arrival_time)
+        return timelines[-limit:] if limit else []
+
+    def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]:
+        """The newest ``limit`` step records of all replicas, oldest first (by start)."""
+        merged = list(heapq.merge(*(r.get_step_records(limit) for r in self.replicas), key=lambda s: s.start))
+        return merged if limit is None else merged[-limit:] if limit else []
+
+    def build_trace(self, num_steps: Optional[int] = None, num_requests: int = 100) -> dict:
+        """A Chrome/Perfetto trace of the newest steps (all replicas) and requests."""
+        return build_trace(self.get_step_records(num_steps), self.recent_request_timelines(num_requests))
+
+    def stats(self) -> dict:
+        """Totals over the replicas, and each replica's own under ``engines``."""
+        return merge_stats([r.stats() for r in self.replicas])
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        for replica in self.replicas:
+            replica.shutdown(timeout)
+        self._input_pool.shutdown(wait=False, cancel_futures=True)
