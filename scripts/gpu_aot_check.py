@@ -50,11 +50,13 @@ def default_target_config() -> Path:
     return SHARED_TARGET if SHARED_TARGET.is_file() else gpu_targets.target_config_path("h200")
 
 
-def hlo_shape(x) -> tuple[str, tuple[int, ...]]:
-    return HLO_DTYPES.get(str(x.dtype), str(x.dtype)), tuple(x.shape)
+def hlo_shape(x, per_device: bool = False) -> tuple[str, tuple[int, ...]]:
+    """``x``'s HLO dtype and shape, or the shape of its block on one device."""
+    shape = x.sharding.shard_shape(x.shape) if per_device else x.shape
+    return HLO_DTYPES.get(str(x.dtype), str(x.dtype)), tuple(shape)
 
 
-def check_variant(runner, variant, weight_shapes, pool_shapes) -> dict:
+def check_variant(runner, variant, weight_shapes, pool_shapes, full_weight_shapes) -> dict:
     start = time.perf_counter()
     lowered = runner.steps.lowered(variant)
     lowered_s = time.perf_counter() - start
@@ -64,7 +66,7 @@ def check_variant(runner, variant, weight_shapes, pool_shapes) -> dict:
     text = compiled.as_text()
     stats = analyze_hlo(text, weight_shapes, pool_shapes)
     collectives = count_collectives(text)
-    gathered_weights = collectives.weight_all_gathers(shape for _, shape in weight_shapes)
+    gathered_weights = collectives.weight_all_gathers(shape for _, shape in full_weight_shapes)
     problems = []
     if gathered_weights:
         problems.append(f"{len(gathered_weights)} weight all-gathers {gathered_weights[:4]}")
@@ -106,12 +108,16 @@ def check_model(preset: str, backend: str, args, sharding, spec) -> list[dict]:
     config = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=blocks,
                           tensor_parallel_size=tp)
     runner = gpu_aot.abstract_runner(model, config, sharding, max_model_len)
-    weight_shapes = {hlo_shape(x) for x in jax.tree.leaves(runner.model_state)}
-    pool_shapes = {hlo_shape(x) for x in jax.tree.leaves(runner.state.kv_cache)}
+    # A split program's HLO holds each device's blocks: copies and aliasing are of block shapes,
+    # while a weight gathered whole would have the full one.
+    weight_shapes = {hlo_shape(x, per_device=True) for x in jax.tree.leaves(runner.model_state)}
+    full_weight_shapes = {hlo_shape(x) for x in jax.tree.leaves(runner.model_state)}
+    pool_shapes = {hlo_shape(x, per_device=True) for x in jax.tree.leaves(runner.state.kv_cache)}
     variants = [v for v in runner.variants() if not args.buckets or v.bucket in args.buckets]
     rows = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = {pool.submit(check_variant, runner, v, weight_shapes, pool_shapes): v for v in variants}
+        futures = {pool.submit(check_variant, runner, v, weight_shapes, pool_shapes, full_weight_shapes): v
+                   for v in variants}
         for future in concurrent.futures.as_completed(futures):
             try:
                 row = future.result()
