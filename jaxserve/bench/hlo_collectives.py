@@ -28,9 +28,10 @@ class Collectives:
     all_gather_shapes: tuple[tuple[int, ...], ...]
 
     def weight_all_gathers(self, weight_shapes: Iterable[tuple[int, ...]]) -> list[tuple[int, ...]]:
-        """All-gathers whose result has the shape of one of ``weight_shapes``."""
-        weights = {tuple(s) for s in weight_shapes if len(s) >= 2}
-        return [s for s in self.all_gather_shapes if s in weights]
+        """All-gathers whose result has the shape of one of ``weight_shapes``, or a transpose of
+        it (a tied LM head is the embedding transposed)."""
+        weights = {tuple(sorted(s)) for s in weight_shapes if len(s) >= 2}
+        return [s for s in self.all_gather_shapes if tuple(sorted(s)) in weights]
 
     def as_dict(self) -> dict:
         return {"collectives": dict(self.counts), "all_gather_shapes": [list(s) for s in self.all_gather_shapes]}

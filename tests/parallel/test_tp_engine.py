@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from jaxserve.bench.hlo_collectives import Collectives
 from tests.parallel.tp_runs import CASES, run_in_subprocess
 
 LOGPROB_TOLERANCE = 1e-4
@@ -71,8 +72,8 @@ def test_step_holds_two_all_reduces_per_layer_and_gathers_no_weight(results, arc
     assert counts["all-reduce"] == 2 * run["num_layers"] + 1
     assert counts["all-gather"] == 1
     assert counts["reduce-scatter"] == counts["all-to-all"] == counts["collective-permute"] == 0
-    weights = {tuple(s) for s in run["weight_shapes"] if len(s) >= 2}
-    assert not [s for s in run["all_gather_shapes"] if tuple(s) in weights]
+    gathered = Collectives(run["collectives"], tuple(map(tuple, run["all_gather_shapes"])))
+    assert gathered.weight_all_gathers(map(tuple, run["weight_shapes"])) == []
 
 
 def test_single_device_step_has_no_collectives(results):

@@ -27,6 +27,7 @@ def test_async_pairs_count_once_and_a_gathered_weight_is_named():
     found = count_collectives(GPU_TEXT)
     assert found.counts["all-reduce"] == 1 and found.counts["all-gather"] == 1
     assert found.weight_all_gathers([(1024, 4096), (64,)]) == [(1024, 4096)]
+    assert found.weight_all_gathers([(4096, 1024)]) == [(1024, 4096)]  # a tied head: the embedding, transposed
 
 
 def test_text_without_collectives_counts_nothing():
