@@ -25,6 +25,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -255,6 +256,11 @@ def _zero_padding(out, query_start_loc, num_seqs):
     return jnp.where(valid[:, None, None], out, jnp.zeros((), out.dtype))
 
 
+# Triton's interpreter is not thread-safe (it parses and imports lazily), and a step split over
+# several devices runs one host callback per device at once.
+_INTERPRETER_LOCK = threading.Lock()
+
+
 def _interpret(plan: TritonLaunchPlan, operands, dtype):
     """Launch the kernel in Triton's interpreter from inside a traced function (host callback)."""
     run_dtype = jnp.float32 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
@@ -270,7 +276,7 @@ def _launch_on(device: str, plan: TritonLaunchPlan, *operands) -> np.ndarray:
     """Launch through triton on torch tensors: interpreted on "cpu", compiled elsewhere."""
     if device == "cpu":
         kernel = _interpreted_kernels().ragged_paged_attention_kernel
-        with _triton_interpret_env():
+        with _INTERPRETER_LOCK, _triton_interpret_env():
             return _launch_with_torch(kernel, plan, operands, device)
     from . import _triton_kernels
 

@@ -11,6 +11,10 @@ seconds, temporary / argument / alias bytes, ``conditional`` and ``while`` ops (
 data-dependent ones), copies of weight- or pool-shaped buffers, custom calls and the Pallas
 kernels behind them; then a table per model and a summary line. Exits 1 when a step has a host
 round trip, a weight or pool copy, or a KV pool that is not updated in place.
+
+``--tensor-parallel-sizes 2 8`` compiles the steps split over that many of eight H200s on one
+host and adds their collectives (per layer: Megatron's plan has two all-reduces, or
+reduce-scatter + all-gather pairs); an all-gather of a weight-shaped array fails the check.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ envs.allow_cuda_plugin_without_gpu()
 import jax  # noqa: E402
 
 from jaxserve.bench import gpu_aot, gpu_targets  # noqa: E402
+from jaxserve.bench.hlo_collectives import count_collectives  # noqa: E402
 from jaxserve.bench.hlo_stats import analyze_hlo  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 
@@ -45,19 +50,26 @@ def default_target_config() -> Path:
     return SHARED_TARGET if SHARED_TARGET.is_file() else gpu_targets.target_config_path("h200")
 
 
-def hlo_shape(x) -> tuple[str, tuple[int, ...]]:
-    return HLO_DTYPES.get(str(x.dtype), str(x.dtype)), tuple(x.shape)
+def hlo_shape(x, per_device: bool = False) -> tuple[str, tuple[int, ...]]:
+    """``x``'s HLO dtype and shape, or the shape of its block on one device."""
+    shape = x.sharding.shard_shape(x.shape) if per_device else x.shape
+    return HLO_DTYPES.get(str(x.dtype), str(x.dtype)), tuple(shape)
 
 
-def check_variant(runner, variant, weight_shapes, pool_shapes) -> dict:
+def check_variant(runner, variant, weight_shapes, pool_shapes, full_weight_shapes) -> dict:
     start = time.perf_counter()
     lowered = runner.steps.lowered(variant)
     lowered_s = time.perf_counter() - start
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start - lowered_s
     mem = compiled.memory_analysis()
-    stats = analyze_hlo(compiled.as_text(), weight_shapes, pool_shapes)
+    text = compiled.as_text()
+    stats = analyze_hlo(text, weight_shapes, pool_shapes)
+    collectives = count_collectives(text)
+    gathered_weights = collectives.weight_all_gathers(shape for _, shape in full_weight_shapes)
     problems = []
+    if gathered_weights:
+        problems.append(f"{len(gathered_weights)} weight all-gathers {gathered_weights[:4]}")
     if stats.host_round_trips:
         problems.append(f"{stats.conditionals} conditionals, {stats.data_dependent_whiles} data-dependent whiles")
     if stats.weight_copies:
@@ -69,51 +81,75 @@ def check_variant(runner, variant, weight_shapes, pool_shapes) -> dict:
     return {"variant": variant.name, "bucket": variant.bucket, "decode_only": variant.decode_only,
             "all_greedy": variant.all_greedy, "lower_s": round(lowered_s, 2), "compile_s": round(compile_s, 2),
             "temp_bytes": int(mem.temp_size_in_bytes), "argument_bytes": int(mem.argument_size_in_bytes),
-            "alias_bytes": int(mem.alias_size_in_bytes), **stats.as_dict(), "problems": problems}
+            "alias_bytes": int(mem.alias_size_in_bytes), **stats.as_dict(),
+            "collectives": collectives.counts, "collectives_per_layer": per_layer(collectives.counts, runner.mc),
+            "problems": problems}
+
+
+def per_layer(counts: dict[str, int], mc) -> dict[str, float]:
+    """Collectives of one decoder layer: the step's, less the embedding's all-reduce and the
+    logits' all-gather, over the layers (exact for an unrolled step)."""
+    if not any(counts.values()):
+        return {}
+    rest = dict(counts)
+    rest["all-reduce"] = max(0, rest["all-reduce"] - 1)
+    rest["all-gather"] = max(0, rest["all-gather"] - 1)
+    return {k: round(v / mc.num_hidden_layers, 2) for k, v in rest.items() if v}
 
 
 def check_model(preset: str, backend: str, args, sharding, spec) -> list[dict]:
     scan = {"auto": None, "true": True, "false": False}[args.scan_layers]
-    model = gpu_aot.abstract_model(preset, False if scan is None else scan)  # a GPU engine unrolls
+    tp = sharding.mesh.size
+    model = gpu_aot.abstract_model(preset, False if scan is None else scan, tp)  # a GPU engine unrolls
     max_model_len = args.max_model_len or model.config.max_position_embeddings
-    base = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=2)
+    base = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=2,
+                        tensor_parallel_size=tp)
     blocks, _ = gpu_aot.kv_blocks_on(spec, model, base, max_model_len, peak_temp_bytes=0)
-    config = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=blocks)
+    config = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=blocks,
+                          tensor_parallel_size=tp)
     runner = gpu_aot.abstract_runner(model, config, sharding, max_model_len)
-    weight_shapes = {hlo_shape(x) for x in jax.tree.leaves(runner.model_state)}
-    pool_shapes = {hlo_shape(x) for x in jax.tree.leaves(runner.state.kv_cache)}
+    # A split program's HLO holds each device's blocks: copies and aliasing are of block shapes,
+    # while a weight gathered whole would have the full one.
+    weight_shapes = {hlo_shape(x, per_device=True) for x in jax.tree.leaves(runner.model_state)}
+    full_weight_shapes = {hlo_shape(x) for x in jax.tree.leaves(runner.model_state)}
+    pool_shapes = {hlo_shape(x, per_device=True) for x in jax.tree.leaves(runner.state.kv_cache)}
     variants = [v for v in runner.variants() if not args.buckets or v.bucket in args.buckets]
     rows = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = {pool.submit(check_variant, runner, v, weight_shapes, pool_shapes): v for v in variants}
+        futures = {pool.submit(check_variant, runner, v, weight_shapes, pool_shapes, full_weight_shapes): v
+                   for v in variants}
         for future in concurrent.futures.as_completed(futures):
             try:
                 row = future.result()
             except Exception as e:  # noqa: BLE001 - a variant that does not compile is a failure to report
                 row = {"variant": futures[future].name, "problems": [f"{type(e).__name__}: {e}"[:2000]]}
-            row = {"model": preset, "backend": backend, **row}
+            row = {"model": preset, "backend": backend, "tp": tp, **row}
             print(json.dumps(row), flush=True)
             rows.append(row)
     peak = max((r.get("temp_bytes", 0) for r in rows), default=0)
     final_blocks, budget = gpu_aot.kv_blocks_on(spec, model, config, max_model_len, peak)
-    print(json.dumps({"model": preset, "backend": backend, "kv_sizing": budget.describe(),
+    print(json.dumps({"model": preset, "backend": backend, "tp": tp, "weight_bytes_per_device":
+                      gpu_aot.weight_bytes(model), "kv_sizing": budget.describe(),
                       "num_gpu_blocks": final_blocks, "kv_tokens": final_blocks * config.block_size,
                       "compiled_with_blocks": blocks, "max_model_len": max_model_len}), flush=True)
     return sorted(rows, key=lambda r: (r.get("bucket", 0), r.get("decode_only", False), str(r.get("all_greedy"))))
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | backend | variant | compile s | temp MiB | cond/while (data-dep.) | weight/pool copies "
-             "| pool aliased | custom calls |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | backend | tp | variant | compile s | temp MiB | cond/while (data-dep.) | weight/pool copies "
+             "| pool aliased | collectives per layer | custom calls |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        head = f"| {r['model']} | {r['backend']} | {r['tp']} | {r['variant']} "
         if "compile_s" not in r:
-            lines.append(f"| {r['model']} | {r['backend']} | {r['variant']} | failed: {r['problems'][0][:80]} |")
+            lines.append(f"{head}| failed: {r['problems'][0][:80]} |")
             continue
         calls = ", ".join(f"{k} x{v}" for k, v in sorted(r["custom_calls"].items()))
+        per = ", ".join(f"{k} {v:g}" for k, v in r["collectives_per_layer"].items()) or "-"
         lines.append(
-            f"| {r['model']} | {r['backend']} | {r['variant']} | {r['compile_s']:.1f} | {r['temp_bytes'] / 2**20:.0f} "
+            f"{head}| {r['compile_s']:.1f} | {r['temp_bytes'] / 2**20:.0f} "
             f"| {r['conditionals']}/{r['whiles']} ({r['data_dependent_whiles']}) "
-            f"| {len(r['weight_copies'])}/{len(r['pool_copies'])} | {'yes' if r['pool_aliased'] else 'NO'} | {calls} |")
+            f"| {len(r['weight_copies'])}/{len(r['pool_copies'])} | {'yes' if r['pool_aliased'] else 'NO'} | {per} "
+            f"| {calls} |")
     return "\n".join(lines)
 
 
@@ -128,18 +164,22 @@ def main(argv=None) -> int:
                     help="auto: the GPU engine's default (unrolled)")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's (40960)")
     ap.add_argument("--jobs", type=int, default=1, help="variants compiled at once")
+    ap.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1],
+                    help="compile split over this many of 8 H200s on one host (default: 1)")
     args = ap.parse_args(argv)
-    sharding = gpu_aot.compile_only_sharding(args.target_config.read_text())
+    target = args.target_config.read_text()
     spec = gpu_targets.gpu_spec("h200", args.target_config.read_text())
     print(json.dumps({"jax": jax.__version__, "target": spec.description, "target_config": str(args.target_config)}),
           flush=True)
     start = time.perf_counter()
     rows = []
-    for preset in args.models:
-        for backend in args.backends:
-            rows += check_model(preset, backend, args, sharding, spec)
+    for tp in args.tensor_parallel_sizes:
+        sharding = gpu_aot.compile_only_sharding(target, tp, num_devices=max(8, tp) if tp > 1 else 1)
+        for preset in args.models:
+            for backend in args.backends:
+                rows += check_model(preset, backend, args, sharding, spec)
     print(table(rows))
-    failures = [f"{r['model']}/{r['backend']}/{r['variant']}: {'; '.join(r['problems'])}"
+    failures = [f"{r['model']}/{r['backend']}/tp{r['tp']}/{r['variant']}: {'; '.join(r['problems'])}"
                 for r in rows if r["problems"]]
     print(json.dumps({"variants": len(rows), "failures": failures, "elapsed_s": round(time.perf_counter() - start, 1)}))
     return 1 if failures else 0

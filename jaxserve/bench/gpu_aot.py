@@ -5,6 +5,10 @@ text proto of :mod:`.gpu_targets`) into compile-only devices; arrays carrying th
 compile through the real XLA:GPU pipeline (fusion, autotuning defaults, Triton for Pallas, ptxas)
 with no GPU present. A runner built on such a target (:func:`abstract_runner`) never allocates:
 its weights, KV pool and inputs are shapes only.
+
+Tensor parallel: the topology ``1x1xN`` is N GPUs on one host (slices x hosts x devices per
+host); a runner with ``tensor_parallel_size`` N compiles for a mesh over the first N of them,
+its weights and KV pool carrying the plan's shardings (:mod:`jaxserve.runner.mesh`).
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ from jaxserve.config import EngineConfig
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.runner.kv_cache import DeviceMemory, blocks_for_budget, bytes_per_block, kv_cache_budget
+from jaxserve.runner.mesh import REPLICATED, make_mesh, param_spec
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.target import StepTarget
 
 
-def compile_only_sharding(target_config: str) -> jax.sharding.NamedSharding:
-    """A replicated sharding over one compile-only GPU described by ``target_config`` (text proto).
+def compile_only_devices(target_config: str, num_devices: int = 1) -> list:
+    """``num_devices`` compile-only GPUs on one host, described by ``target_config`` (text proto).
 
     Needs the CUDA plugin (``jax[cuda12]``); raises RuntimeError naming what is missing.
     """
@@ -34,22 +39,38 @@ def compile_only_sharding(target_config: str) -> jax.sharding.NamedSharding:
     from jax.experimental import topologies
 
     try:
-        topo = topologies.get_topology_desc(platform="cuda", target_config=target_config, topology="1x1x1")
+        topo = topologies.get_topology_desc(platform="cuda", target_config=target_config,
+                                            topology=f"1x1x{num_devices}")
     except (NotImplementedError, RuntimeError, ValueError) as e:
         raise RuntimeError(f"cannot make compile-only CUDA devices here (is jax[cuda12] installed?): {e}") from e
-    mesh = topologies.make_mesh(topo, (1,), ("x",))
+    return list(topo.devices)
+
+
+def compile_only_sharding(target_config: str, tensor_parallel_size: int = 1,
+                          num_devices: int | None = None) -> jax.sharding.NamedSharding:
+    """A replicated sharding over the tensor-parallel mesh of the first ``tensor_parallel_size``
+    of ``num_devices`` (default: as many) compile-only GPUs on one host."""
+    devices = compile_only_devices(target_config, num_devices or tensor_parallel_size)
+    mesh = make_mesh(devices[:tensor_parallel_size], tensor_parallel_size)
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-def abstract_model(preset: str, scan_layers: bool | None) -> LlamaForCausalLM:
-    """The model of a benchmark preset, shapes only (no weights are made)."""
+def abstract_model(preset: str, scan_layers: bool | None, tensor_parallel_size: int = 1) -> LlamaForCausalLM:
+    """The model of a benchmark preset, shapes only (no weights are made), laid out for
+    ``tensor_parallel_size`` shards."""
     cfg = ModelConfig.from_dict(preset_config(preset))
-    return nnx.eval_shape(lambda: LlamaForCausalLM(cfg, scan_layers=scan_layers, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: LlamaForCausalLM(cfg, scan_layers=scan_layers,
+                                                   tensor_parallel_size=tensor_parallel_size, rngs=nnx.Rngs(0)))
 
 
 def weight_bytes(model: LlamaForCausalLM) -> int:
-    _, state = nnx.split(model)
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    """Bytes of the weights on one device: a split parameter's block, a replicated one whole."""
+    n = model.tensor_parallel_size
+    total = 0
+    for path, x in nnx.to_flat_state(nnx.state(model)):
+        size = x.size * x.dtype.itemsize
+        total += size if param_spec(path, len(x.shape)) == REPLICATED else size // n
+    return total
 
 
 def kv_blocks_on(spec: GpuSpec, model: LlamaForCausalLM, config: EngineConfig, max_model_len: int,
@@ -58,7 +79,7 @@ def kv_blocks_on(spec: GpuSpec, model: LlamaForCausalLM, config: EngineConfig, m
     memory = DeviceMemory(pool_bytes=int(config.gpu_memory_utilization * spec.memory_bytes),
                           pool_fraction=config.gpu_memory_utilization, held_bytes=weight_bytes(model))
     budget = kv_cache_budget(memory, config.gpu_memory_utilization, peak_temp_bytes)
-    per_block = bytes_per_block(model.config, config.block_size)
+    per_block = bytes_per_block(model.config, config.block_size, config.tensor_parallel_size)
     return blocks_for_budget(budget.kv_bytes, per_block, config.block_size, max_model_len), budget
 
 

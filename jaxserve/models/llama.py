@@ -28,6 +28,7 @@ from jaxserve.layers.embedding import Embedding
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.norm import RMSNorm
 from jaxserve.layers.rotary import RotaryEmbedding, apply_rope
+from jaxserve.layers.shard import shard_map
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.forward_context import ForwardContext, KVPools
 from jaxserve.models.layer_stack import ScannedLayers
@@ -201,7 +202,24 @@ class LlamaForCausalLM(nnx.Module):
         the sampler's top-k/top-p, penalties, logprobs and grammar masks all want the full row,
         and gathering ``[rows, vocab]`` costs far less than any weight."""
         h = self.norm(hidden)
-        logits = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
         if mesh is not None and mesh.size > 1:
-            logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, PartitionSpec()))
+            logits = self._vocab_parallel_logits(h, mesh)
+        else:
+            logits = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
         return logits[..., : self.config.vocab_size].astype(jnp.float32)
+
+    def _vocab_parallel_logits(self, h: jax.Array, mesh: Mesh) -> jax.Array:
+        """Each device multiplies by its own vocabulary slice of the head (under ``shard_map``:
+        left to itself, the partitioner may gather the whole head instead), then the logits are
+        gathered."""
+        axes = mesh.axis_names
+        tied = self.lm_head is None
+        weight = self.embed_tokens.embedding[...] if tied else self.lm_head.kernel[...]
+        weight_spec = PartitionSpec(axes, None) if tied else PartitionSpec(None, axes)
+
+        def local(h: jax.Array, w: jax.Array) -> jax.Array:
+            return h @ (w.T if tied else w)
+
+        logits = shard_map(local, mesh, in_specs=(PartitionSpec(), weight_spec),
+                           out_specs=PartitionSpec(None, axes))(h, weight)
+        return jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, PartitionSpec()))

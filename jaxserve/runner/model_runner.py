@@ -197,6 +197,13 @@ class ModelRunner:
             "KV cache: %d blocks of %d tokens (%d tokens); max concurrency %.1fx at %d tokens/request; "
             "attention backend: %s", self.num_blocks, self.block_size, self.num_blocks * self.block_size,
             max_concurrency, max_model_len, self.attention_backend)
+        if tp > 1:
+            layout = model.layout
+            logger.info("tensor parallel over %d devices (%s): %d query and %d key/value heads per device",
+                        tp, ", ".join(map(str, self.devices)), layout.q_heads_per_shard, layout.kv_heads_per_shard)
+            if layout.kv_replicas > 1:
+                logger.info("the model's %d key/value heads are fewer than tensor_parallel_size %d: each is "
+                            "stored %d times, one copy per device", layout.num_kv_heads, tp, layout.kv_replicas)
 
     @property
     def kv_cache(self):
