@@ -5,6 +5,12 @@ this module adds the server's own and runs the server. The listening socket is b
 engine starts, so a busy port fails at once, and uvicorn serves on that socket. ``--port 0`` picks a
 free port; the URL line printed once the server accepts connections carries the real one. A
 setting that cannot work raises ``ConfigError``, which the command reports in one line.
+
+With ``--nnodes N``, rank 0 serves as above and ranks 1 to N - 1 run headless: no HTTP server at
+all, only the engine steps rank 0 sends them. Rank 0's ``/health`` speaks for the whole group (503
+once any host is lost), and a headless rank exits when rank 0 stops or vanishes (code 0 on rank 0's
+shutdown, 1 when it was lost), which is what a process supervisor watches; a second health endpoint
+per host would only repeat rank 0's answer.
 """
 
 from __future__ import annotations
@@ -136,11 +142,28 @@ def run_serve(args: argparse.Namespace, started: Optional[float] = None) -> int:
     parsers = chat_parsers(args)
     api_key = args.api_key or envs.api_key()
     config = EngineConfig.from_cli_args(args, model=args.model)
+    if config.is_multi_node and config.node_rank > 0:
+        return run_headless_node(config)
     sock = bind_socket(args.host, args.port)
     try:
         _serve(args, config, sock, chat_template, api_key, parsers, started)
     finally:
         sock.close()
+    return 0
+
+
+def run_headless_node(config: EngineConfig) -> int:
+    """A rank > 0: follow rank 0's steps; 0 when rank 0 shut down, 1 when it was lost."""
+    from jaxserve import NodeLostError, run_headless
+
+    print(f"jaxserve: node {config.node_rank} of {config.nnodes} starting headless (no API server); "
+          f"rank 0 at {config.coordinator_address()}", flush=True)
+    try:
+        steps = run_headless(config)
+    except NodeLostError as exc:
+        print(f"jaxserve: node {config.node_rank}: {exc}", flush=True)
+        return 1
+    print(f"jaxserve: node {config.node_rank}: rank 0 shut down after {steps} steps", flush=True)
     return 0
 
 

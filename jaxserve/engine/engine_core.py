@@ -32,6 +32,9 @@ from jaxserve.exceptions import ConfigError
 from jaxserve.models.hub import ModelSource, resolve_model
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from jaxserve.engine.lockstep import LockstepLeader
     from jaxserve.runner.model_runner import InFlightStep, PreparedStep
     from jaxserve.structured.backend import GrammarBackend
     from jaxserve.structured.manager import StructuredOutputManager
@@ -81,6 +84,11 @@ class EngineCore:
     def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False):
         self.config = config
         self.startup = StartupTimes()
+        if config.is_multi_node:  # before anything starts a JAX backend
+            from jaxserve.distributed.runtime import start_distributed_runtime
+
+            with self.startup.phase("nodes"):
+                start_distributed_runtime(config)
         start_cpu_kernel_build(config)
         with self.startup.phase("model"):  # before this thread imports jax: a wrong name fails fast
             self.model_source = resolve_model_source(config)
@@ -120,6 +128,10 @@ class EngineCore:
         self.runner.warm_up(show_progress)
         self.startup.add("compile", self.runner.stats.warm_up_compile_seconds)
         self.startup.add("first_runs", self.runner.stats.warm_up_run_seconds)
+        # Rank 0 of a multi-node engine sends its runner calls on; the others replay them (headless).
+        self.lockstep: Optional[LockstepLeader] = None
+        if config.is_multi_node and config.node_rank == 0:
+            self.lockstep = _start_leader(self)
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -185,8 +197,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         t1 = time.monotonic()
         record = self._open_record(scheduler_output, t0, t1) if self.step_records is not None else None
-        prepared = self.runner.prepare(scheduler_output)
-        in_flight = self.runner.launch(prepared, self._bitmask(prepared))
+        prepared = self._prepare(scheduler_output)
+        in_flight = self._launch(prepared, self._bitmask(prepared))
         t2 = time.monotonic()
         if record is not None:
             record.prepare_s, record.dispatched = t2 - t1, t2
@@ -202,7 +214,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         t1 = time.monotonic()
         record = self._open_record(scheduler_output, t0, t1) if self.step_records is not None else None
-        prepared = self.runner.prepare(scheduler_output)  # an empty one only updates request states
+        prepared = self._prepare(scheduler_output)  # an empty one only updates request states
         prepare_s = time.monotonic() - t1
         previous, previous_record = self._in_flight, self._in_flight_record
         self._in_flight, self._in_flight_record = None, None
@@ -211,7 +223,7 @@ class EngineCore:
             outputs = self._collect(previous, previous_record, time.monotonic())  # advances the matchers
             previous = None
         launch_start = time.monotonic()
-        dispatched = self.runner.launch(prepared, self._bitmask(prepared))
+        dispatched = self._launch(prepared, self._bitmask(prepared))
         t2 = time.monotonic()
         if record is not None:
             record.prepare_s, record.dispatched = prepare_s + t2 - launch_start, t2
@@ -230,12 +242,20 @@ class EngineCore:
                  collect_start: float) -> list[EngineCoreOutput]:
         """Wait for a dispatched step's tokens and apply them; ``collect_start``: when the host began
         waiting (in async mode, after dispatching the next step)."""
-        runner_output = self.runner.collect(step)
+        runner_output = self.runner.collect(step) if self.lockstep is None else self.lockstep.collect(step)
         collected = time.monotonic()
         outputs = self.scheduler.update_from_output(step.scheduler_output, runner_output)
         if record is not None:
             self._close_record(record, runner_output, outputs, collect_start, collected, time.monotonic())
         return outputs
+
+    def _prepare(self, so: SchedulerOutput) -> PreparedStep:
+        return self.runner.prepare(so) if self.lockstep is None else self.lockstep.prepare(so)
+
+    def _launch(self, prepared: PreparedStep, bitmask: Optional[np.ndarray]) -> InFlightStep:
+        if self.lockstep is None:
+            return self.runner.launch(prepared, bitmask)
+        return self.lockstep.launch(prepared, bitmask)
 
     def _open_record(self, so: SchedulerOutput, start: float, scheduled: float) -> StepRecord:
         """The step as scheduled; read now, before aborts or updates change the scheduler."""
@@ -264,6 +284,20 @@ class EngineCore:
         record.end = end
         record.finished = {o.request_id: o.finish_reason for o in outputs if o.finish_reason}
         self.step_records.append(record)
+
+    # ---- nodes ---------------------------------------------------------------------------------
+
+    def check_nodes(self) -> None:
+        """Raise ``NodeLostError`` if another host of a multi-node engine was lost (no-op on one
+        host); cheap enough to call on every idle wait."""
+        if self.lockstep is not None:
+            self.lockstep.check()
+
+    def shutdown(self) -> None:
+        """Release the other hosts of a multi-node engine (they leave their loops)."""
+        if self.lockstep is not None:
+            self.lockstep.shutdown()
+            self.lockstep = None
 
     # ---- introspection -------------------------------------------------------------------------
 
@@ -296,3 +330,15 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+
+def _start_leader(core: EngineCore) -> LockstepLeader:
+    from jaxserve.distributed.channel import ControlChannel
+    from jaxserve.distributed.liveness import NodeMonitor
+    from jaxserve.distributed.runtime import coordination_client
+    from jaxserve.engine.lockstep import LockstepLeader
+
+    config = core.config
+    client = coordination_client()
+    return LockstepLeader(core.runner, ControlChannel(client, 0, config.nnodes),
+                          NodeMonitor(client, config.nnodes, config.node_heartbeat_timeout_s))

@@ -197,10 +197,15 @@ class LLMEngine:
         assert self.tracer is not None
         self.tracer.export(parent.timeline(keep_token_ids=False))
 
+    def check_nodes(self) -> None:
+        """Raise ``NodeLostError`` if a host of a multi-node engine was lost (no-op on one host)."""
+        self.core.check_nodes()
+
     def shutdown(self) -> None:
-        """Send what is still buffered (spans) and stop background exporters."""
+        """Send what is still buffered (spans), stop background exporters, release other hosts."""
         if self.tracer is not None:
             self.tracer.shutdown()
+        self.core.shutdown()
 
     def _on_finished(self, parent: ParentState) -> None:
         reasons = [c.finish_reason for c in parent.children]
