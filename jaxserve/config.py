@@ -19,6 +19,9 @@ ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu")
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29501
 
+# vLLM's short spellings of some flags, besides the long one every field gets.
+CLI_SHORT_FLAGS: dict[str, str] = {"tensor_parallel_size": "-tp"}
+
 
 @dataclasses.dataclass
 class EngineConfig:
@@ -98,6 +101,9 @@ class EngineConfig:
     """Finished requests whose timelines stay readable by id (live ones always are)."""
     record_token_ids: bool = False
     """Show each request's prompt and output token ids in its timeline."""
+    tensor_parallel_size: int = 1
+    """Devices each model is split over (Megatron-style: attention heads, MLP columns and the
+    vocabulary); must divide the attention heads and be at most the devices present."""
     nnodes: int = 1
     """Hosts the engine spans, one process each; above 1, JAX's distributed runtime joins them
     and one mesh covers every host's devices."""
@@ -154,6 +160,8 @@ class EngineConfig:
         for field in ("max_step_records", "max_request_timelines"):
             if getattr(self, field) < 0:
                 raise bad(field, "must be >= 0")
+        if self.tensor_parallel_size < 1:
+            raise bad("tensor_parallel_size", "must be >= 1")
         if self.max_logprobs < 0:
             raise bad("max_logprobs", "must be >= 0")
         for name in ("max_prompt_chars", "max_n", "max_stop_strings", "max_stop_str_chars"):
@@ -206,20 +214,22 @@ class EngineConfig:
         for field in dataclasses.fields(cls):
             if field.name in skip:
                 continue
-            flag = "--" + field.name.replace("_", "-")
+            flags = ["--" + field.name.replace("_", "-")]
+            if field.name in CLI_SHORT_FLAGS:
+                flags.append(CLI_SHORT_FLAGS[field.name])
             kind = hints[field.name]
             doc = docs.get(field.name, "")
             # A docstring that explains its default says more than the bare value (often None).
             help_text = doc if "default" in doc.lower() else f"{doc} (default: {field.default})"
             if kind is bool or kind == (bool | None):
-                parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
+                parser.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction,
                                     default=field.default, help=help_text)
             elif get_origin(kind) is Literal:
-                parser.add_argument(flag, dest=field.name, choices=get_args(kind), default=field.default,
+                parser.add_argument(*flags, dest=field.name, choices=get_args(kind), default=field.default,
                                     help=help_text)
             else:
                 base = next((t for t in (int, float, str) if t is kind or t in get_args(kind)), str)
-                parser.add_argument(flag, dest=field.name, type=base, default=field.default, help=help_text)
+                parser.add_argument(*flags, dest=field.name, type=base, default=field.default, help=help_text)
 
     def cli_flags(self, skip: tuple[str, ...] = ()) -> list[str]:
         """The flags that give this configuration from the defaults (those of changed fields)."""

@@ -18,7 +18,7 @@ import importlib.util
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
@@ -81,7 +81,11 @@ def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) ->
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False):
+    """``devices``: the local jax devices this engine's model runs on, ``tensor_parallel_size``
+    of them (default: the first ones of ``jax.devices()``)."""
+
+    def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False,
+                 devices: Optional[Sequence[Any]] = None):
         self.config = config
         self.startup = StartupTimes()
         if config.is_multi_node:  # before anything starts a JAX backend
@@ -97,17 +101,22 @@ class EngineCore:
         from jaxserve.models import load_model
         from jaxserve.runner.compilation import enable_persistent_compilation_cache
         from jaxserve.runner.kv_cache import configure_xla_allocator
+        from jaxserve.runner.mesh import make_mesh, param_sharding, select_devices
         from jaxserve.runner.model_runner import ModelRunner
 
         configure_xla_allocator(config.gpu_memory_utilization)  # before JAX starts a GPU backend
         if not config.enforce_eager:  # eager mode's per-op programs are not worth caching on disk
             enable_persistent_compilation_cache(config.resolved_compilation_cache_dir())
-        with self.startup.phase("weights"):
-            model = load_model(self.model_path, config.dtype, config.scan_layers)
+        tp = config.tensor_parallel_size
+        devices = select_devices(tp, devices)
+        mesh = make_mesh(devices, tp)
+        with self.startup.phase("weights"):  # each shard read straight onto its device
+            model = load_model(self.model_path, config.dtype, config.scan_layers, tensor_parallel_size=tp,
+                               place=lambda path, shape: param_sharding(mesh, path, len(shape)))
         self.model_config = model.config
         self.max_model_len = resolve_max_model_len(config, model.config.max_position_embeddings)
         with self.startup.phase("runner"):
-            self.runner = ModelRunner(config, model, self.max_model_len)
+            self.runner = ModelRunner(config, model, self.max_model_len, devices=devices)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
@@ -50,7 +50,9 @@ def load_tokenizer(path: str):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False,
-                 served_model_name: Optional[str] = None):
+                 served_model_name: Optional[str] = None, devices: Optional[Sequence[Any]] = None):
+        """``devices``: the jax devices the model runs on (default: the first
+        ``tensor_parallel_size`` of ``jax.devices()``)."""
         self.config = config
         # A tokenizer given apart is looked up first, so a wrong name fails before any compile.
         tokenizer_source = resolve_model(config.tokenizer, weights=False) if config.tokenizer else None
@@ -60,7 +62,7 @@ class LLMEngine:
             from jaxserve.engine.otel import RequestTracer
 
             self.tracer = RequestTracer(config.otlp_traces_endpoint, self.served_model_name)
-        self.core = EngineCore(config, show_progress=show_progress, record_steps=record_steps)
+        self.core = EngineCore(config, show_progress=show_progress, record_steps=record_steps, devices=devices)
         with self.core.startup.phase("tokenizer"):
             self.tokenizer = load_tokenizer(str((tokenizer_source or self.core.model_source).path))
         self.model_config = self.core.model_config

@@ -5,16 +5,24 @@ num_kv_heads, head_dim]``. Inside the layer scan it is viewed as one big page po
 ``num_layers * num_blocks`` pages and layer ``l`` addresses its pages as ``block_id + l *
 num_blocks``. That keeps every backend on the single contract of ``pallas_kernels`` (no per-layer
 slice, which XLA would copy) and lets the scan carry the cache and update it in place.
+
+Tensor parallel: given a mesh, the write and the attention run per shard of the head axis
+(``shard_map``): each device holds its query heads and its key/value heads (the pools are split
+on that axis too), so the backend sees the same contract with fewer heads, and nothing moves
+between devices.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
 import pallas_kernels
+from jaxserve.layers.shard import shard_map
 
 
 class AttentionMetadata(NamedTuple):
@@ -44,11 +52,25 @@ def paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attend ``q [T, Hq, D]`` over this layer's pages; returns ``(out, k_pool, v_pool)``.
 
     ``k_pool``/``v_pool`` are the all-layer pools viewed as ``[L * num_blocks, block_size, Hkv, D]``.
+    ``mesh``: split over its devices on the head axis (``Hq`` and ``Hkv`` both divisible by its size).
     """
+    run = functools.partial(_write_and_attend, num_blocks=num_blocks, attn_fn=attn_fn, sm_scale=sm_scale,
+                            sliding_window=sliding_window)
+    if mesh is not None and mesh.size > 1:
+        heads = PartitionSpec(None, mesh.axis_names, None)
+        pool = PartitionSpec(None, None, mesh.axis_names, None)
+        run = shard_map(run, mesh, in_specs=(heads, heads, heads, pool, pool, PartitionSpec(), PartitionSpec()),
+                        out_specs=(heads, pool, pool))
+    return run(q, k, v, k_pool, v_pool, layer, md)
+
+
+def _write_and_attend(q, k, v, k_pool, v_pool, layer, md: AttentionMetadata, *, num_blocks: int,
+                      attn_fn: AttentionFn, sm_scale: float, sliding_window: int | None):
     block_size = k_pool.shape[1]
     layer_offset = layer * num_blocks
     slots = jnp.where(md.slot_mapping >= 0, md.slot_mapping + layer_offset * block_size, -1)

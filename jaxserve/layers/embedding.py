@@ -3,19 +3,39 @@
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxserve.layers.shard import shard_map
 
 
 class Embedding(nnx.Module):
     """``embedding [num_embeddings, features]``: rows looked up by token id, or attended to as a
-    tied LM head (``hidden @ embedding.T``)."""
+    tied LM head (``hidden @ embedding.T``).
+
+    Split over a mesh, the rows are vocabulary-parallel: each shard looks up the ids in its own
+    row range, writes zeros for the rest, and one sum over the shards (exact: one non-zero term
+    per element) gives every shard the full embeddings, with no shard ever reading another's rows.
+    """
 
     def __init__(self, num_embeddings: int, features: int, *, param_dtype: jnp.dtype = jnp.float32,
                  rngs: nnx.Rngs):
         init = nnx.initializers.normal(stddev=0.02)
         self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features), param_dtype))
 
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        return self.embedding[...][ids]
+    def __call__(self, ids: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+        table = self.embedding[...]
+        if mesh is None or mesh.size == 1:
+            return table[ids]
+        axes = mesh.axis_names
+
+        def lookup_local(rows: jax.Array, ids: jax.Array) -> jax.Array:
+            local = ids - jax.lax.axis_index(axes) * rows.shape[0]
+            mine = (local >= 0) & (local < rows.shape[0])
+            found = rows[jnp.clip(local, 0, rows.shape[0] - 1)]
+            return jax.lax.psum(jnp.where(mine[:, None], found, jnp.zeros_like(found)), axes)
+
+        return shard_map(lookup_local, mesh, in_specs=(PartitionSpec(axes, None), PartitionSpec()),
+                         out_specs=PartitionSpec())(table, ids)
 
     def attend(self, hidden: jax.Array) -> jax.Array:
         return hidden @ self.embedding[...].T

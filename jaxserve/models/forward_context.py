@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from jax.sharding import Mesh
 
 from jaxserve.layers.attention import AttentionFn, AttentionMetadata
 
@@ -21,3 +22,4 @@ class ForwardContext:
     cos: jax.Array  # [T, head_dim], rotary tables of this step's positions
     sin: jax.Array
     num_blocks: int  # KV blocks per layer: layer l's pages start at l * num_blocks in the pools
+    mesh: Mesh | None = None  # tensor parallel: attention runs per shard of the heads

@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.layers.attention import AttentionFn, AttentionMetadata, paged_attention
 from jaxserve.layers.embedding import Embedding
@@ -30,6 +31,7 @@ from jaxserve.layers.rotary import RotaryEmbedding, apply_rope
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.forward_context import ForwardContext, KVPools
 from jaxserve.models.layer_stack import ScannedLayers
+from jaxserve.models.tp_layout import TPLayout
 
 KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [L, num_blocks, block_size, Hkv, D]
 
@@ -48,15 +50,19 @@ def default_scan_layers(num_layers: int, platform: str | None = None) -> bool:
 
 
 class LlamaAttention(nnx.Module):
-    """Fused q|k|v projection, q/k RMSNorm over ``head_dim`` (Qwen3), rotary, paged attention, o."""
+    """Fused q|k|v projection, q/k RMSNorm over ``head_dim`` (Qwen3), rotary, paged attention, o.
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    The fused columns are in ``layout``'s shard-major order (see :mod:`.tp_layout`); key/value
+    heads are the stored ones (replicated when there are fewer than shards)."""
+
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_kv_heads = layout.stored_kv_heads
+        self.num_shards = layout.size
         self.head_dim = cfg.head_dim
         self.sliding_window = cfg.sliding_window
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, use_bias=cfg.attention_bias,
+        self.qkv_proj = Linear(cfg.hidden_size, layout.qkv_width, use_bias=cfg.attention_bias,
                                param_dtype=dtype, rngs=rngs)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, use_bias=cfg.o_proj_bias, param_dtype=dtype, rngs=rngs)
         if cfg.qk_norm:
@@ -69,8 +75,10 @@ class LlamaAttention(nnx.Module):
     def __call__(self, x: jax.Array, kv: KVPools, layer: jax.Array,
                  ctx: ForwardContext) -> tuple[jax.Array, KVPools]:
         """``x [T, hidden]`` -> ``[T, hidden]``; this step's K/V are written into layer ``layer``'s pages."""
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = jnp.split(self.qkv_proj(x), [q_size, q_size + kv_size], axis=-1)
+        n = self.num_shards
+        q_size, kv_size = self.num_heads * self.head_dim // n, self.num_kv_heads * self.head_dim // n
+        qkv = self.qkv_proj(x).reshape(x.shape[0], n, -1)  # [T, shard, q_s | k_s | v_s]
+        q, k, v = jnp.split(qkv, [q_size, q_size + kv_size], axis=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -83,35 +91,37 @@ class LlamaAttention(nnx.Module):
         k_pool, v_pool = kv
         out, k_pool, v_pool = paged_attention(
             q, k.astype(k_pool.dtype), v.astype(v_pool.dtype), k_pool, v_pool, layer, ctx.num_blocks, ctx.md,
-            ctx.attn_fn, sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window,
+            ctx.attn_fn, sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window, mesh=ctx.mesh,
         )
         return self.o_proj(out.reshape(out.shape[0], -1).astype(x.dtype)), (k_pool, v_pool)
 
 
 class LlamaMLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate) * up)``, gate|up fused into one projection."""
+    """SwiGLU: ``down(silu(gate) * up)``, gate|up fused into one projection whose columns are
+    ``[gate_s | up_s]`` per shard ``s``."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
+        self.num_shards = layout.size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, use_bias=cfg.mlp_bias,
                                    param_dtype=dtype, rngs=rngs)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, use_bias=cfg.mlp_bias,
                                 param_dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        gate, up = jnp.split(self.gate_up_proj(x).reshape(x.shape[0], self.num_shards, -1), 2, axis=-1)
+        return self.down_proj((jax.nn.silu(gate) * up).reshape(x.shape[0], -1))
 
 
 class LlamaDecoderLayer(nnx.Module):
     """Pre-norm residual block: attention, then the MLP."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=dtype)
-        self.self_attn = LlamaAttention(cfg, rngs=rngs)
+        self.self_attn = LlamaAttention(cfg, layout, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=dtype)
-        self.mlp = LlamaMLP(cfg, rngs=rngs)
+        self.mlp = LlamaMLP(cfg, layout, rngs=rngs)
 
     def __call__(self, hidden: jax.Array, kv: KVPools, layer: jax.Array,
                  ctx: ForwardContext) -> tuple[jax.Array, KVPools]:
@@ -123,45 +133,59 @@ class LlamaDecoderLayer(nnx.Module):
 
 class LlamaForCausalLM(nnx.Module):
     """The whole decoder; one class for Llama, Mistral, Qwen2 and Qwen3 (the config says which
-    biases and norms exist). ``lm_head`` is None when the checkpoint ties it to the embedding."""
+    biases and norms exist). ``lm_head`` is None when the checkpoint ties it to the embedding.
 
-    def __init__(self, config: ModelConfig, *, scan_layers: bool | None = None, rngs: nnx.Rngs):
+    ``tensor_parallel_size`` fixes the weights' layout (:class:`.tp_layout.TPLayout`): the fused
+    projections' column order, the stored key/value heads and the padded vocabulary. The module is
+    the whole model either way; a mesh given to :meth:`__call__` and :meth:`compute_logits` runs
+    it split, its arrays placed by :mod:`jaxserve.runner.mesh`."""
+
+    def __init__(self, config: ModelConfig, *, scan_layers: bool | None = None, tensor_parallel_size: int = 1,
+                 rngs: nnx.Rngs):
         dtype = jnp.dtype(config.dtype)
         if scan_layers is None:
             scan_layers = default_scan_layers(config.num_hidden_layers)
+        layout = TPLayout.of(config, tensor_parallel_size)
         self.config = config
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, param_dtype=dtype, rngs=rngs)
+        self.layout = layout
+        self.embed_tokens = Embedding(layout.padded_vocab, config.hidden_size, param_dtype=dtype, rngs=rngs)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
         if scan_layers:
-            self.layers = ScannedLayers(lambda r: LlamaDecoderLayer(config, rngs=r), config.num_hidden_layers,
-                                        rngs=rngs)
+            self.layers = ScannedLayers(lambda r: LlamaDecoderLayer(config, layout, rngs=r),
+                                        config.num_hidden_layers, rngs=rngs)
         else:
-            self.layers = nnx.List([LlamaDecoderLayer(config, rngs=rngs) for _ in range(config.num_hidden_layers)])
+            self.layers = nnx.List([LlamaDecoderLayer(config, layout, rngs=rngs)
+                                    for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head = nnx.data(None)
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, param_dtype=dtype, rngs=rngs)
+            self.lm_head = Linear(config.hidden_size, layout.padded_vocab, param_dtype=dtype, rngs=rngs)
 
     @property
     def scan_layers(self) -> bool:
         """True when the layers run under ``lax.scan`` (stacked parameters), False when unrolled."""
         return isinstance(self.layers, ScannedLayers)
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.layout.size
+
     def __call__(self, input_ids: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
-                 attn_fn: AttentionFn) -> tuple[jax.Array, KVCache]:
-        """Hidden states ``[T, hidden]`` of every scheduled token, and the updated KV cache."""
+                 attn_fn: AttentionFn, mesh: Mesh | None = None) -> tuple[jax.Array, KVCache]:
+        """Hidden states ``[T, hidden]`` of every scheduled token (replicated), and the updated KV
+        cache. ``mesh``: the tensor-parallel mesh the arrays live on (its axes split the heads)."""
         k_cache, v_cache = kv_cache
         num_layers, num_blocks = k_cache.shape[:2]
         pool_shape = (num_layers * num_blocks, *k_cache.shape[2:])
         cos, sin = self.rotary_emb(md.positions)
-        ctx = ForwardContext(md=md, attn_fn=attn_fn, cos=cos, sin=sin, num_blocks=num_blocks)
+        ctx = ForwardContext(md=md, attn_fn=attn_fn, cos=cos, sin=sin, num_blocks=num_blocks, mesh=mesh)
 
         def run_layer(layer, index, carry):
             hidden, kv = carry
             return layer(hidden, kv, index, ctx)
 
-        carry = (self.embed_tokens(input_ids), (k_cache.reshape(pool_shape), v_cache.reshape(pool_shape)))
+        carry = (self.embed_tokens(input_ids, mesh), (k_cache.reshape(pool_shape), v_cache.reshape(pool_shape)))
         if isinstance(self.layers, ScannedLayers):
             carry = self.layers.scan(run_layer, carry)
         else:
@@ -170,8 +194,14 @@ class LlamaForCausalLM(nnx.Module):
         hidden, (k_pool, v_pool) = carry
         return hidden, (k_pool.reshape(k_cache.shape), v_pool.reshape(v_cache.shape))
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """Final norm and LM head on the selected rows; logits in float32."""
+    def compute_logits(self, hidden: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+        """Final norm and LM head on the selected rows; logits in float32 over the vocabulary.
+
+        Split, each shard computes its vocabulary slice and the slices are gathered (replicated):
+        the sampler's top-k/top-p, penalties, logprobs and grammar masks all want the full row,
+        and gathering ``[rows, vocab]`` costs far less than any weight."""
         h = self.norm(hidden)
         logits = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
-        return logits.astype(jnp.float32)
+        if mesh is not None and mesh.size > 1:
+            logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, PartitionSpec()))
+        return logits[..., : self.config.vocab_size].astype(jnp.float32)

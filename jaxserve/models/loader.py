@@ -5,6 +5,12 @@ read from the checkpoint: linear weights transposed to ``[in, out]``, q|k|v and 
 one ``kernel`` each (one matmul instead of several), cast to the model's dtype, and, for scanned
 layers, stacked over the layer axis. Only safetensors are read and no code from the checkpoint is
 ever run.
+
+Tensor parallel: the parameters follow the model's :class:`.tp_layout.TPLayout` (fused columns in
+shard-major order, key/value heads replicated when fewer than the shards, vocabulary padded).
+Given a ``place`` function (a parameter's path and shape -> its sharding), each device's block is
+read on its own from the memory-mapped files and put on that device
+(``jax.make_array_from_callback``): no device and no host buffer ever holds a split tensor whole.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 from flax import nnx
 
@@ -21,6 +27,7 @@ from jaxserve.exceptions import ConfigError
 from jaxserve.models.config import ModelConfig, normalize_dtype_name
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.safetensors_io import open_checkpoint_files
+from jaxserve.models.tp_layout import TPLayout, check_tensor_parallel_size, split_axis
 
 # Buffers some exporters write that carry no weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -80,82 +87,158 @@ def check_tensors(cfg: ModelConfig, available: dict[str, tuple[int, ...]]) -> No
 
 
 ParamPath = tuple[str | int, ...]  # a parameter's path in the module, as nnx.to_flat_state spells it
+# A parameter's path and shape -> the sharding its array gets (None: the default device, whole).
+Placement = Callable[[ParamPath, tuple[int, ...]], "jax.sharding.Sharding | None"]
+# Reads shard ``s`` (of the layout's size) of one parameter; a replicated one ignores ``s``.
+ShardReader = Callable[[int], np.ndarray]
 
 
-def load_model(folder: str | Path, dtype: str | None = None,
-               scan_layers: bool | None = None) -> LlamaForCausalLM:
+def load_model(folder: str | Path, dtype: str | None = None, scan_layers: bool | None = None, *,
+               tensor_parallel_size: int = 1, place: Placement | None = None) -> LlamaForCausalLM:
     """Read ``config.json`` and the safetensors weights into the model (its config is
     ``model.config``); ``dtype`` ("auto"/None keeps the config's); ``scan_layers`` None picks by
-    depth (:func:`jaxserve.models.llama.default_scan_layers`)."""
+    depth (:func:`jaxserve.models.llama.default_scan_layers`). ``tensor_parallel_size`` fixes the
+    layout (checked against the heads before any weight is read); ``place`` puts each
+    parameter's shards on their devices."""
     cfg = ModelConfig.from_pretrained(folder)
+    check_tensor_parallel_size(cfg, tensor_parallel_size)
     if dtype not in (None, "auto"):
         cfg = dataclasses.replace(cfg, dtype=normalize_dtype_name(dtype))
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, scan_layers=scan_layers, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, scan_layers=scan_layers,
+                                                       tensor_parallel_size=tensor_parallel_size, rngs=nnx.Rngs(0)))
     graphdef, shapes = nnx.split(abstract)
-    return nnx.merge(graphdef, read_state(folder, cfg, shapes, scanned=abstract.scan_layers))
+    return nnx.merge(graphdef, read_state(folder, cfg, shapes, scanned=abstract.scan_layers,
+                                          layout=abstract.layout, place=place))
 
 
-def read_state(folder: str | Path, cfg: ModelConfig, shapes: nnx.State, scanned: bool) -> nnx.State:
+def read_state(folder: str | Path, cfg: ModelConfig, shapes: nnx.State, scanned: bool,
+               layout: TPLayout | None = None, place: Placement | None = None) -> nnx.State:
     """The checkpoint's weights at the paths of ``shapes`` (the model's abstract state), each of
-    the shape and dtype found there."""
+    the shape and dtype found there, in ``layout`` (default: one shard), placed by ``place``."""
+    layout = layout or TPLayout.of(cfg, 1)
     files = open_checkpoint_files(folder)
     check_tensors(cfg, {name: f.shape(name) for name, f in files.items()})
 
     def get(name: str) -> np.ndarray:
         return files[name].get(name)
 
-    top = _top_level_readers(get)
-    per_layer = _layer_readers(get)
+    top = _top_level_readers(get, layout)
+    per_layer = _layer_readers(get, layout)
     prefixes = [f"model.layers.{i}." for i in range(cfg.num_hidden_layers)]
 
-    def read(path: ParamPath) -> np.ndarray:
+    def reader(path: ParamPath) -> ShardReader:
         if path[0] != "layers":
-            return top[path]()
-        if scanned:  # ("layers", "stacked", ...)
-            # One weight over all layers at a time: the host holds one stack at most.
-            return np.stack([per_layer[path[2:]](p) for p in prefixes])
-        return per_layer[path[2:]](prefixes[path[1]])  # ("layers", i, ...)
+            return top[path]
+        read = per_layer[path[2:]]
+        if scanned:  # ("layers", "stacked", ...): one weight over all layers at a time
+            return lambda s: np.stack([read(p, s) for p in prefixes])
+        return lambda s: read(prefixes[path[1]], s)  # ("layers", i, ...)
 
     flat = {}
     for path, var in nnx.to_flat_state(shapes):
-        value = jnp.asarray(read(path), dtype=var.dtype)
-        if value.shape != var.shape:  # check_tensors vetted the checkpoint: this is a loader bug
-            raise RuntimeError(f"{'.'.join(map(str, path))}: read {value.shape}, the model holds {var.shape}")
-        flat[path] = value
+        sharding = place(path, var.shape) if place is not None else None
+        flat[path] = _build_array(path, var, reader(path), layout.size, sharding)
     return nnx.from_flat_state(flat)
 
 
-def _top_level_readers(get: Callable[[str], np.ndarray]) -> dict[ParamPath, Callable[[], np.ndarray]]:
+def _build_array(path: ParamPath, var, read: ShardReader, num_shards: int, sharding) -> jax.Array:
+    """One parameter as a jax array: whole on the default device (no ``sharding``), or each
+    device's block read and put there on its own."""
+    name = ".".join(map(str, path))
+    axis = split_axis(path)
+    if axis is not None and "stacked" in path:  # a scanned stack's leading layer axis
+        axis += 1
+
+    def block(shard: int) -> np.ndarray:
+        return np.asarray(read(shard)).astype(var.dtype, copy=False)
+
+    def whole() -> np.ndarray:
+        if axis is None:
+            return block(0)
+        return np.concatenate([block(s) for s in range(num_shards)], axis=axis)
+
+    if sharding is None:
+        value = jax.numpy.asarray(whole())
+        if value.shape != var.shape:  # check_tensors vetted the checkpoint: this is a loader bug
+            raise RuntimeError(f"{name}: read {value.shape}, the model holds {var.shape}")
+        return value
+
+    def device_block(index: tuple[slice, ...]) -> np.ndarray:
+        if axis is None:
+            data = block(0)
+        else:
+            per_shard = var.shape[axis] // num_shards
+            start = index[axis].start or 0
+            stop = var.shape[axis] if index[axis].stop is None else index[axis].stop
+            data = np.concatenate([block(s) for s in range(start // per_shard, stop // per_shard)], axis=axis)
+        if data.shape != sharding.shard_shape(var.shape):
+            raise RuntimeError(f"{name}: read a block of {data.shape}, the sharding wants "
+                               f"{sharding.shard_shape(var.shape)}")
+        return data
+
+    return jax.make_array_from_callback(var.shape, sharding, device_block)
+
+
+def _vocab_rows(get: Callable[[str], np.ndarray], name: str, layout: TPLayout, shard: int) -> np.ndarray:
+    """Shard ``shard``'s rows of a ``[vocab, hidden]`` tensor, zero rows past the vocabulary."""
+    per = layout.padded_vocab // layout.size
+    rows = get(name)[shard * per : (shard + 1) * per]
+    if rows.shape[0] == per:
+        return rows
+    return np.concatenate([rows, np.zeros((per - rows.shape[0], rows.shape[1]), rows.dtype)])
+
+
+def _top_level_readers(get: Callable[[str], np.ndarray], layout: TPLayout) -> dict[ParamPath, ShardReader]:
     return {
-        ("embed_tokens", "embedding"): lambda: get("model.embed_tokens.weight"),
-        ("norm", "scale"): lambda: get("model.norm.weight"),
-        ("lm_head", "kernel"): lambda: get("lm_head.weight").T,
+        ("embed_tokens", "embedding"): lambda s: _vocab_rows(get, "model.embed_tokens.weight", layout, s),
+        ("norm", "scale"): lambda s: get("model.norm.weight"),
+        ("lm_head", "kernel"): lambda s: _vocab_rows(get, "lm_head.weight", layout, s).T,
     }
 
 
-def _layer_readers(get: Callable[[str], np.ndarray]) -> dict[ParamPath, Callable[[str], np.ndarray]]:
-    """A decoder layer parameter's path -> how to read it for the layer whose names start with
-    ``p``. Holds every optional parameter; the model's structure says which ones exist."""
+def _layer_readers(get: Callable[[str], np.ndarray],
+                   layout: TPLayout) -> dict[ParamPath, Callable[[str, int], np.ndarray]]:
+    """A decoder layer parameter's path -> how to read shard ``s`` of it for the layer whose names
+    start with ``p``. Holds every optional parameter; the model's structure says which ones exist.
+    Every read slices the memory-mapped tensor first, so only the shard's bytes are copied."""
+    d, n = layout.head_dim, layout.size
 
-    def cat_t(p: str, *names: str) -> np.ndarray:
-        return np.concatenate([get(p + n).T for n in names], axis=1)
+    def rows(p: str, name: str, s: int) -> np.ndarray:
+        """Shard ``s`` of the output rows of ``[out, ...]`` tensor (an HF weight or bias)."""
+        full = get(p + name)
+        per = full.shape[0] // n
+        return full[s * per : (s + 1) * per]
 
-    def cat(p: str, *names: str) -> np.ndarray:
-        return np.concatenate([get(p + n) for n in names])
+    def kv_rows(p: str, name: str, s: int) -> np.ndarray:
+        """The rows of the key/value heads shard ``s`` stores (heads repeat when replicated)."""
+        full = get(p + name)
+        return np.concatenate([full[h * d : (h + 1) * d] for h in layout.kv_heads_of_shard(s)])
 
-    qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-    gate_up = ("mlp.gate_proj", "mlp.up_proj")
+    def qkv(p: str, kind: str, s: int) -> np.ndarray:
+        parts = [rows(p, f"self_attn.q_proj.{kind}", s), kv_rows(p, f"self_attn.k_proj.{kind}", s),
+                 kv_rows(p, f"self_attn.v_proj.{kind}", s)]
+        return np.concatenate(parts)
+
+    def gate_up(p: str, kind: str, s: int) -> np.ndarray:
+        return np.concatenate([rows(p, f"mlp.gate_proj.{kind}", s), rows(p, f"mlp.up_proj.{kind}", s)])
+
+    def in_cols(p: str, name: str, s: int) -> np.ndarray:
+        """Shard ``s`` of the input columns of an HF ``[out, in]`` weight, as ``[in / n, out]``."""
+        full = get(p + name)
+        per = full.shape[1] // n
+        return full[:, s * per : (s + 1) * per].T
+
     return {
-        ("input_layernorm", "scale"): lambda p: get(p + "input_layernorm.weight"),
-        ("post_attention_layernorm", "scale"): lambda p: get(p + "post_attention_layernorm.weight"),
-        ("self_attn", "qkv_proj", "kernel"): lambda p: cat_t(p, *(n + ".weight" for n in qkv)),
-        ("self_attn", "qkv_proj", "bias"): lambda p: cat(p, *(n + ".bias" for n in qkv)),
-        ("self_attn", "o_proj", "kernel"): lambda p: get(p + "self_attn.o_proj.weight").T,
-        ("self_attn", "o_proj", "bias"): lambda p: get(p + "self_attn.o_proj.bias"),
-        ("self_attn", "q_norm", "scale"): lambda p: get(p + "self_attn.q_norm.weight"),
-        ("self_attn", "k_norm", "scale"): lambda p: get(p + "self_attn.k_norm.weight"),
-        ("mlp", "gate_up_proj", "kernel"): lambda p: cat_t(p, *(n + ".weight" for n in gate_up)),
-        ("mlp", "gate_up_proj", "bias"): lambda p: cat(p, *(n + ".bias" for n in gate_up)),
-        ("mlp", "down_proj", "kernel"): lambda p: get(p + "mlp.down_proj.weight").T,
-        ("mlp", "down_proj", "bias"): lambda p: get(p + "mlp.down_proj.bias"),
+        ("input_layernorm", "scale"): lambda p, s: get(p + "input_layernorm.weight"),
+        ("post_attention_layernorm", "scale"): lambda p, s: get(p + "post_attention_layernorm.weight"),
+        ("self_attn", "qkv_proj", "kernel"): lambda p, s: qkv(p, "weight", s).T,
+        ("self_attn", "qkv_proj", "bias"): lambda p, s: qkv(p, "bias", s),
+        ("self_attn", "o_proj", "kernel"): lambda p, s: in_cols(p, "self_attn.o_proj.weight", s),
+        ("self_attn", "o_proj", "bias"): lambda p, s: get(p + "self_attn.o_proj.bias"),
+        ("self_attn", "q_norm", "scale"): lambda p, s: get(p + "self_attn.q_norm.weight"),
+        ("self_attn", "k_norm", "scale"): lambda p, s: get(p + "self_attn.k_norm.weight"),
+        ("mlp", "gate_up_proj", "kernel"): lambda p, s: gate_up(p, "weight", s).T,
+        ("mlp", "gate_up_proj", "bias"): lambda p, s: gate_up(p, "bias", s),
+        ("mlp", "down_proj", "kernel"): lambda p, s: in_cols(p, "mlp.down_proj.weight", s),
+        ("mlp", "down_proj", "bias"): lambda p, s: get(p + "mlp.down_proj.bias"),
     }

@@ -25,6 +25,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.exceptions import ConfigError
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.tp_layout import TPLayout
 
 logger = logging.getLogger("jaxserve")
 
@@ -36,10 +37,12 @@ GPU_RESERVE_BYTES = 1024 * 1024 * 1024
 XLA_DEFAULT_MEM_FRACTION = 0.75
 
 
-def bytes_per_block(mc: ModelConfig, block_size: int) -> int:
-    """K and V of every layer for one block."""
+def bytes_per_block(mc: ModelConfig, block_size: int, tensor_parallel_size: int = 1) -> int:
+    """K and V of every layer for one block, on one device: split ``tensor_parallel_size`` ways
+    on the stored key/value heads (:class:`~jaxserve.models.tp_layout.TPLayout`)."""
     itemsize = jnp.dtype(mc.dtype).itemsize
-    return 2 * mc.num_hidden_layers * block_size * mc.num_key_value_heads * mc.head_dim * itemsize
+    heads = TPLayout.of(mc, tensor_parallel_size).kv_heads_per_shard
+    return 2 * mc.num_hidden_layers * block_size * heads * mc.head_dim * itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +140,7 @@ def determine_num_blocks(mc: ModelConfig, cfg: EngineConfig, max_model_len: int,
                          memory: DeviceMemory | None = None, peak_temp_bytes: int = 0) -> int:
     """Blocks of the KV cache. On a GPU without an explicit size, ``memory`` (the device's
     figures) and ``peak_temp_bytes`` (the largest compiled step's temporaries) are required."""
-    per_block = bytes_per_block(mc, cfg.block_size)
+    per_block = bytes_per_block(mc, cfg.block_size, cfg.tensor_parallel_size)
     if cfg.num_gpu_blocks_override is not None:
         return cfg.num_gpu_blocks_override
     if cfg.kv_cache_memory is not None:
@@ -153,10 +156,15 @@ def determine_num_blocks(mc: ModelConfig, cfg: EngineConfig, max_model_len: int,
     return blocks_for_budget(budget_bytes, per_block, cfg.block_size, max_model_len)
 
 
-def kv_cache_shape(mc: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    return (mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads, mc.head_dim)
+def kv_cache_shape(mc: ModelConfig, num_blocks: int, block_size: int,
+                   tensor_parallel_size: int = 1) -> tuple[int, ...]:
+    """The whole cache's shape; its key/value heads are the stored ones (replicated when fewer
+    than ``tensor_parallel_size``)."""
+    heads = TPLayout.of(mc, tensor_parallel_size).stored_kv_heads
+    return (mc.num_hidden_layers, num_blocks, block_size, heads, mc.head_dim)
 
 
-def allocate_kv_cache(mc: ModelConfig, num_blocks: int, block_size: int) -> tuple[jax.Array, jax.Array]:
-    shape = kv_cache_shape(mc, num_blocks, block_size)
+def allocate_kv_cache(mc: ModelConfig, num_blocks: int, block_size: int,
+                      tensor_parallel_size: int = 1) -> tuple[jax.Array, jax.Array]:
+    shape = kv_cache_shape(mc, num_blocks, block_size, tensor_parallel_size)
     return jnp.zeros(shape, mc.dtype), jnp.zeros(shape, mc.dtype)

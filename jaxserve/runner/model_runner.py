@@ -16,6 +16,10 @@ program) and a packed flag that skips applying it.
 Async scheduling dispatches step N+1 before collecting step N: a decode row whose input token is
 still in flight reads it from step N's sampled tokens on the device (``prev_rows``), so the host
 never waits for it.
+
+Every array lives on the runner's mesh (:mod:`.mesh`) over exactly its devices: with one device
+that is where everything goes, with ``tensor_parallel_size`` N the weights and the KV cache are
+split N ways as the plan says and the inputs replicated. The step's host side is the same.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import dataclasses
 import functools
 import logging
 import time
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +49,7 @@ from jaxserve.runner.compile_stats import CompileStats
 from jaxserve.runner.device_state import DeviceState, StepOutput
 from jaxserve.runner.input_batch import CachedRequestState, PersistentBatch, SlotAllocator, StepPlan, build_step_arrays
 from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks, gpu_device_memory
+from jaxserve.runner.mesh import kv_cache_sharding, make_mesh, replicated, select_devices, weight_shardings
 from jaxserve.runner.packing import PackLayout, pack, unpack
 from jaxserve.runner.target import StepTarget
 from jaxserve.sample.metadata import SamplingMetadata, SamplingTable
@@ -98,14 +104,29 @@ def max_step_tokens(config: EngineConfig, max_model_len: int, num_blocks: int | 
     return min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len, pool_tokens)
 
 
+def _with_shardings(tree, shardings):
+    """Shapes of ``tree``'s arrays carrying ``shardings`` (a prefix of ``tree``); no memory."""
+    return jax.tree.map(lambda s, sub: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), sub), shardings, tree)
+
+
 class ModelRunner:
     """``target`` (default: the local device) decides the step's control flow (``cond_free``, see
-    :mod:`.target`); an abstract target builds a runner that only lowers and compiles."""
+    :mod:`.target`); an abstract target builds a runner that only lowers and compiles, on the
+    target's mesh. ``devices``: the local devices to run on, ``config.tensor_parallel_size`` of
+    them (default: the first ones of ``jax.devices()``); ``model``'s layout must be of that size."""
 
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM, max_model_len: int,
-                 target: StepTarget | None = None):
+                 target: StepTarget | None = None, devices: Sequence[jax.Device] | None = None):
         self.config = config
         self.target = target or StepTarget.local()
+        tp = config.tensor_parallel_size
+        self.mesh = (self.target.mesh if self.target.is_abstract
+                     else make_mesh(select_devices(tp, devices), tp))
+        if self.mesh.size != tp or model.tensor_parallel_size != tp:
+            raise ValueError(f"tensor_parallel_size {tp}: the model is laid out for {model.tensor_parallel_size} "
+                             f"shards and the mesh has {self.mesh.size} devices")
+        self._replicated = replicated(self.mesh)
         # Read at trace time by the sampler and the penalty update: no conditional, no
         # data-dependent loop in the compiled step.
         self.cond_free = self.target.cond_free
@@ -113,8 +134,9 @@ class ModelRunner:
         # its state, the state passed to the compiled step and merged with the graph inside the
         # trace. The state as nnx.flatten gives it, a list of arrays in graph order: a call passes
         # a list on faster than nnx.State (Variables flatten through Python) or nested dicts.
-        self.graphdef, model_state = nnx.flatten(model, with_paths=False)
-        self.model_state = self.target.place(model_state)
+        self.graphdef, flat = nnx.flatten(model, with_paths=True)
+        self.weight_shardings = weight_shardings(self.mesh, list(flat))
+        self.model_state = self._place([value for _, value in flat], self.weight_shardings)
         self.scan_layers = model.scan_layers
         self.mc = model.config
         self.max_model_len = max_model_len
@@ -148,15 +170,17 @@ class ModelRunner:
         self._rng = np.random.default_rng(config.seed)
         self.stats = CompileStats()
         self._layouts: dict[int, PackLayout] = {}
+        # The arguments carry their shardings (a fresh numpy input is replicated over the mesh of
+        # the others); the outputs are pinned so that the donated state comes back as it went in.
         self._jitted = jax.jit(self._step, static_argnames=("layout", "decode_only", "all_greedy"),
-                               donate_argnums=(1,))
+                               donate_argnums=(1,), out_shardings=self._replicated_except_state())
         self.steps = CompiledSteps(self._jitted, self._trace_args, self.stats)
         self._prompt_logprobs_jit = jax.jit(self._prompt_logprobs)
         self.num_blocks = self._size_kv_cache()
         self.buckets = BucketTable.build(max_step_tokens(config, max_model_len, self.num_blocks),
                                          config.max_num_seqs)
         abstract = self.target.is_abstract
-        self.state = self._state_shapes(self.num_blocks) if abstract else self._zero_state(self.num_blocks)
+        self.state = self._state_shapes(self.num_blocks) if abstract else self._allocate_state(self.num_blocks)
         self._write_penalty_row = jax.jit(write_penalty_row, donate_argnums=(0,))
         max_concurrency = self.num_blocks * self.block_size / max_model_len
         logger.info(
@@ -168,15 +192,38 @@ class ModelRunner:
     def kv_cache(self):
         return self.state.kv_cache
 
+    @property
+    def devices(self) -> list[jax.Device]:
+        """The devices this runner's arrays live on, in mesh order."""
+        return list(self.mesh.devices.flat)
+
+    def _place(self, tree, shardings):
+        """``tree``'s arrays on the mesh with ``shardings`` (a matching tree), or for an abstract
+        target their shapes carrying those shardings."""
+        return _with_shardings(tree, shardings) if self.target.is_abstract else jax.device_put(tree, shardings)
+
+    def _state_shardings(self) -> DeviceState:
+        """The KV cache split on its key/value heads, the rest replicated."""
+        kv = kv_cache_sharding(self.mesh)
+        return DeviceState(kv_cache=(kv, kv), penalties=self._replicated, prev_sampled=self._replicated)
+
+    def _replicated_except_state(self) -> StepOutput:
+        return StepOutput(self._state_shardings(), self._replicated, self._replicated)
+
     def _zero_state(self, num_blocks: int) -> DeviceState:
         slots = self.config.max_num_seqs
-        return DeviceState(kv_cache=allocate_kv_cache(self.mc, num_blocks, self.block_size),
+        return DeviceState(kv_cache=allocate_kv_cache(self.mc, num_blocks, self.block_size,
+                                                      self.config.tensor_parallel_size),
                            penalties=PenaltyTables.zeros(slots, self.mc.vocab_size),
                            prev_sampled=jnp.zeros((slots,), jnp.int32))
 
+    def _allocate_state(self, num_blocks: int) -> DeviceState:
+        """The zero device state made in place on the mesh (no device ever holds the whole pool)."""
+        return jax.jit(lambda: self._zero_state(num_blocks), out_shardings=self._state_shardings())()
+
     def _state_shapes(self, num_blocks: int) -> DeviceState:
-        """The device state's shapes, no memory (with the target's sharding when abstract)."""
-        return self.target.place(jax.eval_shape(lambda: self._zero_state(num_blocks)))
+        """The device state's shapes, no memory, with their shardings."""
+        return _with_shardings(jax.eval_shape(lambda: self._zero_state(num_blocks)), self._state_shardings())
 
     def _size_kv_cache(self) -> int:
         """KV blocks; on a local GPU sized by vLLM's gpu_memory_utilization, which needs the
@@ -185,7 +232,7 @@ class ModelRunner:
         local_gpu = self.target.platform == "gpu" and not self.target.is_abstract
         if not local_gpu or cfg.num_gpu_blocks_override is not None or cfg.kv_cache_memory is not None:
             return determine_num_blocks(self.mc, cfg, self.max_model_len, platform=self.target.platform)
-        memory = gpu_device_memory(jax.devices()[0])
+        memory = gpu_device_memory(self.devices[0])
         return determine_num_blocks(self.mc, cfg, self.max_model_len, platform="gpu", memory=memory,
                                     peak_temp_bytes=self.peak_temp_bytes(self.max_blocks_per_seq + 1))
 
@@ -219,8 +266,8 @@ class ModelRunner:
             positions=x["positions"], slot_mapping=x["slot_mapping"], block_tables=x["block_tables"],
             kv_lens=x["kv_lens"], query_start_loc=x["query_start_loc"], num_seqs=x["num_seqs"])
         model = nnx.merge(self.graphdef, model_state)
-        hidden, kv_cache = model(input_ids, state.kv_cache, md, attn_fn)
-        logits = model.compute_logits(hidden[x["logits_indices"]])
+        hidden, kv_cache = model(input_ids, state.kv_cache, md, attn_fn, self.mesh)
+        logits = model.compute_logits(hidden[x["logits_indices"]], self.mesh)
         penalties = update_penalty_tables(state.penalties, token_slots=x["token_slots"], input_ids=input_ids,
                                           token_is_output=x["token_is_output"])
         out = sample(logits, SamplingMetadata.from_arrays(groups["sampling"]), penalties.output_counts,
@@ -236,7 +283,7 @@ class ModelRunner:
         Only steps holding a ``prompt_logprobs`` request pay for this [T, V] head; it is jitted
         per token bucket on first use rather than at warm-up, since most workloads never ask.
         """
-        logits = nnx.merge(self.graphdef, model_state).compute_logits(hidden)
+        logits = nnx.merge(self.graphdef, model_state).compute_logits(hidden, self.mesh)
         return gather_logprobs(logits, next_token_ids, self.num_logprobs, cond_free=self.cond_free)
 
     def _layout_for(self, bucket: int) -> PackLayout:
@@ -268,7 +315,8 @@ class ModelRunner:
     def _step_args(self, variant: StepVariant, state) -> tuple:
         buf = jax.ShapeDtypeStruct((self._layout_for(variant.bucket).total,), jnp.int32)
         bitmask = jax.ShapeDtypeStruct((self.buckets.num_rows(variant.bucket), self.bitmask_width), jnp.int32)
-        return self.model_state, self.target.place(state), self.target.place(buf), self.target.place(bitmask)
+        buf, bitmask = _with_shardings((buf, bitmask), (self._replicated, self._replicated))
+        return self.model_state, state, buf, bitmask
 
     def _static_args(self, variant: StepVariant) -> dict:
         return {"layout": self._layout_for(variant.bucket), "decode_only": variant.decode_only,
@@ -303,7 +351,8 @@ class ModelRunner:
         """The bitmask of a step without constrained rows: all ones, made once per row count and
         kept on the device."""
         if rows not in self._all_allowed:
-            self._all_allowed[rows] = jnp.full((rows, self.bitmask_width), -1, jnp.int32)
+            self._all_allowed[rows] = jax.device_put(np.full((rows, self.bitmask_width), -1, np.int32),
+                                                     self._replicated)
         return self._all_allowed[rows]
 
     def _launch(self, fn, buf, bitmask) -> StepOutput:
@@ -382,7 +431,7 @@ class ModelRunner:
         if bitmask is None:
             bitmask = self._allowed_all_bitmask(prepared.num_rows)
         if self.config.enforce_eager:  # op by op, every numpy slice would be its own transfer
-            buf, bitmask = jax.device_put(buf), jax.device_put(bitmask)
+            buf, bitmask = jax.device_put((buf, bitmask), self._replicated)
         # Compiled: the executable takes the fresh numpy buffer as its one transfer (an explicit
         # device_put first costs several times as much host time per step).
         decode_only = self.decode_attn_fn is not None and plan.num_tokens == len(plan.req_ids)
@@ -416,7 +465,7 @@ class ModelRunner:
                 spans.append((state, t, stop - start))
             t += n
         fn = self._prompt_logprobs_jit if not self.config.enforce_eager else self._prompt_logprobs
-        values, ids, ranks = jax.device_get(fn(self.model_state, hidden, jax.device_put(next_ids)))
+        values, ids, ranks = jax.device_get(fn(self.model_state, hidden, jax.device_put(next_ids, self._replicated)))
         for state, t0, count in spans:
             k = state.sampling_params.prompt_logprobs + 1
             rows = state.prompt_logprobs_rows

@@ -24,8 +24,9 @@ def normalize_platform(platform: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class StepTarget:
     """``platform``: where the step runs (``gpu``/``cpu``). ``sharding``: set for an abstract
-    target, whose arrays are never allocated; every input of the step then carries it, and the
-    runner can only lower and compile (``runner.steps.lowered``), not run.
+    target, whose arrays are never allocated; the runner's mesh is then its mesh, every input of
+    the step carries a sharding on it, and the runner can only lower and compile
+    (``runner.steps.lowered``), not run.
     """
 
     platform: str
@@ -48,13 +49,11 @@ class StepTarget:
         return self.sharding is not None
 
     @property
+    def mesh(self) -> jax.sharding.Mesh:
+        """An abstract target's mesh (its sharding's): the devices a runner on it compiles for."""
+        return self.sharding.mesh
+
+    @property
     def cond_free(self) -> bool:
         """True when the step must hold no conditional and no data-dependent loop (GPU)."""
         return self.platform == "gpu"
-
-    def place(self, tree: Any) -> Any:
-        """Arrays of ``tree`` as they enter the step: unchanged locally, abstract values that
-        carry the target's sharding otherwise."""
-        if not self.is_abstract:
-            return tree
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.sharding), tree)

@@ -35,9 +35,12 @@ def top_k_sorted(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
     XLA lowers top_k to sort + slice and pattern-matches that back into a TopK kernel; when the
     slice is fused into its consumers first, the match fails and a full sort of V runs instead
-    (an order of magnitude slower on the CPU). The barrier keeps the slice intact.
+    (an order of magnitude slower on the CPU). The barrier keeps the slice intact. It also holds
+    ``x``: a barrier over exactly the top-k pair is folded onto the TopK op itself, which XLA:CPU's
+    TopK decomposer then fails on (a crash) in a program partitioned over several devices.
     """
-    return lax.optimization_barrier(lax.top_k(x, k))
+    values, ids, _ = lax.optimization_barrier((*lax.top_k(x, k), x))
+    return values, ids
 
 
 # Widest top-k XLA:GPU runs as its TopK kernel; a wider one becomes a sort of the whole row.

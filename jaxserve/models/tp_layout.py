@@ -1,0 +1,111 @@
+"""How a model's weights are split over ``size`` tensor-parallel shards (Megatron-style).
+
+Which axis of which parameter is split (:data:`SPLIT_AXES`), and the column order of the fused
+projections that makes a contiguous column block a whole shard:
+
+- ``qkv_proj.kernel [hidden, size * (q + 2 kv)]``: shard ``s`` holds ``[q_s | k_s | v_s]``, its
+  query heads and its key/value heads side by side. With one shard that is plain ``[q | k | v]``.
+  Reshaping the output to ``[T, size, -1]`` and splitting the last axis gives every head back in
+  its original order, so the model's code is the same for every ``size``.
+- ``gate_up_proj.kernel [hidden, size * 2 * inter / size]``: shard ``s`` holds ``[gate_s | up_s]``.
+- ``o_proj`` and ``down_proj`` are split on their input rows (one all-reduce each per layer);
+  the embedding and the LM head on the vocabulary, padded to a multiple of ``size``; norms and
+  the remaining biases are replicated.
+
+When there are fewer key/value heads than shards, each is stored ``size / num_kv_heads`` times
+(vLLM does the same), so every shard holds one: ``stored_kv_heads = max(num_kv_heads, size)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.models.config import ModelConfig
+
+# A parameter's path below its decoder layer (or at the top level) -> the axis split over the
+# shards; absent: replicated. Axes count from the parameter's own first axis (a scanned stack's
+# layer axis comes before them).
+SPLIT_AXES: dict[tuple[str, ...], int] = {
+    ("embed_tokens", "embedding"): 0,
+    ("lm_head", "kernel"): 1,
+    ("self_attn", "qkv_proj", "kernel"): 1,
+    ("self_attn", "qkv_proj", "bias"): 0,
+    ("self_attn", "o_proj", "kernel"): 0,
+    ("mlp", "gate_up_proj", "kernel"): 1,
+    ("mlp", "gate_up_proj", "bias"): 0,
+    ("mlp", "down_proj", "kernel"): 0,
+}
+
+
+def split_axis(path: tuple) -> int | None:
+    """The split axis of the parameter at ``path`` (a module path as ``nnx`` spells it), counted
+    from the parameter's own first axis; None when it is replicated."""
+    names = tuple(p for p in path if isinstance(p, str) and p not in ("layers", "stacked"))
+    return SPLIT_AXES.get(names)
+
+
+def check_tensor_parallel_size(cfg: ModelConfig, size: int) -> None:
+    """A ValueError naming the head count (or the width) that ``size`` does not divide."""
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    if heads % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's {heads} attention heads")
+    if (size % kv_heads) if size > kv_heads else (kv_heads % size):
+        raise ValueError(f"tensor_parallel_size {size} and the model's {kv_heads} key/value heads: one must "
+                         "divide the other")
+    if cfg.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's intermediate_size "
+                         f"{cfg.intermediate_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TPLayout:
+    """The shapes of one model split ``size`` ways. Invariants: ``size`` divides ``num_heads``,
+    ``stored_kv_heads``, ``intermediate_size`` and ``padded_vocab``."""
+
+    size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, size: int) -> "TPLayout":
+        check_tensor_parallel_size(cfg, size)
+        return cls(size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
+                   cfg.vocab_size)
+
+    @property
+    def kv_replicas(self) -> int:
+        """Copies stored of each key/value head (1 unless there are fewer of them than shards)."""
+        return max(1, self.size // self.num_kv_heads)
+
+    @property
+    def stored_kv_heads(self) -> int:
+        return self.num_kv_heads * self.kv_replicas
+
+    @property
+    def q_heads_per_shard(self) -> int:
+        return self.num_heads // self.size
+
+    @property
+    def kv_heads_per_shard(self) -> int:
+        return self.stored_kv_heads // self.size
+
+    @property
+    def qkv_width(self) -> int:
+        """Output columns of the fused q|k|v projection, all shards together."""
+        return (self.num_heads + 2 * self.stored_kv_heads) * self.head_dim
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding (columns of the LM head): the vocabulary rounded up to a multiple
+        of ``size``; the padding rows are zero and their logits are dropped."""
+        return -(-self.vocab_size // self.size) * self.size
+
+    def kv_heads_of_shard(self, shard: int) -> list[int]:
+        """The checkpoint's key/value heads that shard ``shard`` stores, in order."""
+        first = shard * self.kv_heads_per_shard
+        return [h // self.kv_replicas for h in range(first, first + self.kv_heads_per_shard)]

@@ -1,0 +1,88 @@
+"""The tensor-parallel mesh and the sharding plan: where every array of a step lives.
+
+One mesh axis, :data:`TP_AXIS`, over the devices of one model replica. The plan, in one place:
+
+- weights: the axis of :data:`jaxserve.models.tp_layout.SPLIT_AXES` (q|k|v and gate|up by output
+  columns, o and down by input rows, embedding and LM head by vocabulary), everything else
+  replicated;
+- KV cache ``[L, blocks, block_size, Hkv, D]``: split on the key/value heads;
+- everything else (penalty tables, last sampled tokens, the packed step inputs, the bitmask):
+  replicated; the host packs one buffer and every device receives it whole.
+
+With one device the mesh still exists, so a runner given a device puts everything on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.models.tp_layout import split_axis
+
+TP_AXIS = "tp"
+
+REPLICATED = PartitionSpec()
+KV_CACHE_SPEC = PartitionSpec(None, None, None, TP_AXIS, None)
+
+
+def select_devices(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
+    """``devices``, or by default the first ``tensor_parallel_size`` of ``jax.devices()``; a
+    ValueError naming both counts when there are too few."""
+    if devices is not None:
+        return list(devices)
+    present = jax.devices()
+    if tensor_parallel_size > len(present):
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} exceeds the {len(present)} "
+                         f"{present[0].platform} devices present")
+    return present[:tensor_parallel_size]
+
+
+def make_mesh(devices: Sequence[jax.Device], tensor_parallel_size: int) -> Mesh:
+    """A one-axis mesh (:data:`TP_AXIS`) over exactly ``devices``, in their order."""
+    if len(devices) != tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs as many devices, got {len(devices)}")
+    return Mesh(np.asarray(list(devices), dtype=object), (TP_AXIS,))
+
+
+def param_spec(path: tuple, ndim: int) -> PartitionSpec:
+    """The spec of the weight at module path ``path`` with ``ndim`` axes (a scanned stack's
+    leading layer axis included)."""
+    axis = split_axis(path)
+    if axis is None:
+        return REPLICATED
+    axis += ndim - _own_ndim(path, ndim)
+    return PartitionSpec(*(TP_AXIS if i == axis else None for i in range(ndim)))
+
+
+def _own_ndim(path: tuple, ndim: int) -> int:
+    """Axes of the parameter itself: a scanned stack (``layers.stacked``) has one more."""
+    return ndim - 1 if "stacked" in path else ndim
+
+
+def param_sharding(mesh: Mesh, path: tuple, ndim: int) -> NamedSharding:
+    return NamedSharding(mesh, param_spec(path, ndim))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, REPLICATED)
+
+
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, KV_CACHE_SPEC)
+
+
+def weight_shardings(mesh: Mesh, flat_state: Sequence[tuple[tuple, Any]]) -> list[NamedSharding]:
+    """The sharding of each ``(path, array)`` of a flattened model state, in order."""
+    return [param_sharding(mesh, path, len(x.shape)) for path, x in flat_state]
+
+
+def bytes_per_device(arrays: Any) -> dict[jax.Device, int]:
+    """Bytes each device holds of ``arrays`` (a pytree of jax arrays), read from their shards."""
+    held: dict[jax.Device, int] = {}
+    for x in jax.tree.leaves(arrays):
+        for shard in x.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.size * shard.data.dtype.itemsize
+    return held
