@@ -183,6 +183,9 @@ class EngineConfig:
         addr = self.master_addr
         if addr is not None and (not addr.strip() or (":" in addr and not addr.startswith("["))):
             raise bad("master_addr", "must be a host name or an address (an IPv6 one in brackets), no port")
+        if self.tensor_parallel_size % self.nnodes:
+            raise bad("tensor_parallel_size", f"must be a multiple of nnodes ({self.nnodes}): every node holds "
+                      "an equal share of the mesh")
         if self.node_heartbeat_timeout_s < 1:
             raise bad("node_heartbeat_timeout_s", "must be >= 1")
 

@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 from jaxserve.config import EngineConfig
+from jaxserve.exceptions import ConfigError
 
 logger = logging.getLogger("jaxserve")
 
@@ -35,6 +36,24 @@ def start_distributed_runtime(config: EngineConfig) -> None:
                                heartbeat_timeout_seconds=config.node_heartbeat_timeout_s)
     logger.info("node %d of %d joined: %d devices here, %d in all", config.node_rank, config.nnodes,
                 jax.local_device_count(), jax.device_count())
+
+
+def node_devices(config: EngineConfig) -> list[Any]:
+    """The mesh of a multi-node engine: ``tensor_parallel_size / nnodes`` devices of every host,
+    host by host (so each host holds an equal share of every sharded weight). Every rank computes
+    the same list."""
+    import jax
+
+    per_host = config.tensor_parallel_size // config.nnodes
+    by_host: dict[int, list[Any]] = {}
+    for device in jax.devices():
+        by_host.setdefault(device.process_index, []).append(device)
+    for rank in range(config.nnodes):
+        have = len(by_host.get(rank, []))
+        if have < per_host:
+            raise ConfigError(f"tensor_parallel_size: {config.tensor_parallel_size} over {config.nnodes} nodes needs "
+                              f"{per_host} devices on each, node {rank} has {have}")
+    return [d for rank in range(config.nnodes) for d in sorted(by_host[rank], key=lambda d: d.id)[:per_host]]
 
 
 def coordination_client() -> Any:

@@ -108,6 +108,10 @@ class EngineCore:
         if not config.enforce_eager:  # eager mode's per-op programs are not worth caching on disk
             enable_persistent_compilation_cache(config.resolved_compilation_cache_dir())
         tp = config.tensor_parallel_size
+        if config.is_multi_node and devices is None:
+            from jaxserve.distributed.runtime import node_devices
+
+            devices = node_devices(config)
         devices = select_devices(tp, devices)
         mesh = make_mesh(devices, tp)
         with self.startup.phase("weights"):  # each shard read straight onto its device

@@ -53,3 +53,9 @@ def test_bad_settings_are_refused_naming_the_field(fields, field):
 
 def test_a_bracketed_ipv6_master_addr_is_accepted():
     assert EngineConfig(nnodes=2, master_addr="[fd00::1]", master_port=1).coordinator_address() == "[fd00::1]:1"
+
+
+def test_the_tensor_parallel_size_must_split_evenly_over_the_nodes():
+    assert EngineConfig(nnodes=2, tensor_parallel_size=8).tensor_parallel_size == 8
+    with pytest.raises(ConfigError, match="^tensor_parallel_size: must be a multiple of nnodes"):
+        EngineConfig(nnodes=2, tensor_parallel_size=3)

@@ -1,5 +1,6 @@
 """Two hosts on one machine: two ``jaxserve serve`` processes x 4 CPU devices, joined by
-``jax.distributed`` on the loopback address, against one process on one device.
+``jax.distributed`` on the loopback address, one model split 8 ways across both (TP=8, gloo
+collectives between the processes), against one process on one device (TP=1).
 
 Rank 0 serves HTTP and schedules; rank 1 runs headless and replays its steps. The group must
 give the single process's greedy tokens, and when rank 1 is killed mid-request, rank 0 must fail
@@ -23,10 +24,15 @@ import httpx
 import pytest
 
 from jaxserve.bench.processes import stop_process
+from jaxserve.models.demo import DEMO_ARCH, DEMO_SHAPE, build_checkpoint
 
 # One token bucket, a small pool: each process compiles a single step program.
 SHAPE = dict(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=16, num_gpu_blocks_override=80)
 DEVICES_PER_HOST = 4
+TENSOR_PARALLEL_SIZE = 2 * DEVICES_PER_HOST
+# The demo model's shape with 8 query heads, so that 8 shards split them; its 2 key/value heads
+# are replicated 4 ways.
+MODEL_SHAPE = dict(DEMO_SHAPE, num_attention_heads=8, head_dim=16)
 HEARTBEAT_TIMEOUT_S = 2
 START_TIMEOUT_S = 240
 PROMPTS = ["Hello, my name is", "The capital of France is", "JAX compiles", "one two three four five six"]
@@ -99,18 +105,24 @@ def completion_ids(base: str, prompt: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def one_process_ids(demo_model) -> dict[str, list[int]]:
+def eight_head_model(tmp_path_factory) -> str:
+    return str(build_checkpoint(tmp_path_factory.mktemp("eight_heads") / "model", DEMO_ARCH, MODEL_SHAPE, seed=5))
+
+
+@pytest.fixture(scope="module")
+def one_process_ids(eight_head_model) -> dict[str, list[int]]:
     """Greedy tokens of one process on one device (TP=1): the reference."""
     from jaxserve import LLM, SamplingParams
 
-    llm = LLM(demo_model, **SHAPE)
+    llm = LLM(eight_head_model, **SHAPE)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return {out.prompt: out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)}
 
 
 @pytest.fixture(scope="module")
-def two_hosts(demo_model, tmp_path_factory):
-    hosts = TwoHosts(demo_model, tmp_path_factory.mktemp("two_hosts"), ["--served-model-name", "m"])
+def two_hosts(eight_head_model, tmp_path_factory):
+    hosts = TwoHosts(eight_head_model, tmp_path_factory.mktemp("two_hosts"),
+                     ["--served-model-name", "m", "--tensor-parallel-size", str(TENSOR_PARALLEL_SIZE)])
     try:
         yield hosts
     finally:
