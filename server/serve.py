@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from jaxserve import ConfigError, EngineConfig, envs
 
@@ -179,6 +179,14 @@ def _serve(args, config, sock: socket.socket, chat_template: Optional[str], api_
     engine = AsyncLLM.from_config(config, served_model_name=args.served_model_name,
                                   max_waiting=args.max_waiting, show_progress=True)
     freeze_startup_heap()
+    stopped = False
+
+    def stop_engine() -> None:
+        nonlocal stopped
+        if not stopped:
+            stopped = True
+            engine.shutdown()
+
     try:
         app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                         chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,
@@ -189,17 +197,24 @@ def _serve(args, config, sock: socket.socket, chat_template: Optional[str], api_
                         enable_debug_endpoints=args.enable_debug_endpoints)
         uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_keep_alive=args.timeout_keep_alive,
                                    lifespan="off")
-        server = _make_server(uv_config, app.state.jaxserve.model_name, started)
+        server = _make_server(uv_config, app.state.jaxserve.model_name, started, stop_engine)
         asyncio.run(server.serve(sockets=[sock]))
     finally:
-        engine.shutdown()
+        stop_engine()
 
 
-def _make_server(config, model_name: str, started: float):
-    """A uvicorn.Server that announces the URL (with the bound port) once it accepts connections."""
+def _make_server(config, model_name: str, started: float, on_shutdown: Callable[[], None]):
+    """A uvicorn.Server that announces the URL (with the bound port) once it accepts connections,
+    and stops the engine as its own shutdown ends: after a SIGTERM, uvicorn raises the signal
+    again once it is done, which ends the process before any ``finally`` of the caller runs (the
+    other hosts of a multi-node engine would never hear of it)."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            await super().shutdown(sockets=sockets)
+            on_shutdown()
+
         async def startup(self, sockets=None):
             await super().startup(sockets=sockets)
             if self.should_exit or not self.servers:

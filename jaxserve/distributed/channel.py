@@ -14,6 +14,7 @@ holds at most a few messages.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 from jaxserve.distributed.messages import RunnerCall, decode_calls, encode_calls
@@ -62,12 +63,25 @@ class ControlChannel:
         self.next_seq += 1
         return decode_calls(payload)
 
-    def _prune(self) -> None:
-        """Delete the messages every follower has acknowledged."""
+    def wait_read(self, timeout_s: float) -> bool:
+        """Wait until every follower has read every published message; False after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self._read_by_all() < self.next_seq:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def _read_by_all(self) -> int:
+        """How many messages every follower has read."""
         acks = self.client.key_value_dir_get(f"{self.namespace}/ack/")
         if len(acks) < self.nnodes - 1:
-            return
-        read = min(int(value) for _, value in acks) + 1
+            return 0
+        return min(int(value) for _, value in acks) + 1
+
+    def _prune(self) -> None:
+        """Delete the messages every follower has acknowledged."""
+        read = self._read_by_all()
         for seq in range(self._pruned, read):
             self.client.key_value_delete(self._key(seq))
         self._pruned = max(self._pruned, read)

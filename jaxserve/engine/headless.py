@@ -37,5 +37,10 @@ def run_headless(config: EngineConfig, *, show_progress: bool = True) -> int:
         follower.run()
     finally:
         heartbeat.stop()
+    # Leave the coordination service before rank 0 stops it: a client that finds the service gone
+    # terminates its process.
+    import jax
+
+    jax.distributed.shutdown()
     logger.info("node %d of %d: rank 0 stopped; %d steps run", config.node_rank, config.nnodes, follower.steps)
     return follower.steps

@@ -32,6 +32,8 @@ logger = logging.getLogger("jaxserve")
 
 # A follower's longest wait for the next message before it looks again (rank 0 may idle for long).
 RECEIVE_TIMEOUT_S = 1.0
+# Rank 0's longest wait, when stopping, for the followers to read the stop message.
+SHUTDOWN_WAIT_S = 5.0
 
 
 class LockstepLeader:
@@ -73,10 +75,14 @@ class LockstepLeader:
         self.monitor.check()
 
     def shutdown(self) -> None:
-        """Tell the followers to leave their loops (best effort: they may be gone already)."""
+        """Tell the followers to leave their loops and wait (boundedly) until they have read it, so
+        they disconnect before this process takes the coordination service down. Best effort:
+        they may be gone already."""
         self._queued.append(Shutdown())
         try:
             self._flush()
+            if not self.channel.wait_read(SHUTDOWN_WAIT_S):
+                logger.warning("the other nodes did not take the stop message within %g s", SHUTDOWN_WAIT_S)
         except Exception as exc:  # noqa: BLE001 - shutting down anyway; a lost node needs no message
             logger.warning("could not tell the other nodes to stop: %s", exc)
 
