@@ -13,6 +13,7 @@ request keep the full overlap.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import importlib.util
 import logging
@@ -353,5 +354,9 @@ def _start_leader(core: EngineCore) -> LockstepLeader:
 
     config = core.config
     client = coordination_client()
-    return LockstepLeader(core.runner, ControlChannel(client, 0, config.nnodes),
-                          NodeMonitor(client, config.nnodes, config.node_heartbeat_timeout_s))
+    leader = LockstepLeader(core.runner, ControlChannel(client, 0, config.nnodes),
+                            NodeMonitor(client, config.nnodes, config.node_heartbeat_timeout_s))
+    # An offline LLM is never shut down: release the other hosts when this process exits (before
+    # JAX's own exit hook, registered earlier, stops the coordination service).
+    atexit.register(leader.shutdown)
+    return leader

@@ -44,6 +44,7 @@ class LockstepLeader:
         self.channel = channel
         self.monitor = monitor
         self._queued: list[RunnerCall] = []
+        self._stopped = False
 
     def prepare(self, so: SchedulerOutput) -> PreparedStep:
         self._queued.append(Prepare(so))
@@ -77,7 +78,10 @@ class LockstepLeader:
     def shutdown(self) -> None:
         """Tell the followers to leave their loops and wait (boundedly) until they have read it, so
         they disconnect before this process takes the coordination service down. Best effort:
-        they may be gone already."""
+        they may be gone already. Runs once (the engine's shutdown, or at the latest at exit)."""
+        if self._stopped:
+            return
+        self._stopped = True
         self._queued.append(Shutdown())
         try:
             self._flush()

@@ -33,7 +33,7 @@ TENSOR_PARALLEL_SIZE = 2 * DEVICES_PER_HOST
 # The demo model's shape with 8 query heads, so that 8 shards split them; its 2 key/value heads
 # are replicated 4 ways.
 MODEL_SHAPE = dict(DEMO_SHAPE, num_attention_heads=8, head_dim=16)
-HEARTBEAT_TIMEOUT_S = 2
+HEARTBEAT_TIMEOUT_S = 3
 START_TIMEOUT_S = 240
 PROMPTS = ["Hello, my name is", "The capital of France is", "JAX compiles", "one two three four five six"]
 MAX_TOKENS = 12
