@@ -22,7 +22,7 @@ from jaxserve.engine.processor import InputProcessor, ProcessedRequest, PromptTy
 from jaxserve.engine.step_records import StepRecord, last_records
 from jaxserve.engine.timeline import ABORT, EntryTimes, RequestTimeline
 from jaxserve.engine.trace import build_trace
-from jaxserve.exceptions import InvalidRequestError
+from jaxserve.exceptions import ConfigError, InvalidRequestError
 from jaxserve.models.hub import resolve_model
 
 logger = logging.getLogger("jaxserve")
@@ -54,6 +54,9 @@ class LLMEngine:
         """``devices``: the jax devices the model runs on (default: the first
         ``tensor_parallel_size`` of ``jax.devices()``)."""
         self.config = config
+        if config.node_rank > 0:  # only rank 0 schedules; the others replay its steps
+            raise ConfigError(f"node_rank: {config.node_rank} runs headless (jaxserve serve --node-rank "
+                              f"{config.node_rank}, or jaxserve.run_headless), not an engine of its own")
         # A tokenizer given apart is looked up first, so a wrong name fails before any compile.
         tokenizer_source = resolve_model(config.tokenizer, weights=False) if config.tokenizer else None
         self.served_model_name = served_model_name or (config.model or "jaxserve-demo")

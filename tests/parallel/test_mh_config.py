@@ -63,3 +63,10 @@ def test_the_tensor_parallel_size_must_split_evenly_over_the_nodes():
     for size in (1, 3):
         with pytest.raises(ConfigError, match="^tensor_parallel_size: must be a multiple of nnodes"):
             EngineConfig(nnodes=2, tensor_parallel_size=size)
+
+
+def test_a_rank_above_0_builds_no_engine_of_its_own():
+    from jaxserve import LLM
+
+    with pytest.raises(ConfigError, match="^node_rank: 1 runs headless"):
+        LLM(nnodes=2, node_rank=1, tensor_parallel_size=2)
