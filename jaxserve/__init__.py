@@ -35,6 +35,8 @@ _LAZY = {
     "ConfigError": "jaxserve.exceptions",
     "EngineDeadError": "jaxserve.exceptions",
     "EngineOverloadedError": "jaxserve.exceptions",
+    "NodeLostError": "jaxserve.exceptions",
+    "run_headless": "jaxserve.engine.headless",
 }
 
 __all__ = list(_LAZY) + ["__version__"]

@@ -17,6 +17,9 @@ from jaxserve.exceptions import ConfigError
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu")  # built in; more may be registered
 # The reasoning parsers' names (``jaxserve.structured.reasoner`` and the server's parsers know each).
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+# vLLM's defaults for a multi-node engine's rank 0.
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29501
 
 # vLLM's short spellings of some flags, besides the long one every field gets.
 CLI_SHORT_FLAGS: dict[str, str] = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}
@@ -114,6 +117,21 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """Devices each model is split over (Megatron-style: attention heads, MLP columns and the
     vocabulary); must divide the attention heads and be at most the devices present."""
+    nnodes: int = 1
+    """Hosts the engine spans, one process each; above 1, JAX's distributed runtime joins them
+    and one mesh covers every host's devices."""
+    node_rank: int = 0
+    """This host's rank, 0 to nnodes - 1: rank 0 runs the scheduler and the API server, the others
+    run the steps rank 0 sends them."""
+    master_addr: str | None = None
+    """Rank 0's address, where JAX's coordination service listens; default: the host of
+    JAX_COORDINATOR_ADDRESS when set, else 127.0.0.1."""
+    master_port: int | None = None
+    """The coordination service's port on master_addr; default: the port of
+    JAX_COORDINATOR_ADDRESS when set, else 29501."""
+    node_heartbeat_timeout_s: int = 10
+    """A host whose heartbeats to the coordination service stop for this many seconds counts as
+    lost: rank 0 then fails its requests and /health answers 503."""
     otlp_traces_endpoint: str | None = None
     """OTLP/HTTP collector to send a span tree per request to (e.g. http://127.0.0.1:4318/v1/traces);
     needs the otel extra."""
@@ -167,10 +185,39 @@ class EngineConfig:
         for name in ("max_prompt_chars", "max_n", "max_stop_strings", "max_stop_str_chars"):
             if getattr(self, name) < 1:
                 raise bad(name, "must be >= 1")
+        self._validate_nodes(bad)
         if self.dtype != "auto":
             from jaxserve.models.config import normalize_dtype_name
 
             self.dtype = normalize_dtype_name(self.dtype)
+
+    def _validate_nodes(self, bad) -> None:
+        if self.nnodes < 1:
+            raise bad("nnodes", "must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise bad("node_rank", f"must be in [0, nnodes - 1] with nnodes={self.nnodes}")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise bad("master_port", "must be a TCP port, 1 to 65535")
+        addr = self.master_addr
+        if addr is not None and (not addr.strip() or (":" in addr and not addr.startswith("["))):
+            raise bad("master_addr", "must be a host name or an address (an IPv6 one in brackets), no port")
+        if self.tensor_parallel_size % self.nnodes:
+            raise bad("tensor_parallel_size", f"must be a multiple of nnodes ({self.nnodes}): every node holds "
+                      "an equal share of the mesh")
+        if self.node_heartbeat_timeout_s < 1:
+            raise bad("node_heartbeat_timeout_s", "must be >= 1")
+
+    @property
+    def is_multi_node(self) -> bool:
+        return self.nnodes > 1
+
+    def coordinator_address(self) -> str:
+        """``host:port`` of JAX's coordination service (rank 0): ``master_addr``/``master_port``,
+        each defaulting to its part of ``JAX_COORDINATOR_ADDRESS``, then 127.0.0.1:29501."""
+        env_host, env_port = envs.jax_coordinator_address()
+        host = self.master_addr or env_host or DEFAULT_MASTER_ADDR
+        port = self.master_port or env_port or DEFAULT_MASTER_PORT
+        return f"{host}:{port}"
 
     def resolved_compilation_cache_dir(self) -> str | None:
         if self.compilation_cache_dir == "off":

@@ -23,6 +23,9 @@ sets it to ``gpu_memory_utilization`` when the user has not, before JAX starts i
 JAXSERVE_PROFILER_DIR = "JAXSERVE_PROFILER_DIR"
 """Where ``LLM.start_profile()`` writes its traces when not given a folder (vLLM's
 ``VLLM_TORCH_PROFILER_DIR``); default: the ``profiles`` folder of the cache."""
+JAX_COORDINATOR_ADDRESS = "JAX_COORDINATOR_ADDRESS"
+"""JAX's own: ``host:port`` of the distributed runtime's coordinator (rank 0); the defaults of
+``--master-addr`` and ``--master-port``."""
 JAXSERVE_LOG_LEVEL = "JAXSERVE_LOG_LEVEL"
 """The ``jaxserve`` command's log level (``debug`` also prints the traceback of a start-up error)."""
 
@@ -73,6 +76,18 @@ def allow_cuda_plugin_without_gpu() -> None:
     """The CUDA plugin checks the driver's versions when it loads, which fails with no GPU; an
     ahead-of-time compile for a GPU needs the plugin and no driver. Set before JAX's first backend."""
     os.environ.setdefault(JAX_SKIP_CUDA_CONSTRAINTS_CHECK, "1")
+
+
+def jax_coordinator_address() -> tuple[Optional[str], Optional[int]]:
+    """``$JAX_COORDINATOR_ADDRESS`` split into host and port (either None when absent); an IPv6
+    host keeps its brackets."""
+    value = (os.environ.get(JAX_COORDINATOR_ADDRESS) or "").strip()
+    if not value:
+        return None, None
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or (host.count(":") and not host.endswith("]")):
+        return value, None
+    return host or None, int(port)
 
 
 def log_level() -> Optional[str]:

@@ -28,6 +28,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed; no request can be served (HTTP 503)."""
 
 
+class NodeLostError(RuntimeError):
+    """A host of a multi-node engine died or hangs; the engine cannot step without it."""
+
+
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is full (HTTP 503); retry later."""
 

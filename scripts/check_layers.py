@@ -25,7 +25,7 @@ PACKAGES = {"jaxserve": ROOT / "jaxserve", "jaxserve_server": ROOT / "server",
 _LEAVES = ("jaxserve", "jaxserve.envs", "jaxserve.exceptions")
 
 # Longest matching prefix of a module -> the module prefixes it may import (besides itself and
-# the leaves). Arrows point down: server -> engine -> runner/sample -> models/layers -> core/kernels.
+# the leaves). Arrows point down: server -> engine -> runner/sample/distributed -> models/layers -> core/kernels.
 ALLOWED: dict[str, tuple[str, ...]] = {
     "pallas_kernels": (),
     "jaxserve": (),
@@ -38,10 +38,12 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "jaxserve.config": ("jaxserve.models.config",),
     # Structured outputs' grammar engine (llguidance, numpy): the core's parameters and hooks only.
     "jaxserve.structured": ("jaxserve.core.structured_outputs",),
+    # Multi-host plumbing (jax.distributed, the control channel): the configuration and the core's data.
+    "jaxserve.distributed": ("jaxserve.config", "jaxserve.core"),
     "jaxserve.runner": ("jaxserve.config", "jaxserve.core", "jaxserve.models", "jaxserve.layers",
                         "jaxserve.sample", "pallas_kernels"),
     "jaxserve.engine": ("jaxserve.config", "jaxserve.core", "jaxserve.models", "jaxserve.runner",
-                        "jaxserve.sample", "jaxserve.structured"),
+                        "jaxserve.sample", "jaxserve.structured", "jaxserve.distributed"),
     "jaxserve.bench": ("jaxserve.config", "jaxserve.core", "jaxserve.models", "jaxserve.runner",
                        "jaxserve.sample", "jaxserve.structured", "jaxserve.engine"),
     "jaxserve.testing": ("jaxserve.models",),

@@ -39,7 +39,7 @@ from .protocol import (
 )
 from .serving_chat import OpenAIServingChat, render_chat
 from .serving_completion import OpenAIServingCompletion
-from .state import ServerState
+from .state import ServerState, dead_message
 from .tokenizer_info import tokenizer_info
 
 # One server-sent event of a stream: ``data`` is a JSON chunk, an error object, or ``[DONE]``.
@@ -138,7 +138,7 @@ def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optio
                         **error_responses(503)})
     async def health():
         if engine.is_dead:
-            raise APIError(503, "the engine is dead (its loop failed)", code=ENGINE_DEAD)
+            raise APIError(503, dead_message(engine), code=ENGINE_DEAD)
         return Response(status_code=200)
 
     @app.get("/metrics", response_class=Response,

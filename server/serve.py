@@ -5,6 +5,12 @@ this module adds the server's own and runs the server. The listening socket is b
 engine starts, so a busy port fails at once, and uvicorn serves on that socket. ``--port 0`` picks a
 free port; the URL line printed once the server accepts connections carries the real one. A
 setting that cannot work raises ``ConfigError``, which the command reports in one line.
+
+With ``--nnodes N``, rank 0 serves as above and ranks 1 to N - 1 run headless: no HTTP server at
+all, only the engine steps rank 0 sends them. Rank 0's ``/health`` speaks for the whole group (503
+once any host is lost), and a headless rank exits when rank 0 stops or vanishes (code 0 on rank 0's
+shutdown, 1 when it was lost), which is what a process supervisor watches; a second health endpoint
+per host would only repeat rank 0's answer.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import logging
 import os
 import socket
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from jaxserve import ConfigError, EngineConfig, envs
 
@@ -135,11 +141,28 @@ def run_serve(args: argparse.Namespace, started: Optional[float] = None) -> int:
     parsers = chat_parsers(args)
     api_key = args.api_key or envs.api_key()
     config = EngineConfig.from_cli_args(args, model=args.model)
+    if config.is_multi_node and config.node_rank > 0:
+        return run_headless_node(config)
     sock = bind_socket(args.host, args.port)
     try:
         _serve(args, config, sock, chat_template, api_key, parsers, started)
     finally:
         sock.close()
+    return 0
+
+
+def run_headless_node(config: EngineConfig) -> int:
+    """A rank > 0: follow rank 0's steps; 0 when rank 0 shut down, 1 when it was lost."""
+    from jaxserve import NodeLostError, run_headless
+
+    print(f"jaxserve: node {config.node_rank} of {config.nnodes} starting headless (no API server); "
+          f"rank 0 at {config.coordinator_address()}", flush=True)
+    try:
+        steps = run_headless(config)
+    except NodeLostError as exc:
+        print(f"jaxserve: node {config.node_rank}: {exc}", flush=True)
+        return 1
+    print(f"jaxserve: node {config.node_rank}: rank 0 shut down after {steps} steps", flush=True)
     return 0
 
 
@@ -156,6 +179,14 @@ def _serve(args, config, sock: socket.socket, chat_template: Optional[str], api_
     engine = engine_class.from_config(config, served_model_name=args.served_model_name,
                                       max_waiting=args.max_waiting, show_progress=True)
     freeze_startup_heap()
+    stopped = False
+
+    def stop_engine() -> None:
+        nonlocal stopped
+        if not stopped:
+            stopped = True
+            engine.shutdown()
+
     try:
         app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                         chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,
@@ -166,17 +197,24 @@ def _serve(args, config, sock: socket.socket, chat_template: Optional[str], api_
                         enable_debug_endpoints=args.enable_debug_endpoints)
         uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_keep_alive=args.timeout_keep_alive,
                                    lifespan="off")
-        server = _make_server(uv_config, app.state.jaxserve.model_name, started)
+        server = _make_server(uv_config, app.state.jaxserve.model_name, started, stop_engine)
         asyncio.run(server.serve(sockets=[sock]))
     finally:
-        engine.shutdown()
+        stop_engine()
 
 
-def _make_server(config, model_name: str, started: float):
-    """A uvicorn.Server that announces the URL (with the bound port) once it accepts connections."""
+def _make_server(config, model_name: str, started: float, on_shutdown: Callable[[], None]):
+    """A uvicorn.Server that announces the URL (with the bound port) once it accepts connections,
+    and stops the engine as its own shutdown ends: after a SIGTERM, uvicorn raises the signal
+    again once it is done, which ends the process before any ``finally`` of the caller runs (the
+    other hosts of a multi-node engine would never hear of it)."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            await super().shutdown(sockets=sockets)
+            on_shutdown()
+
         async def startup(self, sockets=None):
             await super().startup(sockets=sockets)
             if self.should_exit or not self.servers:

@@ -78,5 +78,12 @@ class ServerState:
             raise APIError(400, message, param=param, code="unsupported_parameter")
 
     def check_alive(self) -> None:
+        """503 once the engine loop has failed, saying why (a lost host of a multi-node engine ...)."""
         if self.engine.is_dead:
-            raise APIError(503, "the engine is dead (its loop failed); restart the server", code=ENGINE_DEAD)
+            raise APIError(503, f"{dead_message(self.engine)}; restart the server", code=ENGINE_DEAD)
+
+
+def dead_message(engine) -> str:
+    """What a 503 of a dead engine says: its loop failed, and the cause when the engine knows it."""
+    reason = getattr(engine, "dead_reason", None)
+    return f"the engine is dead (its loop failed: {reason})" if reason else "the engine is dead (its loop failed)"

@@ -32,6 +32,8 @@ from jaxserve.engine.timeline import ABORT, CLIENT_DISCONNECT, EntryTimes, Reque
 from jaxserve.exceptions import ConfigError, EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger("jaxserve")
+# The idle loop's longest sleep; it also bounds how late an idle multi-node engine sees a lost host.
+IDLE_WAIT_S = 0.5
 # Threads that tokenize and validate prompts off the caller's event loop.
 DEFAULT_INPUT_WORKERS = 4
 
@@ -101,6 +103,11 @@ class AsyncLLM:
     @property
     def is_dead(self) -> bool:
         return self._dead is not None
+
+    @property
+    def dead_reason(self) -> Optional[str]:
+        """Why the engine loop failed (the error's message), or None while it runs."""
+        return None if self._dead is None else f"{type(self._dead).__name__}: {self._dead}"
 
     def check_health(self) -> None:
         if self._dead is not None:
@@ -178,8 +185,9 @@ class AsyncLLM:
                     for parent, out in self.engine.step():
                         parent.queue.deliver(out)
                 else:
-                    self._wake.wait(timeout=0.5)
+                    self._wake.wait(timeout=IDLE_WAIT_S)
                     self._wake.clear()
+                    self.engine.check_nodes()  # a lost host fails the engine even while idle
         except BaseException as exc:
             logger.exception("engine loop failed")
             self._fail_all(exc)

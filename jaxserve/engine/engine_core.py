@@ -15,6 +15,7 @@ ids, the matchers' advance and the fill.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import importlib.util
@@ -35,6 +36,9 @@ from jaxserve.exceptions import ConfigError
 from jaxserve.models.hub import ModelSource, resolve_model
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from jaxserve.engine.lockstep import LockstepLeader
     from jaxserve.runner.model_runner import InFlightStep, PreparedStep
     from jaxserve.structured.backend import GrammarBackend
     from jaxserve.structured.manager import StructuredOutputManager
@@ -106,6 +110,11 @@ class EngineCore:
 
     def _start(self, config: EngineConfig, show_progress: bool, record_steps: bool, model: Any) -> None:
         self.startup = StartupTimes()
+        if config.is_multi_node:  # before anything starts a JAX backend
+            from jaxserve.distributed.runtime import start_distributed_runtime
+
+            with self.startup.phase("nodes"):
+                start_distributed_runtime(config)
         start_cpu_kernel_build(config)
         self.model_source: Optional[ModelSource] = None
         if model is None:
@@ -123,7 +132,11 @@ class EngineCore:
         if not config.enforce_eager:  # eager mode's per-op programs are not worth caching on disk
             enable_persistent_compilation_cache(config.resolved_compilation_cache_dir())
         tp = config.tensor_parallel_size
-        devices = select_devices(tp, self.devices)
+        if config.is_multi_node and devices is None:
+            from jaxserve.distributed.runtime import node_devices
+
+            devices = node_devices(config)
+        devices = select_devices(tp, devices)
         mesh = make_mesh(devices, tp)
         if model is None:
             assert self.model_source is not None
@@ -163,6 +176,10 @@ class EngineCore:
         self.runner.warm_up(show_progress)
         self.startup.add("compile", self.runner.stats.warm_up_compile_seconds)
         self.startup.add("first_runs", self.runner.stats.warm_up_run_seconds)
+        # Rank 0 of a multi-node engine sends its runner calls on; the others replay them (headless).
+        self.lockstep: Optional[LockstepLeader] = None
+        if config.is_multi_node and config.node_rank == 0:
+            self.lockstep = _start_leader(self)
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -236,8 +253,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         t1 = time.monotonic()
         record = self._open_record(scheduler_output, t0, t1) if self.step_records is not None else None
-        prepared = self.runner.prepare(scheduler_output)
-        in_flight = self.runner.launch(prepared, self._bitmask(prepared))
+        prepared = self._prepare(scheduler_output)
+        in_flight = self._launch(prepared, self._bitmask(prepared))
         t2 = time.monotonic()
         if record is not None:
             record.prepare_s, record.dispatched = t2 - t1, t2
@@ -253,7 +270,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         t1 = time.monotonic()
         record = self._open_record(scheduler_output, t0, t1) if self.step_records is not None else None
-        prepared = self.runner.prepare(scheduler_output)  # an empty one only updates request states
+        prepared = self._prepare(scheduler_output)  # an empty one only updates request states
         prepare_s = time.monotonic() - t1
         previous, previous_record = self._in_flight, self._in_flight_record
         self._in_flight, self._in_flight_record = None, None
@@ -263,7 +280,7 @@ class EngineCore:
             assert previous is not None and self.structured_outputs is not None
             self.structured_outputs.accept_ahead(self.runner.sampled_tokens(previous))
         launch_start = time.monotonic()
-        dispatched = self.runner.launch(prepared, self._bitmask(prepared))
+        dispatched = self._launch(prepared, self._bitmask(prepared))
         t2 = time.monotonic()
         if record is not None:
             record.prepare_s, record.dispatched = prepare_s + t2 - launch_start, t2
@@ -284,12 +301,20 @@ class EngineCore:
                  collect_start: float) -> list[EngineCoreOutput]:
         """Wait for a dispatched step's tokens and apply them; ``collect_start``: when the host began
         waiting (in async mode, after dispatching the next step)."""
-        runner_output = self.runner.collect(step)
+        runner_output = self.runner.collect(step) if self.lockstep is None else self.lockstep.collect(step)
         collected = time.monotonic()
         outputs = self.scheduler.update_from_output(step.scheduler_output, runner_output)
         if record is not None:
             self._close_record(record, runner_output, outputs, collect_start, collected, time.monotonic())
         return outputs
+
+    def _prepare(self, so: SchedulerOutput) -> PreparedStep:
+        return self.runner.prepare(so) if self.lockstep is None else self.lockstep.prepare(so)
+
+    def _launch(self, prepared: PreparedStep, bitmask: Optional[np.ndarray]) -> InFlightStep:
+        if self.lockstep is None:
+            return self.runner.launch(prepared, bitmask)
+        return self.lockstep.launch(prepared, bitmask)
 
     def _open_record(self, so: SchedulerOutput, start: float, scheduled: float) -> StepRecord:
         """The step as scheduled; read now, before aborts or updates change the scheduler."""
@@ -318,6 +343,20 @@ class EngineCore:
         record.end = end
         record.finished = {o.request_id: o.finish_reason for o in outputs if o.finish_reason}
         self.step_records.append(record)
+
+    # ---- nodes ---------------------------------------------------------------------------------
+
+    def check_nodes(self) -> None:
+        """Raise ``NodeLostError`` if another host of a multi-node engine was lost (no-op on one
+        host); cheap enough to call on every idle wait."""
+        if self.lockstep is not None:
+            self.lockstep.check()
+
+    def shutdown(self) -> None:
+        """Release the other hosts of a multi-node engine (they leave their loops)."""
+        if self.lockstep is not None:
+            self.lockstep.shutdown()
+            self.lockstep = None
 
     # ---- introspection -------------------------------------------------------------------------
 
@@ -350,3 +389,19 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+
+def _start_leader(core: EngineCore) -> LockstepLeader:
+    from jaxserve.distributed.channel import ControlChannel
+    from jaxserve.distributed.liveness import NodeMonitor
+    from jaxserve.distributed.runtime import coordination_client
+    from jaxserve.engine.lockstep import LockstepLeader
+
+    config = core.config
+    client = coordination_client()
+    leader = LockstepLeader(core.runner, ControlChannel(client, 0, config.nnodes),
+                            NodeMonitor(client, config.nnodes, config.node_heartbeat_timeout_s))
+    # An offline LLM is never shut down: release the other hosts when this process exits (before
+    # JAX's own exit hook, registered earlier, stops the coordination service).
+    atexit.register(leader.shutdown)
+    return leader

@@ -22,7 +22,7 @@ from jaxserve.engine.processor import InputProcessor, ProcessedRequest, PromptTy
 from jaxserve.engine.step_records import StepRecord, last_records
 from jaxserve.engine.timeline import ABORT, EntryTimes, RequestTimeline
 from jaxserve.engine.trace import build_trace
-from jaxserve.exceptions import InvalidRequestError
+from jaxserve.exceptions import ConfigError, InvalidRequestError
 from jaxserve.models.hub import resolve_model
 
 logger = logging.getLogger("jaxserve")
@@ -60,6 +60,9 @@ class LLMEngine:
         ``tensor_parallel_size`` of ``jax.devices()``); ``engine_index``: its replica index under
         data parallelism (the metrics' ``engine`` label)."""
         self.config = config
+        if config.node_rank > 0:  # only rank 0 schedules; the others replay its steps
+            raise ConfigError(f"node_rank: {config.node_rank} runs headless (jaxserve serve --node-rank "
+                              f"{config.node_rank}, or jaxserve.run_headless), not an engine of its own")
         # A tokenizer given apart is looked up first, so a wrong name fails before any compile.
         tokenizer_source = resolve_model(config.tokenizer, weights=False) if config.tokenizer else None
         default_name = type(model).__name__ if model is not None else (config.model or "jaxserve-demo")
@@ -216,11 +219,17 @@ class LLMEngine:
         assert self.tracer is not None
         self.tracer.export(parent.timeline(keep_token_ids=False))
 
+    def check_nodes(self) -> None:
+        """Raise ``NodeLostError`` if a host of a multi-node engine was lost (no-op on one host)."""
+        self.core.check_nodes()
+
     def shutdown(self) -> None:
-        """Send what is still buffered (spans), stop background exporters and compiles."""
+        """Send what is still buffered (spans), stop background exporters and compiles, release other
+        hosts."""
         self.core.runner.steps.stop_background()
         if self.tracer is not None:
             self.tracer.shutdown()
+        self.core.shutdown()
 
     def _on_finished(self, parent: ParentState) -> None:
         reasons = [c.finish_reason for c in parent.children]

@@ -356,8 +356,10 @@ class ModelRunner:
         """Compile every variant of the table now, so no request ever waits for a compile."""
         if self.config.enforce_eager:
             return
-        variants = [v for v in self.variants() if v.bucket not in self.buckets.midpoints]
-        deferred = [v for v in self.variants() if v.bucket in self.buckets.midpoints]
+        # Every host of a multi-node group must run the same program each step, so none defers.
+        later = () if self.config.is_multi_node else self.buckets.midpoints
+        variants = [v for v in self.variants() if v.bucket not in later]
+        deferred = [v for v in self.variants() if v.bucket in later]
         self.steps.warm_up(variants, self._run_padding_step, show_progress, deferred=deferred)
         self._set_penalty_row(self.slots.padding_slot, 0)  # compiles the admission-time row write now
         s = self.stats

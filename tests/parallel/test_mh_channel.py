@@ -1,0 +1,84 @@
+"""The control channel and the heartbeats on a real coordination service.
+
+A subprocess starts JAX's distributed runtime alone (one process: it hosts the service), then
+plays rank 0 and a follower on that one store: messages arrive once and in order, read ones are
+deleted, a waiting follower times out instead of hanging, and a follower whose heartbeat stops
+is declared lost within the limit, naming its rank.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    import jax
+    from jaxserve.config import EngineConfig
+    from jaxserve.distributed import channel as channel_module
+    from jaxserve.distributed.channel import ControlChannel
+    from jaxserve.distributed.liveness import Heartbeat, NodeMonitor
+    from jaxserve.distributed.messages import Collect, Shutdown
+    from jaxserve.distributed.runtime import coordination_client, start_distributed_runtime
+    from jaxserve.exceptions import NodeLostError
+
+    port = int(sys.argv[1])
+    start_distributed_runtime(EngineConfig(nnodes=1, master_addr="127.0.0.1", master_port=port))
+    start_distributed_runtime(EngineConfig(nnodes=1, master_addr="127.0.0.1", master_port=port))  # idempotent
+    client = coordination_client()
+    found = {"devices": jax.device_count()}
+
+    leader, follower = ControlChannel(client, 0, 2), ControlChannel(client, 1, 2)
+    t = time.monotonic()
+    found["empty_receive"] = follower.receive(0.2)
+    found["empty_wait_s"] = time.monotonic() - t
+    count = 2 * channel_module.PRUNE_EVERY + 3
+    received = []
+    for i in range(count):
+        leader.publish([Collect()] * (i % 3) + [Shutdown()])
+        received.append(len(follower.receive(5.0)))
+    found["received"] = received
+    found["expected"] = [i % 3 + 1 for i in range(count)]
+    left = client.key_value_dir_get_bytes(channel_module.NAMESPACE + "/calls/")
+    found["messages_left"] = len(left)
+
+    beat = Heartbeat(client, 1, interval_s=0.05).start()
+    monitor = NodeMonitor(client, 2, timeout_s=0.5)
+    for _ in range(20):  # 1 s of checks while rank 1 beats: no loss
+        monitor.check(force=True)
+        time.sleep(0.05)
+    beat.stop()
+    t = time.monotonic()
+    try:
+        while time.monotonic() - t < 5:
+            monitor.check(force=True)
+            time.sleep(0.05)
+        found["lost"] = None
+    except NodeLostError as exc:
+        found["lost"] = str(exc)
+        found["lost_after_s"] = time.monotonic() - t
+    print("RESULT " + json.dumps(found))
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_channel_and_heartbeats_on_a_real_coordination_service():
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(free_port())], capture_output=True, text=True,
+                         timeout=120)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, out.stdout[-2000:] + out.stderr[-3000:]
+    found = json.loads(line[len("RESULT "):])
+    assert found["devices"] >= 1
+    assert found["empty_receive"] is None and found["empty_wait_s"] < 2
+    assert found["received"] == found["expected"]
+    assert found["messages_left"] < 70  # pruned: only those since the last prune remain
+    assert found["lost"] is not None and "node 1 of 2" in found["lost"]
+    assert 0.4 < found["lost_after_s"] < 2.0
