@@ -132,6 +132,7 @@ class EngineCore:
         if not config.enforce_eager:  # eager mode's per-op programs are not worth caching on disk
             enable_persistent_compilation_cache(config.resolved_compilation_cache_dir())
         tp = config.tensor_parallel_size
+        devices = self.devices
         if config.is_multi_node and devices is None:
             from jaxserve.distributed.runtime import node_devices
 
