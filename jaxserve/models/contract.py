@@ -17,7 +17,8 @@ The engine calls a model only inside its compiled step, through the same three m
 
 The module must be a Flax NNX module: the runner splits it once into graph and state and passes
 the state to the compiled step, so every array the model computes with must be an ``nnx``
-variable (or a constant). ``scan_layers`` (bool) is optional and only reported.
+variable (or a constant). ``scan_layers`` (bool) is optional and only reported;
+``tensor_parallel_size`` is optional too, and must be 1 (a model object runs on one device).
 """
 
 from __future__ import annotations

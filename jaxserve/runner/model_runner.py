@@ -129,10 +129,14 @@ class ModelRunner:
         tp = config.tensor_parallel_size
         self.mesh = (self.target.mesh if self.target.is_abstract
                      else make_mesh(select_devices(tp, devices), tp))
-        if self.mesh.size != tp or model.tensor_parallel_size != tp:
-            raise ValueError(f"tensor_parallel_size {tp}: the model is laid out for {model.tensor_parallel_size} "
+        model_tp = getattr(model, "tensor_parallel_size", 1)  # optional on a model object
+        if self.mesh.size != tp or model_tp != tp:
+            raise ValueError(f"tensor_parallel_size {tp}: the model is laid out for {model_tp} "
                              f"shards and the mesh has {self.mesh.size} devices")
         self._replicated = replicated(self.mesh)
+        # The model's calls get the mesh only when it splits them: a model object served on one
+        # device keeps the plain contract (jaxserve.models.contract).
+        self._split_args = (self.mesh,) if self.mesh.size > 1 else ()
         # Read at trace time by the sampler and the penalty update: no conditional, no
         # data-dependent loop in the compiled step.
         self.cond_free = self.target.cond_free
@@ -283,8 +287,8 @@ class ModelRunner:
             positions=x["positions"], slot_mapping=x["slot_mapping"], block_tables=x["block_tables"],
             kv_lens=x["kv_lens"], query_start_loc=x["query_start_loc"], num_seqs=x["num_seqs"])
         model = nnx.merge(self.graphdef, model_state)
-        hidden, kv_cache = model(input_ids, state.kv_cache, md, attn_fn, self.mesh)
-        logits = model.compute_logits(hidden[x["logits_indices"]], self.mesh)
+        hidden, kv_cache = model(input_ids, state.kv_cache, md, attn_fn, *self._split_args)
+        logits = model.compute_logits(hidden[x["logits_indices"]], *self._split_args)
         penalties = update_penalty_tables(state.penalties, token_slots=x["token_slots"], input_ids=input_ids,
                                           token_is_output=x["token_is_output"])
         out = sample(logits, SamplingMetadata.from_arrays(groups["sampling"]), penalties.output_counts,
@@ -300,7 +304,7 @@ class ModelRunner:
         Only steps holding a ``prompt_logprobs`` request pay for this [T, V] head; it is jitted
         per token bucket on first use rather than at warm-up, since most workloads never ask.
         """
-        logits = nnx.merge(self.graphdef, model_state).compute_logits(hidden, self.mesh)
+        logits = nnx.merge(self.graphdef, model_state).compute_logits(hidden, *self._split_args)
         return gather_logprobs(logits, next_token_ids, self.num_logprobs, cond_free=self.cond_free)
 
     def _layout_for(self, bucket: int) -> PackLayout:
