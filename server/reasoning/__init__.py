@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..parser_registry import lookup
 from .base import ReasoningDelta, ReasoningParser, extract_reasoning
 from .think_tags import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 
@@ -12,11 +13,7 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 
 def reasoning_parser_class(name: str) -> type[ReasoningParser]:
     """The parser registered as ``name``; ``ValueError`` naming the known ones otherwise."""
-    try:
-        return REASONING_PARSERS[name]
-    except KeyError:
-        raise ValueError(f"--reasoning-parser: unknown parser {name!r} (known: "
-                         f"{', '.join(sorted(REASONING_PARSERS))})") from None
+    return lookup(REASONING_PARSERS, name, "--reasoning-parser")
 
 
 __all__ = ["REASONING_PARSERS", "ReasoningDelta", "ReasoningParser", "extract_reasoning", "reasoning_parser_class"]

@@ -3,6 +3,7 @@ output that ``required`` and a named function constrain."""
 
 from __future__ import annotations
 
+from ..parser_registry import lookup
 from .base import (
     ExtractedToolCalls,
     ToolCall,
@@ -22,11 +23,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {cls.name: cls for cls in (HermesToo
 
 def tool_parser_class(name: str) -> type[ToolParser]:
     """The parser registered as ``name``; ``ValueError`` naming the known ones otherwise."""
-    try:
-        return TOOL_PARSERS[name]
-    except KeyError:
-        raise ValueError(f"--tool-call-parser: unknown parser {name!r} (known: "
-                         f"{', '.join(sorted(TOOL_PARSERS))})") from None
+    return lookup(TOOL_PARSERS, name, "--tool-call-parser")
 
 
 __all__ = [
