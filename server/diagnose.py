@@ -156,7 +156,8 @@ def watch(url: str, window_s: float, api_key: Optional[str] = None) -> dict:
     checks, findings = analyse(sorted(steps, key=lambda s: s["step"]), requests)
     return {"url": root, "window_s": window_s, "steps": len(steps), "requests": len(requests),
             "findings": [f.as_dict() for f in findings], "checks": checks,
-            "not_diagnosed": ["tool fields or broken streams: jaxserve has no tool or reasoning parser yet"]}
+            "not_diagnosed": ["tool fields or broken streams: the step records do not show them; look at the chat "
+                              "template, the tool/reasoning parser and the finish reasons"]}
 
 
 # ---- --compare-eager ------------------------------------------------------------------------------

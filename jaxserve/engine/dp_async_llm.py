@@ -128,17 +128,12 @@ class DPAsyncLLM:
         processed = self.replicas[0].engine.process_request(request_id, prompt, params, priority=priority,
                                                             cache_salt=cache_salt, arrival_time=arrival_time,
                                                             entry_times=entry_times)
-        if self.config.enable_prefix_caching:
-            hash_for_routing(processed.core_requests[0], self.config.block_size)
+        hash_for_routing(processed.core_requests[0], self.config)
         return processed
 
     def route(self, processed: ProcessedRequest) -> int:
         """The replica index that takes ``processed`` (see ``dp_router`` for the policy)."""
         return pick_replica([r.engine for r in self.replicas], self._live_seqs, processed.core_requests[0])
-
-    def replica_of(self, request_id: str) -> Optional[int]:
-        """The replica serving a live request, or None."""
-        return self._owner.get(request_id)
 
     async def abort(self, request_id: str) -> None:
         index = self._owner.get(request_id)

@@ -10,16 +10,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from jaxserve.engine.dp_router import ReplicaLoad, choose_replica, count_cached_blocks
+from jaxserve.engine.dp_router import ReplicaLoad, choose_replica
 
 if TYPE_CHECKING:
+    from jaxserve.config import EngineConfig
     from jaxserve.core.request import Request
     from jaxserve.engine.llm_engine import LLMEngine
 
 
-def hash_for_routing(request: Request, block_size: int) -> None:
-    """Compute the request's block hashes now (off the engine thread); the scheduler reuses them."""
-    request.init_block_hashes(block_size)
+def hash_for_routing(request: Request, config: EngineConfig) -> None:
+    """With prefix caching, compute the request's block hashes now (off the engine thread); the
+    scheduler reuses them."""
+    if config.enable_prefix_caching:
+        request.init_block_hashes(config.block_size)
 
 
 def replica_load(engine: LLMEngine, live_seqs: int, request: Request) -> ReplicaLoad:
@@ -29,10 +32,7 @@ def replica_load(engine: LLMEngine, live_seqs: int, request: Request) -> Replica
     core = engine.core
     kv = core.scheduler.kv_cache_manager
     running = core.last_stats.num_running_reqs
-    cached = 0
-    if request.block_hashes and kv.reads_prefix_cache(request):
-        cached = count_cached_blocks(request.block_hashes, request.num_tokens, kv.block_size,
-                                     kv.block_pool.get_cached_block)
+    cached = len(kv.get_computed_blocks(request, record_stats=False)[0])
     return ReplicaLoad(num_waiting=max(0, live_seqs - running), num_running=running,
                        kv_cache_usage=kv.usage, cached_blocks=cached)
 

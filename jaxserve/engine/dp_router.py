@@ -10,17 +10,14 @@ The policy (vLLM's DP load balancing, plus prefix awareness):
 3. then the lowest KV cache usage;
 4. then the lowest index (deterministic).
 
-Cached blocks are counted with the block hash chain of ``jaxserve.core.kv_cache_utils``, the very
-hashes the replica's KV manager publishes, so a hit here is a hit there (until evicted).
+Cached blocks are counted by the replica's own ``KVCacheManager.get_computed_blocks`` over the
+request's block hash chain, so a hit here is a hit there (until evicted).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Optional
-
-from jaxserve.core.kv_cache_utils import BlockHash
+from collections.abc import Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,18 +50,3 @@ def choose_replica(loads: Sequence[ReplicaLoad]) -> int:
         raise ValueError("no replica to route to")
     return min(range(len(loads)), key=lambda i: (routing_key(loads[i]), i))
 
-
-def count_cached_blocks(block_hashes: Sequence[BlockHash], num_tokens: int, block_size: int,
-                        get_cached_block: Callable[[BlockHash], Optional[object]]) -> int:
-    """Leading blocks of ``block_hashes`` that ``get_cached_block`` (a block pool's lookup) finds.
-
-    Stops one token short of the prompt as ``KVCacheManager.get_computed_blocks`` does: the last
-    token is always computed, so a block holding it is no hit.
-    """
-    max_hit_blocks = (num_tokens - 1) // block_size
-    hits = 0
-    for block_hash in block_hashes[:max_hit_blocks]:
-        if get_cached_block(block_hash) is None:
-            break
-        hits += 1
-    return hits

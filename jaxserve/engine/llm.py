@@ -103,8 +103,7 @@ class LLM:
         processed = engines[0].process_request(rid, prompt, params, priority=priority, cache_salt=cache_salt)
         index = 0
         if len(engines) > 1:
-            if self.config.enable_prefix_caching:
-                hash_for_routing(processed.core_requests[0], self.config.block_size)
+            hash_for_routing(processed.core_requests[0], self.config)
             index = pick_replica(engines, live, processed.core_requests[0])
         engines[index].add_processed_request(processed, output_kind=RequestOutputKind.FINAL_ONLY)
         live[index] += len(processed.core_requests)

@@ -207,7 +207,7 @@ class CompiledSteps:
                 for variant in (v for v in deferred if v.bucket == bucket and v not in self._compiled):
                     if self._stop.is_set():
                         return
-                    self._record(variant, *_compile_lowered(self._lower_timed(variant)))
+                    self._compile(variant)
                     self.stats.background_compiles += 1
             except Exception:  # the engine serves on without this bucket
                 logger.exception("compiling deferred bucket %d failed; its steps use the next bucket", bucket)

@@ -39,7 +39,6 @@ import pallas_kernels
 from jaxserve import envs
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import cdiv
-from jaxserve.core.sampling_params import SAMPLING_EPS
 from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.attention import AttentionMetadata
@@ -474,7 +473,7 @@ class ModelRunner:
         # Compiled: the executable takes the fresh numpy buffer as its one transfer (an explicit
         # device_put first costs several times as much host time per step).
         decode_only = self.decode_attn_fn is not None and plan.num_tokens == len(plan.req_ids)
-        all_greedy = (all(s.sampling_params.temperature < SAMPLING_EPS for s in states)
+        all_greedy = (all(s.sampling_params.is_greedy for s in states)
                       if self.cond_free else None)
         result = self._launch(self._executable(StepVariant(plan.token_bucket, decode_only, all_greedy)), buf,
                               bitmask)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.core.kv_cache_utils import hash_block_tokens
-from jaxserve.engine.dp_router import ReplicaLoad, choose_replica, count_cached_blocks
+from jaxserve.engine.dp_router import ReplicaLoad, choose_replica
 
 
 def test_least_loaded_replica_wins():
@@ -51,28 +50,3 @@ def test_a_burst_spreads_when_each_pick_is_counted():
 def test_no_replica_is_an_error():
     with pytest.raises(ValueError):
         choose_replica([])
-
-
-def _chain(tokens: list[int], block_size: int) -> list[bytes]:
-    hashes, parent = [], None
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, tokens[start:start + block_size])
-        hashes.append(parent)
-    return hashes
-
-
-def test_cached_blocks_counts_the_leading_run_only():
-    tokens = list(range(16))
-    hashes = _chain(tokens, 4)
-    cached = {hashes[0]: "b0", hashes[1]: "b1", hashes[3]: "b3"}  # block 2 was evicted
-    assert count_cached_blocks(hashes, len(tokens) + 1, 4, cached.get) == 2
-    assert count_cached_blocks(hashes, len(tokens) + 1, 4, {}.get) == 0
-
-
-def test_cached_blocks_stop_one_token_short_of_the_prompt():
-    tokens = list(range(8))
-    hashes = _chain(tokens, 4)
-    cached = {h: "b" for h in hashes}
-    # An 8-token prompt must compute its last token: only its first block can be a hit.
-    assert count_cached_blocks(hashes, 8, 4, cached.get) == 1
-    assert count_cached_blocks(hashes, 9, 4, cached.get) == 2
