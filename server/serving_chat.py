@@ -150,22 +150,25 @@ class OpenAIServingChat(OpenAIServing):
         # end its structured outputs start.
         self.parsers = parsers or ChatParsers(reasoning_parser=state.engine.config.reasoning_parser)
 
-    def tool_choice(self, req: ChatCompletionRequest) -> ToolChoice:
+    def tool_choice(self, req: ChatCompletionRequest, tools: Optional[list[dict]] = None) -> ToolChoice:
+        """The request's tool choice, resolved against its tools (``tools``: already as dicts)."""
         try:
-            return resolve_tool_choice(tool_dicts(req.tools), req.tool_choice,
+            return resolve_tool_choice(tool_dicts(req.tools) if tools is None else tools, req.tool_choice,
                                        auto_enabled=self.parsers.auto_tool_choice)
         except InvalidRequestError as exc:
             raise invalid_request(exc) from None
 
-    def choice_parser(self, req: ChatCompletionRequest) -> ChoiceParser:
-        return self.parsers.new_choice_parser(self.tool_choice(req))
+    def choice_parsers(self, req: ChatCompletionRequest, n: int) -> list[ChoiceParser]:
+        """A fresh output parser for each of ``n`` choices, the tool choice resolved once."""
+        choice = self.tool_choice(req)
+        return [self.parsers.new_choice_parser(choice) for _ in range(n)]
 
     def prepare(self, req: ChatCompletionRequest) -> tuple[list[Any], SamplingParams]:
         state = self.state
         state.check_model(req.model)
         state.check_unsupported(req.unsupported())
-        choice = self.tool_choice(req)
         tools = tool_dicts(req.tools)
+        choice = self.tool_choice(req, tools)
         text, ids = render_chat(state, req.messages, add_generation_prompt=req.add_generation_prompt,
                                 continue_final_message=req.continue_final_message,
                                 add_special_tokens=req.add_special_tokens,
@@ -185,8 +188,7 @@ class OpenAIServingChat(OpenAIServing):
         ro = outputs[0]
         top_k = req.top_logprobs or 0
         choices = []
-        for out in ro.outputs:
-            parser = self.choice_parser(req)
+        for out, parser in zip(ro.outputs, self.choice_parsers(req, len(ro.outputs))):
             message = _message(parser, out.text)
             choices.append(ChatCompletionResponseChoice(
                 index=out.index, message=message,
@@ -202,7 +204,7 @@ class OpenAIServingChat(OpenAIServing):
         tokens = self._tokens(req)
         prompt_tokens = 0
         generated = [0] * req.n  # tokens so far, per choice
-        parsers = [self.choice_parser(req) for _ in range(req.n)]
+        parsers = self.choice_parsers(req, req.n)
 
         def chunk(choices, usage_info=None) -> ChatCompletionStreamResponse:
             return ChatCompletionStreamResponse(id=ids.id, created=ids.created, model=ids.model,

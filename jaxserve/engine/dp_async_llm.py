@@ -15,7 +15,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import heapq
 import time
 from collections.abc import Sequence
 from typing import AsyncGenerator, Optional
@@ -28,8 +27,8 @@ from jaxserve.engine.dp_metrics import merge_stats, render_merged
 from jaxserve.engine.dp_placement import start_replica_engines
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.processor import ProcessedRequest, PromptType
-from jaxserve.engine.step_records import StepRecord
-from jaxserve.engine.timeline import EntryTimes, RequestTimeline
+from jaxserve.engine.step_records import StepRecord, merged_records
+from jaxserve.engine.timeline import EntryTimes, RequestTimeline, merged_timelines
 from jaxserve.engine.trace import build_trace
 from jaxserve.exceptions import EngineDeadError, EngineOverloadedError, InvalidRequestError
 
@@ -155,14 +154,11 @@ class DPAsyncLLM:
 
     def recent_request_timelines(self, limit: int = 100) -> list[RequestTimeline]:
         """The newest ``limit`` over all replicas, by arrival."""
-        timelines = [t for r in self.replicas for t in r.recent_request_timelines(limit)]
-        timelines.sort(key=lambda t: t.metrics.arrival_time)
-        return timelines[-limit:] if limit else []
+        return merged_timelines((r.recent_request_timelines(limit) for r in self.replicas), limit)
 
     def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]:
         """The newest ``limit`` step records of all replicas, oldest first (by start)."""
-        merged = list(heapq.merge(*(r.get_step_records(limit) for r in self.replicas), key=lambda s: s.start))
-        return merged if limit is None else merged[-limit:] if limit else []
+        return merged_records((r.get_step_records(limit) for r in self.replicas), limit)
 
     def build_trace(self, num_steps: Optional[int] = None, num_requests: int = 100) -> dict:
         """A Chrome/Perfetto trace of the newest steps (all replicas) and requests."""

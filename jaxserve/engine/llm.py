@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import heapq
 import itertools
 import json
 import os
@@ -22,8 +21,8 @@ from jaxserve.engine.metrics import Metric
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.processor import PromptType
 from jaxserve.engine.profiling import Profile, Profiler
-from jaxserve.engine.step_records import StepRecord
-from jaxserve.engine.timeline import RequestTimeline
+from jaxserve.engine.step_records import StepRecord, merged_records
+from jaxserve.engine.timeline import RequestTimeline, merged_timelines
 from jaxserve.engine.trace import build_trace
 from jaxserve.exceptions import ConfigError, InvalidRequestError
 
@@ -157,10 +156,7 @@ class LLM:
 
     def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]:
         """The newest ``limit`` step records (all kept with None) of all engines, oldest first."""
-        if len(self.llm_engines) == 1:
-            return self.llm_engine.get_step_records(limit)
-        merged = list(heapq.merge(*(e.get_step_records(limit) for e in self.llm_engines), key=lambda r: r.start))
-        return merged if limit is None else merged[-limit:] if limit else []
+        return merged_records((e.get_step_records(limit) for e in self.llm_engines), limit)
 
     def get_request_timeline(self, request_id: str) -> Optional[RequestTimeline]:
         """A request's timeline (``RequestOutput.request_id``), while the engine keeps it."""
@@ -169,9 +165,9 @@ class LLM:
     def export_trace(self, path: Optional[str] = None, *, num_steps: Optional[int] = None,
                      num_requests: int = 100) -> dict:
         """A Chrome/Perfetto trace of the newest steps and requests; written to ``path`` if given."""
-        timelines = sorted((t for e in self.llm_engines for t in e.recent_request_timelines(num_requests)),
-                           key=lambda t: t.metrics.arrival_time)
-        trace = build_trace(self.get_step_records(num_steps), timelines[-num_requests:] if num_requests else [])
+        timelines = merged_timelines((e.recent_request_timelines(num_requests) for e in self.llm_engines),
+                                     num_requests)
+        trace = build_trace(self.get_step_records(num_steps), timelines)
         if path is not None:
             with open(path, "w", encoding="utf-8") as f:
                 json.dump(trace, f)

@@ -11,6 +11,8 @@ Times are ``time.monotonic()`` seconds (the clock of request timelines too).
 from __future__ import annotations
 
 import dataclasses
+import heapq
+from collections.abc import Iterable
 from typing import Optional
 
 from jaxserve.core.schedule_record import ScheduleRecord
@@ -98,3 +100,9 @@ def last_records(records, limit: Optional[int]) -> list[StepRecord]:
     another thread than the one appending (copying a deque holds the GIL throughout)."""
     items = list(records)
     return items if limit is None else items[-limit:] if limit > 0 else []
+
+
+def merged_records(sources: Iterable[list[StepRecord]], limit: Optional[int]) -> list[StepRecord]:
+    """Several engines' records (each oldest first) as one list by start time, then the newest
+    ``limit`` as :func:`last_records` takes them."""
+    return last_records(heapq.merge(*sources, key=lambda r: r.start), limit)

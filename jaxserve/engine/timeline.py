@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+from collections.abc import Iterable
 from typing import Any, Optional
 
 from jaxserve.core.sampling_params import SamplingParams
@@ -149,3 +150,9 @@ class TimelineStore:
         with self._lock:
             items = list(self._items.values())
         return items[-limit:] if limit > 0 else []
+
+
+def merged_timelines(sources: Iterable[list[RequestTimeline]], limit: int) -> list[RequestTimeline]:
+    """Several engines' recent timelines as one list by arrival, the newest ``limit`` of them."""
+    timelines = sorted((t for timelines in sources for t in timelines), key=lambda t: t.metrics.arrival_time)
+    return timelines[-limit:] if limit else []
