@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 from jaxserve import envs
 from jaxserve.exceptions import ConfigError
 
-ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu")  # built in; more may be registered
+ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu", "mosaic")  # built in; more may be registered
 # The reasoning parsers' names (``jaxserve.structured.reasoner`` and the server's parsers know each).
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 # vLLM's defaults for a multi-node engine's rank 0.
@@ -59,9 +59,10 @@ class EngineConfig:
     """Schedule and prepare step N+1 while the device runs step N (outputs arrive one step later;
     the same tokens)."""
     attention_backend: str = "auto"
-    """auto, xla, pallas, triton, cpu, or a name registered with
-    pallas_kernels.register_attention_backend in this process. auto = pallas on GPU; on a CPU,
-    cpu (the C++ kernel) when it builds here, else xla."""
+    """auto, xla, pallas, triton, cpu, mosaic, or a name registered with
+    pallas_kernels.register_attention_backend in this process. auto = mosaic on an sm_90 GPU when
+    it passes its start-up self-check, else pallas on GPU; on a CPU, cpu (the C++ kernel) when it
+    builds here, else xla (mosaic on a CPU runs interpreted: tests only)."""
     data_parallel_size: int = 1
     """Engine replicas, each with its own scheduler, KV cache and devices (tensor_parallel_size
     of them), behind one API; requests go to the least loaded replica or to the one holding their

@@ -21,7 +21,10 @@ by the context they need; :func:`ragged_paged_attention_reference` is the oracle
 :func:`ragged_paged_attention` (Pallas, Triton lowering; ``interpret=True`` on CPU), ``triton`` =
 :func:`ragged_paged_attention_triton` (Triton via jax_triton on a GPU; ``interpret=True`` runs the
 same kernel in Triton's interpreter on CPU), ``cpu`` = :func:`ragged_paged_attention_cpu` (a C++
-kernel called through XLA's FFI, built on first use; the fast path on a CPU).
+kernel called through XLA's FFI, built on first use; the fast path on a CPU), ``mosaic`` =
+:func:`ragged_paged_attention_mosaic` (Pallas Mosaic GPU for Hopper: TMA, wgmma, split-K decode;
+bf16/f16, ``head_dim`` a multiple of 64; ``interpret=True`` runs it in Mosaic GPU's interpret mode
+on CPU, for tests only).
 
 More backends are registered at run time: ``register_attention_backend(name, fn)`` checks ``fn``
 against the reference on small ragged batches (:func:`check_against_reference`) and makes it
@@ -42,6 +45,13 @@ from __future__ import annotations
 import functools
 
 from .cpu_attention import cpu_attention_available, ragged_paged_attention_cpu
+from .mosaic_attention import (
+    MosaicConfig,
+    default_mosaic_config,
+    mosaic_self_check,
+    mosaic_supports,
+    ragged_paged_attention_mosaic,
+)
 from .ragged_paged_attention import (
     DecodeConfig,
     MixedConfig,
@@ -81,7 +91,8 @@ __all__ = [
     "available_backends", "BackendCheck", "BACKENDS", "check_against_reference", "register_attention_backend",
     "unregister_attention_backend", "cpu_attention_available", "DecodeConfig", "default_decode_config",
     "default_mixed_config", "get_attention_fn", "lower_for_cuda", "lowerable_configs",
-    "MixedConfig", "num_q_tiles", "ragged_paged_attention", "ragged_paged_attention_cpu",
+    "MixedConfig", "MosaicConfig", "default_mosaic_config", "mosaic_self_check", "mosaic_supports",
+    "num_q_tiles", "ragged_paged_attention_mosaic", "ragged_paged_attention", "ragged_paged_attention_cpu",
     "ragged_paged_attention_decode", "ragged_paged_attention_mixed",
     "ragged_paged_attention_reference", "ragged_paged_attention_triton",
     "ragged_paged_attention_xla", "jax_triton_importable", "triton_available", "triton_interpret_available",
@@ -93,9 +104,10 @@ def get_attention_fn(backend: str, interpret: bool = False, build_dir=None, **tu
     """A callable with the contract signature for ``backend``, built in (:data:`BACKENDS`) or
     registered (:func:`register_attention_backend`; ``interpret`` and ``build_dir`` do not apply).
 
-    ``interpret`` applies to ``pallas`` (Pallas interpret mode) and ``triton`` (Triton's
-    interpreter); ``tuning`` keywords are bound into the callable (e.g. ``mode="decode"``,
-    ``block_q=16`` for pallas; ``kv_chunk`` for xla). ``build_dir`` is where ``cpu`` builds its
+    ``interpret`` applies to ``pallas`` (Pallas interpret mode), ``triton`` (Triton's
+    interpreter) and ``mosaic`` (Mosaic GPU's interpret mode); ``tuning`` keywords are bound into
+    the callable (e.g. ``mode="decode"``, ``block_q=16`` for pallas; ``kv_chunk`` for xla;
+    ``config=MosaicConfig(...)`` for mosaic). ``build_dir`` is where ``cpu`` builds its
     library. ``triton`` and ``cpu`` raise a RuntimeError with the reason when they cannot run here.
     """
     if backend == "xla":
@@ -113,6 +125,8 @@ def get_attention_fn(backend: str, interpret: bool = False, build_dir=None, **tu
         if not ok:
             raise RuntimeError(f"the cpu attention backend is unavailable: {reason}")
         return functools.partial(ragged_paged_attention_cpu, **tuning)
+    if backend == "mosaic":
+        return functools.partial(ragged_paged_attention_mosaic, interpret=interpret, **tuning)
     registered = registered_attention_fn(backend)
     if registered is not None:
         return functools.partial(registered, **tuning)

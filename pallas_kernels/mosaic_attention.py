@@ -47,6 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ._common import cdiv, check_options, check_shapes, next_pow2, scalar_num_seqs
 from .reference import token_metadata
+from .registry import CheckShape, check_against_reference
 
 LOG2E = 1.4426950408889634
 NUM_SMS_H200 = 132
@@ -125,9 +126,13 @@ def default_mosaic_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_
     splits = 1
     if ctas < 2 * NUM_SMS_H200:
         splits = max(1, min(MAX_SPLITS, cdiv(2 * NUM_SMS_H200, ctas), max_context // (4 * block_kv)))
-    # Three stages of K and V: (3 * 2 * 64 * D) bf16 = 96 KiB at D = 128, well within the SM.
-    stages = 3 if head_dim <= 128 else 2
-    return MosaicConfig(block_kv=block_kv, num_stages=stages, num_splits=splits)
+    # The deepest ring that fits an SM: three stages of 64 positions up to D = 128 (96 KiB of K
+    # and V), fewer or shorter steps for wider heads.
+    for stages, kv in ((3, block_kv), (2, block_kv), (2, max(32, block_size))):
+        cfg = MosaicConfig(block_kv=kv, num_stages=stages, num_splits=splits)
+        if smem_bytes(head_dim, cfg) <= SMEM_BYTES_H200:
+            break
+    return cfg
 
 
 def smem_bytes(head_dim: int, cfg: MosaicConfig, itemsize: int = 2) -> int:
@@ -341,3 +346,33 @@ def combine_splits(acc, m, l):
     den = jnp.sum(wgt * l, axis=0)
     num = jnp.sum(wgt[..., None] * acc, axis=0)
     return jnp.where((den > 0)[..., None], num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+
+
+def mosaic_supports(dtype, head_dim: int, block_size: int, sliding_window=None) -> tuple[bool, str]:
+    """(True, "") when a model of ``dtype`` and ``head_dim`` (and ``sliding_window``) with pages of
+    ``block_size`` can run on this kernel at its default tiles; (False, why) otherwise."""
+    try:
+        check_mosaic_options(dtype, head_dim, block_size, max(64, block_size), sliding_window, None)
+    except ValueError as e:
+        return False, str(e)
+    return True, ""
+
+
+# The start-up self-check: the registry's ragged cases at the kernel's own shapes (bf16, head_dim
+# 64, pages of 16), two context splits so that the combine runs too.
+SELF_CHECK_SHAPE = CheckShape(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=40, max_blocks=6)
+SELF_CHECK_ATOL = 2e-2  # bf16 outputs of magnitude ~1: a few ulps
+
+
+def mosaic_self_check(interpret=False) -> tuple[bool, str]:
+    """Run the kernel (compiled on this GPU, or interpreted) on the registry's check batches
+    against the reference; (True, "") when it agrees, (False, why) when it fails or disagrees."""
+    fn = functools.partial(ragged_paged_attention_mosaic, interpret=interpret,
+                           config=MosaicConfig(block_kv=64, num_stages=2, num_splits=2))
+    try:
+        result = check_against_reference(fn, atol=SELF_CHECK_ATOL, shape=SELF_CHECK_SHAPE, dtype=jnp.bfloat16)
+    except Exception as e:  # noqa: BLE001 - a kernel that cannot compile or run here is the answer
+        return False, f"{type(e).__name__}: {e}"[:500]
+    if not result.ok:
+        return False, f"max abs error per case {result.errors} > {result.atol}"
+    return True, ""

@@ -23,7 +23,7 @@ import numpy as np
 
 from .reference import ragged_paged_attention_reference
 
-BUILTIN_BACKENDS = ("xla", "pallas", "triton", "cpu")
+BUILTIN_BACKENDS = ("xla", "pallas", "triton", "cpu", "mosaic")
 RESERVED_NAMES = ("auto",)  # the engine's own choice among the built-ins
 
 AttentionFn = Callable[..., jax.Array]
@@ -109,14 +109,16 @@ def make_check_batch(case: CheckCase, shape: CheckShape = CheckShape(), *, seed:
 
 def check_against_reference(fn: AttentionFn, *, atol: float = 2e-3, sliding_window: Optional[int] = None,
                             soft_cap: Optional[float] = None, cases=CHECK_CASES,
-                            shape: CheckShape = CheckShape()) -> BackendCheck:
-    """Run ``fn`` jitted on each case and compare it, padding tokens included, with the reference."""
+                            shape: CheckShape = CheckShape(), dtype=jnp.float32) -> BackendCheck:
+    """Run ``fn`` jitted on each case and compare it, padding tokens included, with the reference
+    (both given q and caches of ``dtype``)."""
     options = dict(sm_scale=shape.head_dim ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
     candidate = jax.jit(functools.partial(fn, **options))
     errors = {}
+    dtype = jnp.dtype(dtype)
     for i, case in enumerate(cases):
-        args = make_check_batch(case, shape, seed=i)
-        got, want = candidate(*args), _reference_output(case, shape, i, tuple(sorted(options.items())))
+        args = make_check_batch(case, shape, seed=i, dtype=dtype)
+        got, want = candidate(*args), _reference_output(case, shape, i, tuple(sorted(options.items())), dtype)
         if got.shape != want.shape:
             raise ValueError(f"case {case.name}: output shape {got.shape}, the contract's is {want.shape}")
         errors[case.name] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
@@ -124,9 +126,9 @@ def check_against_reference(fn: AttentionFn, *, atol: float = 2e-3, sliding_wind
 
 
 @functools.lru_cache(maxsize=64)
-def _reference_output(case: CheckCase, shape: CheckShape, seed: int, options: tuple) -> jax.Array:
-    """The reference's answer on a check batch, computed once per batch and options."""
-    return ragged_paged_attention_reference(*make_check_batch(case, shape, seed=seed), **dict(options))
+def _reference_output(case: CheckCase, shape: CheckShape, seed: int, options: tuple, dtype=jnp.float32) -> jax.Array:
+    """The reference's answer on a check batch, computed once per batch, options and dtype."""
+    return ragged_paged_attention_reference(*make_check_batch(case, shape, seed=seed, dtype=dtype), **dict(options))
 
 
 def register_attention_backend(name: str, fn: AttentionFn, *, check: bool = True, atol: float = 2e-3,

@@ -42,6 +42,7 @@ from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.attention import AttentionMetadata
+from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.compilation import CompiledSteps, StepVariant
@@ -85,20 +86,49 @@ class PreparedStep:
         return 0 if self.groups is None else len(self.groups["model"]["row_slots"])
 
 
-def resolve_attention_backend(requested: str, platform: str | None = None) -> str:
-    """``auto`` made concrete for ``platform``; any other name must be built in or registered."""
+def resolve_attention_backend(requested: str, platform: str | None = None, *, mc: ModelConfig | None = None,
+                              block_size: int = 16, compute_capability: int | None = None,
+                              abstract: bool = False) -> str:
+    """``auto`` made concrete for ``platform``; any other name must be built in or registered.
+    ``mosaic`` needs a model it supports (``mc``); ``auto`` picks it on an sm_90 GPU when the model
+    fits it and its self-check passes there (a compile-only target cannot run it: unchecked)."""
     if requested != "auto":
         if requested not in pallas_kernels.available_backends():
             raise ConfigError(f"attention_backend: not built in nor registered in this process (known: "
                               f"{', '.join(pallas_kernels.available_backends())}), got {requested!r}")
+        if requested == "mosaic" and mc is not None:
+            ok, reason = pallas_kernels.mosaic_supports(mc.dtype, mc.head_dim, block_size, mc.sliding_window)
+            if not ok:
+                raise ConfigError(f"attention_backend: mosaic cannot serve this model: {reason}")
         return requested
     if (platform or jax.default_backend()) == "gpu":
-        return "pallas"
+        return _auto_gpu_backend(mc, block_size, compute_capability, abstract)
     ok, reason = pallas_kernels.cpu_attention_available(envs.kernel_build_dir())
     if ok:
         return "cpu"
     logger.warning("attention backend auto: using xla, since the cpu kernel is unavailable (%s)", reason)
     return "xla"
+
+
+def _auto_gpu_backend(mc: ModelConfig | None, block_size: int, compute_capability: int | None,
+                      abstract: bool) -> str:
+    """mosaic on Hopper (wgmma is sm_90a only) when it can serve the model and passes its
+    self-check; pallas otherwise, with the reason logged."""
+    if compute_capability is None and not abstract:
+        compute_capability = round(float(getattr(jax.devices()[0], "compute_capability", 0) or 0) * 10)
+    if compute_capability != 90:
+        return "pallas"
+    ok, reason = (pallas_kernels.mosaic_supports(mc.dtype, mc.head_dim, block_size, mc.sliding_window) if mc is not None
+                  else (False, "no model config"))
+    if ok and abstract:
+        logger.info("attention backend auto: mosaic for a compile-only sm_90 target (self-check not run)")
+        return "mosaic"
+    if ok:
+        ok, reason = pallas_kernels.mosaic_self_check()
+    if ok:
+        return "mosaic"
+    logger.warning("attention backend auto: using pallas, since mosaic is unavailable here (%s)", reason)
+    return "pallas"
 
 
 def max_step_tokens(config: EngineConfig, max_model_len: int, num_blocks: int | None = None) -> int:
@@ -154,7 +184,9 @@ class ModelRunner:
         # Buckets up to what a step can schedule; the pool's own bound comes in once it is sized
         # (sizing on a GPU compiles the largest bucket to read its temporary memory).
         self.buckets = BucketTable.build(max_step_tokens(config, max_model_len), config.max_num_seqs)
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.target.platform)
+        self.attention_backend = resolve_attention_backend(
+            config.attention_backend, self.target.platform, mc=self.mc, block_size=config.block_size,
+            compute_capability=self.target.compute_capability, abstract=self.target.is_abstract)
         interpret = config.interpret_kernels
         if interpret is None:
             interpret = self.target.platform != "gpu"

@@ -1,0 +1,127 @@
+"""The Mosaic GPU kernel, run in Mosaic GPU's interpret mode on the CPU (TMA, barriers, wgmma
+simulated), against the oracle on the ragged batches the other kernels face."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from jaxserve.exceptions import ConfigError
+from jaxserve.runner import model_runner
+from pallas_kernels import mosaic_attention as ma
+
+from .batches import SCENARIOS, Bucket, call, make_batch, naive_attention, poison
+
+SCALE = 0.25
+BF16_TOL = dict(rtol=2e-2, atol=2e-2)
+
+# (query heads, kv heads, head_dim, block_size, tiles, scenario): GQA groups 1/2/3/4/8, head sizes
+# 64/128, several pages per step and pages crossing steps, split-K with empty splits, a full bucket.
+CASES = {
+    "g1-d64-mixed": (2, 2, 64, 8, pk.MosaicConfig(block_kv=16, num_stages=2, num_splits=1), "mixed"),
+    "g4-d128-prefix": (8, 2, 128, 8, pk.MosaicConfig(block_kv=32, num_stages=3, num_splits=1), "prefix"),
+    "g3-d64-full": (6, 2, 64, 16, None, "full"),
+    "g2-d64-decode-split3": (4, 2, 64, 8, pk.MosaicConfig(block_kv=16, num_stages=3, num_splits=3), "decode"),
+    "g8-d64-prefill-split2": (16, 2, 64, 8, pk.MosaicConfig(block_kv=64, num_stages=2, num_splits=2), "prefill"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_the_oracle_and_never_reads_outside_the_context(name):
+    """NaN in padding tokens, free blocks, the null block and the tails of last pages: the kernel
+    masks scores and zeroes stale V rows, so none of it reaches the result."""
+    hq, hkv, d, bs, config, scenario = CASES[name]
+    bucket = Bucket(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, max_blocks=64 // bs,
+                    num_blocks=48 if bs == 8 else 24)
+    args = poison(make_batch(bucket, SCENARIOS[scenario], dtype=jnp.bfloat16, seed=len(name)))
+    fn = pk.get_attention_fn("mosaic", interpret=True, config=config)
+    out = jax.jit(lambda *a: fn(*a, sm_scale=SCALE))(*args)
+    assert out.dtype == jnp.bfloat16
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, naive_attention(*args, sm_scale=SCALE), **BF16_TOL)
+    clean = tuple(jnp.where(jnp.isnan(a), 0, a) if a.dtype == jnp.bfloat16 else a for a in args)
+    np.testing.assert_allclose(out, call("xla", clean, sm_scale=SCALE), **BF16_TOL)
+    n_valid = int(np.asarray(args[5])[int(np.asarray(args[6])[0])])
+    assert (out[n_valid:] == 0).all()
+
+
+def test_self_check_passes_interpreted():
+    """The start-up check ``auto`` runs on a GPU (the registry's ragged cases, bf16, two splits)."""
+    assert pk.mosaic_self_check(interpret=True) == (True, "")
+
+
+def test_tile_plan_places_every_token_once():
+    """Every valid token is one row of one tile, at its position; the static tile count suffices."""
+    rng = np.random.default_rng(0)
+    r, t = 8, 64
+    for bq in (1, 16, 64):
+        w = ma.num_query_tiles(t, r, bq)
+        plan = jax.jit(functools.partial(ma.tile_plan, r=r, w=w, block_q=bq))
+        for _ in range(8):
+            n = int(rng.integers(1, r + 1))
+            q_lens = rng.multinomial(int(rng.integers(n, t + 1)) - n, np.ones(n) / n) + 1  # ragged, >= 1
+            qsl = np.zeros(r + 1, np.int32)
+            qsl[1:n + 1] = np.cumsum(q_lens)
+            qsl[n + 1:] = qsl[n]
+            kv = np.zeros(r, np.int32)
+            kv[:n] = q_lens + rng.integers(0, 30, n)
+            meta, first, _ = (np.asarray(x) for x in plan(qsl, kv, np.array([n], np.int32)))
+            seen = np.zeros(t, int)
+            for (req, pos0, ntok), tok0 in zip(meta, first):
+                for j in range(ntok):
+                    seen[tok0 + j] += 1
+                    assert pos0 + j == kv[req] - q_lens[req] + (tok0 + j - qsl[req])
+            np.testing.assert_array_equal(seen, (np.arange(t) < qsl[n]).astype(int))
+
+
+def test_default_tiles_fit_an_sm_and_split_a_lone_long_decode():
+    for d in (64, 128, 256):
+        for t, r in ((1, 1), (256, 256), (2048, 256)):
+            cfg = pk.default_mosaic_config(t, r, 32, 8, d, 16, 40960)
+            assert ma.smem_bytes(d, cfg) <= ma.SMEM_BYTES_H200
+    # batch-1 decode of a long context: 8 CTAs without splitting, 132 SMs to fill
+    assert pk.default_mosaic_config(1, 1, 32, 8, 128, 16, 40960).num_splits == ma.MAX_SPLITS
+    assert pk.default_mosaic_config(2048, 256, 32, 8, 128, 16, 40960).num_splits == 1
+
+
+def test_refuses_what_it_does_not_do():
+    args = make_batch(Bucket(head_dim=64), SCENARIOS["mixed"], dtype=jnp.bfloat16)
+    for options, what in ((dict(sliding_window=8), "sliding window"), (dict(soft_cap=2.0), "soft cap")):
+        with pytest.raises(ValueError, match=what):
+            pk.ragged_paged_attention_mosaic(*args, sm_scale=SCALE, interpret=True, **options)
+    f32 = make_batch(Bucket(head_dim=64), SCENARIOS["mixed"], dtype=jnp.float32)
+    with pytest.raises(ValueError, match="bf16 or f16"):
+        pk.ragged_paged_attention_mosaic(*f32, sm_scale=SCALE, interpret=True)
+    small = make_batch(Bucket(head_dim=16), SCENARIOS["mixed"], dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pk.ragged_paged_attention_mosaic(*small, sm_scale=SCALE, interpret=True)
+
+
+class _Model:
+    """The three fields the backend choice reads of a model's config."""
+
+    def __init__(self, dtype="bfloat16", head_dim=128, sliding_window=None):
+        self.dtype, self.head_dim, self.sliding_window = dtype, head_dim, sliding_window
+
+
+def test_backend_choice(caplog):
+    resolve = model_runner.resolve_attention_backend
+    hopper = dict(mc=_Model(), compute_capability=90, abstract=True)
+    assert resolve("auto", "gpu", **hopper) == "mosaic"
+    assert resolve("auto", "gpu", **{**hopper, "compute_capability": 80}) == "pallas"  # no wgmma
+    assert resolve("auto", "gpu", **{**hopper, "mc": _Model(dtype="float32")}) == "pallas"
+    assert resolve("auto", "gpu", **{**hopper, "mc": _Model(sliding_window=4096)}) == "pallas"
+    # A local "sm_90" here has no GPU: the compiled self-check fails, and auto falls back, logged.
+    with caplog.at_level(logging.WARNING, logger=model_runner.logger.name):
+        assert resolve("auto", "gpu", mc=_Model(), compute_capability=90) == "pallas"
+    assert "mosaic is unavailable here" in caplog.text
+    assert resolve("mosaic", "cpu", mc=_Model()) == "mosaic"
+    with pytest.raises(ConfigError, match="mosaic cannot serve this model: .*head_dim"):
+        resolve("mosaic", "gpu", mc=_Model(head_dim=80))
