@@ -243,7 +243,9 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_out, *, c: 
         plgpu.wait_smem_to_gmem(0)
 
     tr = _transforms(c.d)
-    pl.run_scoped(
+    # An empty tile (past the batch's last one: the grid is a static bound) does nothing, not
+    # even its stores; nothing reads its rows.
+    pl.when(ntok > 0)(lambda: pl.run_scoped(
         body,
         plgpu.SMEM((TILE_ROWS, c.d), dtype, transforms=tr),
         plgpu.SMEM((c.stages, bkv, c.d), dtype, transforms=tr),
@@ -254,7 +256,7 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_out, *, c: 
         plgpu.SMEM((TILE_ROWS,), jnp.float32),
         plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=2 * ppp, num_barriers=c.stages),
-    )
+    ))
 
 
 def _interpret_params(interpret):
@@ -326,15 +328,16 @@ def ragged_paged_attention_mosaic(q, k_cache, v_cache, kv_lens, block_tables, qu
                              grid_names=("tile", "kv_head", "split"),
                              compiler_params=plgpu.CompilerParams(approx_math=True),
                              interpret=_interpret_params(interpret))(meta, block_tables, packed, k_cache, v_cache)
-    out = combine_splits(acc, m, l)  # [W, Hkv, 64, D]
 
     # Unpack: token t of request r sits in tile tile_start[r] + i // bq, rows (i % bq) * G_pad + g.
+    # The rows are gathered first and combined after, so only the tokens' partials are read.
     req, _, valid = token_metadata(query_start_loc, kv_lens, num_seqs, t)
     i = jnp.arange(t, dtype=jnp.int32) - query_start_loc[req]
-    tile = jnp.clip(tile_start[req] + i // bq, 0, w - 1)
-    row = (i % bq)[:, None] * g_pad + jnp.arange(g, dtype=jnp.int32)[None, :]  # [T, G]
-    got = out[tile[:, None, None], jnp.arange(hkv)[None, :, None], row[:, None, :]]  # [T, Hkv, G, D]
-    got = jnp.where(valid[:, None, None, None], got, 0.0)
+    tile = jnp.clip(tile_start[req] + i // bq, 0, w - 1)[:, None, None]
+    row = ((i % bq)[:, None] * g_pad + jnp.arange(g, dtype=jnp.int32)[None, :])[:, None, :]  # [T, 1, G]
+    head = jnp.arange(hkv)[None, :, None]
+    got = combine_splits(acc[:, tile, head, row], m[:, tile, head, row], l[:, tile, head, row])  # [T, Hkv, G, D]
+    got = jnp.where(valid[:, None, None, None], got, 0.0)  # a select: an unwritten row's garbage goes
     return got.reshape(t, hq, d).astype(q.dtype)
 
 

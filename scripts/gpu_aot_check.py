@@ -158,7 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target-config", type=Path, default=default_target_config(),
                     help="GpuTargetConfig text proto (default: the shared H200 one, else the packaged copy)")
     ap.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-8b"])
-    ap.add_argument("--backends", nargs="+", default=["pallas", "triton"], choices=["pallas", "triton", "xla"])
+    ap.add_argument("--backends", nargs="+", default=["pallas", "triton"],
+                    choices=["pallas", "triton", "mosaic", "xla"])
     ap.add_argument("--buckets", type=int, nargs="*", default=None, help="only these token buckets")
     ap.add_argument("--scan-layers", choices=["auto", "true", "false"], default="auto",
                     help="auto: the GPU engine's default (unrolled)")

@@ -96,6 +96,34 @@ def roofline_row(mc: ModelConfig, spec: GpuSpec, shape: StepShape, itemsize: int
             "ceiling_tok_s": tokens / step_s}
 
 
+def request_lengths(shape: StepShape, context_len: int) -> list[tuple[int, int]]:
+    """(q_len, kv_len) per sequence of a roofline step shape."""
+    if shape.decode:
+        return [(1, context_len)] * shape.seqs
+    full, rest = divmod(shape.tokens, context_len)
+    return [(context_len, context_len)] * full + ([(rest, rest)] if rest else [])
+
+
+def mosaic_columns(mc: ModelConfig, spec: GpuSpec, shape: StepShape, *, context_len: int, max_num_seqs: int,
+                   block_size: int, max_model_len: int, itemsize: int = 2) -> dict:
+    """The roofline row's mosaic columns: the modelled attention time of the whole step (every
+    layer) next to the ideal (KV read once at full bandwidth, exact FLOPs at peak)."""
+    from jaxserve.bench.mosaic_time_model import estimate_layer
+
+    est = estimate_layer(mc, spec, request_lengths(shape, context_len), num_tokens=shape.tokens,
+                         num_seqs=min(max_num_seqs, shape.tokens), block_size=block_size,
+                         max_model_len=max_model_len, itemsize=itemsize)
+    layers = mc.num_hidden_layers
+    kv_bytes = shape.kv_read_tokens * 2 * mc.num_key_value_heads * mc.head_dim * itemsize
+    ideal_flops = 4 * shape.attended_pairs * mc.num_attention_heads * mc.head_dim
+    ideal = max(kv_bytes / spec.hbm_bytes_per_s, ideal_flops / spec.bf16_flops)
+    return {"mosaic_attn_ms": layers * est.seconds * 1e3, "ideal_attn_ms": layers * ideal * 1e3,
+            "mosaic_bound": est.bound, "mosaic_ctas": est.ctas, "mosaic_waves": est.waves,
+            "mosaic_steps_per_cta": est.max_steps, "mosaic_stage_kib": est.stage_bytes / 1024,
+            "mosaic_smem_kib": est.smem_bytes / 1024, "mosaic_wgmma_per_step": est.wgmma_per_step,
+            "mosaic_hbm_gb_per_layer": est.hbm_bytes / 1e9, "mosaic_tflop_per_layer": est.flops / 1e12}
+
+
 def xla_step_figures(preset: str, config: EngineConfig, target_config: str, buckets: list[int]) -> dict[int, dict]:
     """Per bucket: XLA's FLOPs of the lowered step (attention kernel excluded) and the compiled
     step's temporary bytes, compiled for the GPU without one."""
@@ -119,11 +147,14 @@ def xla_step_figures(preset: str, config: EngineConfig, target_config: str, buck
 
 def table(rows: list[dict]) -> str:
     lines = ["| bucket | kind | seqs | weights GB | KV read GB | activations GB | total GB | TFLOP | bound "
-             "| step ms | ceiling tok/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| step ms | ceiling tok/s | attention ms: ideal / mosaic model (bound) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        attn = (f"{r['ideal_attn_ms']:.3f} / {r['mosaic_attn_ms']:.3f} ({r['mosaic_bound']})"
+                if "mosaic_attn_ms" in r else "-")
         lines.append(f"| {r['bucket']} | {r['kind']} | {r['seqs']} | {r['weights_gb']:.2f} | {r['kv_read_gb']:.2f} "
                      f"| {r['activations_gb']:.2f} | {r['total_gb']:.2f} | {r['tflop']:.2f} | {r['bound']} "
-                     f"| {r['step_ms']:.2f} | {r['ceiling_tok_s']:,.0f} |")
+                     f"| {r['step_ms']:.2f} | {r['ceiling_tok_s']:,.0f} | {attn} |")
     return "\n".join(lines)
 
 
@@ -151,7 +182,12 @@ def run_roofline_cli(args: argparse.Namespace) -> dict:
     mc = ModelConfig.from_dict(preset_config(args.model))
     itemsize = 2 if mc.dtype in ("bfloat16", "float16") else 4
     buckets = BucketTable.build(args.max_num_batched_tokens, args.max_num_seqs).token_buckets
-    rows = [roofline_row(mc, spec, step_shape(b, args.max_num_seqs, args.context_len), itemsize) for b in buckets]
+    rows = []
+    for b in buckets:
+        shape = step_shape(b, args.max_num_seqs, args.context_len)
+        rows.append({**roofline_row(mc, spec, shape, itemsize), **mosaic_columns(
+            mc, spec, shape, context_len=args.context_len, max_num_seqs=args.max_num_seqs,
+            block_size=EngineConfig.block_size, max_model_len=mc.max_position_embeddings, itemsize=itemsize)})
     if args.compile:
         config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                               attention_backend="pallas", interpret_kernels=False)

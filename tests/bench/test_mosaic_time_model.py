@@ -1,0 +1,40 @@
+"""The mosaic kernel's time model: its schedule's bytes and steps, split-K on a lone long decode."""
+
+import math
+
+from jaxserve.bench import gpu_targets
+from jaxserve.bench.mosaic_time_model import estimate_layer
+from jaxserve.bench.presets import preset_config
+from jaxserve.bench.roofline import mosaic_columns, step_shape
+from jaxserve.models.config import ModelConfig
+
+MC = ModelConfig.from_dict(preset_config("qwen3-0.6b"))  # 16 query heads, 8 KV heads, head_dim 128
+SPEC = gpu_targets.gpu_spec("h200", gpu_targets.target_config_path("h200").read_text())
+KV_PER_TOKEN_LAYER = 2 * 8 * 128 * 2  # K and V of every KV head, bf16
+
+
+def test_a_lone_long_decode_is_split_across_the_sms():
+    est = estimate_layer(MC, SPEC, [(1, 40960)], num_tokens=1, num_seqs=1, block_size=16, max_model_len=40960)
+    assert est.ctas == 8 * 16 and est.waves == 1  # 8 KV heads x 16 splits: 128 of the 132 SMs, one wave
+    assert est.max_steps == math.ceil(40960 / 64 / 16)
+    assert est.stage_bytes == 2 * 64 * 128 * 2 and est.wgmma_per_step == 128 // 16 + 64 // 16
+    kv = 40960 * KV_PER_TOKEN_LAYER
+    assert kv <= est.hbm_bytes < 1.1 * kv  # the KV once, plus small Q tiles and partials
+    assert est.bound == "memory" and est.seconds < 1.2 * kv / SPEC.hbm_bytes_per_s + 5e-6
+
+
+def test_prefill_tiles_reread_the_pages_they_share():
+    est = estimate_layer(MC, SPEC, [(1024, 1024)], num_tokens=1024, num_seqs=256, block_size=16,
+                         max_model_len=40960)
+    tiles = 1024 // 32  # 32 tokens x a GQA group of 2 per 64-row tile
+    steps = sum(math.ceil((t + 1) * 32 / 64) for t in range(tiles))  # causal: up to each tile's last token
+    assert est.loaded_bytes == 8 * steps * est.stage_bytes + tiles * 8 * 64 * 128 * 2
+    assert est.hbm_bytes < est.loaded_bytes
+
+
+def test_roofline_columns_put_the_model_next_to_the_ideal():
+    for bucket in (16, 256, 2048):
+        row = mosaic_columns(MC, SPEC, step_shape(bucket, 256, 1024), context_len=1024, max_num_seqs=256,
+                             block_size=16, max_model_len=40960)
+        assert 0 < row["ideal_attn_ms"] < row["mosaic_attn_ms"]
+        assert row["mosaic_smem_kib"] * 1024 <= 232448
