@@ -10,8 +10,10 @@ Work split (one CTA = one warpgroup per ``(q tile, kv head, kv split)``):
   any ragged split of ``T`` tokens, so the grid is static. A decode token is a tile of its own.
 * The KV range a tile needs (``[0, last position + 1)``, causal) is walked in steps of
   ``block_kv`` positions (``block_kv / block_size`` pages). With ``num_splits > 1`` it is cut into
-  that many contiguous runs of steps (split-K, flash-decoding), each run in its own CTA, so a
-  batch-1 long-context decode fills the SMs; every CTA writes an unnormalised partial
+  up to that many contiguous runs of at least ``min_split_steps`` steps (split-K,
+  flash-decoding), each run in its own CTA, so a batch-1 long-context decode fills the SMs while
+  short contexts are not split for nothing (the run length is chosen per tile at run time; the
+  split count only bounds the grid); every CTA writes an unnormalised partial
   (acc, max, sum, base 2) and a small jnp step combines the splits and gathers the rows back to
   ``[T, Hq, D]``.
 * Per step: one TMA copy per page of K and of V (``k_cache[block, :, h, :]``, a strided
@@ -45,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ._common import cdiv, check_options, check_shapes, next_pow2, scalar_num_seqs
+from ._common import check_options, check_shapes, next_pow2, scalar_num_seqs
 from .reference import token_metadata
 from .registry import CheckShape, check_against_reference
 
@@ -63,6 +65,7 @@ class MosaicConfig:
     block_kv: int = 64
     num_stages: int = 3
     num_splits: int = 1
+    min_split_steps: int = 8  # a split's Q load and partial store are worth 8 steps of K and V
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,7 @@ class _Static:
     block_kv: int
     stages: int
     splits: int
+    min_split_steps: int
     scale_log2: float
     dtype: str
     interpret: bool  # the interpreter has no layout casts (they only pin register layouts)
@@ -123,9 +127,12 @@ def default_mosaic_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_
     """Split the context only when the tiles cannot fill the SMs twice over (decode buckets)."""
     block_kv = max(64, block_size)
     ctas = num_query_tiles(num_tokens, num_seqs, block_q_for(num_q_heads, num_kv_heads)) * num_kv_heads
+    # A bucket whose tiles may not fill the SMs twice gets the most splits a context can use: the
+    # bucket's rows may hold a single sequence, and each tile splits only as far as its context
+    # allows (min_split_steps per split), so the bound costs empty CTAs, not work.
     splits = 1
     if ctas < 2 * NUM_SMS_H200:
-        splits = max(1, min(MAX_SPLITS, cdiv(2 * NUM_SMS_H200, ctas), max_context // (4 * block_kv)))
+        splits = max(1, min(MAX_SPLITS, max_context // (MosaicConfig.min_split_steps * block_kv)))
     # The deepest ring that fits an SM: three stages of 64 positions up to D = 128 (96 KiB of K
     # and V), fewer or shorter steps for wider heads.
     for stages, kv in ((3, block_kv), (2, block_kv), (2, max(32, block_size))):
@@ -149,6 +156,16 @@ def _transforms(d: int):
     return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
 
+def split_run(pos0, ntok, split, block_kv: int, splits: int, min_split_steps: int):
+    """A tile's KV end (causal: its last token's position + 1) and split ``split``'s run of steps
+    ``[lo, hi)``; empty (lo == hi) past the context. Scalars in the kernel, arrays in jnp."""
+    kv_end = jnp.where(ntok > 0, pos0 + ntok, 0)
+    n_steps = (kv_end + (block_kv - 1)) // block_kv
+    per = jnp.maximum((n_steps + (splits - 1)) // splits, min_split_steps)
+    lo = jnp.minimum(split * per, n_steps)
+    return kv_end, lo, jnp.minimum(lo + per, n_steps)
+
+
 def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_out, *, c: _Static):
     w = lax.axis_index("tile")
     h = lax.axis_index("kv_head")
@@ -156,11 +173,7 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_out, *, c: 
     req = meta_ref[w, 0]
     pos0 = meta_ref[w, 1]
     ntok = meta_ref[w, 2]
-    kv_end = jnp.where(ntok > 0, pos0 + ntok, 0)  # causal: the last token's position + 1
-    n_steps = (kv_end + (c.block_kv - 1)) // c.block_kv
-    per = (n_steps + (c.splits - 1)) // c.splits
-    lo = jnp.minimum(s * per, n_steps)
-    hi = jnp.minimum(lo + per, n_steps)
+    kv_end, lo, hi = split_run(pos0, ntok, s, c.block_kv, c.splits, c.min_split_steps)
     bkv, bs, ppp = c.block_kv, c.bs, c.pages_per_step
     dtype = jnp.dtype(c.dtype)
     log_g = int(math.log2(c.g_pad))
@@ -243,9 +256,9 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_out, *, c: 
         plgpu.wait_smem_to_gmem(0)
 
     tr = _transforms(c.d)
-    # An empty tile (past the batch's last one: the grid is a static bound) does nothing, not
-    # even its stores; nothing reads its rows.
-    pl.when(ntok > 0)(lambda: pl.run_scoped(
+    # An empty tile (past the batch's last one: the grid is a static bound) or an empty split
+    # (past its tile's context) does nothing, not even its stores: the combine ignores it.
+    pl.when(lo < hi)(lambda: pl.run_scoped(
         body,
         plgpu.SMEM((TILE_ROWS, c.d), dtype, transforms=tr),
         plgpu.SMEM((c.stages, bkv, c.d), dtype, transforms=tr),
@@ -317,7 +330,8 @@ def ragged_paged_attention_mosaic(q, k_cache, v_cache, kv_lens, block_tables, qu
     packed = packed.transpose(0, 2, 1, 3, 4).reshape(w, hkv, TILE_ROWS, d)
 
     c = _Static(w=w, hkv=hkv, g_pad=g_pad, d=d, bs=bs, mb=mb, block_kv=config.block_kv,
-                stages=config.num_stages, splits=config.num_splits, scale_log2=float(sm_scale) * LOG2E,
+                stages=config.num_stages, splits=config.num_splits,
+                min_split_steps=config.min_split_steps, scale_log2=float(sm_scale) * LOG2E,
                 dtype=jnp.dtype(q.dtype).name, interpret=bool(interpret))
     s = config.num_splits
     f32 = jnp.float32
@@ -336,7 +350,12 @@ def ragged_paged_attention_mosaic(q, k_cache, v_cache, kv_lens, block_tables, qu
     tile = jnp.clip(tile_start[req] + i // bq, 0, w - 1)[:, None, None]
     row = ((i % bq)[:, None] * g_pad + jnp.arange(g, dtype=jnp.int32)[None, :])[:, None, :]  # [T, 1, G]
     head = jnp.arange(hkv)[None, :, None]
-    got = combine_splits(acc[:, tile, head, row], m[:, tile, head, row], l[:, tile, head, row])  # [T, Hkv, G, D]
+    _, lo, hi = split_run(meta[:, 1][None], meta[:, 2][None], jnp.arange(s)[:, None], config.block_kv, s,
+                          config.min_split_steps)
+    ran = (lo < hi)[:, tile]  # [S, T, 1, 1]: the splits that wrote their partials
+    got = combine_splits(jnp.where(ran[..., None], acc[:, tile, head, row], 0.0),
+                         jnp.where(ran, m[:, tile, head, row], -jnp.inf),
+                         jnp.where(ran, l[:, tile, head, row], 0.0))  # [T, Hkv, G, D]
     got = jnp.where(valid[:, None, None, None], got, 0.0)  # a select: an unwritten row's garbage goes
     return got.reshape(t, hq, d).astype(q.dtype)
 
@@ -371,7 +390,7 @@ def mosaic_self_check(interpret=False) -> tuple[bool, str]:
     """Run the kernel (compiled on this GPU, or interpreted) on the registry's check batches
     against the reference; (True, "") when it agrees, (False, why) when it fails or disagrees."""
     fn = functools.partial(ragged_paged_attention_mosaic, interpret=interpret,
-                           config=MosaicConfig(block_kv=64, num_stages=2, num_splits=2))
+                           config=MosaicConfig(block_kv=64, num_stages=2, num_splits=2, min_split_steps=1))
     try:
         result = check_against_reference(fn, atol=SELF_CHECK_ATOL, shape=SELF_CHECK_SHAPE, dtype=jnp.bfloat16)
     except Exception as e:  # noqa: BLE001 - a kernel that cannot compile or run here is the answer

@@ -10,6 +10,13 @@ Prints ONE JSON object on stdout:
   achieved HBM bandwidth (KV bytes read once + q read + out written) and its fraction of the peak
   (4.8 TB/s on H200), and attention TFLOP/s; ``skipped``: backends that could not run, with the
   reason; ``errors``: anything that raised (the script keeps going).
+
+``mosaic`` (the Pallas Mosaic GPU kernel) runs the bf16 cases without window or soft cap (what it
+supports); the smoke sizes' head_dim 16 is below its 64, so the smoke run skips it (its interpreted
+tests are tests/pallas_kernels/test_mosaic_attention.py). The prefill workloads are also timed on
+``jax.nn.dot_product_attention(implementation="cudnn")`` over the same prompts laid out dense
+(``cudnn_dense``: no pages, the bar a paged kernel is measured against), and ``decode_batch1_long``
+is one sequence of a long context, the case mosaic's split-K is for.
 """
 
 from __future__ import annotations
@@ -118,6 +125,10 @@ def backends(interpret):
         ok, reason = pk.triton_available()
         fn = pk.ragged_paged_attention_triton
     out["triton"] = (fn if ok else None, reason, None)
+    mosaic = lambda *a, **k: pk.ragged_paged_attention_mosaic(*a, interpret=interpret, **k)  # noqa: E731
+    mosaic.bf16_plain_only = True  # no fp8, window or soft cap yet
+    out["mosaic"] = (None if interpret else mosaic,
+                     "the smoke sizes' head_dim 16 is below mosaic's 64" if interpret else "", None)
     if not ok and not interpret:
         # No jax_triton on this GPU machine: still run the same kernel, launched by triton on torch
         # tensors (correctness only: its host copies would swamp any timing).
@@ -201,6 +212,8 @@ def run_correctness(result, scale, interpret, deadline):
                     if fn is None:
                         result["skipped"].setdefault(name, reason)
                         continue
+                    if getattr(fn, "bf16_plain_only", False) and (dtype != "bfloat16" or opts):
+                        continue
                     if time.time() > deadline:
                         result["skipped"].setdefault("correctness_rest", "time budget")
                         return
@@ -231,7 +244,8 @@ def run_timing(result, scale, interpret, deadline):
         bucket = {}
         workloads = [("decode_heavy", [1] * 256, rng.integers(1024, 2049, 256).tolist()),
                      ("prefill_heavy", [1024] * 8, [1024] * 8),
-                     ("decode_long_ctx", [1] * 8, [16384] * 8)]
+                     ("decode_long_ctx", [1] * 8, [16384] * 8),
+                     ("decode_batch1_long", [1], [32768])]
     bks = backends(interpret)
     for wname, q_lens, kv_lens in workloads:
         args, meta = build_batch(q_lens, kv_lens, num_q_heads=heads[0], num_kv_heads=heads[1],
@@ -259,7 +273,28 @@ def run_timing(result, scale, interpret, deadline):
                 entry.update(error=f"{type(e).__name__}: {e}"[:2000])
                 result["errors"].append(f"timing {name} {wname}: {traceback.format_exc()[-1500:]}")
             result["timing"].append(entry)
+        if not interpret and len(set(q_lens)) == 1 and q_lens == kv_lens and q_lens[0] > 1:
+            time_cudnn_dense(result, wname, q_lens, heads, d, meta, iters)
         del args
+
+
+def time_cudnn_dense(result, wname, q_lens, heads, d, meta, iters):
+    """cuDNN's fused attention on the same prompts, dense [B, S, H, D] and causal."""
+    entry = dict(workload=wname, backend="cudnn_dense", dtype="bfloat16", seqs=len(q_lens), tokens_used=sum(q_lens))
+    try:
+        shape = (len(q_lens), q_lens[0])
+        ks = jax.random.split(jax.random.key(3), 3)
+        q = jax.random.normal(ks[0], (*shape, heads[0], d), jnp.bfloat16)
+        k, v = (jax.random.normal(key, (*shape, heads[1], d), jnp.bfloat16) for key in ks[1:])
+        f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+        med, best = time_fn(f, (q, k, v), iters)
+        entry.update(ms_median=med * 1e3, ms_min=best * 1e3, hbm_gb_s=meta["bytes"] / med / 1e9,
+                     hbm_fraction_of_peak=meta["bytes"] / med / PEAK_HBM_BYTES_S,
+                     tflop_s=meta["flops"] / med / 1e12, bytes=meta["bytes"])
+    except Exception as e:  # noqa: BLE001
+        entry.update(error=f"{type(e).__name__}: {e}"[:2000])
+        result["errors"].append(f"timing cudnn_dense {wname}: {traceback.format_exc()[-1500:]}")
+    result["timing"].append(entry)
 
 
 def main(argv=None):

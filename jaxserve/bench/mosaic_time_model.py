@@ -83,16 +83,17 @@ def estimate_layer(mc: ModelConfig, spec: GpuSpec, requests: list[tuple[int, int
     splits, bkv = cfg.num_splits, cfg.block_kv
     stage = 2 * bkv * d * itemsize
     q_tile, partial = ma.TILE_ROWS * d * itemsize, ma.TILE_ROWS * (d + 2) * 4
-    total_steps = max_steps = tiles = unique_steps = 0
+    total_steps = max_steps = runs = unique_steps = 0
     for q_len, kv_len in requests:
         unique_steps += math.ceil(kv_len / bkv)
         for first in range(0, q_len, bq):
             tokens = min(bq, q_len - first)
             steps = math.ceil((kv_len - q_len + first + tokens) / bkv)  # causal: up to the tile's last token
+            per = max(math.ceil(steps / splits), cfg.min_split_steps)  # as the kernel's split_run
             total_steps += steps
-            max_steps = max(max_steps, math.ceil(steps / splits))
-            tiles += 1
-    ctas = tiles * hkv * splits
+            max_steps = max(max_steps, min(per, steps))
+            runs += math.ceil(steps / per)
+    ctas = runs * hkv  # the CTAs that work: empty tiles and splits exit at once
     smem = ma.smem_bytes(d, cfg, itemsize)
     per_sm = max(1, ma.SMEM_BYTES_H200 // smem)
     waves = math.ceil(ctas / (spec.sm_count * per_sm))

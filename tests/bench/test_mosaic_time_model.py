@@ -14,9 +14,13 @@ KV_PER_TOKEN_LAYER = 2 * 8 * 128 * 2  # K and V of every KV head, bf16
 
 
 def test_a_lone_long_decode_is_split_across_the_sms():
-    est = estimate_layer(MC, SPEC, [(1, 40960)], num_tokens=1, num_seqs=1, block_size=16, max_model_len=40960)
-    assert est.ctas == 8 * 16 and est.waves == 1  # 8 KV heads x 16 splits: 128 of the 132 SMs, one wave
+    """One sequence in the engine's smallest decode bucket (16 rows): 8 KV heads x 16 splits."""
+    est = estimate_layer(MC, SPEC, [(1, 40960)], num_tokens=16, num_seqs=16, block_size=16, max_model_len=40960)
+    assert est.ctas == 8 * 16 and est.waves == 1  # 128 of the 132 SMs, one wave
     assert est.max_steps == math.ceil(40960 / 64 / 16)
+    short = estimate_layer(MC, SPEC, [(1, 1024)] * 16, num_tokens=16, num_seqs=16, block_size=16,
+                           max_model_len=40960)
+    assert short.ctas == 16 * 8 * 2 and short.max_steps == 8  # 16 steps: two splits of min_split_steps
     assert est.stage_bytes == 2 * 64 * 128 * 2 and est.wgmma_per_step == 128 // 16 + 64 // 16
     kv = 40960 * KV_PER_TOKEN_LAYER
     assert kv <= est.hbm_bytes < 1.1 * kv  # the KV once, plus small Q tiles and partials

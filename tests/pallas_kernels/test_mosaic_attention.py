@@ -23,12 +23,13 @@ BF16_TOL = dict(rtol=2e-2, atol=2e-2)
 
 # (query heads, kv heads, head_dim, block_size, tiles, scenario): GQA groups 1/2/3/4/8, head sizes
 # 64/128, several pages per step and pages crossing steps, split-K with empty splits, a full bucket.
+CFG = functools.partial(pk.MosaicConfig, min_split_steps=1)  # splits even on the tests' short contexts
 CASES = {
-    "g1-d64-mixed": (2, 2, 64, 8, pk.MosaicConfig(block_kv=16, num_stages=2, num_splits=1), "mixed"),
-    "g4-d128-prefix": (8, 2, 128, 8, pk.MosaicConfig(block_kv=32, num_stages=3, num_splits=1), "prefix"),
+    "g1-d64-mixed": (2, 2, 64, 8, CFG(block_kv=16, num_stages=2, num_splits=1), "mixed"),
+    "g4-d128-prefix": (8, 2, 128, 8, CFG(block_kv=32, num_stages=3, num_splits=1), "prefix"),
     "g3-d64-full": (6, 2, 64, 16, None, "full"),
-    "g2-d64-decode-split3": (4, 2, 64, 8, pk.MosaicConfig(block_kv=16, num_stages=3, num_splits=3), "decode"),
-    "g8-d64-prefill-split2": (16, 2, 64, 8, pk.MosaicConfig(block_kv=64, num_stages=2, num_splits=2), "prefill"),
+    "g2-d64-decode-split3": (4, 2, 64, 8, CFG(block_kv=16, num_stages=3, num_splits=3), "decode"),
+    "g8-d64-prefill-split2": (16, 2, 64, 8, CFG(block_kv=64, num_stages=2, num_splits=2), "prefill"),
 }
 
 
@@ -86,9 +87,22 @@ def test_default_tiles_fit_an_sm_and_split_a_lone_long_decode():
         for t, r in ((1, 1), (256, 256), (2048, 256)):
             cfg = pk.default_mosaic_config(t, r, 32, 8, d, 16, 40960)
             assert ma.smem_bytes(d, cfg) <= ma.SMEM_BYTES_H200
-    # batch-1 decode of a long context: 8 CTAs without splitting, 132 SMs to fill
-    assert pk.default_mosaic_config(1, 1, 32, 8, 128, 16, 40960).num_splits == ma.MAX_SPLITS
+    # a decode bucket may hold one long sequence: 8 CTAs without splitting, 132 SMs to fill
+    assert pk.default_mosaic_config(16, 16, 32, 8, 128, 16, 40960).num_splits == ma.MAX_SPLITS
     assert pk.default_mosaic_config(2048, 256, 32, 8, 128, 16, 40960).num_splits == 1
+
+
+def test_split_runs_cover_each_context_once():
+    """Every KV step of a tile is in exactly one split's run; every run but a context's last has
+    min_split_steps or more steps; the splits past the context are empty."""
+    kv_end = np.arange(0, 700, 7)
+    for splits, least in ((1, 8), (3, 1), (16, 8), (16, 1)):
+        _, lo, hi = (np.asarray(x) for x in ma.split_run(0, kv_end[None], np.arange(splits)[:, None], 64, splits,
+                                                          least))
+        for j, end in enumerate(kv_end):
+            runs = [(a, b) for a, b in zip(lo[:, j], hi[:, j]) if a < b]
+            assert [i for a, b in runs for i in range(a, b)] == list(range(-(-int(end) // 64)))
+            assert all(b - a >= least for a, b in runs[:-1])
 
 
 def test_refuses_what_it_does_not_do():
