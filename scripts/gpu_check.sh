@@ -4,14 +4,34 @@
 # a Qwen3-0.6B-shaped random model in bfloat16 with its ratio to the roofline ceiling
 # (`jaxserve bench roofline`). Prints JSON sections; fits one 10-minute call, compiles included:
 # warm-up compiles on half the cores at once, and the persistent cache under $JAXSERVE_CACHE_DIR
-# serves a second run. The sections' timeouts (170 + 140 + 210 s) leave a minute for the rest.
+# serves a second run. The sections' timeouts (170 + 150 + 200 s) leave a minute for the rest.
+# The mosaic section compares the Mosaic GPU kernel with the Triton kernels and cuDNN's dense
+# attention on prefill, and gives its decode bandwidth utilisation (from the kernels' JSON).
 #   bash scripts/gpu_check.sh            (writes copies of each JSON under $OUT when set)
+#   bash scripts/gpu_check.sh --dry-run  (no GPU: the kernel check's smoke run in interpret mode, the
+#                                         summaries on its JSON, the scripts compiled; nothing timed)
+#   THROUGHPUT_BACKEND=mosaic bash scripts/gpu_check.sh   (the throughput section's backend; pallas)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export JAXSERVE_CACHE_DIR="${JAXSERVE_CACHE_DIR:-/tmp/jaxserve-gpu-cache}"
 out="${OUT:-/tmp/jaxserve-gpu-out}"; mkdir -p "$out"
 py=${PYTHON:-python3}
+
+dry_run=0; [ "${1:-}" = "--dry-run" ] && dry_run=1
+
+# The kernels' JSON holds the mosaic kernel's comparison (gpu_kernel_check.mosaic_summary).
+mosaic_summary() {
+  $py -c 'import json, sys; print(json.dumps(json.load(open(sys.argv[1]))["mosaic"]))' "$1"
+}
+
+if [ "$dry_run" = 1 ]; then
+  echo "== dry run: kernel check (smoke, interpret mode), summaries, scripts compiled =="
+  timeout 300 $py scripts/gpu_kernel_check.py --smoke > "$out/kernels.json" 2> "$out/kernels.err"; echo "rc=$?"
+  mosaic_summary "$out/kernels.json" > "$out/mosaic.json"; echo "rc=$?"; cat "$out/mosaic.json"
+  $py -m py_compile scripts/gpu_e2e_check.py scripts/gpu_kernel_check.py; echo "rc=$?"
+  exit 0
+fi
 
 if ! $py -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')"; then
   echo '{"error": "no GPU backend in jax here"}'; exit 1
@@ -27,14 +47,18 @@ echo "== kernels (correctness + timing) =="
 timeout 170 $py scripts/gpu_kernel_check.py --budget-s 130 > "$out/kernels.json" 2> "$out/kernels.err"; echo "rc=$?"
 cat "$out/kernels.json"
 
+echo "== mosaic: against triton, pallas and cuDNN (prefill), HBM bandwidth utilisation (decode) =="
+mosaic_summary "$out/kernels.json" > "$out/mosaic.json"; echo "rc=$?"
+cat "$out/mosaic.json"
+
 echo "== end-to-end greedy parity =="
-timeout 140 $py scripts/gpu_e2e_check.py > "$out/e2e.json" 2> "$out/e2e.err"; echo "rc=$?"
+timeout 150 $py scripts/gpu_e2e_check.py > "$out/e2e.json" 2> "$out/e2e.err"; echo "rc=$?"
 cat "$out/e2e.json"
 
 echo "== bench throughput: Qwen3-0.6B shape, bf16, 256 prompts of 100-1024 in / 100-1024 out =="
-timeout 210 $py -m jaxserve_server.cli bench throughput --random-model qwen3-0.6b --num-prompts 256 \
+timeout 200 $py -m jaxserve_server.cli bench throughput --random-model qwen3-0.6b --num-prompts 256 \
   --input-len-range 100 1024 --output-len-range 100 1024 --token-id-range 10 150000 \
-  --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --attention-backend pallas \
+  --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --attention-backend "${THROUGHPUT_BACKEND:-pallas}" \
   > "$out/throughput.json" 2> "$out/throughput.err"; echo "rc=$?"
 cat "$out/throughput.json"
 

@@ -297,6 +297,26 @@ def time_cudnn_dense(result, wname, q_lens, heads, d, meta, iters):
     result["timing"].append(entry)
 
 
+def mosaic_summary(result) -> dict:
+    """The mosaic kernel against the others: per workload each backend's median ms, mosaic's
+    speedup over each (their ms over its), and on decode its fraction of the HBM peak."""
+    by: dict = {}
+    for e in result["timing"]:
+        if "ms_median" in e:
+            by.setdefault(e["workload"], {})[e["backend"]] = e
+    out = {"correct": [e.get("ok") for e in result["correctness"] if e["backend"] == "mosaic"],
+           "skipped": result["skipped"].get("mosaic"), "workloads": {}}
+    for name, runs in by.items():
+        row = {b: round(e["ms_median"], 4) for b, e in runs.items()}
+        if "mosaic" in runs:
+            ms = runs["mosaic"]["ms_median"]
+            row["mosaic_speedup_over"] = {b: round(e["ms_median"] / ms, 3) for b, e in runs.items() if b != "mosaic"}
+            if name.startswith("decode"):
+                row["mosaic_hbm_fraction_of_peak"] = round(runs["mosaic"]["hbm_fraction_of_peak"], 3)
+        out["workloads"][name] = row
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run in Pallas interpret mode")
@@ -324,6 +344,7 @@ def main(argv=None):
         except Exception:  # noqa: BLE001
             result["errors"].append(traceback.format_exc()[-3000:])
     result["all_correct"] = all(e.get("ok") for e in result["correctness"])
+    result["mosaic"] = mosaic_summary(result)
     result["elapsed_s"] = time.time() - start
     print(json.dumps(result))
     return 0 if result["all_correct"] and not result["errors"] else 1
