@@ -250,7 +250,16 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_out, *, c: 
         m_smem[...] = m
         l_smem[...] = l
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, acc_out.at[s, w, h])
+        # Only the tile's real rows of the accumulator (ntok * G_pad of 64: G_pad for a decode
+        # token) go back, as a ladder of power-of-two TMA boxes (a box's shape is static).
+        def store_rows(start, size):
+            rows = pl.ds(start, size)
+            plgpu.copy_smem_to_gmem(o_smem.at[rows], acc_out.at[s, w, h, rows])
+
+        real, start, n = ntok * c.g_pad, 0, TILE_ROWS
+        while n >= c.g_pad:
+            pl.when((real & n) != 0)(functools.partial(store_rows, start, n))
+            start, n = start + (real & n), n // 2
         plgpu.copy_smem_to_gmem(m_smem, m_out.at[s, w, h])
         plgpu.copy_smem_to_gmem(l_smem, l_out.at[s, w, h])
         plgpu.wait_smem_to_gmem(0)

@@ -7,7 +7,7 @@ instructions for ``Q Kᵀ`` (m64 n``block_kv`` k16) and ``block_kv / 16`` for ``
 k16). The model counts, per layer:
 
 * ``hbm_bytes``: each KV page once per KV head (the query tiles of one request re-read its
-  pages, from L2 when they were read recently), the Q tiles, the f32 partials written back, and
+  pages, from L2 when they were read recently), the Q tiles, the real rows of the f32 partials, and
   the jnp pack of Q and gather of the rows;
 * ``loaded_bytes``: every stage every CTA loads by TMA, re-reads included;
 * ``flops``: the wgmmas' (64 rows per tile, however few are real: a decode tile of a GQA group of
@@ -82,8 +82,8 @@ def estimate_layer(mc: ModelConfig, spec: GpuSpec, requests: list[tuple[int, int
     bq = ma.block_q_for(hq, hkv)
     splits, bkv = cfg.num_splits, cfg.block_kv
     stage = 2 * bkv * d * itemsize
-    q_tile, partial = ma.TILE_ROWS * d * itemsize, ma.TILE_ROWS * (d + 2) * 4
-    total_steps = max_steps = runs = unique_steps = 0
+    q_tile, g_pad = ma.TILE_ROWS * d * itemsize, ma.TILE_ROWS // bq
+    total_steps = max_steps = runs = unique_steps = partials = 0
     for q_len, kv_len in requests:
         unique_steps += math.ceil(kv_len / bkv)
         for first in range(0, q_len, bq):
@@ -93,6 +93,8 @@ def estimate_layer(mc: ModelConfig, spec: GpuSpec, requests: list[tuple[int, int
             total_steps += steps
             max_steps = max(max_steps, min(per, steps))
             runs += math.ceil(steps / per)
+            # each run stores its real rows of the f32 accumulator, and the 64-row max and sum
+            partials += math.ceil(steps / per) * (tokens * g_pad * d + 2 * ma.TILE_ROWS) * 4
     ctas = runs * hkv  # the CTAs that work: empty tiles and splits exit at once
     smem = ma.smem_bytes(d, cfg, itemsize)
     per_sm = max(1, ma.SMEM_BYTES_H200 // smem)
@@ -100,7 +102,7 @@ def estimate_layer(mc: ModelConfig, spec: GpuSpec, requests: list[tuple[int, int
     wgmma = d // WGMMA_K + bkv // WGMMA_K
     step_flops = 2 * 2 * ma.TILE_ROWS * bkv * d
     tokens_io = sum(q for q, _ in requests) * hq * d * (2 * itemsize + 4 * splits + itemsize)  # pack, rows, out
-    hbm = hkv * unique_steps * stage + ctas * (q_tile + partial) + tokens_io
+    hbm = hkv * (unique_steps * stage + partials) + ctas * q_tile + tokens_io
     loaded = hkv * total_steps * stage + ctas * q_tile
     flops = hkv * total_steps * step_flops
     l2_bw = L2_OVER_HBM * spec.hbm_bytes_per_s
