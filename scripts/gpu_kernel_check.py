@@ -262,17 +262,8 @@ def run_timing(result, scale, interpret, deadline):
             if time.time() > deadline:
                 result["skipped"].setdefault("timing_rest", "time budget")
                 return
-            try:
-                f = jit_fn(fn, sm_scale=1.0 / math.sqrt(d))
-                med, best = time_fn(f, args, iters)
-                entry.update(ms_median=med * 1e3, ms_min=best * 1e3,
-                             hbm_gb_s=meta["bytes"] / med / 1e9,
-                             hbm_fraction_of_peak=meta["bytes"] / med / PEAK_HBM_BYTES_S,
-                             tflop_s=meta["flops"] / med / 1e12, bytes=meta["bytes"])
-            except Exception as e:  # noqa: BLE001
-                entry.update(error=f"{type(e).__name__}: {e}"[:2000])
-                result["errors"].append(f"timing {name} {wname}: {traceback.format_exc()[-1500:]}")
-            result["timing"].append(entry)
+            f = jit_fn(fn, sm_scale=1.0 / math.sqrt(d))
+            timed_entry(result, entry, lambda f=f, a=args: (f, a), meta, iters)
         if not interpret and len(set(q_lens)) == 1 and q_lens == kv_lens and q_lens[0] > 1:
             time_cudnn_dense(result, wname, q_lens, heads, d, meta, iters)
         del args
@@ -281,19 +272,29 @@ def run_timing(result, scale, interpret, deadline):
 def time_cudnn_dense(result, wname, q_lens, heads, d, meta, iters):
     """cuDNN's fused attention on the same prompts, dense [B, S, H, D] and causal."""
     entry = dict(workload=wname, backend="cudnn_dense", dtype="bfloat16", seqs=len(q_lens), tokens_used=sum(q_lens))
-    try:
+
+    def build():
         shape = (len(q_lens), q_lens[0])
         ks = jax.random.split(jax.random.key(3), 3)
         q = jax.random.normal(ks[0], (*shape, heads[0], d), jnp.bfloat16)
         k, v = (jax.random.normal(key, (*shape, heads[1], d), jnp.bfloat16) for key in ks[1:])
-        f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
-        med, best = time_fn(f, (q, k, v), iters)
+        return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation="cudnn")), (q, k, v)
+
+    timed_entry(result, entry, build, meta, iters)
+
+
+def timed_entry(result, entry, build, meta, iters):
+    """Time ``build()``'s (function, args) and record the entry with its bandwidth, or its error."""
+    try:
+        f, args = build()
+        med, best = time_fn(f, args, iters)
         entry.update(ms_median=med * 1e3, ms_min=best * 1e3, hbm_gb_s=meta["bytes"] / med / 1e9,
                      hbm_fraction_of_peak=meta["bytes"] / med / PEAK_HBM_BYTES_S,
                      tflop_s=meta["flops"] / med / 1e12, bytes=meta["bytes"])
     except Exception as e:  # noqa: BLE001
         entry.update(error=f"{type(e).__name__}: {e}"[:2000])
-        result["errors"].append(f"timing cudnn_dense {wname}: {traceback.format_exc()[-1500:]}")
+        result["errors"].append(f"timing {entry['backend']} {entry['workload']}: {traceback.format_exc()[-1500:]}")
     result["timing"].append(entry)
 
 

@@ -9,10 +9,15 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_kernel_check.py"
 
 
-def test_smoke_run_prints_json(capsys):
+def _load():
     spec = importlib.util.spec_from_file_location("gpu_kernel_check", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_smoke_run_prints_json(capsys):
+    mod = _load()
     rc = mod.main(["--smoke", "--skip-timing"])
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1
@@ -32,13 +37,6 @@ def test_smoke_run_prints_json(capsys):
     assert {e["backend"] for e in result2["timing"]} == {"xla", "pallas_mixed", "pallas_decode"} | (
         {"triton"} if has_triton else set())
     assert all(e["hbm_gb_s"] > 0 for e in result2["timing"])
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_kernel_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_mosaic_summary_compares_it_with_each_backend():
