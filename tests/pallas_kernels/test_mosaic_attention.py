@@ -3,6 +3,7 @@ simulated), against the oracle on the ragged batches the other kernels face."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -12,7 +13,9 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
+from jaxserve.bench.presets import preset_config
 from jaxserve.exceptions import ConfigError
+from jaxserve.models.config import ModelConfig
 from jaxserve.runner import model_runner
 from pallas_kernels import mosaic_attention as ma
 
@@ -118,24 +121,24 @@ def test_refuses_what_it_does_not_do():
         pk.ragged_paged_attention_mosaic(*small, sm_scale=SCALE, interpret=True)
 
 
-class _Model:
-    """The three fields the backend choice reads of a model's config."""
+QWEN3 = ModelConfig.from_dict(preset_config("qwen3-0.6b"))  # bf16, head_dim 128, no window
 
-    def __init__(self, dtype="bfloat16", head_dim=128, sliding_window=None):
-        self.dtype, self.head_dim, self.sliding_window = dtype, head_dim, sliding_window
+
+def _model(**changes):
+    return dataclasses.replace(QWEN3, **changes)
 
 
 def test_backend_choice(caplog):
     resolve = model_runner.resolve_attention_backend
-    hopper = dict(mc=_Model(), compute_capability=90, abstract=True)
+    hopper = dict(mc=QWEN3, compute_capability=90, abstract=True)
     assert resolve("auto", "gpu", **hopper) == "mosaic"
     assert resolve("auto", "gpu", **{**hopper, "compute_capability": 80}) == "pallas"  # no wgmma
-    assert resolve("auto", "gpu", **{**hopper, "mc": _Model(dtype="float32")}) == "pallas"
-    assert resolve("auto", "gpu", **{**hopper, "mc": _Model(sliding_window=4096)}) == "pallas"
+    assert resolve("auto", "gpu", **{**hopper, "mc": _model(dtype="float32")}) == "pallas"
+    assert resolve("auto", "gpu", **{**hopper, "mc": _model(sliding_window=4096)}) == "pallas"
     # A local "sm_90" here has no GPU: the compiled self-check fails, and auto falls back, logged.
     with caplog.at_level(logging.WARNING, logger=model_runner.logger.name):
-        assert resolve("auto", "gpu", mc=_Model(), compute_capability=90) == "pallas"
+        assert resolve("auto", "gpu", mc=QWEN3, compute_capability=90) == "pallas"
     assert "mosaic is unavailable here" in caplog.text
-    assert resolve("mosaic", "cpu", mc=_Model()) == "mosaic"
+    assert resolve("mosaic", "cpu", mc=QWEN3) == "mosaic"
     with pytest.raises(ConfigError, match="mosaic cannot serve this model: .*head_dim"):
-        resolve("mosaic", "gpu", mc=_Model(head_dim=80))
+        resolve("mosaic", "gpu", mc=_model(head_dim=80))
