@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from jaxserve.config import EngineConfig
@@ -23,6 +24,7 @@ from jaxserve.engine.step_records import StepRecord, last_records
 from jaxserve.engine.timeline import ABORT, EntryTimes, RequestTimeline
 from jaxserve.engine.trace import build_trace
 from jaxserve.exceptions import ConfigError, InvalidRequestError
+from jaxserve.models.gguf_loader import is_gguf
 from jaxserve.models.hub import resolve_model
 
 logger = logging.getLogger("jaxserve")
@@ -32,8 +34,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def has_tokenizer_files(path: str) -> bool:
-    from pathlib import Path
-
     return any((Path(path) / f).is_file() for f in _TOKENIZER_FILES)
 
 
@@ -41,6 +41,9 @@ def load_tokenizer(path: str):
     """The checkpoint's tokenizer, or None for a weights-only folder (token-id prompts only)."""
     from transformers import AutoTokenizer
 
+    if is_gguf(path):  # transformers rebuilds the tokenizer and chat template from the metadata
+        file = Path(path)
+        return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name, trust_remote_code=False)
     if not has_tokenizer_files(path):
         logger.warning("no tokenizer files in %s: only token-id prompts, no detokenization", path)
         return None
