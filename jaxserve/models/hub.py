@@ -46,6 +46,7 @@ class ModelSource:
     path: Path
     root: str
     revision: Optional[str] = None
+    served_name: Optional[str] = None  # the name served when the user named no model (a demo)
 
 
 def resolve_model(name: str, *, revision: Optional[str] = None, download_dir: Optional[str] = None,

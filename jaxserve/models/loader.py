@@ -109,6 +109,13 @@ def load_model(folder: str | Path, dtype: str | None = None, scan_layers: bool |
                                           layout=abstract.layout, place=place))
 
 
+def checkpoint_config(path: str | Path) -> ModelConfig:
+    """The config of a checkpoint folder or a ``.gguf`` file, weights unread."""
+    if is_gguf(path):
+        return ModelConfig.from_dict(GGUFCheckpoint(path).hf_config())
+    return ModelConfig.from_pretrained(path)
+
+
 # What becomes of one GGUF tensor at load: ``dequantize`` (floats in the serving dtype), or a
 # policy that keeps it quantized.
 TensorPolicy = Callable[[GGUFTensor, str], np.ndarray]
