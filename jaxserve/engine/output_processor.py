@@ -371,7 +371,7 @@ class OutputProcessor:
         prompt_logprobs = parent.prompt_logprobs
         if kind == RequestOutputKind.DELTA:
             if parent.prompt_logprobs_sent:
-                prompt_logprobs = None
+                prompt_logprobs = []  # vLLM's: sent already, so none new (None means not asked for)
             elif prompt_logprobs is not None:
                 parent.prompt_logprobs_sent = True
         return RequestOutput(
