@@ -26,7 +26,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
-from jaxserve.engine.processor import ProcessedRequest, PromptType
+from jaxserve.engine.processor import ProcessedRequest, PromptType, check_request_id
 from jaxserve.engine.step_records import StepRecord
 from jaxserve.engine.timeline import ABORT, CLIENT_DISCONNECT, EntryTimes, RequestTimeline
 from jaxserve.exceptions import ConfigError, EngineDeadError, EngineOverloadedError
@@ -127,6 +127,7 @@ class AsyncLLM:
         EngineOverloadedError when the waiting queue is full, EngineDeadError if the loop failed.
         Leaving the iteration early (client gone, cancellation) aborts the request; its timeline
         says ``client_disconnect``. ``entry_times``: what the server measured before the engine."""
+        check_request_id(request_id)
         self.check_health()
         if self.num_waiting() >= self.max_waiting:
             raise EngineOverloadedError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
@@ -166,6 +167,7 @@ class AsyncLLM:
                 self._submit(AbortRequest(processed.request_id, CLIENT_DISCONNECT))
 
     async def abort(self, request_id: str) -> None:
+        check_request_id(request_id)
         self._submit(AbortRequest(request_id))
 
     def _submit(self, item: InboxItem) -> None:

@@ -26,7 +26,7 @@ from jaxserve.engine.dp_load import hash_for_routing, pick_replica
 from jaxserve.engine.dp_metrics import merge_stats, render_merged
 from jaxserve.engine.dp_placement import start_replica_engines
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
-from jaxserve.engine.processor import ProcessedRequest, PromptType
+from jaxserve.engine.processor import ProcessedRequest, PromptType, check_request_id
 from jaxserve.engine.step_records import StepRecord, merged_records
 from jaxserve.engine.timeline import EntryTimes, RequestTimeline, merged_timelines
 from jaxserve.engine.trace import build_trace
@@ -96,6 +96,7 @@ class DPAsyncLLM:
                        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
                        entry_times: Optional[EntryTimes] = None) -> AsyncGenerator[RequestOutput, None]:
         """As ``AsyncLLM.generate``, on the replica the router picks."""
+        check_request_id(request_id)
         self.check_health()
         if self.num_waiting() >= self.max_waiting:
             raise EngineOverloadedError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
@@ -135,6 +136,7 @@ class DPAsyncLLM:
         return pick_replica([r.engine for r in self.replicas], self._live_seqs, processed.core_requests[0])
 
     async def abort(self, request_id: str) -> None:
+        check_request_id(request_id)
         index = self._owner.get(request_id)
         if index is not None:
             await self.replicas[index].abort(request_id)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence, Union
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
@@ -18,7 +18,7 @@ from jaxserve.engine.engine_core import EngineCore
 from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.engine.output_processor import OutputProcessor, ParentState
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
-from jaxserve.engine.processor import InputProcessor, ProcessedRequest, PromptType
+from jaxserve.engine.processor import InputProcessor, ProcessedRequest, PromptType, as_request_ids
 from jaxserve.engine.step_records import StepRecord, last_records
 from jaxserve.engine.timeline import ABORT, EntryTimes, RequestTimeline
 from jaxserve.engine.trace import build_trace
@@ -164,10 +164,10 @@ class LLMEngine:
                                          arrival_time=arrival_time)
         return self.add_processed_request(processed, output_kind=output_kind, queue=queue)
 
-    def abort_request(self, request_ids: list[str], cause: str = ABORT) -> None:
-        """Abort requests; ``cause`` (abort, client_disconnect, error) is kept in their timelines.
-        Each one counts as an aborted request in the metrics."""
-        core_ids, aborted = self.output_processor.abort_requests(request_ids, cause)
+    def abort_request(self, request_ids: Union[str, Iterable[str]], cause: str = ABORT) -> None:
+        """Abort one request or several; ``cause`` (abort, client_disconnect, error) is kept in
+        their timelines. Each one counts as an aborted request in the metrics."""
+        core_ids, aborted = self.output_processor.abort_requests(as_request_ids(request_ids), cause)
         self.core.abort_requests(core_ids)
         for parent in aborted:
             self.metrics.record_finished("abort", parent.metrics.e2e_latency)
