@@ -28,7 +28,7 @@ def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
     class HeaderTimeoutProtocol(H11Protocol):
         _header_timer: Optional[asyncio.TimerHandle] = None
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm_header_timer()
 
