@@ -60,6 +60,7 @@ class LLMEngine:
         ``tensor_parallel_size`` of ``jax.devices()``); ``engine_index``: its replica index under
         data parallelism (the metrics' ``engine`` label)."""
         self.config = config
+        self.engine_index = engine_index
         if config.node_rank > 0:  # only rank 0 schedules; the others replay its steps
             raise ConfigError(f"node_rank: {config.node_rank} runs headless (jaxserve serve --node-rank "
                               f"{config.node_rank}, or jaxserve.run_headless), not an engine of its own")
@@ -257,9 +258,13 @@ class LLMEngine:
         return self.core.step_records
 
     def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]:
-        """The newest ``limit`` step records (all kept with None), oldest first."""
+        """The newest ``limit`` step records (all kept with None), oldest first, each carrying this
+        engine's replica index (the core that writes them knows no replicas)."""
         ring = self.core.step_records
-        return [] if ring is None else last_records(ring, limit)
+        records = [] if ring is None else last_records(ring, limit)
+        for record in records:
+            record.engine_index = self.engine_index
+        return records
 
     def build_trace(self, num_steps: Optional[int] = None, num_requests: int = 100) -> dict:
         """A Chrome/Perfetto trace (JSON object) of the newest steps and requests."""
