@@ -218,7 +218,7 @@ class LLMEngine:
 
     def _export_span(self, parent: ParentState) -> None:
         assert self.tracer is not None
-        self.tracer.export(parent.timeline(keep_token_ids=False))
+        self.tracer.export(parent.timeline(keep_token_ids=False), trace_headers=parent.trace_headers)
 
     def check_nodes(self) -> None:
         """Raise ``NodeLostError`` if a host of a multi-node engine was lost (no-op on one host)."""
