@@ -10,5 +10,3 @@ DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
 DEFAULT_REQUEST_HEADER_TIMEOUT_S = 30.0
 # Seconds an idle keep-alive connection stays open.
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5
-# Threads that render chat templates and tokenize for the server.
-DEFAULT_INPUT_WORKERS = 4

@@ -85,7 +85,8 @@ class AsyncLLM:
         self._dead: Optional[BaseException] = None
         self._pending_adds = 0
         self._processing = 0  # requests being tokenized (touched on the callers' event loop only)
-        self._input_pool = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="jaxserve-input")
+        # The one pool that tokenizes: prompts here, chat templates and tokenizing for the server.
+        self.input_pool = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="jaxserve-input")
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -135,7 +136,7 @@ class AsyncLLM:
         self._processing += 1  # counted as waiting from now, so the queue limit holds meanwhile
         try:
             processed = await asyncio.get_running_loop().run_in_executor(
-                self._input_pool, functools.partial(self.engine.process_request, request_id, prompt,
+                self.input_pool, functools.partial(self.engine.process_request, request_id, prompt,
                                                     sampling_params, priority=priority, cache_salt=cache_salt,
                                                     arrival_time=time.monotonic(), entry_times=entry_times))
         finally:
@@ -255,4 +256,4 @@ class AsyncLLM:
         self._wake.set()
         self._thread.join(timeout)
         self.engine.shutdown()
-        self._input_pool.shutdown(wait=False, cancel_futures=True)
+        self.input_pool.shutdown(wait=False, cancel_futures=True)

@@ -57,7 +57,7 @@ class DPAsyncLLM:
         self._owner: dict[str, int] = {}
         self._live_seqs = [0] * len(self.replicas)
         self._processing = 0
-        self._input_pool = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="jaxserve-input")
+        self.input_pool = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="jaxserve-input")
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, served_model_name: Optional[str] = None, max_waiting: int = 1024,
@@ -103,7 +103,7 @@ class DPAsyncLLM:
         self._processing += 1
         try:
             processed = await asyncio.get_running_loop().run_in_executor(
-                self._input_pool, functools.partial(self._process, request_id, prompt, sampling_params, priority,
+                self.input_pool, functools.partial(self._process, request_id, prompt, sampling_params, priority,
                                                     cache_salt, time.monotonic(), entry_times))
         finally:
             self._processing -= 1
@@ -173,4 +173,4 @@ class DPAsyncLLM:
     def shutdown(self, timeout: float = 5.0) -> None:
         for replica in self.replicas:
             replica.shutdown(timeout)
-        self._input_pool.shutdown(wait=False, cancel_futures=True)
+        self.input_pool.shutdown(wait=False, cancel_futures=True)
