@@ -86,5 +86,5 @@ class ServerState:
 
 def dead_message(engine) -> str:
     """What a 503 of a dead engine says: its loop failed, and the cause when the engine knows it."""
-    reason = getattr(engine, "dead_reason", None)
+    reason = engine.dead_reason
     return f"the engine is dead (its loop failed: {reason})" if reason else "the engine is dead (its loop failed)"

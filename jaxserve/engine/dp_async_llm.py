@@ -78,6 +78,11 @@ class DPAsyncLLM:
         """One failed replica fails the whole server, as in vLLM: its requests are lost."""
         return any(r.is_dead for r in self.replicas)
 
+    @property
+    def dead_reason(self) -> Optional[str]:
+        """The first failed replica's cause (``AsyncLLM.dead_reason``), None while all run."""
+        return next((f"engine replica {i}: {r.dead_reason}" for i, r in enumerate(self.replicas) if r.is_dead), None)
+
     def check_health(self) -> None:
         for index, replica in enumerate(self.replicas):
             try:

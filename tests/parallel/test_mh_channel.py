@@ -25,6 +25,17 @@ SCRIPT = textwrap.dedent("""
     from jaxserve.distributed.runtime import coordination_client, start_distributed_runtime
     from jaxserve.exceptions import NodeLostError
 
+    def time_to_loss(monitor, limit_s=5.0):
+        # (the monitor's NodeLostError text, seconds until it came), or (None, limit_s)
+        t = time.monotonic()
+        try:
+            while time.monotonic() - t < limit_s:
+                monitor.check(force=True)
+                time.sleep(0.05)
+        except NodeLostError as exc:
+            return str(exc), time.monotonic() - t
+        return None, limit_s
+
     port = int(sys.argv[1])
     start_distributed_runtime(EngineConfig(nnodes=1, master_addr="127.0.0.1", master_port=port))
     start_distributed_runtime(EngineConfig(nnodes=1, master_addr="127.0.0.1", master_port=port))  # idempotent
@@ -51,15 +62,7 @@ SCRIPT = textwrap.dedent("""
         monitor.check(force=True)
         time.sleep(0.05)
     beat.stop()
-    t = time.monotonic()
-    try:
-        while time.monotonic() - t < 5:
-            monitor.check(force=True)
-            time.sleep(0.05)
-        found["lost"] = None
-    except NodeLostError as exc:
-        found["lost"] = str(exc)
-        found["lost_after_s"] = time.monotonic() - t
+    found["lost"], found["lost_after_s"] = time_to_loss(monitor)
 
     # The step-progress watchdog: a follower that beats but stops applying messages is lost.
     applied = [0]
@@ -72,15 +75,7 @@ SCRIPT = textwrap.dedent("""
         time.sleep(0.05)
         monitor.check(force=True)
     monitor.note_published()  # never applied, while the heartbeat goes on
-    t = time.monotonic()
-    try:
-        while time.monotonic() - t < 5:
-            monitor.check(force=True)
-            time.sleep(0.05)
-        found["stuck"] = None
-    except NodeLostError as exc:
-        found["stuck"] = str(exc)
-        found["stuck_after_s"] = time.monotonic() - t
+    found["stuck"], found["stuck_after_s"] = time_to_loss(monitor)
     beat.stop()
     print("RESULT " + json.dumps(found))
 """)
