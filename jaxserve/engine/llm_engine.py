@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence, Union
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
@@ -19,7 +19,7 @@ from jaxserve.engine.engine_core import EngineCore
 from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.engine.output_processor import OutputProcessor, ParentState
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
-from jaxserve.engine.processor import InputProcessor, ProcessedRequest, PromptType
+from jaxserve.engine.processor import InputProcessor, ProcessedRequest, PromptType, as_request_ids
 from jaxserve.engine.step_records import StepRecord, last_records
 from jaxserve.engine.timeline import ABORT, EntryTimes, RequestTimeline
 from jaxserve.engine.trace import build_trace
@@ -64,6 +64,7 @@ class LLMEngine:
         ``tensor_parallel_size`` of ``jax.devices()``); ``engine_index``: its replica index under
         data parallelism (the metrics' ``engine`` label)."""
         self.config = config
+        self.engine_index = engine_index
         if config.node_rank > 0:  # only rank 0 schedules; the others replay its steps
             raise ConfigError(f"node_rank: {config.node_rank} runs headless (jaxserve serve --node-rank "
                               f"{config.node_rank}, or jaxserve.run_headless), not an engine of its own")
@@ -171,10 +172,10 @@ class LLMEngine:
                                          arrival_time=arrival_time)
         return self.add_processed_request(processed, output_kind=output_kind, queue=queue)
 
-    def abort_request(self, request_ids: list[str], cause: str = ABORT) -> None:
-        """Abort requests; ``cause`` (abort, client_disconnect, error) is kept in their timelines.
-        Each one counts as an aborted request in the metrics."""
-        core_ids, aborted = self.output_processor.abort_requests(request_ids, cause)
+    def abort_request(self, request_ids: Union[str, Iterable[str]], cause: str = ABORT) -> None:
+        """Abort one request or several; ``cause`` (abort, client_disconnect, error) is kept in
+        their timelines. Each one counts as an aborted request in the metrics."""
+        core_ids, aborted = self.output_processor.abort_requests(as_request_ids(request_ids), cause)
         self.core.abort_requests(core_ids)
         for parent in aborted:
             self.metrics.record_finished("abort", parent.metrics.e2e_latency)
@@ -224,7 +225,7 @@ class LLMEngine:
 
     def _export_span(self, parent: ParentState) -> None:
         assert self.tracer is not None
-        self.tracer.export(parent.timeline(keep_token_ids=False))
+        self.tracer.export(parent.timeline(keep_token_ids=False), trace_headers=parent.trace_headers)
 
     def check_nodes(self) -> None:
         """Raise ``NodeLostError`` if a host of a multi-node engine was lost (no-op on one host)."""
@@ -264,9 +265,13 @@ class LLMEngine:
         return self.core.step_records
 
     def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]:
-        """The newest ``limit`` step records (all kept with None), oldest first."""
+        """The newest ``limit`` step records (all kept with None), oldest first, each carrying this
+        engine's replica index (the core that writes them knows no replicas)."""
         ring = self.core.step_records
-        return [] if ring is None else last_records(ring, limit)
+        records = [] if ring is None else last_records(ring, limit)
+        for record in records:
+            record.engine_index = self.engine_index
+        return records
 
     def build_trace(self, num_steps: Optional[int] = None, num_requests: int = 100) -> dict:
         """A Chrome/Perfetto trace (JSON object) of the newest steps and requests."""

@@ -7,7 +7,7 @@ transformers loads: ``config.json`` written by transformers' config class, weigh
 and written as safetensors (:mod:`jaxserve.models.random_weights`), and a byte-level BPE tokenizer
 trained with ``tokenizers`` on text generated here, with a ChatML chat template that renders tools
 as Qwen3's does. A build is byte-identical from run to run. The test suite builds its tiny
-checkpoints with the same function (``jaxserve.testing``).
+checkpoints with the same function (``tests/tiny_models.py``).
 """
 
 from __future__ import annotations

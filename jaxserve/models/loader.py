@@ -26,44 +26,13 @@ from flax import nnx
 from jaxserve.exceptions import ConfigError
 from jaxserve.models.config import ModelConfig, normalize_dtype_name
 from jaxserve.models.gguf_loader import GGUFCheckpoint, GGUFTensor, dequantize, is_gguf
+from jaxserve.models.hf_tensors import expected_tensors
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.safetensors_io import open_checkpoint_files
 from jaxserve.models.tp_layout import TPLayout, check_tensor_parallel_size, split_axis
 
 # Buffers some exporters write that carry no weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name the checkpoint must hold, with its shape."""
-    h, q, kv, inter, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
-    names = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        names["lm_head.weight"] = (cfg.vocab_size, h)
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        names.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        })
-        if cfg.attention_bias:
-            names.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                          p + "self_attn.v_proj.bias": (kv,)})
-        if cfg.o_proj_bias:
-            names[p + "self_attn.o_proj.bias"] = (h,)
-        if cfg.mlp_bias:
-            names.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
-                          p + "mlp.down_proj.bias": (h,)})
-        if cfg.qk_norm:
-            names.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
-    return names
 
 
 def check_tensors(cfg: ModelConfig, available: dict[str, tuple[int, ...]]) -> None:

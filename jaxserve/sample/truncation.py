@@ -24,9 +24,8 @@ import jax.numpy as jnp
 from jax import lax
 
 # Static size of the partial sort. 256 covers the usual top_k settings (20..100; HF's default 50)
-# and the nucleus of a peaked distribution. On CPU at R=256, V=151936, top-256 takes ~0.17 s
-# against ~17 s for the full sort (`python -m jaxserve.sample.bench`); 64 saves little more and
-# sends top_k in (64, 256] to the sort.
+# and the nucleus of a peaked distribution, far cheaper than the full sort (docs/benchmarks.md,
+# "The sampler"); 64 saves little more and sends top_k in (64, 256] to the sort.
 DEFAULT_TOP_K_CAP = 256
 
 
