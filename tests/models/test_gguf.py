@@ -77,7 +77,7 @@ def test_a_failed_fetch_is_typed_and_the_default_falls_back_to_the_random_demo(t
 
 @pytest.fixture(scope="module")
 def float16_checkpoint(tmp_path_factory):
-    from jaxserve.testing import build_tiny_checkpoint
+    from tests.tiny_models import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("fp16"), dtype="float16")
 
