@@ -43,7 +43,38 @@ class KVCacheManagerInterface(Protocol):
     def reset_prefix_cache(self) -> bool: ...
 
 
-class KVCacheManager:
+class _BlockPoolViews:
+    """What both managers read the same way off their block pool."""
+
+    block_pool: BlockPool
+    enable_caching: bool
+    log_stats: bool
+    prefix_cache_stats: PrefixCacheStats
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_gpu_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def reads_prefix_cache(self, request: Request) -> bool:
+        """Whether a lookup for ``request`` consults the cache (and counts as a query)."""
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.block_pool.reset_prefix_cache()
+        if ok and self.log_stats:
+            self.prefix_cache_stats.num_resets += 1
+        return ok
+
+
+class KVCacheManager(_BlockPoolViews):
     """Owns ``req_to_blocks``: each live request's block table, in token order.
 
     Invariants:
@@ -69,22 +100,6 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
-
-    @property
-    def num_blocks(self) -> int:
-        return self.block_pool.num_gpu_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.block_pool.get_usage()
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.get_num_free_blocks()
-
-    def reads_prefix_cache(self, request: Request) -> bool:
-        """Whether a lookup for ``request`` consults the cache (and counts as a query)."""
-        return self.enable_caching and request.sampling_params.prompt_logprobs is None
 
     def get_computed_blocks(self, request: Request,
                             record_stats: bool = True) -> tuple[list[KVCacheBlock], int]:
@@ -196,14 +211,8 @@ class KVCacheManager:
         """Ids of blocks ``allocate_slots`` returned, as the scheduler ships them."""
         return [b.block_id for b in blocks]
 
-    def reset_prefix_cache(self) -> bool:
-        ok = self.block_pool.reset_prefix_cache()
-        if ok and self.log_stats:
-            self.prefix_cache_stats.num_resets += 1
-        return ok
 
-
-class HybridKVCacheManager:
+class HybridKVCacheManager(_BlockPoolViews):
     """``KVCacheManager``'s interface over KV cache groups (``HybridKVCacheCoordinator``): one
     block table per group and request, sliding-window groups freeing what falls out of the window.
 
@@ -227,21 +236,6 @@ class HybridKVCacheManager:
         self.max_num_blocks_per_req = kv_cache_config.max_num_blocks_per_req(
             max_model_len, max_num_batched_tokens)
         self.prefix_cache_stats = PrefixCacheStats()
-
-    @property
-    def num_blocks(self) -> int:
-        return self.block_pool.num_gpu_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.block_pool.get_usage()
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.get_num_free_blocks()
-
-    def reads_prefix_cache(self, request: Request) -> bool:
-        return self.enable_caching and request.sampling_params.prompt_logprobs is None
 
     def get_computed_blocks(self, request: Request,
                             record_stats: bool = True) -> tuple[GroupBlocks, int]:
@@ -292,9 +286,3 @@ class HybridKVCacheManager:
 
     def new_block_ids(self, blocks: GroupBlocks) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in group] for group in blocks)
-
-    def reset_prefix_cache(self) -> bool:
-        ok = self.block_pool.reset_prefix_cache()
-        if ok and self.log_stats:
-            self.prefix_cache_stats.num_resets += 1
-        return ok

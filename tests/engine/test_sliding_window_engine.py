@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.core import HybridKVCacheManager
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.testing import build_tiny_checkpoint
+from tests.models.test_model_vs_hf import hf_greedy
 from tests.shapes import ENGINE_TESTS_SHAPE
 
 WINDOW = 20  # over one 16-token block, not a multiple of it
@@ -36,13 +35,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def hf_outputs(checkpoint, prompts):
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    outs = []
-    for p in prompts:
-        gen = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=MAX_TOKENS,
-                             min_new_tokens=MAX_TOKENS, pad_token_id=0)
-        outs.append(gen[0, len(p):].tolist())
-    return outs
+    return [hf_greedy(checkpoint, p, MAX_TOKENS) for p in prompts]
 
 
 def generate(checkpoint, prompts, **engine_args):
