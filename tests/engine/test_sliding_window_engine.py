@@ -61,3 +61,26 @@ def test_window_frees_blocks_and_matches_hf(checkpoint, prompts, hf_outputs):
     again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == hf_outputs
     assert llm.stats()["prefix_cache_hits"] > 0
+
+
+def test_kv_sizing_counts_what_the_window_keeps(checkpoint):
+    import dataclasses
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.models import ModelConfig
+    from jaxserve.runner.kv_cache import blocks_per_request, bytes_per_block, determine_num_blocks
+
+    mc = ModelConfig.from_pretrained(checkpoint)
+    full = dataclasses.replace(mc, sliding_window=None)
+    # Window 20 with 64-token steps: cdiv(19 + 64, 16) + 1 = 7 blocks, against 16 for 256 tokens.
+    assert blocks_per_request(mc, 16, 256, 64) == 7
+    assert blocks_per_request(full, 16, 256, 64) == 16
+    assert blocks_per_request(mc, 16, 20, 64) == 2  # a window as long as the context: full attention
+    cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64)
+    assert determine_num_blocks(mc, cfg, 256) == 4 * 7 + 1
+    assert determine_num_blocks(full, cfg, 256) == 4 * 16 + 1
+    # A budget of 10 blocks holds a windowed request of 256 tokens, not a full-attention one.
+    small = EngineConfig(kv_cache_memory=bytes_per_block(mc, 16) * 10, max_num_batched_tokens=64)
+    assert determine_num_blocks(mc, small, 256) == 10
+    with pytest.raises(ValueError, match="needs 17"):
+        determine_num_blocks(full, small, 256)
