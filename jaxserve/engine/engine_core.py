@@ -133,6 +133,7 @@ class EngineCore:
             with self.startup.phase("model"):  # before this thread imports jax: a wrong name fails fast
                 self.model_source = resolve_model_source(config)
 
+        from jaxserve.engine.kv_cache_setup import make_kv_cache_manager
         from jaxserve.models import load_model
         from jaxserve.models.contract import check_model_object
         from jaxserve.runner.compilation import enable_persistent_compilation_cache
@@ -176,6 +177,9 @@ class EngineCore:
                 max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 policy=config.scheduling_policy, async_scheduling=config.async_scheduling),
+            make_kv_cache_manager(model.config, self.runner.num_blocks, config.block_size,
+                                  model.config.dtype, self.max_model_len, config.max_num_batched_tokens,
+                                  config.enable_prefix_caching),
             num_blocks=self.runner.num_blocks, block_size=config.block_size,
             enable_caching=config.enable_prefix_caching)
         # record_steps=True (notebooks, the bench's profile) keeps at least 10 000 records.

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jaxserve import envs
 from jaxserve.config import EngineConfig
+from jaxserve.core.kv_cache_spec import SlidingWindowSpec
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.exceptions import ConfigError
 from jaxserve.models.config import ModelConfig
@@ -95,11 +96,24 @@ def kv_cache_budget(memory: DeviceMemory, utilization: float, peak_temp_bytes: i
     return KVBudget(memory.total_bytes, utilization, usable, memory.held_bytes, peak_temp_bytes, reserve_bytes)
 
 
-def blocks_for_budget(budget_bytes: int, per_block: int, block_size: int, max_model_len: int) -> int:
+def blocks_per_request(mc: ModelConfig, block_size: int, max_model_len: int,
+                       max_num_batched_tokens: int) -> int:
+    """The most blocks one ``max_model_len`` request holds at once: all of its context, or with a
+    sliding window over every layer, the window and a step's chunk (``SlidingWindowSpec``'s
+    bound, which the engine's ``HybridKVCacheManager`` keeps to)."""
+    full = cdiv(max_model_len, block_size)
+    if mc.sliding_window is None or mc.sliding_window >= max_model_len:
+        return full
+    spec = SlidingWindowSpec(block_size, mc.num_key_value_heads, mc.head_dim, mc.dtype, mc.sliding_window)
+    return spec.max_num_blocks(max_model_len, max_num_batched_tokens)
+
+
+def blocks_for_budget(budget_bytes: int, per_block: int, block_size: int, max_model_len: int,
+                      blocks_per_req: int | None = None) -> int:
     """Blocks that fit ``budget_bytes``; refuses a cache that cannot hold one ``max_model_len``
-    request (its blocks plus the reserved null block 0)."""
+    request (its blocks, ``blocks_per_req`` when a window keeps fewer, plus the null block 0)."""
     num_blocks = max(0, int(budget_bytes // per_block))
-    needed = cdiv(max_model_len, block_size) + 1
+    needed = (cdiv(max_model_len, block_size) if blocks_per_req is None else blocks_per_req) + 1
     if num_blocks < needed:
         raise ConfigError(
             f"kv cache: {max(budget_bytes, 0)} bytes hold {num_blocks} blocks of {per_block} bytes, but one "
@@ -143,17 +157,17 @@ def determine_num_blocks(mc: ModelConfig, cfg: EngineConfig, max_model_len: int,
     per_block = bytes_per_block(mc, cfg.block_size, cfg.tensor_parallel_size)
     if cfg.num_gpu_blocks_override is not None:
         return cfg.num_gpu_blocks_override
+    blocks_per_seq = blocks_per_request(mc, cfg.block_size, max_model_len, cfg.max_num_batched_tokens)
     if cfg.kv_cache_memory is not None:
-        return blocks_for_budget(cfg.kv_cache_memory, per_block, cfg.block_size, max_model_len)
+        return blocks_for_budget(cfg.kv_cache_memory, per_block, cfg.block_size, max_model_len, blocks_per_seq)
     if platform == "gpu":
         if memory is None:
             raise ConfigError("kv cache: sizing by gpu_memory_utilization needs the device's memory figures")
         budget = kv_cache_budget(memory, cfg.gpu_memory_utilization, peak_temp_bytes)
         logger.info("KV cache budget: %s", budget.describe())
-        return blocks_for_budget(budget.kv_bytes, per_block, cfg.block_size, max_model_len)
-    blocks_per_seq = cdiv(max_model_len, cfg.block_size)
+        return blocks_for_budget(budget.kv_bytes, per_block, cfg.block_size, max_model_len, blocks_per_seq)
     budget_bytes = min(CPU_DEFAULT_KV_BYTES, (cfg.max_num_seqs * blocks_per_seq + 1) * per_block)
-    return blocks_for_budget(budget_bytes, per_block, cfg.block_size, max_model_len)
+    return blocks_for_budget(budget_bytes, per_block, cfg.block_size, max_model_len, blocks_per_seq)
 
 
 def kv_cache_shape(mc: ModelConfig, num_blocks: int, block_size: int,

@@ -47,7 +47,14 @@ from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.compilation import CompiledSteps, StepVariant
 from jaxserve.runner.compile_stats import CompileStats
 from jaxserve.runner.device_state import DeviceState, StepOutput
-from jaxserve.runner.input_batch import CachedRequestState, PersistentBatch, SlotAllocator, StepPlan, build_step_arrays
+from jaxserve.runner.input_batch import (
+    CachedRequestState,
+    PersistentBatch,
+    SlotAllocator,
+    StepPlan,
+    build_step_arrays,
+    single_group_block_ids,
+)
 from jaxserve.runner.inspection import PackedStep
 from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks, gpu_device_memory
 from jaxserve.runner.mesh import kv_cache_sharding, make_mesh, replicated, select_devices, weight_shardings
@@ -432,13 +439,15 @@ class ModelRunner:
                 output_token_ids=list(new.output_token_ids or []), sampling_params=params,
                 num_computed_tokens=new.num_computed_tokens, slot=slot,
                 prompt_logprobs_rows=[] if params.prompt_logprobs is not None else None)
-            self.batch.add_request(slot, new.prompt_token_ids, new.output_token_ids or [], new.block_ids)
+            self.batch.add_request(slot, new.prompt_token_ids, new.output_token_ids or [],
+                                   single_group_block_ids(new.block_ids))
             self.sampling_table.set_row(slot, params, seed)
             if uses_penalties(params):
                 self._set_penalty_row(slot, new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.requests[req_id]
+            new_blocks = single_group_block_ids(new_blocks)
             if new_blocks:
                 self.batch.append_blocks(state.slot, new_blocks)
             state.num_computed_tokens = num_computed
