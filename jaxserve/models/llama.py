@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.layers.attention import AttentionFn, AttentionMetadata, paged_attention
+from jaxserve.layers.attention import AttentionFn, AttentionMetadata, paged_attention, to_cache_dtype
 from jaxserve.layers.embedding import Embedding
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.norm import RMSNorm
@@ -93,7 +93,7 @@ class LlamaAttention(nnx.Module):
         k = apply_rope(k, ctx.cos, ctx.sin)
         k_pool, v_pool = kv
         out, k_pool, v_pool = paged_attention(
-            q, k.astype(k_pool.dtype), v.astype(v_pool.dtype), k_pool, v_pool, layer, ctx.num_blocks, ctx.md,
+            q, to_cache_dtype(k, k_pool.dtype), to_cache_dtype(v, v_pool.dtype), k_pool, v_pool, layer, ctx.num_blocks, ctx.md,
             ctx.attn_fn, sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window, mesh=ctx.mesh,
         )
         return self.o_proj(out.reshape(out.shape[0], -1).astype(x.dtype)), (k_pool, v_pool)

@@ -23,7 +23,7 @@ def fp8_batch(head_dim: int, block_size: int, scenario: str, q_dtype=jnp.float32
     return (q.astype(q_dtype), kc.astype(jnp.float8_e4m3fn), vc.astype(jnp.float8_e4m3fn), *rest)
 
 
-@pytest.mark.parametrize("scenario", ["mixed", "decode"])
+@pytest.mark.parametrize("scenario", ["mixed"])  # decode rows, prefill chunks and prefix hits
 @pytest.mark.parametrize("backend", ["xla", "cpu"])
 def test_fp8_pools_match_oracle(backend, scenario):
     if backend == "cpu" and shutil.which(os.environ.get("CXX", "g++")) is None:
