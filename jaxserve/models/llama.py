@@ -93,8 +93,9 @@ class LlamaAttention(nnx.Module):
         k = apply_rope(k, ctx.cos, ctx.sin)
         k_pool, v_pool = kv
         out, k_pool, v_pool = paged_attention(
-            q, to_cache_dtype(k, k_pool.dtype), to_cache_dtype(v, v_pool.dtype), k_pool, v_pool, layer, ctx.num_blocks, ctx.md,
-            ctx.attn_fn, sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window, mesh=ctx.mesh,
+            q, to_cache_dtype(k, k_pool.dtype), to_cache_dtype(v, v_pool.dtype), k_pool, v_pool, layer,
+            ctx.num_blocks, ctx.md, ctx.attn_fn, sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window,
+            mesh=ctx.mesh,
         )
         return self.o_proj(out.reshape(out.shape[0], -1).astype(x.dtype)), (k_pool, v_pool)
 
