@@ -37,7 +37,7 @@ from flax import nnx
 
 import pallas_kernels
 from jaxserve import envs
-from jaxserve.config import EngineConfig
+from jaxserve.config import FP8_KV_UNREAD_BY, EngineConfig
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.exceptions import ConfigError
@@ -155,6 +155,9 @@ class ModelRunner:
         # (sizing on a GPU compiles the largest bucket to read its temporary memory).
         self.buckets = BucketTable.build(max_step_tokens(config, max_model_len), config.max_num_seqs)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.target.platform)
+        if config.kv_cache_dtype != "auto" and self.attention_backend in FP8_KV_UNREAD_BY:  # "auto" chose it
+            raise ConfigError(f"kv_cache_dtype {config.kv_cache_dtype}: the {self.attention_backend} attention "
+                              "backend does not read an fp8 cache yet; use --attention-backend xla")
         interpret = config.interpret_kernels
         if interpret is None:
             interpret = self.target.platform != "gpu"
