@@ -59,3 +59,16 @@ def test_quantized_model_logits_close_to_float(llama):
 def test_unknown_method_is_a_config_error(llama):
     with pytest.raises(ConfigError, match="quantization"):
         load_model(llama, quantization="int4")
+
+
+def test_scales_are_sharded_with_their_columns():
+    from jax.sharding import PartitionSpec
+
+    from jaxserve.runner.mesh import TP_AXIS, param_spec
+
+    # Scanned stacks carry a leading layer axis; the scale of a column-split kernel splits with it.
+    assert param_spec(("layers", "stacked", "self_attn", "qkv_proj", "kernel_scale"), 2) == PartitionSpec(None, TP_AXIS)
+    assert param_spec(("layers", 0, "mlp", "gate_up_proj", "kernel_scale"), 1) == PartitionSpec(TP_AXIS)
+    for module in ("self_attn", "o_proj"), ("mlp", "down_proj"):  # row-split kernels: scales replicated
+        assert param_spec(("layers", 0, *module, "kernel_scale"), 1) == PartitionSpec()
+        assert param_spec(("layers", 0, *module, "kernel"), 2) == PartitionSpec(TP_AXIS, None)
