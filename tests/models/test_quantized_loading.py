@@ -47,13 +47,12 @@ def test_dequantized_weights_match_float_in_every_layout(llama, method, tp):
 def test_quantized_model_logits_close_to_float(llama):
     ids = prompt(24, seed=3)
     ref = PagedSequence(load_model(llama, "float32", scan_layers=True)).feed(ids)
-    for method, tol in (("int8", 0.05), ("fp8", 0.1)):
-        model = load_model(llama, "float32", scan_layers=True, quantization=method)
-        assert model.layers.stacked.mlp.down_proj.kernel[...].dtype == (jnp.int8 if method == "int8"
-                                                                       else jnp.float8_e4m3fn)
-        got = PagedSequence(model).feed(ids)
-        assert np.abs(log_softmax(got, -1) - log_softmax(ref, -1)).max() < tol, method
-        assert not np.allclose(got, ref)  # the weights really are quantized
+    # int8 only: fp8's weights are checked above, and each model costs a compile.
+    model = load_model(llama, "float32", scan_layers=True, quantization="int8")
+    assert model.layers.stacked.mlp.down_proj.kernel[...].dtype == jnp.int8
+    got = PagedSequence(model).feed(ids)
+    assert np.abs(log_softmax(got, -1) - log_softmax(ref, -1)).max() < 0.05
+    assert not np.allclose(got, ref)  # the weights really are quantized
 
 
 def test_unknown_method_is_a_config_error(llama):
