@@ -157,12 +157,13 @@ class EngineCore:
             dtype = self._serving_dtype(str(self.model_source.path), devices[0].platform)
             with self.startup.phase("weights"):  # each shard read straight onto its device
                 model = load_model(str(self.model_source.path), dtype, config.scan_layers,
-                                   tensor_parallel_size=tp,
+                                   tensor_parallel_size=tp, quantization=config.quantization,
                                    place=lambda path, shape: param_sharding(mesh, path, len(shape)))
         else:
             check_model_object(model)
-            if config.model or config.dtype != "auto" or config.scan_layers is not None:
-                raise ConfigError("model, dtype and scan_layers describe a checkpoint to load; "
+            if (config.model or config.dtype != "auto" or config.scan_layers is not None
+                    or config.quantization is not None):
+                raise ConfigError("model, dtype, scan_layers and quantization describe a checkpoint to load; "
                                   "a model object is served as it is built")
             if tp > 1:
                 raise ConfigError("tensor_parallel_size: a model object is served as it is built, on one "

@@ -98,6 +98,7 @@ class LLMEngine:
         self.model_root = self.core.model_source.root if self.core.model_source else self.served_model_name
         self.metrics = EngineMetrics(self.served_model_name, self.core.attention_backend, engine_index)
         self.metrics.record_startup(self.core.startup.phases, self.core.runner.stats)
+        self.metrics.record_memory(self.core.runner.memory())
         self._report_startup(show_progress)
         self.core.runner.start_deferred_compiles()
 
@@ -123,6 +124,9 @@ class LLMEngine:
     def _report_startup(self, show_progress: bool) -> None:
         stats = self.core.runner.stats
         line = self.core.startup.summary(len(stats.compile_seconds_per_bucket), stats.persistent_cache_hits)
+        mem = self.core.runner.memory()
+        line += (f"; weights {mem['weight_bytes'] / 2**20:.1f} MiB ({mem['quantization']}), "
+                 f"KV cache {mem['kv_cache_bytes'] / 2**20:.1f} MiB ({mem['kv_cache_dtype']})")
         logger.info(line)
         if show_progress and not logger.isEnabledFor(logging.INFO):  # no logging set up (a notebook)
             print(f"jaxserve: {line}", file=sys.stderr, flush=True)  # stdout may carry JSON

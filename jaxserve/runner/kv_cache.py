@@ -38,10 +38,21 @@ GPU_RESERVE_BYTES = 1024 * 1024 * 1024
 XLA_DEFAULT_MEM_FRACTION = 0.75
 
 
-def bytes_per_block(mc: ModelConfig, block_size: int, tensor_parallel_size: int = 1) -> int:
+# --kv-cache-dtype -> the pool's dtype; "auto" is the model's. fp8 is stored with scale 1.0, as vLLM
+# stores it without calibrated k/v scales (the values are cast, saturating at e4m3's 448).
+KV_CACHE_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
+
+
+def kv_cache_dtype(mc: ModelConfig, name: str = "auto") -> jnp.dtype:
+    return jnp.dtype(KV_CACHE_DTYPES.get(name, mc.dtype))
+
+
+def bytes_per_block(mc: ModelConfig, block_size: int, tensor_parallel_size: int = 1,
+                    cache_dtype: str = "auto") -> int:
     """K and V of every layer for one block, on one device: split ``tensor_parallel_size`` ways
-    on the stored key/value heads (:class:`~jaxserve.models.tp_layout.TPLayout`)."""
-    itemsize = jnp.dtype(mc.dtype).itemsize
+    on the stored key/value heads (:class:`~jaxserve.models.tp_layout.TPLayout`), in the
+    ``--kv-cache-dtype`` ``cache_dtype``."""
+    itemsize = kv_cache_dtype(mc, cache_dtype).itemsize
     heads = TPLayout.of(mc, tensor_parallel_size).kv_heads_per_shard
     return 2 * mc.num_hidden_layers * block_size * heads * mc.head_dim * itemsize
 
@@ -154,7 +165,7 @@ def determine_num_blocks(mc: ModelConfig, cfg: EngineConfig, max_model_len: int,
                          memory: DeviceMemory | None = None, peak_temp_bytes: int = 0) -> int:
     """Blocks of the KV cache. On a GPU without an explicit size, ``memory`` (the device's
     figures) and ``peak_temp_bytes`` (the largest compiled step's temporaries) are required."""
-    per_block = bytes_per_block(mc, cfg.block_size, cfg.tensor_parallel_size)
+    per_block = bytes_per_block(mc, cfg.block_size, cfg.tensor_parallel_size, cfg.kv_cache_dtype)
     if cfg.num_gpu_blocks_override is not None:
         return cfg.num_gpu_blocks_override
     blocks_per_seq = blocks_per_request(mc, cfg.block_size, max_model_len, cfg.max_num_batched_tokens)
@@ -178,7 +189,8 @@ def kv_cache_shape(mc: ModelConfig, num_blocks: int, block_size: int,
     return (mc.num_hidden_layers, num_blocks, block_size, heads, mc.head_dim)
 
 
-def allocate_kv_cache(mc: ModelConfig, num_blocks: int, block_size: int,
-                      tensor_parallel_size: int = 1) -> tuple[jax.Array, jax.Array]:
+def allocate_kv_cache(mc: ModelConfig, num_blocks: int, block_size: int, tensor_parallel_size: int = 1,
+                      cache_dtype: str = "auto") -> tuple[jax.Array, jax.Array]:
     shape = kv_cache_shape(mc, num_blocks, block_size, tensor_parallel_size)
-    return jnp.zeros(shape, mc.dtype), jnp.zeros(shape, mc.dtype)
+    dtype = kv_cache_dtype(mc, cache_dtype)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

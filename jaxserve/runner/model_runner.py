@@ -37,7 +37,7 @@ from flax import nnx
 
 import pallas_kernels
 from jaxserve import envs
-from jaxserve.config import EngineConfig
+from jaxserve.config import FP8_KV_UNREAD_BY, EngineConfig
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.exceptions import ConfigError
@@ -167,6 +167,9 @@ class ModelRunner:
         self.buckets = BucketTable.build(max_step_tokens(config, max_model_len), config.max_num_seqs)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.target.platform,
                                                            self.mc.dtype)
+        if config.kv_cache_dtype != "auto" and self.attention_backend in FP8_KV_UNREAD_BY:  # "auto" chose it
+            raise ConfigError(f"kv_cache_dtype {config.kv_cache_dtype}: the {self.attention_backend} attention "
+                              "backend does not read an fp8 cache yet; use --attention-backend xla")
         interpret = config.interpret_kernels
         if interpret is None:
             interpret = self.target.platform != "gpu"
@@ -245,7 +248,7 @@ class ModelRunner:
     def _zero_state(self, num_blocks: int) -> DeviceState:
         slots = self.config.max_num_seqs
         return DeviceState(kv_cache=allocate_kv_cache(self.mc, num_blocks, self.block_size,
-                                                      self.config.tensor_parallel_size),
+                                                      self.config.tensor_parallel_size, self.config.kv_cache_dtype),
                            penalties=PenaltyTables.zeros(slots, self.mc.vocab_size),
                            prev_sampled=jnp.zeros((slots,), jnp.int32))
 
@@ -281,9 +284,19 @@ class ModelRunner:
         return peak
 
     def describe(self) -> dict:
-        """What this runner was built with: pool size, backend, layer layout, token buckets."""
+        """What this runner was built with: pool size, backend, layer layout, token buckets, and the
+        bytes its weights and KV cache hold (all devices together) in their formats."""
         return {"num_gpu_blocks": self.num_blocks, "attention_backend": self.attention_backend,
-                "scan_layers": self.scan_layers, "token_buckets": list(self.buckets.token_buckets)}
+                "scan_layers": self.scan_layers, "token_buckets": list(self.buckets.token_buckets),
+                **self.memory()}
+
+    def memory(self) -> dict:
+        """Weight and KV cache bytes, and the formats they are stored in."""
+        nbytes = lambda x: int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize  # noqa: E731  (arrays or shapes)
+        return {"weight_bytes": sum(nbytes(x) for x in jax.tree.leaves(self.model_state)),
+                "kv_cache_bytes": sum(nbytes(x) for x in self._state_spec.kv_cache),
+                "quantization": self.config.quantization or "none",
+                "kv_cache_dtype": str(self._state_spec.kv_cache[0].dtype)}
 
     # ---- the step ------------------------------------------------------------------------------
 
