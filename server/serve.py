@@ -41,8 +41,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default: 8000)")
     g.add_argument("--served-model-name", default=None,
-                   help="model name clients send and responses carry (default: the model path, or "
-                        "'jaxserve-demo' for the built-in demo model)")
+                   help="model name clients send and responses carry (default: the model path, "
+                        "'SmolLM2-135M-Instruct' for the default demo, 'jaxserve-demo' for the random tiny one)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on every route except /health, /metrics "
                         "and /version (default: JAXSERVE_API_KEY from the environment, else no auth)")

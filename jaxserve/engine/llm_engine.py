@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from jaxserve.config import EngineConfig
@@ -23,7 +24,9 @@ from jaxserve.engine.step_records import StepRecord, last_records
 from jaxserve.engine.timeline import ABORT, EntryTimes, RequestTimeline
 from jaxserve.engine.trace import build_trace
 from jaxserve.exceptions import ConfigError, InvalidRequestError
+from jaxserve.models.gguf_loader import is_gguf
 from jaxserve.models.hub import resolve_model
+from jaxserve.models.smollm2 import SERVED_NAME as SMOLLM2_NAME
 
 logger = logging.getLogger("jaxserve")
 
@@ -32,8 +35,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def has_tokenizer_files(path: str) -> bool:
-    from pathlib import Path
-
     return any((Path(path) / f).is_file() for f in _TOKENIZER_FILES)
 
 
@@ -41,6 +42,9 @@ def load_tokenizer(path: str):
     """The checkpoint's tokenizer, or None for a weights-only folder (token-id prompts only)."""
     from transformers import AutoTokenizer
 
+    if is_gguf(path):  # transformers rebuilds the tokenizer and chat template from the metadata
+        file = Path(path)
+        return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name, trust_remote_code=False)
     if not has_tokenizer_files(path):
         logger.warning("no tokenizer files in %s: only token-id prompts, no detokenization", path)
         return None
@@ -65,7 +69,7 @@ class LLMEngine:
                               f"{config.node_rank}, or jaxserve.run_headless), not an engine of its own")
         # A tokenizer given apart is looked up first, so a wrong name fails before any compile.
         tokenizer_source = resolve_model(config.tokenizer, weights=False) if config.tokenizer else None
-        default_name = type(model).__name__ if model is not None else (config.model or "jaxserve-demo")
+        default_name = type(model).__name__ if model is not None else (config.model or SMOLLM2_NAME)
         self.served_model_name = served_model_name or default_name
         self.tracer = None
         if config.otlp_traces_endpoint:  # before the engine starts: a missing extra fails at once
@@ -74,6 +78,9 @@ class LLMEngine:
             self.tracer = RequestTracer(config.otlp_traces_endpoint, self.served_model_name)
         self.core = EngineCore(config, show_progress=show_progress, record_steps=record_steps, model=model,
                                devices=devices)
+        source = self.core.model_source
+        if served_model_name is None and source is not None and source.served_name:  # the demo, or its fallback
+            self.served_model_name = source.served_name
         with self.core.startup.phase("tokenizer"):
             self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer(tokenizer_source)
         self.model_config = self.core.model_config

@@ -25,6 +25,7 @@ from flax import nnx
 
 from jaxserve.exceptions import ConfigError
 from jaxserve.models.config import ModelConfig, normalize_dtype_name
+from jaxserve.models.gguf_loader import GGUFCheckpoint, GGUFTensor, dequantize, is_gguf
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.safetensors_io import open_checkpoint_files
 from jaxserve.models.tp_layout import TPLayout, check_tensor_parallel_size, split_axis
@@ -100,28 +101,70 @@ def load_model(folder: str | Path, dtype: str | None = None, scan_layers: bool |
     depth (:func:`jaxserve.models.llama.default_scan_layers`). ``tensor_parallel_size`` fixes the
     layout (checked against the heads before any weight is read); ``place`` puts each
     parameter's shards on their devices."""
-    cfg = ModelConfig.from_pretrained(folder)
+    if is_gguf(folder):
+        return load_gguf_model(folder, dtype, scan_layers, tensor_parallel_size=tensor_parallel_size, place=place)
+    cfg = _with_dtype(ModelConfig.from_pretrained(folder), dtype)
+    abstract, graphdef, shapes = _abstract_model(cfg, scan_layers, tensor_parallel_size)
+    return nnx.merge(graphdef, read_state(folder, cfg, shapes, scanned=abstract.scan_layers,
+                                          layout=abstract.layout, place=place))
+
+
+def checkpoint_config(path: str | Path) -> ModelConfig:
+    """The config of a checkpoint folder or a ``.gguf`` file, weights unread."""
+    if is_gguf(path):
+        return ModelConfig.from_dict(GGUFCheckpoint(path).hf_config())
+    return ModelConfig.from_pretrained(path)
+
+
+# What becomes of one GGUF tensor at load: ``dequantize`` (floats in the serving dtype), or a
+# policy that keeps it quantized.
+TensorPolicy = Callable[[GGUFTensor, str], np.ndarray]
+
+
+def load_gguf_model(path: str | Path, dtype: str | None = None, scan_layers: bool | None = None, *,
+                    tensor_parallel_size: int = 1, place: Placement | None = None,
+                    policy: TensorPolicy = dequantize) -> LlamaForCausalLM:
+    """A ``.gguf`` file into the model: the config from its metadata, then one ``policy`` call per
+    tensor (default: dequantized into the serving dtype), read as a checkpoint's tensors are."""
+    checkpoint = GGUFCheckpoint(path)
+    cfg = _with_dtype(ModelConfig.from_dict(checkpoint.hf_config()), dtype)
+    abstract, graphdef, shapes = _abstract_model(cfg, scan_layers, tensor_parallel_size)
+    check_tensors(cfg, checkpoint.tensor_shapes())  # before any tensor is decoded
+    weights = {t.name: policy(t, cfg.dtype) for t in checkpoint.tensors()}
+    state = state_from_tensors(weights.__getitem__, cfg, shapes, scanned=abstract.scan_layers,
+                               layout=abstract.layout, place=place)
+    return nnx.merge(graphdef, state)
+
+
+def _with_dtype(cfg: ModelConfig, dtype: str | None) -> ModelConfig:
+    if dtype in (None, "auto"):
+        return cfg
+    return dataclasses.replace(cfg, dtype=normalize_dtype_name(dtype))
+
+
+def _abstract_model(cfg: ModelConfig, scan_layers: bool | None, tensor_parallel_size: int):
+    """The module built from shapes only (no initialisation), its graph and abstract state."""
     check_tensor_parallel_size(cfg, tensor_parallel_size)
-    if dtype not in (None, "auto"):
-        cfg = dataclasses.replace(cfg, dtype=normalize_dtype_name(dtype))
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, scan_layers=scan_layers,
                                                        tensor_parallel_size=tensor_parallel_size, rngs=nnx.Rngs(0)))
     graphdef, shapes = nnx.split(abstract)
-    return nnx.merge(graphdef, read_state(folder, cfg, shapes, scanned=abstract.scan_layers,
-                                          layout=abstract.layout, place=place))
+    return abstract, graphdef, shapes
 
 
 def read_state(folder: str | Path, cfg: ModelConfig, shapes: nnx.State, scanned: bool,
                layout: TPLayout | None = None, place: Placement | None = None) -> nnx.State:
     """The checkpoint's weights at the paths of ``shapes`` (the model's abstract state), each of
     the shape and dtype found there, in ``layout`` (default: one shard), placed by ``place``."""
-    layout = layout or TPLayout.of(cfg, 1)
     files = open_checkpoint_files(folder)
     check_tensors(cfg, {name: f.shape(name) for name, f in files.items()})
+    return state_from_tensors(lambda name: files[name].get(name), cfg, shapes, scanned, layout, place)
 
-    def get(name: str) -> np.ndarray:
-        return files[name].get(name)
 
+def state_from_tensors(get: Callable[[str], np.ndarray], cfg: ModelConfig, shapes: nnx.State, scanned: bool,
+                       layout: TPLayout | None = None, place: Placement | None = None) -> nnx.State:
+    """The model's state from ``get`` (an HF tensor name -> its ``[out, in]`` array), vetted by
+    :func:`check_tensors`: fused, transposed, stacked and sharded as ``read_state`` says."""
+    layout = layout or TPLayout.of(cfg, 1)
     top = _top_level_readers(get, layout)
     per_layer = _layer_readers(get, layout)
     prefixes = [f"model.layers.{i}." for i in range(cfg.num_hidden_layers)]

@@ -52,6 +52,7 @@ from jaxserve.runner.inspection import PackedStep
 from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks, gpu_device_memory
 from jaxserve.runner.mesh import kv_cache_sharding, make_mesh, replicated, select_devices, weight_shardings
 from jaxserve.runner.packing import PackLayout, pack, unpack
+from jaxserve.runner.serving_dtype import backend_takes
 from jaxserve.runner.target import StepTarget
 from jaxserve.sample.metadata import SamplingMetadata, SamplingTable
 from jaxserve.sample.penalties import PenaltyTables, update_penalty_tables, uses_penalties, write_penalty_row
@@ -85,8 +86,9 @@ class PreparedStep:
         return 0 if self.groups is None else len(self.groups["model"]["row_slots"])
 
 
-def resolve_attention_backend(requested: str, platform: str | None = None) -> str:
-    """``auto`` made concrete for ``platform``; any other name must be built in or registered."""
+def resolve_attention_backend(requested: str, platform: str | None = None, dtype: str = "float32") -> str:
+    """``auto`` made concrete for ``platform`` and the model's ``dtype``; any other name must be
+    built in or registered."""
     if requested != "auto":
         if requested not in pallas_kernels.available_backends():
             raise ConfigError(f"attention_backend: not built in nor registered in this process (known: "
@@ -95,6 +97,8 @@ def resolve_attention_backend(requested: str, platform: str | None = None) -> st
     if (platform or jax.default_backend()) == "gpu":
         return "pallas"
     ok, reason = pallas_kernels.cpu_attention_available(envs.kernel_build_dir())
+    if ok and not backend_takes("cpu", dtype):
+        ok, reason = False, f"it takes no {dtype}"
     if ok:
         return "cpu"
     logger.warning("attention backend auto: using xla, since the cpu kernel is unavailable (%s)", reason)
@@ -154,7 +158,8 @@ class ModelRunner:
         # Buckets up to what a step can schedule; the pool's own bound comes in once it is sized
         # (sizing on a GPU compiles the largest bucket to read its temporary memory).
         self.buckets = BucketTable.build(max_step_tokens(config, max_model_len), config.max_num_seqs)
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.target.platform)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.target.platform,
+                                                           self.mc.dtype)
         interpret = config.interpret_kernels
         if interpret is None:
             interpret = self.target.platform != "gpu"

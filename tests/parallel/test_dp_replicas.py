@@ -23,7 +23,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from tests.parallel.dp_testing import XLA_FLAGS, engine_samples, fake_devices_env, per_engine, wait_replicas_idle
 from tests.server.server_testing import start_server, stop_server
-from tests.shapes import SERVER_SHAPE
+from tests.shapes import DEMO_MODEL, SERVER_SHAPE
 
 SUCCESS = "jaxserve:request_success_total"
 
@@ -42,7 +42,7 @@ def dp_server():
 @pytest.fixture(scope="module")
 def reference():
     """One engine on the main process's one device: the answers two replicas must give."""
-    return LLM(show_progress=False, **SERVER_SHAPE)
+    return LLM(DEMO_MODEL, show_progress=False, **SERVER_SHAPE)
 
 
 def prompts(seed: int, lengths=(3, 9, 17, 24, 33, 40, 57, 70)) -> list[list[int]]:
@@ -134,9 +134,9 @@ def test_debug_routes_read_every_replica(dp_server):
 OFFLINE_SCRIPT = """
 import json, sys
 from jaxserve import LLM, SamplingParams
-from tests.shapes import SERVER_SHAPE
+from tests.shapes import DEMO_MODEL, SERVER_SHAPE
 prompts, max_tokens, tp = json.loads(sys.argv[1])
-llm = LLM(show_progress=False, data_parallel_size=2, tensor_parallel_size=tp, **SERVER_SHAPE)
+llm = LLM(DEMO_MODEL, show_progress=False, data_parallel_size=2, tensor_parallel_size=tp, **SERVER_SHAPE)
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
 served = {m.labels["engine"]: m.value for m in llm.get_metrics() if m.name == "jaxserve:request_success_total"}
 print(json.dumps({"token_ids": [o.outputs[0].token_ids for o in outs], "served": served}))
