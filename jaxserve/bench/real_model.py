@@ -14,8 +14,6 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.exceptions import ConfigError
-
 # Model names the bench resolves itself (anything else is a folder, a hub id or a .gguf file).
 BENCH_MODEL_NAMES = ("smollm2",)
 BANDWIDTH_BUFFER_BYTES = 512 << 20  # larger than any last-level cache of this class of machine
@@ -26,11 +24,8 @@ def resolve_bench_model(name: str) -> str:
     any other name is passed through as the engine's model source."""
     if name not in BENCH_MODEL_NAMES:
         return name
-    try:
-        from jaxserve.models.smollm2 import smollm2_gguf_path  # type: ignore[import-not-found]
-    except ImportError as exc:
-        raise ConfigError("model 'smollm2' needs jaxserve.models.smollm2 (the GGUF loader); "
-                          "pass a SmolLM2 folder instead") from exc
+    from jaxserve.models.smollm2 import smollm2_gguf_path
+
     return str(smollm2_gguf_path())
 
 
