@@ -293,7 +293,7 @@ class ModelRunner:
         out = sample(logits, SamplingMetadata.from_arrays(groups["sampling"]), penalties.output_counts,
                      penalties.prompt_mask, max_num_logprobs=self.num_logprobs, row_slots=x["row_slots"],
                      need_logprobs=x["need_logprobs"][0], token_bitmask=bitmask, use_bitmask=x["use_bitmask"][0],
-                     all_greedy=all_greedy)
+                     policy=self.target.sampler_policy(all_greedy))
         prev_sampled = state.prev_sampled.at[: out.sampled_token_ids.shape[0]].set(out.sampled_token_ids)
         return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden)
 
@@ -304,7 +304,7 @@ class ModelRunner:
         per token bucket on first use rather than at warm-up, since most workloads never ask.
         """
         logits = nnx.merge(self.graphdef, model_state).compute_logits(hidden, *self._split_args)
-        return gather_logprobs(logits, next_token_ids, self.num_logprobs, cond_free=self.cond_free)
+        return gather_logprobs(logits, next_token_ids, self.num_logprobs, self.target.sampler_policy())
 
     def _layout_for(self, bucket: int) -> PackLayout:
         if bucket not in self._layouts:
