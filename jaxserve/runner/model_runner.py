@@ -256,17 +256,18 @@ class ModelRunner:
         return determine_num_blocks(self.mc, cfg, self.max_model_len, platform="gpu", memory=memory,
                                     peak_temp_bytes=self.peak_temp_bytes(self.max_blocks_per_seq + 1))
 
+    def peak_temp_variant(self) -> StepVariant:
+        """The variant with the most temporary memory: the largest bucket, with the general
+        attention (not decode-only) and, on a GPU, the random sampler (its full sort)."""
+        return StepVariant(self.buckets.token_buckets[-1], all_greedy=False if self.cond_free else None)
+
     def peak_temp_bytes(self, num_blocks: int) -> int:
-        """The largest temporary memory of the largest token bucket's variants, compiled against
-        a pool of ``num_blocks`` (the temporaries do not depend on the pool, which is aliased)."""
-        largest = self.buckets.token_buckets[-1]
-        state = self._state_shapes(num_blocks)
-        peak = 0
-        for variant in self.variants():
-            if variant.bucket == largest:
-                compiled = self._jitted.trace(*self._step_args(variant, state), **self._static_args(variant))
-                peak = max(peak, int(compiled.lower().compile().memory_analysis().temp_size_in_bytes))
-        return peak
+        """The temporary memory of ``peak_temp_variant``, compiled (one program) against a pool
+        of ``num_blocks`` (the temporaries do not depend on the pool, which is aliased)."""
+        variant = self.peak_temp_variant()
+        traced = self._jitted.trace(*self._step_args(variant, self._state_shapes(num_blocks)),
+                                    **self._static_args(variant))
+        return int(traced.lower().compile().memory_analysis().temp_size_in_bytes)
 
     def describe(self) -> dict:
         """What this runner was built with: pool size, backend, layer layout, token buckets."""
@@ -473,8 +474,7 @@ class ModelRunner:
         # Compiled: the executable takes the fresh numpy buffer as its one transfer (an explicit
         # device_put first costs several times as much host time per step).
         decode_only = self.decode_attn_fn is not None and plan.num_tokens == len(plan.req_ids)
-        all_greedy = (all(s.sampling_params.is_greedy for s in states)
-                      if self.cond_free else None)
+        all_greedy = self.sampling_table.all_greedy(groups["model"]["row_slots"]) if self.cond_free else None
         result = self._launch(self._executable(StepVariant(plan.token_bucket, decode_only, all_greedy)), buf,
                               bitmask)
         self._prev_row_of = {r: i for i, r in enumerate(plan.req_ids)}
