@@ -52,10 +52,11 @@ from jaxserve.runner.inspection import PackedStep
 from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks, gpu_device_memory
 from jaxserve.runner.mesh import kv_cache_sharding, make_mesh, replicated, select_devices, weight_shardings
 from jaxserve.runner.packing import PackLayout, pack, unpack
+from jaxserve.runner.prompt_logprobs import PromptLogprobsWorker
 from jaxserve.runner.target import StepTarget
 from jaxserve.sample.metadata import SamplingMetadata, SamplingTable
 from jaxserve.sample.penalties import PenaltyTables, update_penalty_tables, uses_penalties, write_penalty_row
-from jaxserve.sample.sampler import SamplerOutput, gather_logprobs, sample
+from jaxserve.sample.sampler import SamplerOutput, sample
 
 logger = logging.getLogger("jaxserve")
 
@@ -185,7 +186,9 @@ class ModelRunner:
         self._jitted = jax.jit(self._step, static_argnames=("layout", "decode_only", "all_greedy"),
                                donate_argnums=(1,), out_shardings=self._replicated_except_state())
         self.steps = CompiledSteps(self._jitted, self._trace_args, self.stats)
-        self._prompt_logprobs_jit = jax.jit(self._prompt_logprobs)
+        self.prompt_logprobs = PromptLogprobsWorker(self.graphdef, self._split_args, self.num_logprobs,
+                                                    self.target.sampler_policy(), self._replicated,
+                                                    config.enforce_eager)
         self.num_blocks = self._size_kv_cache()
         self.buckets = BucketTable.build(max_step_tokens(config, max_model_len, self.num_blocks),
                                          config.max_num_seqs)
@@ -297,15 +300,6 @@ class ModelRunner:
                      policy=self.target.sampler_policy(all_greedy))
         prev_sampled = state.prev_sampled.at[: out.sampled_token_ids.shape[0]].set(out.sampled_token_ids)
         return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden)
-
-    def _prompt_logprobs(self, model_state, hidden, next_token_ids):
-        """Logprobs of each scheduled token's successor in the prompt, from every position's logits.
-
-        Only steps holding a ``prompt_logprobs`` request pay for this [T, V] head; it is jitted
-        per token bucket on first use rather than at warm-up, since most workloads never ask.
-        """
-        logits = nnx.merge(self.graphdef, model_state).compute_logits(hidden, *self._split_args)
-        return gather_logprobs(logits, next_token_ids, self.num_logprobs, self.target.sampler_policy())
 
     def _layout_for(self, bucket: int) -> PackLayout:
         if bucket not in self._layouts:
@@ -426,8 +420,8 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
                 output_token_ids=list(new.output_token_ids or []), sampling_params=params,
-                num_computed_tokens=new.num_computed_tokens, slot=slot,
-                prompt_logprobs_rows=[] if params.prompt_logprobs is not None else None)
+                num_computed_tokens=new.num_computed_tokens, slot=slot)
+            PromptLogprobsWorker.start_rows(self.requests[new.req_id])
             self.batch.add_request(slot, new.prompt_token_ids, new.output_token_ids or [], new.block_ids)
             self.sampling_table.set_row(slot, params, seed)
             if uses_penalties(params):
@@ -479,8 +473,7 @@ class ModelRunner:
                               bitmask)
         self._prev_row_of = {r: i for i, r in enumerate(plan.req_ids)}
         self.stats.record_step(plan.num_tokens, plan.token_bucket)
-        if any(s.sampling_params.prompt_logprobs is not None for s in states):
-            self._accumulate_prompt_logprobs(result.hidden, plan, states, so)
+        self.prompt_logprobs.accumulate(self.model_state, result.hidden, plan, states, so)
         return InFlightStep(so, result.sampler, plan, states)
 
     def sampled_tokens(self, step: InFlightStep) -> dict[str, int]:
@@ -499,27 +492,6 @@ class ModelRunner:
         if step.out is None:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         return self._collect(step.out, step.plan, step.states, step.scheduler_output)
-
-    def _accumulate_prompt_logprobs(self, hidden, plan: StepPlan, states, so) -> None:
-        next_ids = np.zeros(plan.token_bucket, np.int32)
-        spans = []
-        t = 0
-        for state in states:
-            n = so.num_scheduled_tokens[state.req_id]
-            start = state.num_computed_tokens
-            prompt = state.prompt_token_ids
-            if state.sampling_params.prompt_logprobs is not None and start < len(prompt) - 1:
-                stop = min(start + n, len(prompt) - 1)  # the last prompt token predicts an output
-                next_ids[t : t + stop - start] = prompt[start + 1 : stop + 1]
-                spans.append((state, t, stop - start))
-            t += n
-        fn = self._prompt_logprobs_jit if not self.config.enforce_eager else self._prompt_logprobs
-        values, ids, ranks = jax.device_get(fn(self.model_state, hidden, jax.device_put(next_ids, self._replicated)))
-        for state, t0, count in spans:
-            k = state.sampling_params.prompt_logprobs + 1
-            rows = state.prompt_logprobs_rows
-            for i in range(t0, t0 + count):
-                rows.append((ids[i, :k].tolist(), values[i, :k].tolist(), int(ranks[i])))
 
     def _prepare_inputs(self, so: SchedulerOutput):
         req_ids = list(so.num_scheduled_tokens)
@@ -571,9 +543,9 @@ class ModelRunner:
                 live_slots.append(state.slot)  # slot may already hold another request
                 live_tokens.append(token)
             sampled_lists.append([token])
-            if state.sampling_params.prompt_logprobs is not None and state.prompt_logprobs_rows is not None:
-                prompt_logprobs[state.req_id] = state.prompt_logprobs_rows
-                state.prompt_logprobs_rows = None  # delivered once
+            rows = PromptLogprobsWorker.deliver(state)
+            if rows is not None:
+                prompt_logprobs[state.req_id] = rows
             k = state.sampling_params.logprobs
             if k is None:
                 logprob_rows.append(None)
