@@ -126,7 +126,24 @@ class ModelRunner:
                  target: StepTarget | None = None, devices: Sequence[jax.Device] | None = None):
         self.config = config
         self.target = target or StepTarget.local()
-        tp = config.tensor_parallel_size
+        # Read at trace time by the sampler and the penalty update: no conditional, no
+        # data-dependent loop in the compiled step.
+        self.cond_free = self.target.cond_free
+        self.mc = model.config
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
+        # The phases, in order; each reads only what the earlier ones set.
+        self._init_mesh_and_weights(model, devices)
+        self._init_attention()
+        self._init_request_state()
+        self._init_step()
+        self._init_kv_cache()
+        self._log_layout(model)
+
+    def _init_mesh_and_weights(self, model: LlamaForCausalLM, devices: Sequence[jax.Device] | None) -> None:
+        """The mesh over exactly the runner's devices, and the model's weights placed on it."""
+        tp = self.config.tensor_parallel_size
         self.mesh = (self.target.mesh if self.target.is_abstract
                      else make_mesh(select_devices(tp, devices), tp))
         model_tp = getattr(model, "tensor_parallel_size", 1)  # optional on a model object
@@ -137,9 +154,6 @@ class ModelRunner:
         # The model's calls get the mesh only when it splits them: a model object served on one
         # device keeps the plain contract (jaxserve.models.contract).
         self._split_args = (self.mesh,) if self.mesh.size > 1 else ()
-        # Read at trace time by the sampler and the penalty update: no conditional, no
-        # data-dependent loop in the compiled step.
-        self.cond_free = self.target.cond_free
         # The step is a pure function of the weights: the module is split once into its graph and
         # its state, the state passed to the compiled step and merged with the graph inside the
         # trace. The state as nnx.flatten gives it, a list of arrays in graph order: a call passes
@@ -148,13 +162,10 @@ class ModelRunner:
         self.weight_shardings = weight_shardings(self.mesh, list(flat))
         self.model_state = self._place([value for _, value in flat], self.weight_shardings)
         self.scan_layers = bool(getattr(model, "scan_layers", False))  # optional on a model object
-        self.mc = model.config
-        self.max_model_len = max_model_len
-        self.block_size = config.block_size
-        self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
-        # Buckets up to what a step can schedule; the pool's own bound comes in once it is sized
-        # (sizing on a GPU compiles the largest bucket to read its temporary memory).
-        self.buckets = BucketTable.build(max_step_tokens(config, max_model_len), config.max_num_seqs)
+
+    def _init_attention(self) -> None:
+        """The attention backend's functions (and Pallas's decode-only one)."""
+        config = self.config
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.target.platform)
         interpret = config.interpret_kernels
         if interpret is None:
@@ -167,17 +178,26 @@ class ModelRunner:
         # one token get their own compiled variant that uses it.
         self.decode_attn_fn = (pallas_kernels.get_attention_fn("pallas", interpret=interpret, mode="decode")
                                if self.attention_backend == "pallas" else None)
+
+    def _init_request_state(self) -> None:
+        """The host side of the running requests: slots, the persistent batch, the sampling rows."""
+        config = self.config
         self.num_logprobs = max(1, config.max_logprobs)
         self.bitmask_width = cdiv(self.mc.vocab_size, 32)
         self._all_allowed: dict[int, jax.Array] = {}  # rows -> a device-resident all-ones bitmask
-
         slots = config.max_num_seqs
         self.slots = SlotAllocator(slots)
-        self.batch = PersistentBatch(slots, max_model_len, self.max_blocks_per_seq)
+        self.batch = PersistentBatch(slots, self.max_model_len, self.max_blocks_per_seq)
         self.sampling_table = SamplingTable(slots)
         self.requests: dict[str, CachedRequestState] = {}
         self._prev_row_of: dict[str, int] = {}  # each request's row in state.prev_sampled
         self._rng = np.random.default_rng(config.seed)
+        self.prompt_logprobs = PromptLogprobsWorker(self.graphdef, self._split_args, self.num_logprobs,
+                                                    self.target.sampler_policy(), self._replicated,
+                                                    config.enforce_eager)
+
+    def _init_step(self) -> None:
+        """The jitted step and its compiled variants (none compiled yet)."""
         self.stats = CompileStats()
         self._layouts: dict[int, PackLayout] = {}
         self.last_packed: PackedStep | None = None  # the last launched step's inputs, for inspection
@@ -186,23 +206,27 @@ class ModelRunner:
         self._jitted = jax.jit(self._step, static_argnames=("layout", "decode_only", "all_greedy"),
                                donate_argnums=(1,), out_shardings=self._replicated_except_state())
         self.steps = CompiledSteps(self._jitted, self._trace_args, self.stats)
-        self.prompt_logprobs = PromptLogprobsWorker(self.graphdef, self._split_args, self.num_logprobs,
-                                                    self.target.sampler_policy(), self._replicated,
-                                                    config.enforce_eager)
+        self._write_penalty_row = jax.jit(write_penalty_row, donate_argnums=(0,))
+
+    def _init_kv_cache(self) -> None:
+        """The pool sized (on a local GPU by compiling the largest step first), the bucket table
+        up to what a step can then schedule, and the device state allocated."""
         self.num_blocks = self._size_kv_cache()
-        self.buckets = BucketTable.build(max_step_tokens(config, max_model_len, self.num_blocks),
-                                         config.max_num_seqs)
+        self.buckets = BucketTable.build(max_step_tokens(self.config, self.max_model_len, self.num_blocks),
+                                         self.config.max_num_seqs)
         abstract = self.target.is_abstract
         self.state = self._state_shapes(self.num_blocks) if abstract else self._allocate_state(self.num_blocks)
         # What a step is traced with: the state's shapes and placement, never its arrays, which
         # each step donates (a background compile may trace while a step runs).
         self._state_spec = self._state_shapes(self.num_blocks)
-        self._write_penalty_row = jax.jit(write_penalty_row, donate_argnums=(0,))
-        max_concurrency = self.num_blocks * self.block_size / max_model_len
+
+    def _log_layout(self, model: LlamaForCausalLM) -> None:
+        max_concurrency = self.num_blocks * self.block_size / self.max_model_len
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max concurrency %.1fx at %d tokens/request; "
             "attention backend: %s", self.num_blocks, self.block_size, self.num_blocks * self.block_size,
-            max_concurrency, max_model_len, self.attention_backend)
+            max_concurrency, self.max_model_len, self.attention_backend)
+        tp = self.config.tensor_parallel_size
         if tp > 1:
             layout = model.layout
             logger.info("tensor parallel over %d devices (%s): %d query and %d key/value heads per device",
@@ -260,9 +284,11 @@ class ModelRunner:
                                     peak_temp_bytes=self.peak_temp_bytes(self.max_blocks_per_seq + 1))
 
     def peak_temp_variant(self) -> StepVariant:
-        """The variant with the most temporary memory: the largest bucket, with the general
-        attention (not decode-only) and, on a GPU, the random sampler (its full sort)."""
-        return StepVariant(self.buckets.token_buckets[-1], all_greedy=False if self.cond_free else None)
+        """The variant with the most temporary memory: the most tokens a step can schedule (the
+        largest bucket; read before the pool bounds it, since sizing the pool needs it), with the
+        general attention (not decode-only) and, on a GPU, the random sampler (its full sort)."""
+        return StepVariant(max_step_tokens(self.config, self.max_model_len),
+                           all_greedy=False if self.cond_free else None)
 
     def peak_temp_bytes(self, num_blocks: int) -> int:
         """The temporary memory of ``peak_temp_variant``, compiled (one program) against a pool
@@ -301,13 +327,17 @@ class ModelRunner:
         prev_sampled = state.prev_sampled.at[: out.sampled_token_ids.shape[0]].set(out.sampled_token_ids)
         return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden)
 
+    def _num_rows(self, bucket: int) -> int:
+        """Rows of a step of ``bucket`` tokens (the table's rule; also before the table is built)."""
+        return BucketTable.rows_of(bucket, self.config.max_num_seqs)
+
     def _layout_for(self, bucket: int) -> PackLayout:
         if bucket not in self._layouts:
             self._layouts[bucket] = PackLayout.of(self._padding_inputs(bucket))
         return self._layouts[bucket]
 
     def _padding_inputs(self, bucket: int) -> dict[str, dict[str, np.ndarray]]:
-        rows = self.buckets.num_rows(bucket)
+        rows = self._num_rows(bucket)
         arrays, _ = build_step_arrays(self.batch, [], [], [], [], bucket, rows, self.block_size,
                                       self.slots.padding_slot)
         arrays["need_logprobs"] = np.zeros(1, np.bool_)
@@ -337,7 +367,7 @@ class ModelRunner:
 
     def _step_args(self, variant: StepVariant, state) -> tuple:
         buf = jax.ShapeDtypeStruct((self._layout_for(variant.bucket).total,), jnp.int32)
-        bitmask = jax.ShapeDtypeStruct((self.buckets.num_rows(variant.bucket), self.bitmask_width), jnp.int32)
+        bitmask = jax.ShapeDtypeStruct((self._num_rows(variant.bucket), self.bitmask_width), jnp.int32)
         buf, bitmask = _with_shardings((buf, bitmask), (self._replicated, self._replicated))
         return self.model_state, state, buf, bitmask
 
@@ -375,7 +405,7 @@ class ModelRunner:
     def _run_padding_step(self, variant: StepVariant) -> None:
         """Execute a compiled variant once on padding only: no request, no KV write, no sample used."""
         buf = pack(self._padding_inputs(variant.bucket), self._layout_for(variant.bucket))
-        bitmask = self._allowed_all_bitmask(self.buckets.num_rows(variant.bucket))
+        bitmask = self._allowed_all_bitmask(self._num_rows(variant.bucket))
         jax.block_until_ready(self._launch(self.steps.get(variant), buf, bitmask).sampler)
 
     def _allowed_all_bitmask(self, rows: int) -> jax.Array:
@@ -499,7 +529,7 @@ class ModelRunner:
         counts = [so.num_scheduled_tokens[r] for r in req_ids]
         total = so.total_num_scheduled_tokens
         bucket = self.pick_bucket(total)
-        rows = self.buckets.num_rows(bucket)
+        rows = self._num_rows(bucket)
         slots = [s.slot for s in states]
         if not np.array_equal(self.batch.num_tokens[slots], [s.num_tokens for s in states]):
             # a stale table row would feed wrong tokens, or never let its request sample again
