@@ -487,8 +487,9 @@ class ModelRunner:
         so, groups, plan, states = prepared.scheduler_output, prepared.groups, prepared.plan, prepared.states
         if groups is None or plan is None:
             return InFlightStep(so)
-        groups["model"]["use_bitmask"] = np.asarray([bitmask is not None])
-        buf = pack(groups, self._layout_for(plan.token_bucket))
+        # The prepared inputs stay as prepare built them: the bitmask flag joins a copy.
+        inputs = {**groups, "model": {**groups["model"], "use_bitmask": np.asarray([bitmask is not None])}}
+        buf = pack(inputs, self._layout_for(plan.token_bucket))
         self.last_packed = PackedStep(buf, self._layout_for(plan.token_bucket), plan.token_bucket, plan.num_tokens,
                                       tuple(plan.req_ids), self.block_size)
         if bitmask is None:
