@@ -59,8 +59,8 @@ from jaxserve.runner.inspection import PackedStep
 from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks, gpu_device_memory
 from jaxserve.runner.mesh import kv_cache_sharding, make_mesh, replicated, select_devices, weight_shardings
 from jaxserve.runner.packing import PackLayout, pack, unpack
-from jaxserve.runner.serving_dtype import backend_takes
 from jaxserve.runner.prompt_logprobs import PromptLogprobsWorker
+from jaxserve.runner.serving_dtype import backend_takes
 from jaxserve.runner.target import StepTarget
 from jaxserve.sample.metadata import SamplingMetadata, SamplingTable
 from jaxserve.sample.penalties import PenaltyTables, update_penalty_tables, uses_penalties, write_penalty_row
