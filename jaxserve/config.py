@@ -17,6 +17,11 @@ from jaxserve.exceptions import ConfigError
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu", "mosaic")  # built in; more may be registered
 # The reasoning parsers' names (``jaxserve.structured.reasoner`` and the server's parsers know each).
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+# --quantization methods (jaxserve.models.quantize holds the same names; config sits below it)
+# and --kv-cache-dtype values, in vLLM's spellings.
+QUANTIZATION_METHODS = ("int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+FP8_KV_UNREAD_BY = ("pallas", "triton", "mosaic")  # backends whose kernels do not dequantize fp8 pages yet
 # vLLM's defaults for a multi-node engine's rank 0.
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29501
@@ -136,6 +141,14 @@ class EngineConfig:
     otlp_traces_endpoint: str | None = None
     """OTLP/HTTP collector to send a span tree per request to (e.g. http://127.0.0.1:4318/v1/traces);
     needs the otel extra."""
+    # ---- quantization (issue 31): weight and KV cache formats; to move into a sub-config at merge.
+    quantization: str | None = None
+    """Quantize the decoder layers' weights as they load (vLLM's flag): int8 (per output channel;
+    on a CPU the activations are quantized per token for XLA's int8 dot) or fp8 (e4m3, per output
+    channel). The embedding and the LM head stay in dtype. Default: none."""
+    kv_cache_dtype: str = "auto"
+    """KV cache storage (vLLM's flag): auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3,
+    scale 1.0 as vLLM uses without calibrated scales): half of bfloat16's bytes per token."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -187,6 +200,13 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise bad(name, "must be >= 1")
         self._validate_nodes(bad)
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise bad("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_cache_dtype != "auto" and self.attention_backend in FP8_KV_UNREAD_BY:
+            raise bad("kv_cache_dtype", f"the {self.attention_backend} attention backend does not read an fp8 "
+                      "cache yet (xla and cpu do)")
         if self.dtype != "auto":
             from jaxserve.models.config import normalize_dtype_name
 

@@ -136,9 +136,10 @@ def ragged_paged_attention_cpu(
     del interpret
     check_options(sliding_window, soft_cap)
     check_shapes(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc)
-    if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"the cpu attention backend takes float32 or bfloat16 q/k_cache/v_cache of one dtype, "
-                         f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if (q.dtype not in DTYPES or k_cache.dtype not in (q.dtype, jnp.float8_e4m3fn)
+            or v_cache.dtype != k_cache.dtype):
+        raise ValueError(f"the cpu attention backend takes float32 or bfloat16 q, and k_cache/v_cache of q's "
+                         f"dtype or float8_e4m3fn, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     register()
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     i32 = jnp.int32

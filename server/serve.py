@@ -31,6 +31,7 @@ from .limits import (
     DEFAULT_MAX_CHAT_MESSAGES,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_REQUEST_BODY_TIMEOUT_S,
+    DEFAULT_REQUEST_HEADER_TIMEOUT_S,
 )
 
 logger = logging.getLogger("jaxserve.server")
@@ -41,8 +42,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default: 8000)")
     g.add_argument("--served-model-name", default=None,
-                   help="model name clients send and responses carry (default: the model path, or "
-                        "'jaxserve-demo' for the built-in demo model)")
+                   help="model name clients send and responses carry (default: the model path, "
+                        "'SmolLM2-135M-Instruct' for the default demo, 'jaxserve-demo' for the random tiny one)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on every route except /health, /metrics "
                         "and /version (default: JAXSERVE_API_KEY from the environment, else no auth)")
@@ -58,6 +59,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--request-body-timeout", type=float, default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
                    help="seconds a client has to send its request body; slower ones get 408 and the connection "
                         f"is closed (default: {DEFAULT_REQUEST_BODY_TIMEOUT_S:g})")
+    g.add_argument("--request-header-timeout", type=float, default=DEFAULT_REQUEST_HEADER_TIMEOUT_S,
+                   help="seconds a client has to send a request's line and headers, from its connection or its "
+                        "request's first byte; slower ones get 408 and the connection is closed "
+                        f"(default: {DEFAULT_REQUEST_HEADER_TIMEOUT_S:g})")
     g.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
                    help=f"seconds an idle keep-alive connection stays open (default: {DEFAULT_KEEP_ALIVE_TIMEOUT_S})")
     g.add_argument("--max-chat-messages", type=int, default=DEFAULT_MAX_CHAT_MESSAGES,
@@ -130,6 +135,8 @@ def run_serve(args: argparse.Namespace, started: Optional[float] = None) -> int:
         raise ConfigError("--max-request-body-bytes must be at least 1")
     if not args.request_body_timeout > 0:
         raise ConfigError("--request-body-timeout must be positive")
+    if not args.request_header_timeout > 0:
+        raise ConfigError("--request-header-timeout must be positive")
     if args.timeout_keep_alive < 1:
         raise ConfigError("--timeout-keep-alive must be at least 1")
     if args.max_chat_messages < 1:
@@ -174,6 +181,7 @@ def _serve(args, config, sock: socket.socket, chat_template: Optional[str], api_
 
     from .app import build_app
     from .gc_heap import freeze_startup_heap
+    from .header_timeout import header_timeout_protocol
 
     engine_class = DPAsyncLLM if config.data_parallel_size > 1 else AsyncLLM
     engine = engine_class.from_config(config, served_model_name=args.served_model_name,
@@ -196,7 +204,7 @@ def _serve(args, config, sock: socket.socket, chat_template: Optional[str], api_
                         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, chat_parsers=parsers,
                         enable_debug_endpoints=args.enable_debug_endpoints)
         uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_keep_alive=args.timeout_keep_alive,
-                                   lifespan="off")
+                                   lifespan="off", http=header_timeout_protocol(args.request_header_timeout))
         server = _make_server(uv_config, app.state.jaxserve.model_name, started, stop_engine)
         asyncio.run(server.serve(sockets=[sock]))
     finally:

@@ -129,7 +129,7 @@ class OpenAIServing(ABC):
 
     async def _respond(self, req, raw_request: Request) -> Response:
         self.state.check_alive()
-        times = entry_times.start()
+        times = entry_times.start(raw_request.headers)
         prompts, params = await self.state.off_loop(self.prepare, req)  # templates and tokenizers take time
         ids = ResponseIds(random_id(self.id_prefix), int(time.time()), self.state.model_name)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY

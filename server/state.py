@@ -9,7 +9,7 @@ import functools
 from typing import Any, Callable, Optional, TypeVar
 
 from .errors import ENGINE_DEAD, APIError
-from .limits import DEFAULT_INPUT_WORKERS, DEFAULT_MAX_CHAT_MESSAGES
+from .limits import DEFAULT_MAX_CHAT_MESSAGES
 from .logprobs import TokenIdText, TokenText
 
 T = TypeVar("T")
@@ -20,18 +20,19 @@ class ServerState:
 
     ``engine`` is a running ``AsyncLLM`` or anything with its public interface (``generate``,
     ``tokenizer``, ``served_model_name``, ``max_model_len``, ``model_config.vocab_size``,
-    ``config.max_prompt_chars``, ``is_dead``, ``render_metrics``).
+    ``config.max_prompt_chars``, ``is_dead``, ``render_metrics``, ``input_pool``).
     """
 
     def __init__(self, engine, *, served_model_name: Optional[str] = None, chat_template: Optional[str] = None,
                  model_root: Optional[str] = None, max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
-                 input_workers: int = DEFAULT_INPUT_WORKERS, split_special_tokens_in_content: bool = False):
+                 split_special_tokens_in_content: bool = False):
         self.engine = engine
         self.split_special_tokens_in_content = split_special_tokens_in_content
         self.max_prompt_chars = engine.config.max_prompt_chars
         self.max_chat_messages = max_chat_messages
-        # Chat templates and tokenizers run here, off the event loop, which keeps serving meanwhile.
-        self.input_pool = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="jaxserve-render")
+        # Chat templates and tokenizers run off the event loop, which keeps serving meanwhile, on the
+        # engine's input pool: one pool tokenizes, for the server and the engine alike.
+        self.input_pool: concurrent.futures.Executor = engine.input_pool
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name or engine.served_model_name
         self.model_root = model_root or self.model_name
@@ -85,5 +86,5 @@ class ServerState:
 
 def dead_message(engine) -> str:
     """What a 503 of a dead engine says: its loop failed, and the cause when the engine knows it."""
-    reason = getattr(engine, "dead_reason", None)
+    reason = engine.dead_reason
     return f"the engine is dead (its loop failed: {reason})" if reason else "the engine is dead (its loop failed)"

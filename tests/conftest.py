@@ -31,3 +31,11 @@ def demo_model() -> str:
     from jaxserve.models.demo import demo_model_path
 
     return str(demo_model_path())
+
+
+@pytest.fixture(scope="session")
+def installed_wheel(tmp_path_factory):
+    """This checkout built as a wheel and installed into a venv of its own (``tests/wheel_install.py``)."""
+    from tests.wheel_install import install_wheel
+
+    return install_wheel(tmp_path_factory.mktemp("wheel"))

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+# The random tiny demo model, by name: with no model, jaxserve serves the 30-layer SmolLM2.
+DEMO_MODEL = "jaxserve-demo"
+
 # The engine tests (tests/engine): every LLM they build shares these buckets.
 ENGINE_TESTS_SHAPE = MappingProxyType(
     dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, num_gpu_blocks_override=160))

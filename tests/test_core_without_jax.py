@@ -7,6 +7,7 @@ The block is a ``sitecustomize`` on ``PYTHONPATH`` that puts a refusing finder f
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -58,3 +59,23 @@ def test_core_tests_pass_without_jax(tmp_path):
     # an importorskip would hide a dependency behind a skip
     reasons = [s.get("message", "") for s in suite.iter("skipped")]
     assert not any("is blocked" in r for r in reasons), reasons
+
+
+def test_reading_a_model_config_and_writing_random_weights_need_no_jax(tmp_path):
+    """``ModelConfig`` and the random weights (how the demo model is built, before the engine
+    starts) are plain Python and numpy: they run where jax and flax cannot be imported."""
+    env = _blocked_env(tmp_path)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = dict(architectures=["Qwen3ForCausalLM"], vocab_size=300, hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  tie_word_embeddings=True, rope_theta=10000.0, dtype="float32")
+    (folder / "config.json").write_text(json.dumps(config))
+    script = ("from jaxserve.models.config import ModelConfig\n"
+              "from jaxserve.models.random_weights import write_random_weights\n"
+              f"write_random_weights({str(folder)!r}, seed=0, std=0.05)\n"
+              f"print(ModelConfig.from_pretrained({str(folder)!r}).num_hidden_layers)\n")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["2"] and list(folder.glob("*.safetensors")), proc.stdout

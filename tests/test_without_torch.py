@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from jaxserve import envs
-from tests.shapes import SERVER_SHAPE
+from tests.shapes import DEMO_MODEL, SERVER_SHAPE
 
 REPO = Path(__file__).resolve().parents[1]
 TORCH_FAMILY = ("torch", "torchgen", "functorch", "triton", "nvidia")
@@ -70,8 +70,8 @@ def test_serve_the_demo_model_without_torch(tmp_path):
 
     cache = tmp_path / "cache"  # the demo model is built afresh; compiled programs come from the suite's cache
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in SERVER_SHAPE.items()]
-    cmd = [str(python), "-m", "jaxserve_server.cli", "serve", *flags, "--port", "0", "--uvicorn-log-level", "warning",
-           "--compilation-cache-dir", str(envs.cache_dir() / "xla")]
+    cmd = [str(python), "-m", "jaxserve_server.cli", "serve", DEMO_MODEL, *flags, "--port", "0",
+           "--uvicorn-log-level", "warning", "--compilation-cache-dir", str(envs.cache_dir() / "xla")]
     log_path = tmp_path / "server.log"
     with open(log_path, "wb") as log:
         env = {k: v for k, v in os.environ.items() if k != envs.JAXSERVE_API_KEY}

@@ -1,14 +1,33 @@
-"""The tiny test checkpoints: their architectures and a builder for one folder of each.
+"""The tiny test checkpoints, one per supported architecture: their shapes and builders.
 
-Imports jax (through ``jaxserve.models``), so the root conftest imports this module only inside
-its fixtures: the core tests must run without jax.
+Built with the demo model's builder (:mod:`jaxserve.models.demo`): real HF folders, random weights
+drawn with numpy from a fixed seed, a locally trained tokenizer; no torch. The root conftest
+imports this module only inside its fixtures, so that the core tests import nothing of the models.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from jaxserve.testing import TINY_CONFIGS, build_tiny_checkpoint
+from jaxserve.models.demo import DEMO_ARCH, DEMO_SHAPE, build_checkpoint
+
+# Shapes of the tiny test models; each architecture exercises its own quirk.
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2),
+    "MistralForCausalLM": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=1, sliding_window=None),
+    "Qwen2ForCausalLM": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2),
+    DEMO_ARCH: DEMO_SHAPE,
+}
+
+
+def build_tiny_checkpoint(folder: str | Path, architecture: str = DEMO_ARCH, **kwargs: Any) -> Path:
+    """A random-init checkpoint of ``architecture``'s tiny shape (keywords: ``build_checkpoint``'s)."""
+    return build_checkpoint(folder, architecture, TINY_CONFIGS[architecture], **kwargs)
+
 
 ARCHITECTURES = tuple(TINY_CONFIGS)
 

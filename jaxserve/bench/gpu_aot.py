@@ -79,7 +79,8 @@ def kv_blocks_on(spec: GpuSpec, model: LlamaForCausalLM, config: EngineConfig, m
     memory = DeviceMemory(pool_bytes=int(config.gpu_memory_utilization * spec.memory_bytes),
                           pool_fraction=config.gpu_memory_utilization, held_bytes=weight_bytes(model))
     budget = kv_cache_budget(memory, config.gpu_memory_utilization, peak_temp_bytes)
-    per_block = bytes_per_block(model.config, config.block_size, config.tensor_parallel_size)
+    per_block = bytes_per_block(model.config, config.block_size, config.tensor_parallel_size,
+                                config.kv_cache_dtype)
     return blocks_for_budget(budget.kv_bytes, per_block, config.block_size, max_model_len), budget
 
 

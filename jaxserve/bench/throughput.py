@@ -105,6 +105,12 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured", choices=["json"], default=None,
                    help="also run the workload with every request constrained to a JSON schema, taking turns "
                         "with the unconstrained run, and report the throughput ratio")
+    p.add_argument("--workload", choices=["random", "real-model"], default="random",
+                   help="random: the drawn requests (default); real-model: one stream (--one-stream-len "
+                        "prompt and output tokens) then the drawn requests, each against the other backend, "
+                        "next to the one-stream memory-bandwidth ceiling (MODEL may be 'smollm2')")
+    p.add_argument("--one-stream-len", type=int, default=64,
+                   help="with --workload real-model: the one stream's prompt and output tokens (default: 64)")
     p.add_argument("--profile", action="store_true", help="also report where the jaxserve step time goes")
     p.add_argument("--profile-ops", type=int, default=0, metavar="N",
                    help="also trace the run and report the N XLA operations that take the most time")
@@ -207,13 +213,19 @@ def _step_profile(llm) -> dict:
 class HFBench:
     """transformers greedy ``generate`` over left-padded static batches of the workload, in order."""
 
-    def __init__(self, model_path: str, workload: Workload, batch_size: int, threads: int | None):
+    def __init__(self, model_path: str, workload: Workload, batch_size: int, threads: int | None,
+                 model: Any = None):
         import torch
         import transformers
 
+        from jaxserve.bench.real_model import hf_from_pretrained_args
+
         if threads:
             torch.set_num_threads(threads)
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        if model is None:
+            folder, kwargs = hf_from_pretrained_args(model_path)
+            model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+        self.model = model
         self.workload, self.batch_size = workload, batch_size
 
     def run_once(self) -> dict:
@@ -265,13 +277,14 @@ def run_iterations(benches: dict[str, Any], num_iters: int) -> dict[str, list[di
 def run_throughput_cli(args) -> dict:
     from jaxserve import envs
     from jaxserve.bench import op_profile
+    from jaxserve.bench.real_model import resolve_bench_model
     from jaxserve.config import EngineConfig
     from jaxserve.engine.llm_engine import has_tokenizer_files
 
     if args.profile_ops:
         op_profile.request_cpu_op_events()  # before anything starts the XLA backend
 
-    model = args.model
+    model = resolve_bench_model(args.model) if args.model else None
     if args.random_model:
         from jaxserve.bench.random_model import build_random_checkpoint
 
@@ -295,6 +308,9 @@ def run_throughput_cli(args) -> dict:
         "output_len_range": list(out), "prompt_tokens": workload.num_prompt_tokens,
         "output_tokens": workload.num_output_tokens, "cpu_count": os.cpu_count(),
     }
+    if args.workload == "real-model":
+        result.update(_run_real_model(args, model, workload, engine_args))
+        return result
     benches: dict[str, Any] = {}
     if args.backend in ("jaxserve", "both"):
         benches["jaxserve"] = JaxserveBench(model, workload, engine_args, args.ignore_eos, args.profile,
@@ -318,9 +334,7 @@ def run_throughput_cli(args) -> dict:
     with tracing:  # the trace's own overhead lands in elapsed: compare traced runs with traced runs
         runs.update(run_iterations(benches, args.num_iters))
     result["num_iters"] = args.num_iters
-    for name, bench in benches.items():
-        result[name] = bench.summary(_median(runs[name]))
-        result[name]["iterations_output_tokens_per_s"] = [_output_rate(it) for it in runs[name]]
+    result.update(_summaries(benches, runs))
     if "jaxserve_structured" in benches:
         result["structured_throughput_ratio"] = (result["jaxserve_structured"]["output_tokens_per_s"]
                                                  / result["jaxserve"]["output_tokens_per_s"])
@@ -332,9 +346,56 @@ def run_throughput_cli(args) -> dict:
             result["jaxserve"]["profile"] = _step_profile(benches["jaxserve"].llm)
         if args.profile_ops:
             result["jaxserve"]["op_profile"] = ops
-    if args.backend == "both":
+    return result
+
+
+def _summaries(benches: dict[str, Any], runs: dict[str, list[dict]]) -> dict:
+    """Each bench's median iteration and every iteration's rate; with both backends, the ratio of
+    the medians and each turn's own ratio (their spread)."""
+    result: dict[str, Any] = {}
+    for name, bench in benches.items():
+        result[name] = bench.summary(_median(runs[name]))
+        result[name]["iterations_output_tokens_per_s"] = [_output_rate(it) for it in runs[name]]
+    if "jaxserve" in result and "hf" in result:
         ours, hf = result["jaxserve"], result["hf"]
         result["output_throughput_ratio"] = ours["output_tokens_per_s"] / hf["output_tokens_per_s"]
         result["iteration_ratios"] = [a / b for a, b in zip(ours["iterations_output_tokens_per_s"],
                                                             hf["iterations_output_tokens_per_s"])]
+    return result
+
+
+def _run_real_model(args, model: str, batched: Workload, engine_args: dict[str, Any]) -> dict:
+    """One stream, then the batch, each phase timed ``--num-iters`` times with the backends taking
+    turns; one engine and one transformers model serve both phases."""
+    from jaxserve.bench.real_model import ceiling, read_bandwidth_bytes_per_s
+
+    n = args.one_stream_len
+    rng = np.random.default_rng(args.bench_seed)
+    one = Workload([rng.integers(args.token_id_range[0], args.token_id_range[1], n).tolist()], [n])
+    phases: dict[str, dict[str, Any]] = {"one_stream": {}, "batched": {}}
+    llm: Any = None
+    hf_model: Any = None
+    for name, workload in (("one_stream", one), ("batched", batched)):
+        if args.backend in ("jaxserve", "both"):
+            bench = JaxserveBench(model, workload, engine_args, args.ignore_eos, args.profile,
+                                  detokenize=not args.disable_detokenize, llm=llm)
+            llm = bench.llm
+            phases[name]["jaxserve"] = bench
+        if args.backend in ("hf", "both"):
+            hf = HFBench(model, workload, args.hf_batch_size, args.torch_threads, model=hf_model)
+            hf_model = hf.model
+            phases[name]["hf"] = hf
+    if llm is not None:  # the weights one decode step reads, as the engine holds them
+        weight_bytes = sum(x.nbytes for x in llm.llm_engine.core.runner.model_state)
+    else:
+        weight_bytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
+    result: dict[str, Any] = {"workload": "real-model", "num_iters": args.num_iters,
+                              "one_stream_len": n, **ceiling(weight_bytes, read_bandwidth_bytes_per_s())}
+    for name, benches in phases.items():
+        result[name] = _summaries(benches, run_iterations(benches, args.num_iters))
+        if "jaxserve" in benches and args.profile:
+            result[name]["jaxserve"]["profile"] = _step_profile(benches["jaxserve"].llm)
+    if "jaxserve" in result["one_stream"]:
+        result["one_stream_share_of_ceiling"] = (result["one_stream"]["jaxserve"]["output_tokens_per_s"]
+                                                 / result["one_stream_ceiling_tokens_per_s"])
     return result

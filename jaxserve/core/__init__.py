@@ -2,7 +2,17 @@
 never jax, so it is tested in milliseconds."""
 
 from jaxserve.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.kv_cache_coordinator import HybridKVCacheCoordinator
+from jaxserve.core.kv_cache_manager import HybridKVCacheManager, KVCacheManager
+from jaxserve.core.kv_cache_spec import (
+                                          FullAttentionSpec,
+                                          KVCacheConfig,
+                                          KVCacheGroupSpec,
+                                          KVCacheSpec,
+                                          SlidingWindowSpec,
+                                          get_kv_cache_config,
+                                          get_kv_cache_groups,
+)
 from jaxserve.core.kv_cache_utils import (
                                           BlockHash,
                                           generate_block_hash_extra_keys,
@@ -24,7 +34,9 @@ from jaxserve.core.stats import PrefixCacheStats, SchedulerStats
 
 __all__ = [
     "BlockHash", "BlockPool", "CachedRequestData", "EngineCoreOutput", "FCFSRequestQueue",
-    "FreeKVCacheBlockQueue", "KVCacheBlock", "KVCacheManager", "ModelRunnerOutput",
+    "FreeKVCacheBlockQueue", "FullAttentionSpec", "HybridKVCacheCoordinator", "HybridKVCacheManager",
+    "KVCacheBlock", "KVCacheConfig", "KVCacheGroupSpec", "KVCacheManager", "KVCacheSpec",
+    "SlidingWindowSpec", "get_kv_cache_config", "get_kv_cache_groups", "ModelRunnerOutput",
     "NewRequestData", "PrefixCacheStats", "PriorityRequestQueue", "Request", "RequestStatus",
     "SamplingParams", "SamplingType", "Scheduler", "SchedulerConfig", "SchedulerOutput",
     "SchedulerStats", "create_request_queue", "generate_block_hash_extra_keys",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Optional
 
-from jaxserve.core.kv_cache_utils import BlockHash
+from jaxserve.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 
 if TYPE_CHECKING:
     from jaxserve.core.request import Request
@@ -143,24 +143,28 @@ class BlockPool:
         self.num_cached_free_blocks = 0
         assert self.null_block.block_id == 0
 
-    def get_cached_block(self, block_hash: BlockHash) -> Optional[KVCacheBlock]:
-        return self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash,
+                         kv_cache_group_id: int = 0) -> Optional[KVCacheBlock]:
+        return self.cached_block_hash_to_block.get(
+            make_block_hash_with_group_id(block_hash, kv_cache_group_id))
 
     def cache_full_blocks(self, request: "Request", blocks: list[KVCacheBlock],
-                          num_cached_blocks: int, num_full_blocks: int) -> None:
-        """Publish ``blocks[num_cached_blocks:num_full_blocks]`` under the request's block hashes.
+                          num_cached_blocks: int, num_full_blocks: int,
+                          kv_cache_group_id: int = 0) -> None:
+        """Publish ``blocks[num_cached_blocks:num_full_blocks]`` under the request's block hashes
+        (keyed by KV cache group, ``make_block_hash_with_group_id``).
 
         Blocks that already carry a hash (prefix hits) are skipped; so is a block whose hash
-        another block already serves.
+        another block already serves, and the null block (a sliding window's skipped positions).
         """
         if num_full_blocks <= num_cached_blocks:
             return
         assert len(request.block_hashes) >= num_full_blocks, "block hashes lag the tokens"
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is not None:
+            if block.block_hash is not None or block.is_null:
                 continue
-            block_hash = request.block_hashes[i]
+            block_hash = make_block_hash_with_group_id(request.block_hashes[i], kv_cache_group_id)
             if block_hash in self.cached_block_hash_to_block:
                 continue
             block.block_hash = block_hash

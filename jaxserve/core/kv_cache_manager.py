@@ -1,16 +1,80 @@
-"""Per-request block tables on top of the block pool: prefix lookup, allocation, release."""
+"""Per-request block tables on top of the block pool: prefix lookup, allocation, release.
+
+``KVCacheManager``: one group of full-attention layers. ``HybridKVCacheManager``: any KV cache
+groups (sliding windows, several attention types), the same interface."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional, Protocol
 
 from jaxserve.core.block_pool import BlockPool, KVCacheBlock
+from jaxserve.core.kv_cache_coordinator import GroupBlocks, HybridKVCacheCoordinator
+from jaxserve.core.kv_cache_spec import KVCacheConfig
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.core.request import Request
 from jaxserve.core.stats import PrefixCacheStats
 
 
-class KVCacheManager:
+class KVCacheManagerInterface(Protocol):
+    """What the scheduler uses of a KV cache manager. Block lists and ids are the manager's own
+    shape (one list, or one per KV cache group), passed through unread."""
+
+    block_size: int
+    max_model_len: int
+    max_num_blocks_per_req: int
+    enable_caching: bool
+    log_stats: bool
+    block_pool: BlockPool
+    prefix_cache_stats: PrefixCacheStats
+
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def usage(self) -> float: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    def reads_prefix_cache(self, request: Request) -> bool: ...
+    def get_computed_blocks(self, request: Request, record_stats: bool = True) -> tuple[Any, int]: ...
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: Any = None) -> Any: ...
+    def free(self, request: Request) -> None: ...
+    def get_block_ids(self, request_id: str) -> Any: ...
+    def new_block_ids(self, blocks: Any) -> Any: ...
+    def reset_prefix_cache(self) -> bool: ...
+
+
+class _BlockPoolViews:
+    """What both managers read the same way off their block pool."""
+
+    block_pool: BlockPool
+    enable_caching: bool
+    log_stats: bool
+    prefix_cache_stats: PrefixCacheStats
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_gpu_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def reads_prefix_cache(self, request: Request) -> bool:
+        """Whether a lookup for ``request`` consults the cache (and counts as a query)."""
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.block_pool.reset_prefix_cache()
+        if ok and self.log_stats:
+            self.prefix_cache_stats.num_resets += 1
+        return ok
+
+
+class KVCacheManager(_BlockPoolViews):
     """Owns ``req_to_blocks``: each live request's block table, in token order.
 
     Invariants:
@@ -36,22 +100,6 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
-
-    @property
-    def num_blocks(self) -> int:
-        return self.block_pool.num_gpu_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.block_pool.get_usage()
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.get_num_free_blocks()
-
-    def reads_prefix_cache(self, request: Request) -> bool:
-        """Whether a lookup for ``request`` consults the cache (and counts as a query)."""
-        return self.enable_caching and request.sampling_params.prompt_logprobs is None
 
     def get_computed_blocks(self, request: Request,
                             record_stats: bool = True) -> tuple[list[KVCacheBlock], int]:
@@ -159,8 +207,82 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
-    def reset_prefix_cache(self) -> bool:
-        ok = self.block_pool.reset_prefix_cache()
-        if ok and self.log_stats:
-            self.prefix_cache_stats.num_resets += 1
-        return ok
+    def new_block_ids(self, blocks: list[KVCacheBlock]) -> list[int]:
+        """Ids of blocks ``allocate_slots`` returned, as the scheduler ships them."""
+        return [b.block_id for b in blocks]
+
+
+class HybridKVCacheManager(_BlockPoolViews):
+    """``KVCacheManager``'s interface over KV cache groups (``HybridKVCacheCoordinator``): one
+    block table per group and request, sliding-window groups freeing what falls out of the window.
+
+    Block lists and ids are tuples with one entry per group. The scheduler drives it exactly as
+    it drives ``KVCacheManager`` (``allocate_slots`` first frees the blocks the request's
+    sliding-window groups no longer read). Invariants: the coordinator's and each group's.
+    """
+
+    def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int,
+                 max_num_batched_tokens: int, enable_caching: bool = True,
+                 log_stats: bool = True) -> None:
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
+        self.kv_cache_config = kv_cache_config
+        self.block_size = kv_cache_config.block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.log_stats = log_stats
+        self.coordinator = HybridKVCacheCoordinator(kv_cache_config, enable_caching)
+        self.block_pool = self.coordinator.block_pool
+        self.max_num_blocks_per_req = kv_cache_config.max_num_blocks_per_req(
+            max_model_len, max_num_batched_tokens)
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    def get_computed_blocks(self, request: Request,
+                            record_stats: bool = True) -> tuple[GroupBlocks, int]:
+        """The longest prefix every group can resume from (``KVCacheManager``'s rules: whole
+        blocks, at least the last token computed, no lookup with prompt logprobs)."""
+        if not self.reads_prefix_cache(request):
+            return self.coordinator.empty_blocks(), 0
+        assert request.block_size == self.block_size, "request not hashed with this block_size"
+        blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1)
+        if self.log_stats and record_stats:
+            self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
+        return blocks, num_hit_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       num_new_computed_tokens: int = 0,
+                       new_computed_blocks: Optional[GroupBlocks] = None,
+                       ) -> Optional[GroupBlocks]:
+        """As ``KVCacheManager.allocate_slots``, per group; all or nothing over all groups."""
+        if num_new_tokens <= 0:
+            raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
+        coord = self.coordinator
+        req_id = request.request_id
+        hits = new_computed_blocks or coord.empty_blocks()
+        if any(hits) and any(req_id in m.req_to_blocks for m in coord.single_type_managers):
+            raise ValueError("prefix-hit blocks can only be added on a request's first allocation")
+        # Freed even if this request cannot be scheduled now: no later token reads them.
+        coord.remove_skipped_blocks(req_id, request.num_computed_tokens)
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_slots = min(num_computed_tokens + num_new_tokens, self.max_model_len)
+        needed = coord.get_num_blocks_to_allocate(req_id, num_slots, hits)
+        if needed > self.block_pool.get_num_free_blocks():
+            return None
+        coord.save_new_computed_blocks(req_id, hits)
+        new_blocks = coord.allocate_new_blocks(req_id, num_slots)
+        if self.enable_caching:
+            coord.cache_blocks(request, min(num_computed_tokens + num_new_tokens,
+                                            len(request.all_token_ids)))
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Every group's blocks, tail first (see ``KVCacheManager.free``)."""
+        self.coordinator.free(request.request_id, request.num_computed_tokens)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in blocks]
+                     for blocks in self.coordinator.get_blocks(request_id))
+
+    def new_block_ids(self, blocks: GroupBlocks) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group] for group in blocks)

@@ -123,6 +123,18 @@ def hash_request_tokens(block_size: int, request: HashedTokens) -> list[BlockHas
     return hashes
 
 
+def make_block_hash_with_group_id(block_hash: BlockHash, kv_cache_group_id: int) -> BlockHash:
+    """The block pool's key for a block of one KV cache group (vLLM's ``BlockHashWithGroupId``).
+
+    The same tokens have one block per group (each group's layers write their own pages), so the
+    pool keys them apart. Group 0 keeps the plain hash: a single-group cache is keyed as before.
+    Other groups append the id (4 bytes), so no key of one group equals another's.
+    """
+    if kv_cache_group_id == 0:
+        return block_hash
+    return block_hash + struct.pack("<I", kv_cache_group_id)
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division; jaxserve's one copy (``pallas_kernels`` keeps its own: it never imports jaxserve)."""
     return -(-a // b)

@@ -31,7 +31,7 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]          # all blocks of the request so far
+    block_ids: list[int]          # all blocks of the request so far (hybrid: a tuple, one per KV group)
     num_computed_tokens: int      # tokens already in the KV cache (prefix hit or 0)
     output_token_ids: list[int]   # non-empty only when resumed after preemption (recompute)
 
@@ -41,7 +41,7 @@ class CachedRequestData:
     """Requests already in the runner's persistent batch, as parallel lists."""
 
     req_ids: list[str]
-    new_block_ids: list[list[int]]   # blocks appended this step
+    new_block_ids: list[list[int]]   # blocks appended this step (hybrid: a tuple per request, one per group)
     num_computed_tokens: list[int]   # before this step's tokens
 
     @property

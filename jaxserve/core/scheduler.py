@@ -7,11 +7,9 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
-from jaxserve.core.block_pool import KVCacheBlock
-from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.kv_cache_utils import cdiv
+from jaxserve.core.kv_cache_manager import KVCacheManager, KVCacheManagerInterface
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import create_request_queue
 from jaxserve.core.sched_output import (
@@ -90,7 +88,7 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig,
-                 kv_cache_manager: Optional[KVCacheManager] = None, *,
+                 kv_cache_manager: Optional[KVCacheManagerInterface] = None, *,
                  num_blocks: Optional[int] = None, block_size: int = 16,
                  enable_caching: bool = True, log_stats: bool = True) -> None:
         cfg = scheduler_config
@@ -102,14 +100,14 @@ class Scheduler:
         if kv_cache_manager.max_model_len != cfg.max_model_len:
             raise ValueError(f"kv_cache_manager.max_model_len={kv_cache_manager.max_model_len} "
                              f"!= scheduler max_model_len={cfg.max_model_len}")
-        needed = cdiv(cfg.max_model_len, kv_cache_manager.block_size)
+        needed = kv_cache_manager.max_num_blocks_per_req  # over all KV cache groups
         if kv_cache_manager.num_blocks - 1 < needed:
             raise ValueError(
                 f"max_model_len={cfg.max_model_len} needs {needed} KV blocks of "
                 f"{kv_cache_manager.block_size} tokens, the cache has only "
                 f"{kv_cache_manager.num_blocks - 1}; lower max_model_len or give it more memory")
         self.scheduler_config = cfg
-        self.kv_cache_manager = kv_cache_manager
+        self.kv_cache_manager: KVCacheManagerInterface = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.max_model_len = cfg.max_model_len
         self.max_num_seqs = cfg.max_num_seqs
@@ -209,7 +207,7 @@ class Scheduler:
         now = time.monotonic()
         token_budget = self.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
-        new_blocks_of: dict[str, list[KVCacheBlock]] = {}
+        new_blocks_of: dict[str, Any] = {}  # the manager's block lists (one per KV group, or one)
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         preempted: list[Request] = []
@@ -322,7 +320,7 @@ class Scheduler:
             for r in scheduled_new]
         cached_reqs_data = CachedRequestData(
             req_ids=[r.request_id for r in scheduled_running],
-            new_block_ids=[[b.block_id for b in new_blocks_of[r.request_id]]
+            new_block_ids=[kv.new_block_ids(new_blocks_of[r.request_id])
                            for r in scheduled_running],
             num_computed_tokens=[r.num_computed_tokens for r in scheduled_running])
 

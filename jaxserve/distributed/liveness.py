@@ -5,6 +5,12 @@ Every follower sets its own key in the store (``{namespace}/alive/{rank}``) to a
 :data:`CHECK_INTERVAL_S` and declares lost a follower whose count has not changed for
 ``timeout_s``. A killed host and a hung one (stopped, swapped out) both stop counting.
 
+Beside the count, a follower's key carries its step progress: how many of rank 0's control
+messages it has applied. A follower whose heartbeat thread runs while its main thread is stuck
+outside a collective (a deadlock, a call that never returns) counts on but makes no progress:
+rank 0 declares it lost when it is behind the messages rank 0 published and its progress has not
+moved for ``timeout_s`` (the step-progress watchdog).
+
 Why not the coordination service's own detection: by default it terminates every process when
 one stops (rank 0 would take the API server down with it), and with recoverability on, its
 ``get_live_nodes`` is a barrier that only returns once every live process calls it, which a
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from jaxserve.distributed.channel import NAMESPACE
 from jaxserve.exceptions import NodeLostError
@@ -34,8 +40,11 @@ class Heartbeat:
     """A follower's proof of life: a daemon thread bumping its key until the store is gone."""
 
     def __init__(self, client: Any, rank: int, interval_s: float = HEARTBEAT_INTERVAL_S,
-                 namespace: str = NAMESPACE):
+                 namespace: str = NAMESPACE, progress: Optional[Callable[[], int]] = None):
+        """``progress``: the control messages this follower has applied (read by the beat thread;
+        may be set once the follower exists)."""
         self.client = client
+        self.progress = progress
         self.key = f"{namespace}/alive/{rank}"
         self.interval_s = interval_s
         self._stop = threading.Event()
@@ -52,7 +61,8 @@ class Heartbeat:
         count = 0
         while not self._stop.is_set():
             try:
-                self.client.key_value_set(self.key, str(count), allow_overwrite=True)
+                progress = 0 if self.progress is None else self.progress()
+                self.client.key_value_set(self.key, f"{count}/{progress}", allow_overwrite=True)
             except Exception:  # noqa: BLE001 - rank 0's service is gone: the main loop notices and says so
                 return
             count += 1
@@ -74,6 +84,9 @@ class NodeMonitor:
         now = clock()
         self._last_value: dict[int, str] = {}
         self._last_seen = {rank: now for rank in range(1, nnodes)}
+        self.published = 0  # control messages rank 0 has published (note_published)
+        self._progress = {rank: 0 for rank in range(1, nnodes)}
+        self._progress_seen = {rank: now for rank in range(1, nnodes)}  # last moved, or last caught up
         self._next_check = now
         self.lost: NodeLostError | None = None
 
@@ -101,6 +114,23 @@ class NodeMonitor:
                     f"node {rank} of {self.nnodes} sent no heartbeat for {now - self._last_seen[rank]:.1f} s "
                     f"(the limit is {self.timeout_s:g} s): it died or hangs; restart every node")
                 raise self.lost
+            self._check_progress(rank, value, now)
+
+    def note_published(self) -> None:
+        """Rank 0 published one more control message: every follower must apply it."""
+        self.published += 1
+
+    def _check_progress(self, rank: int, value: Optional[str], now: float) -> None:
+        progress = int(value.partition("/")[2] or 0) if value is not None else 0
+        if progress != self._progress[rank] or progress >= self.published:
+            self._progress[rank] = progress
+            self._progress_seen[rank] = now
+        elif now - self._progress_seen[rank] > self.timeout_s:
+            self.lost = NodeLostError(
+                f"node {rank} of {self.nnodes} beats but applied no control message for "
+                f"{now - self._progress_seen[rank]:.1f} s (at message {progress} of {self.published}; the limit "
+                f"is {self.timeout_s:g} s): it is stuck outside a collective; restart every node")
+            raise self.lost
 
     def wait_ready(self, array: Any) -> None:
         """Return once ``array`` (a step's output) is computed; raise :class:`NodeLostError` if a

@@ -26,7 +26,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
-from jaxserve.engine.processor import ProcessedRequest, PromptType
+from jaxserve.engine.processor import ProcessedRequest, PromptType, check_request_id
 from jaxserve.engine.step_records import StepRecord
 from jaxserve.engine.timeline import ABORT, CLIENT_DISCONNECT, EntryTimes, RequestTimeline
 from jaxserve.exceptions import ConfigError, EngineDeadError, EngineOverloadedError
@@ -85,7 +85,8 @@ class AsyncLLM:
         self._dead: Optional[BaseException] = None
         self._pending_adds = 0
         self._processing = 0  # requests being tokenized (touched on the callers' event loop only)
-        self._input_pool = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="jaxserve-input")
+        # The one pool that tokenizes: prompts here, chat templates and tokenizing for the server.
+        self.input_pool = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="jaxserve-input")
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -127,6 +128,7 @@ class AsyncLLM:
         EngineOverloadedError when the waiting queue is full, EngineDeadError if the loop failed.
         Leaving the iteration early (client gone, cancellation) aborts the request; its timeline
         says ``client_disconnect``. ``entry_times``: what the server measured before the engine."""
+        check_request_id(request_id)
         self.check_health()
         if self.num_waiting() >= self.max_waiting:
             raise EngineOverloadedError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
@@ -134,7 +136,7 @@ class AsyncLLM:
         self._processing += 1  # counted as waiting from now, so the queue limit holds meanwhile
         try:
             processed = await asyncio.get_running_loop().run_in_executor(
-                self._input_pool, functools.partial(self.engine.process_request, request_id, prompt,
+                self.input_pool, functools.partial(self.engine.process_request, request_id, prompt,
                                                     sampling_params, priority=priority, cache_salt=cache_salt,
                                                     arrival_time=time.monotonic(), entry_times=entry_times))
         finally:
@@ -166,6 +168,7 @@ class AsyncLLM:
                 self._submit(AbortRequest(processed.request_id, CLIENT_DISCONNECT))
 
     async def abort(self, request_id: str) -> None:
+        check_request_id(request_id)
         self._submit(AbortRequest(request_id))
 
     def _submit(self, item: InboxItem) -> None:
@@ -253,4 +256,4 @@ class AsyncLLM:
         self._wake.set()
         self._thread.join(timeout)
         self.engine.shutdown()
-        self._input_pool.shutdown(wait=False, cancel_futures=True)
+        self.input_pool.shutdown(wait=False, cancel_futures=True)

@@ -26,7 +26,7 @@ from jaxserve.engine.dp_load import hash_for_routing, pick_replica
 from jaxserve.engine.dp_metrics import merge_stats, render_merged
 from jaxserve.engine.dp_placement import start_replica_engines
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
-from jaxserve.engine.processor import ProcessedRequest, PromptType
+from jaxserve.engine.processor import ProcessedRequest, PromptType, check_request_id
 from jaxserve.engine.step_records import StepRecord, merged_records
 from jaxserve.engine.timeline import EntryTimes, RequestTimeline, merged_timelines
 from jaxserve.engine.trace import build_trace
@@ -57,7 +57,7 @@ class DPAsyncLLM:
         self._owner: dict[str, int] = {}
         self._live_seqs = [0] * len(self.replicas)
         self._processing = 0
-        self._input_pool = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="jaxserve-input")
+        self.input_pool = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="jaxserve-input")
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, served_model_name: Optional[str] = None, max_waiting: int = 1024,
@@ -78,6 +78,11 @@ class DPAsyncLLM:
         """One failed replica fails the whole server, as in vLLM: its requests are lost."""
         return any(r.is_dead for r in self.replicas)
 
+    @property
+    def dead_reason(self) -> Optional[str]:
+        """The first failed replica's cause (``AsyncLLM.dead_reason``), None while all run."""
+        return next((f"engine replica {i}: {r.dead_reason}" for i, r in enumerate(self.replicas) if r.is_dead), None)
+
     def check_health(self) -> None:
         for index, replica in enumerate(self.replicas):
             try:
@@ -96,13 +101,14 @@ class DPAsyncLLM:
                        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
                        entry_times: Optional[EntryTimes] = None) -> AsyncGenerator[RequestOutput, None]:
         """As ``AsyncLLM.generate``, on the replica the router picks."""
+        check_request_id(request_id)
         self.check_health()
         if self.num_waiting() >= self.max_waiting:
             raise EngineOverloadedError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
         self._processing += 1
         try:
             processed = await asyncio.get_running_loop().run_in_executor(
-                self._input_pool, functools.partial(self._process, request_id, prompt, sampling_params, priority,
+                self.input_pool, functools.partial(self._process, request_id, prompt, sampling_params, priority,
                                                     cache_salt, time.monotonic(), entry_times))
         finally:
             self._processing -= 1
@@ -135,6 +141,7 @@ class DPAsyncLLM:
         return pick_replica([r.engine for r in self.replicas], self._live_seqs, processed.core_requests[0])
 
     async def abort(self, request_id: str) -> None:
+        check_request_id(request_id)
         index = self._owner.get(request_id)
         if index is not None:
             await self.replicas[index].abort(request_id)
@@ -171,4 +178,4 @@ class DPAsyncLLM:
     def shutdown(self, timeout: float = 5.0) -> None:
         for replica in self.replicas:
             replica.shutdown(timeout)
-        self._input_pool.shutdown(wait=False, cancel_futures=True)
+        self.input_pool.shutdown(wait=False, cancel_futures=True)

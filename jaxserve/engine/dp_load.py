@@ -32,7 +32,7 @@ def replica_load(engine: LLMEngine, live_seqs: int, request: Request) -> Replica
     core = engine.core
     kv = core.scheduler.kv_cache_manager
     running = core.last_stats.num_running_reqs
-    cached = len(kv.get_computed_blocks(request, record_stats=False)[0])
+    cached = kv.get_computed_blocks(request, record_stats=False)[1] // kv.block_size  # any KV groups
     return ReplicaLoad(num_waiting=max(0, live_seqs - running), num_running=running,
                        kv_cache_usage=kv.usage, cached_blocks=cached)
 

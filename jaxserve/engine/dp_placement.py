@@ -4,6 +4,7 @@ any weight is loaded."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -35,12 +36,29 @@ def start_replica_engines(config: EngineConfig, *, served_model_name: Optional[s
                           show_progress: bool = True, record_steps: bool = False) -> list[LLMEngine]:
     """One ``LLMEngine`` per device group, replica ``i`` labelled ``engine="i"`` in the metrics.
     The device count is checked before any weight is loaded. Replica ``i`` seeds its RNG with
-    ``seed + i``: unseeded requests on different replicas must not draw the same samples."""
+    ``seed + i``: unseeded requests on different replicas must not draw the same samples.
+
+    The replicas start concurrently, one thread each: loading weights and XLA's compiles release
+    the GIL, so M replicas start in about one replica's time where the cores allow. If one fails,
+    those that started are shut down and its error is raised."""
     groups = replica_device_groups(config)
-    engines = []
-    for index, devices in enumerate(groups):
+    # transformers' lazy module is not thread-safe on first access: resolve the name here, once.
+    from transformers import AutoTokenizer  # noqa: F401
+
+    def start(index: int) -> LLMEngine:
+        devices = groups[index]
         logger.info("data parallel: starting replica %d of %d on %s", index, len(groups), devices)
-        engines.append(LLMEngine(dataclasses.replace(config, seed=config.seed + index), show_progress=show_progress,
-                                 record_steps=record_steps, served_model_name=served_model_name, devices=devices,
-                                 engine_index=index))
-    return engines
+        return LLMEngine(dataclasses.replace(config, seed=config.seed + index), show_progress=show_progress,
+                         record_steps=record_steps, served_model_name=served_model_name, devices=devices,
+                         engine_index=index)
+
+    with concurrent.futures.ThreadPoolExecutor(len(groups), thread_name_prefix="jaxserve-dp-start") as pool:
+        futures = [pool.submit(start, i) for i in range(len(groups))]
+        concurrent.futures.wait(futures)
+    failed = [exc for f in futures if (exc := f.exception()) is not None]
+    if failed:
+        for future in futures:
+            if future.exception() is None:
+                future.result().shutdown()
+        raise failed[0]
+    return [f.result() for f in futures]

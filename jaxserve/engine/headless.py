@@ -32,6 +32,7 @@ def run_headless(config: EngineConfig, *, show_progress: bool = True) -> int:
     try:
         core = EngineCore(config, show_progress=show_progress)
         follower = LockstepFollower(core.runner, ControlChannel(client, config.node_rank, config.nnodes))
+        heartbeat.progress = lambda: follower.messages_applied
         logger.info("node %d of %d ready: following rank 0 at %s", config.node_rank, config.nnodes,
                     config.coordinator_address())
         follower.run()

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any, Optional, Sequence
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence, Union
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
@@ -18,12 +19,14 @@ from jaxserve.engine.engine_core import EngineCore
 from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.engine.output_processor import OutputProcessor, ParentState
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
-from jaxserve.engine.processor import InputProcessor, ProcessedRequest, PromptType
+from jaxserve.engine.processor import InputProcessor, ProcessedRequest, PromptType, as_request_ids
 from jaxserve.engine.step_records import StepRecord, last_records
 from jaxserve.engine.timeline import ABORT, EntryTimes, RequestTimeline
 from jaxserve.engine.trace import build_trace
 from jaxserve.exceptions import ConfigError, InvalidRequestError
+from jaxserve.models.gguf_loader import is_gguf
 from jaxserve.models.hub import resolve_model
+from jaxserve.models.smollm2 import SERVED_NAME as SMOLLM2_NAME
 
 logger = logging.getLogger("jaxserve")
 
@@ -32,8 +35,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def has_tokenizer_files(path: str) -> bool:
-    from pathlib import Path
-
     return any((Path(path) / f).is_file() for f in _TOKENIZER_FILES)
 
 
@@ -41,6 +42,9 @@ def load_tokenizer(path: str):
     """The checkpoint's tokenizer, or None for a weights-only folder (token-id prompts only)."""
     from transformers import AutoTokenizer
 
+    if is_gguf(path):  # transformers rebuilds the tokenizer and chat template from the metadata
+        file = Path(path)
+        return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name, trust_remote_code=False)
     if not has_tokenizer_files(path):
         logger.warning("no tokenizer files in %s: only token-id prompts, no detokenization", path)
         return None
@@ -60,12 +64,13 @@ class LLMEngine:
         ``tensor_parallel_size`` of ``jax.devices()``); ``engine_index``: its replica index under
         data parallelism (the metrics' ``engine`` label)."""
         self.config = config
+        self.engine_index = engine_index
         if config.node_rank > 0:  # only rank 0 schedules; the others replay its steps
             raise ConfigError(f"node_rank: {config.node_rank} runs headless (jaxserve serve --node-rank "
                               f"{config.node_rank}, or jaxserve.run_headless), not an engine of its own")
         # A tokenizer given apart is looked up first, so a wrong name fails before any compile.
         tokenizer_source = resolve_model(config.tokenizer, weights=False) if config.tokenizer else None
-        default_name = type(model).__name__ if model is not None else (config.model or "jaxserve-demo")
+        default_name = type(model).__name__ if model is not None else (config.model or SMOLLM2_NAME)
         self.served_model_name = served_model_name or default_name
         self.tracer = None
         if config.otlp_traces_endpoint:  # before the engine starts: a missing extra fails at once
@@ -74,6 +79,9 @@ class LLMEngine:
             self.tracer = RequestTracer(config.otlp_traces_endpoint, self.served_model_name)
         self.core = EngineCore(config, show_progress=show_progress, record_steps=record_steps, model=model,
                                devices=devices)
+        source = self.core.model_source
+        if served_model_name is None and source is not None and source.served_name:  # the demo, or its fallback
+            self.served_model_name = source.served_name
         with self.core.startup.phase("tokenizer"):
             self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer(tokenizer_source)
         self.model_config = self.core.model_config
@@ -90,6 +98,7 @@ class LLMEngine:
         self.model_root = self.core.model_source.root if self.core.model_source else self.served_model_name
         self.metrics = EngineMetrics(self.served_model_name, self.core.attention_backend, engine_index)
         self.metrics.record_startup(self.core.startup.phases, self.core.runner.stats)
+        self.metrics.record_memory(self.core.runner.memory())
         self._report_startup(show_progress)
         self.core.runner.start_deferred_compiles()
 
@@ -115,6 +124,9 @@ class LLMEngine:
     def _report_startup(self, show_progress: bool) -> None:
         stats = self.core.runner.stats
         line = self.core.startup.summary(len(stats.compile_seconds_per_bucket), stats.persistent_cache_hits)
+        mem = self.core.runner.memory()
+        line += (f"; weights {mem['weight_bytes'] / 2**20:.1f} MiB ({mem['quantization']}), "
+                 f"KV cache {mem['kv_cache_bytes'] / 2**20:.1f} MiB ({mem['kv_cache_dtype']})")
         logger.info(line)
         if show_progress and not logger.isEnabledFor(logging.INFO):  # no logging set up (a notebook)
             print(f"jaxserve: {line}", file=sys.stderr, flush=True)  # stdout may carry JSON
@@ -164,10 +176,10 @@ class LLMEngine:
                                          arrival_time=arrival_time)
         return self.add_processed_request(processed, output_kind=output_kind, queue=queue)
 
-    def abort_request(self, request_ids: list[str], cause: str = ABORT) -> None:
-        """Abort requests; ``cause`` (abort, client_disconnect, error) is kept in their timelines.
-        Each one counts as an aborted request in the metrics."""
-        core_ids, aborted = self.output_processor.abort_requests(request_ids, cause)
+    def abort_request(self, request_ids: Union[str, Iterable[str]], cause: str = ABORT) -> None:
+        """Abort one request or several; ``cause`` (abort, client_disconnect, error) is kept in
+        their timelines. Each one counts as an aborted request in the metrics."""
+        core_ids, aborted = self.output_processor.abort_requests(as_request_ids(request_ids), cause)
         self.core.abort_requests(core_ids)
         for parent in aborted:
             self.metrics.record_finished("abort", parent.metrics.e2e_latency)
@@ -217,7 +229,7 @@ class LLMEngine:
 
     def _export_span(self, parent: ParentState) -> None:
         assert self.tracer is not None
-        self.tracer.export(parent.timeline(keep_token_ids=False))
+        self.tracer.export(parent.timeline(keep_token_ids=False), trace_headers=parent.trace_headers)
 
     def check_nodes(self) -> None:
         """Raise ``NodeLostError`` if a host of a multi-node engine was lost (no-op on one host)."""
@@ -257,9 +269,13 @@ class LLMEngine:
         return self.core.step_records
 
     def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]:
-        """The newest ``limit`` step records (all kept with None), oldest first."""
+        """The newest ``limit`` step records (all kept with None), oldest first, each carrying this
+        engine's replica index (the core that writes them knows no replicas)."""
         ring = self.core.step_records
-        return [] if ring is None else last_records(ring, limit)
+        records = [] if ring is None else last_records(ring, limit)
+        for record in records:
+            record.engine_index = self.engine_index
+        return records
 
     def build_trace(self, num_steps: Optional[int] = None, num_requests: int = 100) -> dict:
         """A Chrome/Perfetto trace (JSON object) of the newest steps and requests."""

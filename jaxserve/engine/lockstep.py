@@ -92,6 +92,7 @@ class LockstepLeader:
 
     def _flush(self) -> None:
         self.channel.publish(self._queued)
+        self.monitor.note_published()
         self._queued = []
 
 
@@ -104,6 +105,7 @@ class LockstepFollower:
         self._prepared: collections.deque[PreparedStep] = collections.deque()
         self._launched: collections.deque[InFlightStep] = collections.deque()
         self.steps = 0
+        self.messages_applied = 0  # the step progress its heartbeat reports (rank 0's watchdog reads it)
 
     def run(self) -> None:
         """Return on rank 0's shutdown message; raise :class:`NodeLostError` when rank 0 is gone."""
@@ -116,6 +118,8 @@ class LockstepFollower:
                 if isinstance(call, Shutdown):
                     return
                 self.apply(call)
+            if calls is not None:
+                self.messages_applied += 1
 
     def apply(self, call: RunnerCall) -> None:
         if isinstance(call, Prepare):

@@ -103,6 +103,9 @@ class EngineMetrics:
         self.variant_compile = Gauge("jaxserve:startup_step_variant_seconds",
                                      "Seconds to compile (or read from the persistent cache) each step variant",
                                      lbl + ["variant", "cached"], registry=r)
+        self.memory = Gauge("jaxserve:memory_bytes", "Bytes held by the weights and the KV cache, by kind "
+                            "and storage format (--quantization, --kv-cache-dtype)", lbl + ["kind", "format"],
+                            registry=r)
         self.dead = Gauge("jaxserve:engine_dead", "1 once the engine loop has failed (restart the server)", lbl,
                           registry=r)
         self._last: Optional[SchedulerStats] = None
@@ -117,6 +120,11 @@ class EngineMetrics:
             cached = set(compile_stats.cached_variants)
             for variant, seconds in compile_stats.compile_seconds_per_bucket.items():
                 self._l(self.variant_compile, variant=variant, cached=str(variant in cached).lower()).set(seconds)
+
+    def record_memory(self, memory: dict) -> None:
+        """``ModelRunner.memory()``: weight and KV cache bytes and their formats."""
+        self._l(self.memory, kind="weights", format=memory["quantization"]).set(memory["weight_bytes"])
+        self._l(self.memory, kind="kv_cache", format=memory["kv_cache_dtype"]).set(memory["kv_cache_bytes"])
 
     def _l(self, metric, **extra):
         # Labelled children are looked up once: labels() costs more than the update itself.

@@ -3,15 +3,17 @@
 When a request ends (finished, aborted, failed) its timeline becomes one span tree: a root
 ``llm_request`` span from its receipt (or arrival) to its finish, with vLLM's ``gen_ai.*``
 attributes, and one child span per stage (template, tokenize, to engine, queue, prefill, decode),
-consecutive inside it. The SDK's batch processor sends them from its own thread; the engine
-thread only builds spans. Needs the ``otel`` extra (``pip install jaxserve[otel]``).
+consecutive inside it. A request that came with a W3C ``traceparent`` (and ``tracestate``) header
+gets its root span in that trace, as a child of the caller's span, as vLLM does. The SDK's batch
+processor sends them from its own thread; the engine thread only builds spans. Needs the ``otel``
+extra (``pip install jaxserve[otel]``).
 """
 
 from __future__ import annotations
 
 import time
 import urllib.parse
-from typing import Optional
+from typing import Mapping, Optional
 
 from jaxserve.engine.timeline import RequestTimeline, request_span, stage_spans
 from jaxserve.exceptions import ConfigError
@@ -62,10 +64,12 @@ class RequestTracer:
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
         except ImportError as exc:
             raise ConfigError("otlp_traces_endpoint needs the OpenTelemetry SDK and OTLP exporter: "
                               "pip install 'jaxserve[otel]'") from exc
         self._trace = trace
+        self._propagator = TraceContextTextMapPropagator()
         self.model_name = model_name
         self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
         self.provider.add_span_processor(
@@ -77,11 +81,15 @@ class RequestTracer:
     def _ns(self, t: float) -> int:
         return int(t * 1e9) + self._offset_ns
 
-    def export(self, t: RequestTimeline, now: Optional[float] = None) -> None:
+    def export(self, t: RequestTimeline, now: Optional[float] = None,
+               trace_headers: Optional[Mapping[str, str]] = None) -> None:
+        """``trace_headers``: the request's ``traceparent``/``tracestate``; without them (or with
+        a malformed one) the span starts a trace of its own."""
         now = time.monotonic() if now is None else now
         start, end = request_span(t.metrics, now)
-        root = self.tracer.start_span(ROOT_SPAN, kind=self._trace.SpanKind.SERVER, start_time=self._ns(start),
-                                      attributes=_attributes(t, self.model_name))
+        parent = self._propagator.extract(carrier=dict(trace_headers)) if trace_headers else None
+        root = self.tracer.start_span(ROOT_SPAN, context=parent, kind=self._trace.SpanKind.SERVER,
+                                      start_time=self._ns(start), attributes=_attributes(t, self.model_name))
         context = self._trace.set_span_in_context(root)
         for name, stage_start, stage_end in stage_spans(t.metrics, now):
             self.tracer.start_span(name, context=context, start_time=self._ns(stage_start)).end(self._ns(stage_end))

@@ -73,6 +73,7 @@ class ParentState:
     # dropped once the request ended (``release``), with what the timeline still needs kept.
     core_requests: list = dataclasses.field(default_factory=list)
     max_tokens: Optional[int] = None  # resolved by the scheduler; kept when the core requests go
+    trace_headers: Optional[dict[str, str]] = None  # the caller's W3C trace context, for the span
 
     @property
     def finished(self) -> bool:
@@ -151,7 +152,8 @@ class OutputProcessor:
             if entry.tokenized is not None:  # the server tokenized (a chat): the engine only validated
                 metrics.tokenized_time = entry.tokenized
         parent = ParentState(request_id, prompt, prompt_token_ids, output_kind, children, metrics, queue,
-                             core_requests=list(core_requests or []))
+                             core_requests=list(core_requests or []),
+                             trace_headers=None if entry is None else entry.trace_headers)
         self.parents[request_id] = parent
         for child in children:
             self.child_to_parent[child.core_id] = (parent, child)
@@ -371,7 +373,7 @@ class OutputProcessor:
         prompt_logprobs = parent.prompt_logprobs
         if kind == RequestOutputKind.DELTA:
             if parent.prompt_logprobs_sent:
-                prompt_logprobs = None
+                prompt_logprobs = []  # vLLM's: sent already, so none new (None means not asked for)
             elif prompt_logprobs is not None:
                 parent.prompt_logprobs_sent = True
         return RequestOutput(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request
@@ -44,6 +44,21 @@ def check_no_surrogates(field: str, text: str) -> None:
     except UnicodeEncodeError as exc:
         raise InvalidRequestError(field, f"not valid Unicode text: a lone surrogate at character {exc.start}") \
             from None
+
+
+def check_request_id(request_id: object) -> str:
+    """A request id is a string, as in vLLM: anything else (an int, None, bytes) is a ``TypeError``
+    at the entry point, never a silent key that no later lookup by string finds."""
+    if not isinstance(request_id, str):
+        raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+    return request_id
+
+
+def as_request_ids(request_ids: Union[str, Iterable[str]]) -> list[str]:
+    """One id or several, as vLLM's ``abort_request`` takes them (a lone string is one id, not its
+    characters), each checked."""
+    ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+    return [check_request_id(r) for r in ids]
 
 
 def child_request_id(index: int, request_id: str) -> str:
@@ -172,8 +187,7 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float,
                 priority: int = 0, cache_salt: Optional[str] = None) -> ProcessedRequest:
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        check_request_id(request_id)
         text, ids = self.tokenize_prompt(prompt)
         self.validate(ids, params, cache_salt)
         core = [self._core_request(child_request_id(i, request_id) if params.n > 1 else request_id,

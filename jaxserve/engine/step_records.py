@@ -42,6 +42,7 @@ class StepRecord:
     end: float = 0.0
     sampled: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     finished: dict[str, str] = dataclasses.field(default_factory=dict)  # request id -> finish reason
+    engine_index: int = 0  # the data-parallel replica that ran it (vLLM's ``engine`` label)
 
     # Shortcuts to the scheduler's side, as notebooks read them.
     @property
@@ -80,7 +81,7 @@ class StepRecord:
     def as_dict(self) -> dict:
         s = self.schedule
         return {
-            "step": self.step, "start": self.start, "end": self.end,
+            "step": self.step, "engine_index": self.engine_index, "start": self.start, "end": self.end,
             "scheduled": s.scheduled, "prefill_ids": s.prefill_ids, "new_request_ids": s.new_request_ids,
             "num_prefill_tokens": s.num_prefill_tokens, "num_decode_tokens": s.num_decode_tokens,
             "waiting_ids": s.waiting_ids, "num_waiting": s.num_waiting, "waiting_reason": s.waiting_reason,

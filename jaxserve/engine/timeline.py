@@ -34,6 +34,8 @@ class EntryTimes:
     received: float
     templated: Optional[float] = None
     tokenized: Optional[float] = None
+    # The request's W3C trace context (``traceparent``, ``tracestate``): its span continues that trace.
+    trace_headers: Optional[dict[str, str]] = None
 
 
 def finish_cause(finish_reason: Optional[str], stop_reason: Any) -> Optional[str]:

@@ -39,6 +39,15 @@ class AttentionMetadata(NamedTuple):
 AttentionFn = Callable[..., jax.Array]
 
 
+def to_cache_dtype(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """``x`` as the pool stores it; a float8 pool saturates at its largest finite value (e4m3fn
+    has no infinity, and a plain cast of anything past 448 would be NaN)."""
+    if jnp.dtype(dtype).itemsize == 1:
+        top = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -top, top)
+    return x.astype(dtype)
+
+
 def paged_attention(
     q: jax.Array,
     k: jax.Array,

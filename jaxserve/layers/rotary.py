@@ -1,6 +1,5 @@
 """Rotary position embeddings (the "rotate half" layout that Hugging Face checkpoints use)."""
 
-import dataclasses
 import math
 
 import jax
@@ -8,17 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    """How the rotary frequencies are built; ``llama3`` adds Llama 3's wavelength-dependent scaling."""
-
-    theta: float = 10000.0
-    rope_type: str = "default"  # "default" or "llama3"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
+from jaxserve.layers.rope_config import RopeConfig
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.exceptions import ConfigError
-from jaxserve.layers.rotary import RopeConfig
+from jaxserve.layers.rope_config import RopeConfig
 
 _DTYPE_NAMES = {
     "float32": "float32", "fp32": "float32", "float": "float32",

@@ -1,11 +1,13 @@
-"""The built-in demo model: a tiny random Qwen3 built on first use into the cache folder.
+"""The random tiny demo model (``jaxserve-demo``): a tiny random Qwen3 built on first use into the
+cache folder. The default demo is the trained SmolLM2 (:mod:`jaxserve.models.smollm2`); this one
+serves fast tests, and the default's place when SmolLM2 cannot be fetched.
 
 No model hub and no torch are needed. The checkpoint is a real Hugging Face folder that
 transformers loads: ``config.json`` written by transformers' config class, weights drawn with numpy
 and written as safetensors (:mod:`jaxserve.models.random_weights`), and a byte-level BPE tokenizer
 trained with ``tokenizers`` on text generated here, with a ChatML chat template that renders tools
 as Qwen3's does. A build is byte-identical from run to run. The test suite builds its tiny
-checkpoints with the same function (``jaxserve.testing``).
+checkpoints with the same function (``tests/tiny_models.py``).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ CHAT_TEMPLATE = """\
 {%- endif %}
 """
 
+DEMO_MODEL_NAME = "jaxserve-demo"  # how a user asks for this model (the default demo is SmolLM2)
 DEMO_ARCH = "Qwen3ForCausalLM"
 # Shaped like Qwen3-0.6B (explicit head_dim with q width 2x hidden, GQA 2, tied), but tiny.
 DEMO_SHAPE: dict[str, Any] = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=3,

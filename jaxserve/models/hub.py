@@ -1,7 +1,8 @@
 """Where a model's files come from: a local checkpoint folder, or a Hugging Face hub id resolved to
 a snapshot folder in the hub cache.
 
-A name that is an existing folder is used as it is. Anything else that is a valid repo id
+A name that is an existing folder, or a ``.gguf`` file (its config and tokenizer are in its
+metadata, :mod:`jaxserve.models.gguf_loader`), is used as it is. Anything else that is a valid repo id
 (``Qwen/Qwen3-0.6B``) goes through ``huggingface_hub.snapshot_download``, which downloads what is
 missing into the hub cache (or, with ``HF_HUB_OFFLINE``, only looks there) and returns the
 snapshot folder of the revision. Only configuration, tokenizer files, chat templates and
@@ -18,6 +19,7 @@ from typing import Optional
 
 from jaxserve import envs
 from jaxserve.exceptions import ConfigError
+from jaxserve.models.gguf_loader import is_gguf
 from jaxserve.models.safetensors_io import check_weights
 
 logger = logging.getLogger("jaxserve")
@@ -44,6 +46,7 @@ class ModelSource:
     path: Path
     root: str
     revision: Optional[str] = None
+    served_name: Optional[str] = None  # the name served when the user named no model (a demo)
 
 
 def resolve_model(name: str, *, revision: Optional[str] = None, download_dir: Optional[str] = None,
@@ -56,8 +59,10 @@ def resolve_model(name: str, *, revision: Optional[str] = None, download_dir: Op
         if revision is not None:
             logger.warning("--revision %s applies to hub ids; %s is a local folder, served as it is", revision, name)
         source = ModelSource(folder.resolve(), str(folder.resolve()))
+    elif folder.is_file() and is_gguf(folder):  # vLLM's single-file form: config and tokenizer inside
+        return ModelSource(folder.resolve(), str(folder.resolve()))
     elif folder.exists():
-        raise ConfigError(f"model: {name} is a file; expected a checkpoint folder or a hub id")
+        raise ConfigError(f"model: {name} is a file; expected a checkpoint folder, a .gguf file or a hub id")
     elif _is_repo_id(name):
         source = _snapshot(name, revision, download_dir, weights)
     else:

@@ -23,10 +23,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.layers.attention import AttentionFn, AttentionMetadata, paged_attention
+from jaxserve.layers.attention import AttentionFn, AttentionMetadata, paged_attention, to_cache_dtype
 from jaxserve.layers.embedding import Embedding
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.norm import RMSNorm
+from jaxserve.layers.quantized_linear import make_linear
 from jaxserve.layers.rotary import RotaryEmbedding, apply_rope
 from jaxserve.layers.shard import shard_map
 from jaxserve.models.config import ModelConfig
@@ -56,16 +57,17 @@ class LlamaAttention(nnx.Module):
     The fused columns are in ``layout``'s shard-major order (see :mod:`.tp_layout`); key/value
     heads are the stored ones (replicated when there are fewer than shards)."""
 
-    def __init__(self, cfg: ModelConfig, layout: TPLayout, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, *, quantization: str | None = None, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = layout.stored_kv_heads
         self.num_shards = layout.size
         self.head_dim = cfg.head_dim
         self.sliding_window = cfg.sliding_window
-        self.qkv_proj = Linear(cfg.hidden_size, layout.qkv_width, use_bias=cfg.attention_bias,
-                               param_dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, use_bias=cfg.o_proj_bias, param_dtype=dtype, rngs=rngs)
+        self.qkv_proj = make_linear(cfg.hidden_size, layout.qkv_width, use_bias=cfg.attention_bias,
+                                    param_dtype=dtype, quantization=quantization, rngs=rngs)
+        self.o_proj = make_linear(cfg.q_size, cfg.hidden_size, use_bias=cfg.o_proj_bias, param_dtype=dtype,
+                                  quantization=quantization, rngs=rngs)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, param_dtype=dtype)
             self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, param_dtype=dtype)
@@ -91,8 +93,9 @@ class LlamaAttention(nnx.Module):
         k = apply_rope(k, ctx.cos, ctx.sin)
         k_pool, v_pool = kv
         out, k_pool, v_pool = paged_attention(
-            q, k.astype(k_pool.dtype), v.astype(v_pool.dtype), k_pool, v_pool, layer, ctx.num_blocks, ctx.md,
-            ctx.attn_fn, sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window, mesh=ctx.mesh,
+            q, to_cache_dtype(k, k_pool.dtype), to_cache_dtype(v, v_pool.dtype), k_pool, v_pool, layer,
+            ctx.num_blocks, ctx.md, ctx.attn_fn, sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window,
+            mesh=ctx.mesh,
         )
         return self.o_proj(out.reshape(out.shape[0], -1).astype(x.dtype)), (k_pool, v_pool)
 
@@ -101,13 +104,13 @@ class LlamaMLP(nnx.Module):
     """SwiGLU: ``down(silu(gate) * up)``, gate|up fused into one projection whose columns are
     ``[gate_s | up_s]`` per shard ``s``."""
 
-    def __init__(self, cfg: ModelConfig, layout: TPLayout, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, *, quantization: str | None = None, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         self.num_shards = layout.size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, use_bias=cfg.mlp_bias,
-                                   param_dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, use_bias=cfg.mlp_bias,
-                                param_dtype=dtype, rngs=rngs)
+        self.gate_up_proj = make_linear(cfg.hidden_size, 2 * cfg.intermediate_size, use_bias=cfg.mlp_bias,
+                                        param_dtype=dtype, quantization=quantization, rngs=rngs)
+        self.down_proj = make_linear(cfg.intermediate_size, cfg.hidden_size, use_bias=cfg.mlp_bias,
+                                     param_dtype=dtype, quantization=quantization, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = jnp.split(self.gate_up_proj(x).reshape(x.shape[0], self.num_shards, -1), 2, axis=-1)
@@ -117,12 +120,12 @@ class LlamaMLP(nnx.Module):
 class LlamaDecoderLayer(nnx.Module):
     """Pre-norm residual block: attention, then the MLP."""
 
-    def __init__(self, cfg: ModelConfig, layout: TPLayout, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, *, quantization: str | None = None, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=dtype)
-        self.self_attn = LlamaAttention(cfg, layout, rngs=rngs)
+        self.self_attn = LlamaAttention(cfg, layout, quantization=quantization, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=dtype)
-        self.mlp = LlamaMLP(cfg, layout, rngs=rngs)
+        self.mlp = LlamaMLP(cfg, layout, quantization=quantization, rngs=rngs)
 
     def __call__(self, hidden: jax.Array, kv: KVPools, layer: jax.Array,
                  ctx: ForwardContext) -> tuple[jax.Array, KVPools]:
@@ -139,23 +142,28 @@ class LlamaForCausalLM(nnx.Module):
     ``tensor_parallel_size`` fixes the weights' layout (:class:`.tp_layout.TPLayout`): the fused
     projections' column order, the stored key/value heads and the padded vocabulary. The module is
     the whole model either way; a mesh given to :meth:`__call__` and :meth:`compute_logits` runs
-    it split, its arrays placed by :mod:`jaxserve.runner.mesh`."""
+    it split, its arrays placed by :mod:`jaxserve.runner.mesh`.
+
+    ``quantization`` ("int8", "fp8"; None: float) makes the decoder layers' four projections
+    :class:`~jaxserve.layers.quantized_linear.QuantizedLinear`; the embedding and the LM head stay
+    in ``config.dtype`` (as vLLM's online fp8 keeps them)."""
 
     def __init__(self, config: ModelConfig, *, scan_layers: bool | None = None, tensor_parallel_size: int = 1,
-                 rngs: nnx.Rngs):
+                 quantization: str | None = None, rngs: nnx.Rngs):
         dtype = jnp.dtype(config.dtype)
         if scan_layers is None:
             scan_layers = default_scan_layers(config.num_hidden_layers)
         layout = TPLayout.of(config, tensor_parallel_size)
         self.config = config
         self.layout = layout
+        self.quantization = quantization
         self.embed_tokens = Embedding(layout.padded_vocab, config.hidden_size, param_dtype=dtype, rngs=rngs)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
         if scan_layers:
-            self.layers = ScannedLayers(lambda r: LlamaDecoderLayer(config, layout, rngs=r),
+            self.layers = ScannedLayers(lambda r: LlamaDecoderLayer(config, layout, quantization=quantization, rngs=r),
                                         config.num_hidden_layers, rngs=rngs)
         else:
-            self.layers = nnx.List([LlamaDecoderLayer(config, layout, rngs=rngs)
+            self.layers = nnx.List([LlamaDecoderLayer(config, layout, quantization=quantization, rngs=rngs)
                                     for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=dtype)
         if config.tie_word_embeddings:

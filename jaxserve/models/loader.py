@@ -16,6 +16,7 @@ read on its own from the memory-mapped files and put on that device
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Callable
 
@@ -25,44 +26,15 @@ from flax import nnx
 
 from jaxserve.exceptions import ConfigError
 from jaxserve.models.config import ModelConfig, normalize_dtype_name
+from jaxserve.models.gguf_loader import GGUFCheckpoint, GGUFTensor, dequantize, is_gguf
+from jaxserve.models.hf_tensors import expected_tensors
 from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.models.quantize import QUANTIZATION_METHODS, quantize_columns
 from jaxserve.models.safetensors_io import open_checkpoint_files
 from jaxserve.models.tp_layout import TPLayout, check_tensor_parallel_size, split_axis
 
 # Buffers some exporters write that carry no weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name the checkpoint must hold, with its shape."""
-    h, q, kv, inter, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
-    names = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        names["lm_head.weight"] = (cfg.vocab_size, h)
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        names.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        })
-        if cfg.attention_bias:
-            names.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                          p + "self_attn.v_proj.bias": (kv,)})
-        if cfg.o_proj_bias:
-            names[p + "self_attn.o_proj.bias"] = (h,)
-        if cfg.mlp_bias:
-            names.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
-                          p + "mlp.down_proj.bias": (h,)})
-        if cfg.qk_norm:
-            names.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
-    return names
 
 
 def check_tensors(cfg: ModelConfig, available: dict[str, tuple[int, ...]]) -> None:
@@ -94,36 +66,93 @@ ShardReader = Callable[[int], np.ndarray]
 
 
 def load_model(folder: str | Path, dtype: str | None = None, scan_layers: bool | None = None, *,
-               tensor_parallel_size: int = 1, place: Placement | None = None) -> LlamaForCausalLM:
+               tensor_parallel_size: int = 1, place: Placement | None = None,
+               quantization: str | None = None) -> LlamaForCausalLM:
     """Read ``config.json`` and the safetensors weights into the model (its config is
     ``model.config``); ``dtype`` ("auto"/None keeps the config's); ``scan_layers`` None picks by
     depth (:func:`jaxserve.models.llama.default_scan_layers`). ``tensor_parallel_size`` fixes the
     layout (checked against the heads before any weight is read); ``place`` puts each
-    parameter's shards on their devices."""
-    cfg = ModelConfig.from_pretrained(folder)
-    check_tensor_parallel_size(cfg, tensor_parallel_size)
-    if dtype not in (None, "auto"):
-        cfg = dataclasses.replace(cfg, dtype=normalize_dtype_name(dtype))
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, scan_layers=scan_layers,
-                                                       tensor_parallel_size=tensor_parallel_size, rngs=nnx.Rngs(0)))
-    graphdef, shapes = nnx.split(abstract)
+    parameter's shards on their devices. ``quantization`` ("int8", "fp8") quantizes the decoder
+    layers' projections as they are read (:mod:`.quantize`), from a checkpoint's floats or a
+    ``.gguf`` file's dequantized tensors."""
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ConfigError(f"quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, got {quantization!r}")
+    if is_gguf(folder):
+        return load_gguf_model(folder, dtype, scan_layers, tensor_parallel_size=tensor_parallel_size, place=place,
+                               quantization=quantization)
+    cfg = _with_dtype(ModelConfig.from_pretrained(folder), dtype)
+    abstract, graphdef, shapes = _abstract_model(cfg, scan_layers, tensor_parallel_size, quantization)
     return nnx.merge(graphdef, read_state(folder, cfg, shapes, scanned=abstract.scan_layers,
-                                          layout=abstract.layout, place=place))
+                                          layout=abstract.layout, place=place, quantization=quantization))
+
+
+def checkpoint_config(path: str | Path) -> ModelConfig:
+    """The config of a checkpoint folder or a ``.gguf`` file, weights unread."""
+    if is_gguf(path):
+        return ModelConfig.from_dict(GGUFCheckpoint(path).hf_config())
+    return ModelConfig.from_pretrained(path)
+
+
+# What becomes of one GGUF tensor at load: ``dequantize`` (floats in the serving dtype), or a
+# policy that keeps it quantized.
+TensorPolicy = Callable[[GGUFTensor, str], np.ndarray]
+
+
+def load_gguf_model(path: str | Path, dtype: str | None = None, scan_layers: bool | None = None, *,
+                    tensor_parallel_size: int = 1, place: Placement | None = None,
+                    policy: TensorPolicy = dequantize, quantization: str | None = None) -> LlamaForCausalLM:
+    """A ``.gguf`` file into the model: the config from its metadata, then one ``policy`` call per
+    tensor (default: dequantized into the serving dtype), read as a checkpoint's tensors are."""
+    checkpoint = GGUFCheckpoint(path)
+    cfg = _with_dtype(ModelConfig.from_dict(checkpoint.hf_config()), dtype)
+    abstract, graphdef, shapes = _abstract_model(cfg, scan_layers, tensor_parallel_size, quantization)
+    check_tensors(cfg, checkpoint.tensor_shapes())  # before any tensor is decoded
+    weights = {t.name: policy(t, cfg.dtype) for t in checkpoint.tensors()}
+    state = state_from_tensors(weights.__getitem__, cfg, shapes, scanned=abstract.scan_layers,
+                               layout=abstract.layout, place=place, quantization=quantization)
+    return nnx.merge(graphdef, state)
+
+
+def _with_dtype(cfg: ModelConfig, dtype: str | None) -> ModelConfig:
+    if dtype in (None, "auto"):
+        return cfg
+    return dataclasses.replace(cfg, dtype=normalize_dtype_name(dtype))
+
+
+def _abstract_model(cfg: ModelConfig, scan_layers: bool | None, tensor_parallel_size: int,
+                    quantization: str | None = None):
+    """The module built from shapes only (no initialisation), its graph and abstract state."""
+    check_tensor_parallel_size(cfg, tensor_parallel_size)
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, scan_layers=scan_layers,
+                                                       tensor_parallel_size=tensor_parallel_size,
+                                                       quantization=quantization, rngs=nnx.Rngs(0)))
+    graphdef, shapes = nnx.split(abstract)
+    return abstract, graphdef, shapes
 
 
 def read_state(folder: str | Path, cfg: ModelConfig, shapes: nnx.State, scanned: bool,
-               layout: TPLayout | None = None, place: Placement | None = None) -> nnx.State:
+               layout: TPLayout | None = None, place: Placement | None = None,
+               quantization: str | None = None) -> nnx.State:
     """The checkpoint's weights at the paths of ``shapes`` (the model's abstract state), each of
-    the shape and dtype found there, in ``layout`` (default: one shard), placed by ``place``."""
-    layout = layout or TPLayout.of(cfg, 1)
+    the shape and dtype found there, in ``layout`` (default: one shard), placed by ``place``;
+    the projections quantized with ``quantization`` when it is given."""
     files = open_checkpoint_files(folder)
     check_tensors(cfg, {name: f.shape(name) for name, f in files.items()})
+    return state_from_tensors(lambda name: files[name].get(name), cfg, shapes, scanned, layout, place,
+                              quantization)
 
-    def get(name: str) -> np.ndarray:
-        return files[name].get(name)
 
+def state_from_tensors(get: Callable[[str], np.ndarray], cfg: ModelConfig, shapes: nnx.State, scanned: bool,
+                       layout: TPLayout | None = None, place: Placement | None = None,
+                       quantization: str | None = None) -> nnx.State:
+    """The model's state from ``get`` (an HF tensor name -> its ``[out, in]`` array), vetted by
+    :func:`check_tensors`: fused, transposed, stacked and sharded as ``read_state`` says, the
+    projections quantized with ``quantization`` when it is given."""
+    layout = layout or TPLayout.of(cfg, 1)
     top = _top_level_readers(get, layout)
     per_layer = _layer_readers(get, layout)
+    if quantization is not None:
+        per_layer = _quantized_readers(per_layer, layout, quantization)
     prefixes = [f"model.layers.{i}." for i in range(cfg.num_hidden_layers)]
 
     def reader(path: ParamPath) -> ShardReader:
@@ -242,3 +271,41 @@ def _layer_readers(get: Callable[[str], np.ndarray],
         ("mlp", "down_proj", "kernel"): lambda p, s: in_cols(p, "mlp.down_proj.weight", s),
         ("mlp", "down_proj", "bias"): lambda p, s: get(p + "mlp.down_proj.bias"),
     }
+
+
+# The decoder layer's projections that --quantization quantizes (the embedding and LM head stay float).
+QUANTIZED_PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
+                         ("mlp", "down_proj"))
+
+
+def _shard_of(array: np.ndarray, axis: int | None, shard: int, num_shards: int) -> np.ndarray:
+    if axis is None:
+        return array
+    per = array.shape[axis] // num_shards
+    return np.take(array, np.arange(shard * per, (shard + 1) * per), axis=axis)
+
+
+def _quantized_readers(per_layer: dict[ParamPath, Callable[[str, int], np.ndarray]], layout: TPLayout,
+                       method: str) -> dict[ParamPath, Callable[[str, int], np.ndarray]]:
+    """``per_layer`` with each projection's ``kernel`` quantized and its ``kernel_scale`` beside it.
+
+    A column's scale needs the whole column, which a row-split weight (o, down) spreads over the
+    shards: the whole float kernel is read and quantized, then cut into the layout's blocks, so
+    every shard holds the same scales a single device would. The last two quantized kernels are
+    kept (kernel and scale are read one after the other)."""
+    readers = dict(per_layer)
+    n = layout.size
+    for module in QUANTIZED_PROJECTIONS:
+        read = per_layer[(*module, "kernel")]
+        axis = split_axis((*module, "kernel"))
+
+        @functools.lru_cache(maxsize=2)
+        def whole(p: str, read=read, axis=axis) -> tuple[np.ndarray, np.ndarray]:
+            full = read(p, 0) if axis is None else np.concatenate([read(p, s) for s in range(n)], axis=axis)
+            return quantize_columns(full, method)
+
+        readers[(*module, "kernel")] = lambda p, s, whole=whole, axis=axis: _shard_of(whole(p)[0], axis, s, n)
+        # The scale follows the output columns: split with a column-split kernel, else replicated.
+        readers[(*module, "kernel_scale")] = (
+            lambda p, s, whole=whole, axis=axis: _shard_of(whole(p)[1], 0 if axis == 1 else None, s, n))
+    return readers

@@ -2,7 +2,7 @@
 
 The demo model, the test suite's tiny checkpoints and the benchmarks' random models all come from
 here. One generator seeded once draws every tensor in the order of
-:func:`jaxserve.models.loader.expected_tensors`, so a (config, seed, dtype, std) names one set of
+:func:`jaxserve.models.hf_tensors.expected_tensors`, so a (config, seed, dtype, std) names one set of
 bytes on every machine.
 """
 
@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.loader import expected_tensors
+from jaxserve.models.hf_tensors import expected_tensors
 from jaxserve.models.safetensors_io import save_checkpoint_weights
 
 _NUMPY_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),

@@ -30,9 +30,11 @@ SPLIT_AXES: dict[tuple[str, ...], int] = {
     ("lm_head", "kernel"): 1,
     ("self_attn", "qkv_proj", "kernel"): 1,
     ("self_attn", "qkv_proj", "bias"): 0,
+    ("self_attn", "qkv_proj", "kernel_scale"): 0,  # a quantized kernel's scales follow its columns
     ("self_attn", "o_proj", "kernel"): 0,
     ("mlp", "gate_up_proj", "kernel"): 1,
     ("mlp", "gate_up_proj", "bias"): 0,
+    ("mlp", "gate_up_proj", "kernel_scale"): 0,
     ("mlp", "down_proj", "kernel"): 0,
 }
 

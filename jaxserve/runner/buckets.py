@@ -38,7 +38,12 @@ class BucketTable:
         return cls(tuple(sorted(set(buckets + midpoints))), max_num_seqs, tuple(midpoints))
 
     def num_rows(self, num_tokens_bucket: int) -> int:
-        return min(num_tokens_bucket, self.max_num_seqs)
+        return self.rows_of(num_tokens_bucket, self.max_num_seqs)
+
+    @staticmethod
+    def rows_of(num_tokens_bucket: int, max_num_seqs: int) -> int:
+        """Every scheduled request advances at least one token: at most that many rows."""
+        return min(num_tokens_bucket, max_num_seqs)
 
     def pick(self, num_tokens: int, pending: Collection[int] = ()) -> int:
         """The smallest bucket holding ``num_tokens``, skipping the ``pending`` ones (deferred

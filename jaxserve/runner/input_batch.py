@@ -185,3 +185,14 @@ def build_step_arrays(
         "row_slots": row_slots,
     }
     return arrays, samples
+
+
+def single_group_block_ids(block_ids: "list[int] | tuple[list[int], ...]") -> list[int]:
+    """A request's block ids as the one block table the runner keeps: a ``KVCacheManager``'s
+    list, or a ``HybridKVCacheManager``'s tuple of one group (one sliding window over all layers;
+    the ids it replaced by the null block stay in the table, never read: outside the window)."""
+    if isinstance(block_ids, tuple):
+        if len(block_ids) != 1:
+            raise NotImplementedError(f"{len(block_ids)} KV cache groups: the runner keeps one block table")
+        return block_ids[0]
+    return block_ids

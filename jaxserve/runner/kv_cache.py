@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jaxserve import envs
 from jaxserve.config import EngineConfig
+from jaxserve.core.kv_cache_spec import SlidingWindowSpec
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.exceptions import ConfigError
 from jaxserve.models.config import ModelConfig
@@ -37,10 +38,21 @@ GPU_RESERVE_BYTES = 1024 * 1024 * 1024
 XLA_DEFAULT_MEM_FRACTION = 0.75
 
 
-def bytes_per_block(mc: ModelConfig, block_size: int, tensor_parallel_size: int = 1) -> int:
+# --kv-cache-dtype -> the pool's dtype; "auto" is the model's. fp8 is stored with scale 1.0, as vLLM
+# stores it without calibrated k/v scales (the values are cast, saturating at e4m3's 448).
+KV_CACHE_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
+
+
+def kv_cache_dtype(mc: ModelConfig, name: str = "auto") -> jnp.dtype:
+    return jnp.dtype(KV_CACHE_DTYPES.get(name, mc.dtype))
+
+
+def bytes_per_block(mc: ModelConfig, block_size: int, tensor_parallel_size: int = 1,
+                    cache_dtype: str = "auto") -> int:
     """K and V of every layer for one block, on one device: split ``tensor_parallel_size`` ways
-    on the stored key/value heads (:class:`~jaxserve.models.tp_layout.TPLayout`)."""
-    itemsize = jnp.dtype(mc.dtype).itemsize
+    on the stored key/value heads (:class:`~jaxserve.models.tp_layout.TPLayout`), in the
+    ``--kv-cache-dtype`` ``cache_dtype``."""
+    itemsize = kv_cache_dtype(mc, cache_dtype).itemsize
     heads = TPLayout.of(mc, tensor_parallel_size).kv_heads_per_shard
     return 2 * mc.num_hidden_layers * block_size * heads * mc.head_dim * itemsize
 
@@ -95,11 +107,24 @@ def kv_cache_budget(memory: DeviceMemory, utilization: float, peak_temp_bytes: i
     return KVBudget(memory.total_bytes, utilization, usable, memory.held_bytes, peak_temp_bytes, reserve_bytes)
 
 
-def blocks_for_budget(budget_bytes: int, per_block: int, block_size: int, max_model_len: int) -> int:
+def blocks_per_request(mc: ModelConfig, block_size: int, max_model_len: int,
+                       max_num_batched_tokens: int) -> int:
+    """The most blocks one ``max_model_len`` request holds at once: all of its context, or with a
+    sliding window over every layer, the window and a step's chunk (``SlidingWindowSpec``'s
+    bound, which the engine's ``HybridKVCacheManager`` keeps to)."""
+    full = cdiv(max_model_len, block_size)
+    if mc.sliding_window is None or mc.sliding_window >= max_model_len:
+        return full
+    spec = SlidingWindowSpec(block_size, mc.num_key_value_heads, mc.head_dim, mc.dtype, mc.sliding_window)
+    return spec.max_num_blocks(max_model_len, max_num_batched_tokens)
+
+
+def blocks_for_budget(budget_bytes: int, per_block: int, block_size: int, max_model_len: int,
+                      blocks_per_req: int | None = None) -> int:
     """Blocks that fit ``budget_bytes``; refuses a cache that cannot hold one ``max_model_len``
-    request (its blocks plus the reserved null block 0)."""
+    request (its blocks, ``blocks_per_req`` when a window keeps fewer, plus the null block 0)."""
     num_blocks = max(0, int(budget_bytes // per_block))
-    needed = cdiv(max_model_len, block_size) + 1
+    needed = (cdiv(max_model_len, block_size) if blocks_per_req is None else blocks_per_req) + 1
     if num_blocks < needed:
         raise ConfigError(
             f"kv cache: {max(budget_bytes, 0)} bytes hold {num_blocks} blocks of {per_block} bytes, but one "
@@ -140,20 +165,20 @@ def determine_num_blocks(mc: ModelConfig, cfg: EngineConfig, max_model_len: int,
                          memory: DeviceMemory | None = None, peak_temp_bytes: int = 0) -> int:
     """Blocks of the KV cache. On a GPU without an explicit size, ``memory`` (the device's
     figures) and ``peak_temp_bytes`` (the largest compiled step's temporaries) are required."""
-    per_block = bytes_per_block(mc, cfg.block_size, cfg.tensor_parallel_size)
+    per_block = bytes_per_block(mc, cfg.block_size, cfg.tensor_parallel_size, cfg.kv_cache_dtype)
     if cfg.num_gpu_blocks_override is not None:
         return cfg.num_gpu_blocks_override
+    blocks_per_seq = blocks_per_request(mc, cfg.block_size, max_model_len, cfg.max_num_batched_tokens)
     if cfg.kv_cache_memory is not None:
-        return blocks_for_budget(cfg.kv_cache_memory, per_block, cfg.block_size, max_model_len)
+        return blocks_for_budget(cfg.kv_cache_memory, per_block, cfg.block_size, max_model_len, blocks_per_seq)
     if platform == "gpu":
         if memory is None:
             raise ConfigError("kv cache: sizing by gpu_memory_utilization needs the device's memory figures")
         budget = kv_cache_budget(memory, cfg.gpu_memory_utilization, peak_temp_bytes)
         logger.info("KV cache budget: %s", budget.describe())
-        return blocks_for_budget(budget.kv_bytes, per_block, cfg.block_size, max_model_len)
-    blocks_per_seq = cdiv(max_model_len, cfg.block_size)
+        return blocks_for_budget(budget.kv_bytes, per_block, cfg.block_size, max_model_len, blocks_per_seq)
     budget_bytes = min(CPU_DEFAULT_KV_BYTES, (cfg.max_num_seqs * blocks_per_seq + 1) * per_block)
-    return blocks_for_budget(budget_bytes, per_block, cfg.block_size, max_model_len)
+    return blocks_for_budget(budget_bytes, per_block, cfg.block_size, max_model_len, blocks_per_seq)
 
 
 def kv_cache_shape(mc: ModelConfig, num_blocks: int, block_size: int,
@@ -164,7 +189,8 @@ def kv_cache_shape(mc: ModelConfig, num_blocks: int, block_size: int,
     return (mc.num_hidden_layers, num_blocks, block_size, heads, mc.head_dim)
 
 
-def allocate_kv_cache(mc: ModelConfig, num_blocks: int, block_size: int,
-                      tensor_parallel_size: int = 1) -> tuple[jax.Array, jax.Array]:
+def allocate_kv_cache(mc: ModelConfig, num_blocks: int, block_size: int, tensor_parallel_size: int = 1,
+                      cache_dtype: str = "auto") -> tuple[jax.Array, jax.Array]:
     shape = kv_cache_shape(mc, num_blocks, block_size, tensor_parallel_size)
-    return jnp.zeros(shape, mc.dtype), jnp.zeros(shape, mc.dtype)
+    dtype = kv_cache_dtype(mc, cache_dtype)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

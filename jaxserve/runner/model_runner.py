@@ -37,7 +37,7 @@ from flax import nnx
 
 import pallas_kernels
 from jaxserve import envs
-from jaxserve.config import EngineConfig
+from jaxserve.config import FP8_KV_UNREAD_BY, EngineConfig
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.exceptions import ConfigError
@@ -48,15 +48,24 @@ from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.compilation import CompiledSteps, StepVariant
 from jaxserve.runner.compile_stats import CompileStats
 from jaxserve.runner.device_state import DeviceState, StepOutput
-from jaxserve.runner.input_batch import CachedRequestState, PersistentBatch, SlotAllocator, StepPlan, build_step_arrays
+from jaxserve.runner.input_batch import (
+    CachedRequestState,
+    PersistentBatch,
+    SlotAllocator,
+    StepPlan,
+    build_step_arrays,
+    single_group_block_ids,
+)
 from jaxserve.runner.inspection import PackedStep
 from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks, gpu_device_memory
 from jaxserve.runner.mesh import kv_cache_sharding, make_mesh, replicated, select_devices, weight_shardings
 from jaxserve.runner.packing import PackLayout, pack, unpack
+from jaxserve.runner.prompt_logprobs import PromptLogprobsWorker
+from jaxserve.runner.serving_dtype import backend_takes
 from jaxserve.runner.target import StepTarget
 from jaxserve.sample.metadata import SamplingMetadata, SamplingTable
 from jaxserve.sample.penalties import PenaltyTables, update_penalty_tables, uses_penalties, write_penalty_row
-from jaxserve.sample.sampler import SamplerOutput, gather_logprobs, sample
+from jaxserve.sample.sampler import SamplerOutput, sample
 
 logger = logging.getLogger("jaxserve")
 
@@ -86,12 +95,13 @@ class PreparedStep:
         return 0 if self.groups is None else len(self.groups["model"]["row_slots"])
 
 
-def resolve_attention_backend(requested: str, platform: str | None = None, *, mc: ModelConfig | None = None,
-                              block_size: int = 16, compute_capability: int | None = None,
-                              abstract: bool = False) -> str:
-    """``auto`` made concrete for ``platform``; any other name must be built in or registered.
-    ``mosaic`` needs a model it supports (``mc``); ``auto`` picks it on an sm_90 GPU when the model
-    fits it and its self-check passes there (a compile-only target cannot run it: unchecked)."""
+def resolve_attention_backend(requested: str, platform: str | None = None, dtype: str = "float32", *,
+                              mc: ModelConfig | None = None, block_size: int = 16,
+                              compute_capability: int | None = None, abstract: bool = False) -> str:
+    """``auto`` made concrete for ``platform`` and the model's ``dtype``; any other name must be
+    built in or registered. ``mosaic`` needs a model it supports (``mc``); ``auto`` picks it on an
+    sm_90 GPU when the model fits it and its self-check passes there (a compile-only target cannot
+    run it: unchecked)."""
     if requested != "auto":
         if requested not in pallas_kernels.available_backends():
             raise ConfigError(f"attention_backend: not built in nor registered in this process (known: "
@@ -104,6 +114,8 @@ def resolve_attention_backend(requested: str, platform: str | None = None, *, mc
     if (platform or jax.default_backend()) == "gpu":
         return _auto_gpu_backend(mc, block_size, compute_capability, abstract)
     ok, reason = pallas_kernels.cpu_attention_available(envs.kernel_build_dir())
+    if ok and not backend_takes("cpu", dtype):
+        ok, reason = False, f"it takes no {dtype}"
     if ok:
         return "cpu"
     logger.warning("attention backend auto: using xla, since the cpu kernel is unavailable (%s)", reason)
@@ -155,7 +167,24 @@ class ModelRunner:
                  target: StepTarget | None = None, devices: Sequence[jax.Device] | None = None):
         self.config = config
         self.target = target or StepTarget.local()
-        tp = config.tensor_parallel_size
+        # Read at trace time by the sampler and the penalty update: no conditional, no
+        # data-dependent loop in the compiled step.
+        self.cond_free = self.target.cond_free
+        self.mc = model.config
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
+        # The phases, in order; each reads only what the earlier ones set.
+        self._init_mesh_and_weights(model, devices)
+        self._init_attention()
+        self._init_request_state()
+        self._init_step()
+        self._init_kv_cache()
+        self._log_layout(model)
+
+    def _init_mesh_and_weights(self, model: LlamaForCausalLM, devices: Sequence[jax.Device] | None) -> None:
+        """The mesh over exactly the runner's devices, and the model's weights placed on it."""
+        tp = self.config.tensor_parallel_size
         self.mesh = (self.target.mesh if self.target.is_abstract
                      else make_mesh(select_devices(tp, devices), tp))
         model_tp = getattr(model, "tensor_parallel_size", 1)  # optional on a model object
@@ -166,9 +195,6 @@ class ModelRunner:
         # The model's calls get the mesh only when it splits them: a model object served on one
         # device keeps the plain contract (jaxserve.models.contract).
         self._split_args = (self.mesh,) if self.mesh.size > 1 else ()
-        # Read at trace time by the sampler and the penalty update: no conditional, no
-        # data-dependent loop in the compiled step.
-        self.cond_free = self.target.cond_free
         # The step is a pure function of the weights: the module is split once into its graph and
         # its state, the state passed to the compiled step and merged with the graph inside the
         # trace. The state as nnx.flatten gives it, a list of arrays in graph order: a call passes
@@ -177,16 +203,17 @@ class ModelRunner:
         self.weight_shardings = weight_shardings(self.mesh, list(flat))
         self.model_state = self._place([value for _, value in flat], self.weight_shardings)
         self.scan_layers = bool(getattr(model, "scan_layers", False))  # optional on a model object
-        self.mc = model.config
-        self.max_model_len = max_model_len
-        self.block_size = config.block_size
-        self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
-        # Buckets up to what a step can schedule; the pool's own bound comes in once it is sized
-        # (sizing on a GPU compiles the largest bucket to read its temporary memory).
-        self.buckets = BucketTable.build(max_step_tokens(config, max_model_len), config.max_num_seqs)
+
+    def _init_attention(self) -> None:
+        """The attention backend's functions (and Pallas's decode-only one)."""
+        config = self.config
         self.attention_backend = resolve_attention_backend(
-            config.attention_backend, self.target.platform, mc=self.mc, block_size=config.block_size,
-            compute_capability=self.target.compute_capability, abstract=self.target.is_abstract)
+            config.attention_backend, self.target.platform, self.mc.dtype, mc=self.mc,
+            block_size=config.block_size, compute_capability=self.target.compute_capability,
+            abstract=self.target.is_abstract)
+        if config.kv_cache_dtype != "auto" and self.attention_backend in FP8_KV_UNREAD_BY:  # "auto" chose it
+            raise ConfigError(f"kv_cache_dtype {config.kv_cache_dtype}: the {self.attention_backend} attention "
+                              "backend does not read an fp8 cache yet; use --attention-backend xla")
         interpret = config.interpret_kernels
         if interpret is None:
             interpret = self.target.platform != "gpu"
@@ -198,17 +225,26 @@ class ModelRunner:
         # one token get their own compiled variant that uses it.
         self.decode_attn_fn = (pallas_kernels.get_attention_fn("pallas", interpret=interpret, mode="decode")
                                if self.attention_backend == "pallas" else None)
+
+    def _init_request_state(self) -> None:
+        """The host side of the running requests: slots, the persistent batch, the sampling rows."""
+        config = self.config
         self.num_logprobs = max(1, config.max_logprobs)
         self.bitmask_width = cdiv(self.mc.vocab_size, 32)
         self._all_allowed: dict[int, jax.Array] = {}  # rows -> a device-resident all-ones bitmask
-
         slots = config.max_num_seqs
         self.slots = SlotAllocator(slots)
-        self.batch = PersistentBatch(slots, max_model_len, self.max_blocks_per_seq)
+        self.batch = PersistentBatch(slots, self.max_model_len, self.max_blocks_per_seq)
         self.sampling_table = SamplingTable(slots)
         self.requests: dict[str, CachedRequestState] = {}
         self._prev_row_of: dict[str, int] = {}  # each request's row in state.prev_sampled
         self._rng = np.random.default_rng(config.seed)
+        self.prompt_logprobs = PromptLogprobsWorker(self.graphdef, self._split_args, self.num_logprobs,
+                                                    self.target.sampler_policy(), self._replicated,
+                                                    config.enforce_eager)
+
+    def _init_step(self) -> None:
+        """The jitted step and its compiled variants (none compiled yet)."""
         self.stats = CompileStats()
         self._layouts: dict[int, PackLayout] = {}
         self.last_packed: PackedStep | None = None  # the last launched step's inputs, for inspection
@@ -217,21 +253,27 @@ class ModelRunner:
         self._jitted = jax.jit(self._step, static_argnames=("layout", "decode_only", "all_greedy"),
                                donate_argnums=(1,), out_shardings=self._replicated_except_state())
         self.steps = CompiledSteps(self._jitted, self._trace_args, self.stats)
-        self._prompt_logprobs_jit = jax.jit(self._prompt_logprobs)
+        self._write_penalty_row = jax.jit(write_penalty_row, donate_argnums=(0,))
+
+    def _init_kv_cache(self) -> None:
+        """The pool sized (on a local GPU by compiling the largest step first), the bucket table
+        up to what a step can then schedule, and the device state allocated."""
         self.num_blocks = self._size_kv_cache()
-        self.buckets = BucketTable.build(max_step_tokens(config, max_model_len, self.num_blocks),
-                                         config.max_num_seqs)
+        self.buckets = BucketTable.build(max_step_tokens(self.config, self.max_model_len, self.num_blocks),
+                                         self.config.max_num_seqs)
         abstract = self.target.is_abstract
         self.state = self._state_shapes(self.num_blocks) if abstract else self._allocate_state(self.num_blocks)
         # What a step is traced with: the state's shapes and placement, never its arrays, which
         # each step donates (a background compile may trace while a step runs).
         self._state_spec = self._state_shapes(self.num_blocks)
-        self._write_penalty_row = jax.jit(write_penalty_row, donate_argnums=(0,))
-        max_concurrency = self.num_blocks * self.block_size / max_model_len
+
+    def _log_layout(self, model: LlamaForCausalLM) -> None:
+        max_concurrency = self.num_blocks * self.block_size / self.max_model_len
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max concurrency %.1fx at %d tokens/request; "
             "attention backend: %s", self.num_blocks, self.block_size, self.num_blocks * self.block_size,
-            max_concurrency, max_model_len, self.attention_backend)
+            max_concurrency, self.max_model_len, self.attention_backend)
+        tp = self.config.tensor_parallel_size
         if tp > 1:
             layout = model.layout
             logger.info("tensor parallel over %d devices (%s): %d query and %d key/value heads per device",
@@ -265,7 +307,7 @@ class ModelRunner:
     def _zero_state(self, num_blocks: int) -> DeviceState:
         slots = self.config.max_num_seqs
         return DeviceState(kv_cache=allocate_kv_cache(self.mc, num_blocks, self.block_size,
-                                                      self.config.tensor_parallel_size),
+                                                      self.config.tensor_parallel_size, self.config.kv_cache_dtype),
                            penalties=PenaltyTables.zeros(slots, self.mc.vocab_size),
                            prev_sampled=jnp.zeros((slots,), jnp.int32))
 
@@ -288,22 +330,35 @@ class ModelRunner:
         return determine_num_blocks(self.mc, cfg, self.max_model_len, platform="gpu", memory=memory,
                                     peak_temp_bytes=self.peak_temp_bytes(self.max_blocks_per_seq + 1))
 
+    def peak_temp_variant(self) -> StepVariant:
+        """The variant with the most temporary memory: the most tokens a step can schedule (the
+        largest bucket; read before the pool bounds it, since sizing the pool needs it), with the
+        general attention (not decode-only) and, on a GPU, the random sampler (its full sort)."""
+        return StepVariant(max_step_tokens(self.config, self.max_model_len),
+                           all_greedy=False if self.cond_free else None)
+
     def peak_temp_bytes(self, num_blocks: int) -> int:
-        """The largest temporary memory of the largest token bucket's variants, compiled against
-        a pool of ``num_blocks`` (the temporaries do not depend on the pool, which is aliased)."""
-        largest = self.buckets.token_buckets[-1]
-        state = self._state_shapes(num_blocks)
-        peak = 0
-        for variant in self.variants():
-            if variant.bucket == largest:
-                compiled = self._jitted.trace(*self._step_args(variant, state), **self._static_args(variant))
-                peak = max(peak, int(compiled.lower().compile().memory_analysis().temp_size_in_bytes))
-        return peak
+        """The temporary memory of ``peak_temp_variant``, compiled (one program) against a pool
+        of ``num_blocks`` (the temporaries do not depend on the pool, which is aliased)."""
+        variant = self.peak_temp_variant()
+        traced = self._jitted.trace(*self._step_args(variant, self._state_shapes(num_blocks)),
+                                    **self._static_args(variant))
+        return int(traced.lower().compile().memory_analysis().temp_size_in_bytes)
 
     def describe(self) -> dict:
-        """What this runner was built with: pool size, backend, layer layout, token buckets."""
+        """What this runner was built with: pool size, backend, layer layout, token buckets, and the
+        bytes its weights and KV cache hold (all devices together) in their formats."""
         return {"num_gpu_blocks": self.num_blocks, "attention_backend": self.attention_backend,
-                "scan_layers": self.scan_layers, "token_buckets": list(self.buckets.token_buckets)}
+                "scan_layers": self.scan_layers, "token_buckets": list(self.buckets.token_buckets),
+                **self.memory()}
+
+    def memory(self) -> dict:
+        """Weight and KV cache bytes, and the formats they are stored in."""
+        nbytes = lambda x: int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize  # noqa: E731  (arrays or shapes)
+        return {"weight_bytes": sum(nbytes(x) for x in jax.tree.leaves(self.model_state)),
+                "kv_cache_bytes": sum(nbytes(x) for x in self._state_spec.kv_cache),
+                "quantization": self.config.quantization or "none",
+                "kv_cache_dtype": str(self._state_spec.kv_cache[0].dtype)}
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -325,18 +380,13 @@ class ModelRunner:
         out = sample(logits, SamplingMetadata.from_arrays(groups["sampling"]), penalties.output_counts,
                      penalties.prompt_mask, max_num_logprobs=self.num_logprobs, row_slots=x["row_slots"],
                      need_logprobs=x["need_logprobs"][0], token_bitmask=bitmask, use_bitmask=x["use_bitmask"][0],
-                     all_greedy=all_greedy)
+                     policy=self.target.sampler_policy(all_greedy))
         prev_sampled = state.prev_sampled.at[: out.sampled_token_ids.shape[0]].set(out.sampled_token_ids)
         return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden)
 
-    def _prompt_logprobs(self, model_state, hidden, next_token_ids):
-        """Logprobs of each scheduled token's successor in the prompt, from every position's logits.
-
-        Only steps holding a ``prompt_logprobs`` request pay for this [T, V] head; it is jitted
-        per token bucket on first use rather than at warm-up, since most workloads never ask.
-        """
-        logits = nnx.merge(self.graphdef, model_state).compute_logits(hidden, *self._split_args)
-        return gather_logprobs(logits, next_token_ids, self.num_logprobs, cond_free=self.cond_free)
+    def _num_rows(self, bucket: int) -> int:
+        """Rows of a step of ``bucket`` tokens (the table's rule; also before the table is built)."""
+        return BucketTable.rows_of(bucket, self.config.max_num_seqs)
 
     def _layout_for(self, bucket: int) -> PackLayout:
         if bucket not in self._layouts:
@@ -344,7 +394,7 @@ class ModelRunner:
         return self._layouts[bucket]
 
     def _padding_inputs(self, bucket: int) -> dict[str, dict[str, np.ndarray]]:
-        rows = self.buckets.num_rows(bucket)
+        rows = self._num_rows(bucket)
         arrays, _ = build_step_arrays(self.batch, [], [], [], [], bucket, rows, self.block_size,
                                       self.slots.padding_slot)
         arrays["need_logprobs"] = np.zeros(1, np.bool_)
@@ -374,7 +424,7 @@ class ModelRunner:
 
     def _step_args(self, variant: StepVariant, state) -> tuple:
         buf = jax.ShapeDtypeStruct((self._layout_for(variant.bucket).total,), jnp.int32)
-        bitmask = jax.ShapeDtypeStruct((self.buckets.num_rows(variant.bucket), self.bitmask_width), jnp.int32)
+        bitmask = jax.ShapeDtypeStruct((self._num_rows(variant.bucket), self.bitmask_width), jnp.int32)
         buf, bitmask = _with_shardings((buf, bitmask), (self._replicated, self._replicated))
         return self.model_state, state, buf, bitmask
 
@@ -412,7 +462,7 @@ class ModelRunner:
     def _run_padding_step(self, variant: StepVariant) -> None:
         """Execute a compiled variant once on padding only: no request, no KV write, no sample used."""
         buf = pack(self._padding_inputs(variant.bucket), self._layout_for(variant.bucket))
-        bitmask = self._allowed_all_bitmask(self.buckets.num_rows(variant.bucket))
+        bitmask = self._allowed_all_bitmask(self._num_rows(variant.bucket))
         jax.block_until_ready(self._launch(self.steps.get(variant), buf, bitmask).sampler)
 
     def _allowed_all_bitmask(self, rows: int) -> jax.Array:
@@ -457,15 +507,17 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
                 output_token_ids=list(new.output_token_ids or []), sampling_params=params,
-                num_computed_tokens=new.num_computed_tokens, slot=slot,
-                prompt_logprobs_rows=[] if params.prompt_logprobs is not None else None)
-            self.batch.add_request(slot, new.prompt_token_ids, new.output_token_ids or [], new.block_ids)
+                num_computed_tokens=new.num_computed_tokens, slot=slot)
+            PromptLogprobsWorker.start_rows(self.requests[new.req_id])
+            self.batch.add_request(slot, new.prompt_token_ids, new.output_token_ids or [],
+                                   single_group_block_ids(new.block_ids))
             self.sampling_table.set_row(slot, params, seed)
             if uses_penalties(params):
                 self._set_penalty_row(slot, new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.requests[req_id]
+            new_blocks = single_group_block_ids(new_blocks)
             if new_blocks:
                 self.batch.append_blocks(state.slot, new_blocks)
             state.num_computed_tokens = num_computed
@@ -494,8 +546,9 @@ class ModelRunner:
         so, groups, plan, states = prepared.scheduler_output, prepared.groups, prepared.plan, prepared.states
         if groups is None or plan is None:
             return InFlightStep(so)
-        groups["model"]["use_bitmask"] = np.asarray([bitmask is not None])
-        buf = pack(groups, self._layout_for(plan.token_bucket))
+        # The prepared inputs stay as prepare built them: the bitmask flag joins a copy.
+        inputs = {**groups, "model": {**groups["model"], "use_bitmask": np.asarray([bitmask is not None])}}
+        buf = pack(inputs, self._layout_for(plan.token_bucket))
         self.last_packed = PackedStep(buf, self._layout_for(plan.token_bucket), plan.token_bucket, plan.num_tokens,
                                       tuple(plan.req_ids), self.block_size)
         if bitmask is None:
@@ -505,14 +558,12 @@ class ModelRunner:
         # Compiled: the executable takes the fresh numpy buffer as its one transfer (an explicit
         # device_put first costs several times as much host time per step).
         decode_only = self.decode_attn_fn is not None and plan.num_tokens == len(plan.req_ids)
-        all_greedy = (all(s.sampling_params.is_greedy for s in states)
-                      if self.cond_free else None)
+        all_greedy = self.sampling_table.all_greedy(groups["model"]["row_slots"]) if self.cond_free else None
         result = self._launch(self._executable(StepVariant(plan.token_bucket, decode_only, all_greedy)), buf,
                               bitmask)
         self._prev_row_of = {r: i for i, r in enumerate(plan.req_ids)}
         self.stats.record_step(plan.num_tokens, plan.token_bucket)
-        if any(s.sampling_params.prompt_logprobs is not None for s in states):
-            self._accumulate_prompt_logprobs(result.hidden, plan, states, so)
+        self.prompt_logprobs.accumulate(self.model_state, result.hidden, plan, states, so)
         return InFlightStep(so, result.sampler, plan, states)
 
     def sampled_tokens(self, step: InFlightStep) -> dict[str, int]:
@@ -532,34 +583,13 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         return self._collect(step.out, step.plan, step.states, step.scheduler_output)
 
-    def _accumulate_prompt_logprobs(self, hidden, plan: StepPlan, states, so) -> None:
-        next_ids = np.zeros(plan.token_bucket, np.int32)
-        spans = []
-        t = 0
-        for state in states:
-            n = so.num_scheduled_tokens[state.req_id]
-            start = state.num_computed_tokens
-            prompt = state.prompt_token_ids
-            if state.sampling_params.prompt_logprobs is not None and start < len(prompt) - 1:
-                stop = min(start + n, len(prompt) - 1)  # the last prompt token predicts an output
-                next_ids[t : t + stop - start] = prompt[start + 1 : stop + 1]
-                spans.append((state, t, stop - start))
-            t += n
-        fn = self._prompt_logprobs_jit if not self.config.enforce_eager else self._prompt_logprobs
-        values, ids, ranks = jax.device_get(fn(self.model_state, hidden, jax.device_put(next_ids, self._replicated)))
-        for state, t0, count in spans:
-            k = state.sampling_params.prompt_logprobs + 1
-            rows = state.prompt_logprobs_rows
-            for i in range(t0, t0 + count):
-                rows.append((ids[i, :k].tolist(), values[i, :k].tolist(), int(ranks[i])))
-
     def _prepare_inputs(self, so: SchedulerOutput):
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         counts = [so.num_scheduled_tokens[r] for r in req_ids]
         total = so.total_num_scheduled_tokens
         bucket = self.pick_bucket(total)
-        rows = self.buckets.num_rows(bucket)
+        rows = self._num_rows(bucket)
         slots = [s.slot for s in states]
         if not np.array_equal(self.batch.num_tokens[slots], [s.num_tokens for s in states]):
             # a stale table row would feed wrong tokens, or never let its request sample again
@@ -603,9 +633,9 @@ class ModelRunner:
                 live_slots.append(state.slot)  # slot may already hold another request
                 live_tokens.append(token)
             sampled_lists.append([token])
-            if state.sampling_params.prompt_logprobs is not None and state.prompt_logprobs_rows is not None:
-                prompt_logprobs[state.req_id] = state.prompt_logprobs_rows
-                state.prompt_logprobs_rows = None  # delivered once
+            rows = PromptLogprobsWorker.deliver(state)
+            if rows is not None:
+                prompt_logprobs[state.req_id] = rows
             k = state.sampling_params.logprobs
             if k is None:
                 logprob_rows.append(None)

@@ -15,6 +15,8 @@ from typing import Any
 
 import jax
 
+from jaxserve.sample.policy import SamplerPolicy
+
 
 def normalize_platform(platform: str) -> str:
     """``cuda``/``rocm``/``gpu`` -> ``gpu``; everything else unchanged (``cpu``, ``tpu``)."""
@@ -57,3 +59,11 @@ class StepTarget:
     def cond_free(self) -> bool:
         """True when the step must hold no conditional and no data-dependent loop (GPU)."""
         return self.platform == "gpu"
+
+    def sampler_policy(self, all_greedy: bool | None = None) -> SamplerPolicy:
+        """The sampler's control flow on this target. ``all_greedy``: the host's word on the
+        step's rows, which a cond-free step needs (None there: the logprob passes only, which
+        never draw); with conds the device decides and it is ignored."""
+        if not self.cond_free:
+            return SamplerPolicy()
+        return SamplerPolicy(cond_free=True, all_greedy=True if all_greedy is None else all_greedy)

@@ -167,6 +167,11 @@ class SamplingTable:
         out["positions"][: len(positions)] = positions
         return out
 
+    def all_greedy(self, row_slots: np.ndarray) -> bool:
+        """Whether every row of ``row_slots`` is greedy, read from the table's f32 temperatures as
+        the device reads them (one vectorised compare, not a loop over requests)."""
+        return bool(np.all(self.arrays["temperature"][row_slots] < SAMPLING_EPS))
+
     def padding(self, num_rows: int) -> dict[str, np.ndarray]:
         """All-padding arrays of this table's widths (for warm-up compiles)."""
         return self.gather(np.full(num_rows, self.padding_slot, np.int32), [])

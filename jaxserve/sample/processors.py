@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
+
+from jaxserve.sample.policy import WITH_CONDS, SamplerPolicy
 
 
 def _scatter_indices(token_ids: jax.Array, vocab_size: int) -> tuple[jax.Array, jax.Array]:
@@ -23,11 +24,11 @@ def _scatter_indices(token_ids: jax.Array, vocab_size: int) -> tuple[jax.Array, 
 
 
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array, use_bitmask: jax.Array,
-                        cond_free: bool = False) -> jax.Array:
+                        policy: SamplerPolicy = WITH_CONDS) -> jax.Array:
     """Structured outputs: token ``t`` of row ``r`` keeps its logit iff bit ``t % 32`` of word
     ``bitmask[r, t // 32]`` is set (llguidance's layout), else -inf. A row of all ones (-1) is
-    unconstrained. Skipped (one [R, V] pass) when ``use_bitmask`` is False; ``cond_free``
-    (static, the GPU step): always applied, since a batch without constrained rows passes all ones."""
+    unconstrained. Not applied when ``use_bitmask`` is False (with conds, its [R, V] pass is
+    skipped)."""
 
     def on():
         r, v = logits.shape
@@ -35,7 +36,7 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array, use_bitmask: jax.
         allowed = bits.reshape(r, -1)[:, :v] != 0
         return jnp.where(allowed, logits, -jnp.inf)
 
-    return on() if cond_free else lax.cond(use_bitmask, on, lambda: logits)
+    return policy.select(jnp.asarray(use_bitmask, jnp.bool_), on, lambda: logits)
 
 
 def apply_allowed_token_ids(logits: jax.Array, allowed_token_ids: jax.Array, has_allowed: jax.Array) -> jax.Array:
@@ -82,23 +83,19 @@ def apply_restrictions(
     positions: jax.Array,
     min_tokens: jax.Array,
     min_tokens_stop_ids: jax.Array,
-    cond_free: bool = False,
+    policy: SamplerPolicy = WITH_CONDS,
 ) -> jax.Array:
-    """Allowed-token mask, min-tokens mask, then logit bias (vLLM's order); skipped (three [R, V]
-    passes) when no row uses any of them.
-
-    ``cond_free`` (static): always applied, which leaves rows that use none of them unchanged.
-    """
+    """Allowed-token mask, min-tokens mask, then logit bias (vLLM's order); with conds skipped
+    (three [R, V] passes) when no row uses any of them. Rows that use none are left unchanged."""
 
     def on():
         masked = apply_allowed_token_ids(logits, allowed_token_ids, has_allowed)
         masked = apply_min_tokens(masked, positions, min_tokens, min_tokens_stop_ids)
         return apply_logit_bias(masked, bias_token_ids, bias_values)
 
-    if cond_free:
-        return on()
-    return lax.cond(restrictions_active(allowed_token_ids, has_allowed, bias_token_ids, positions, min_tokens),
-                    on, lambda: logits)
+    return policy.skip_unless(
+        lambda: restrictions_active(allowed_token_ids, has_allowed, bias_token_ids, positions, min_tokens),
+        on, lambda: logits)
 
 
 def penalties_active(presence: jax.Array, frequency: jax.Array, repetition: jax.Array) -> jax.Array:
@@ -137,13 +134,13 @@ def apply_penalties(
     frequency: jax.Array,
     repetition: jax.Array,
     row_slots: jax.Array | None = None,
-    cond_free: bool = False,
+    policy: SamplerPolicy = WITH_CONDS,
 ) -> jax.Array:
     """`penalize`, skipped (with the reads of the [R, V] count and mask tables) when all are off.
 
     With ``row_slots``, ``output_counts``/``prompt_mask`` are the runner's per-slot tables and
     the rows are gathered inside the taken branch, so a batch without penalties never reads them.
-    ``cond_free`` (static): always applied; neutral penalties (0, 0, 1) leave a row unchanged.
+    Neutral penalties (0, 0, 1) leave a row unchanged, so a cond-free policy always applies it.
     """
 
     def on():
@@ -152,6 +149,4 @@ def apply_penalties(
             counts, mask = counts[row_slots], mask[row_slots]
         return penalize(logits, counts, mask, presence, frequency, repetition)
 
-    if cond_free:
-        return on()
-    return lax.cond(penalties_active(presence, frequency, repetition), on, lambda: logits)
+    return policy.skip_unless(lambda: penalties_active(presence, frequency, repetition), on, lambda: logits)

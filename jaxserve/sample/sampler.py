@@ -13,14 +13,15 @@ Order (vLLM V1's sampler, `vllm/v1/sample/sampler.py`):
      `jax.random.categorical` from key `fold_in(PRNGKey(seed), position)`, vmapped per row, so a
      seeded request's token depends only on its own logits, seed and position.
 
-`lax.cond`s keep the common batches cheap: a batch that is all greedy with nothing to process and
-no logprobs takes only the argmax; otherwise an all-greedy batch skips step 5 entirely, a batch
-without penalties skips reading the [R, V] count and mask tables, and a batch without allowed
-lists, min-tokens rows or logit bias skips those three [R, V] passes.
-
-The GPU step holds no conditional (``jaxserve/runner/target.py`` says why): there the host, which
-knows whether every row is greedy, passes ``all_greedy`` and gets a program with or without
-step 5; everything else runs as selects, and the random rows' truncation sorts every row.
+One pipeline, whose control flow a ``SamplerPolicy`` (:mod:`.policy`, built by the runner's
+``StepTarget``) fixes. With conds (the CPU step) the common batches stay cheap: a batch that is
+all greedy with nothing to process and no logprobs takes only the argmax; otherwise an all-greedy
+batch skips step 5 entirely, a batch without penalties skips reading the [R, V] count and mask
+tables, and a batch without allowed lists, min-tokens rows or logit bias skips those three [R, V]
+passes. Cond-free (the GPU step, ``jaxserve/runner/target.py`` says why) the host, which knows
+whether every row is greedy, gets a program with or without step 5; everything else runs as
+selects, and the random rows' truncation sorts every row. Both take the greedy token with
+``first_argmax``, so ties resolve the same way; the policy never changes a result.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from jax import lax
 
 from jaxserve.core.sampling_params import SAMPLING_EPS
 from jaxserve.sample.metadata import SamplingMetadata
+from jaxserve.sample.policy import WITH_CONDS, SamplerPolicy
 from jaxserve.sample.processors import (
     apply_penalties,
     apply_restrictions,
@@ -63,16 +65,16 @@ class SamplerOutput:
 def process_logits(
     logits: jax.Array, md: SamplingMetadata, output_counts: jax.Array, prompt_mask: jax.Array,
     row_slots: jax.Array | None = None, token_bitmask: jax.Array | None = None,
-    use_bitmask: jax.Array | None = None, cond_free: bool = False,
+    use_bitmask: jax.Array | None = None, policy: SamplerPolicy = WITH_CONDS,
 ) -> jax.Array:
     """Steps 2-3: the logits both greedy and random rows choose from."""
     if token_bitmask is not None:
-        logits = apply_token_bitmask(logits, token_bitmask, True if use_bitmask is None else use_bitmask, cond_free)
+        logits = apply_token_bitmask(logits, token_bitmask, True if use_bitmask is None else use_bitmask, policy)
     logits = apply_restrictions(logits, md.allowed_token_ids, md.has_allowed, md.bias_token_ids, md.bias_values,
-                                md.positions, md.min_tokens, md.min_tokens_stop_ids, cond_free)
+                                md.positions, md.min_tokens, md.min_tokens_stop_ids, policy)
     return apply_penalties(
         logits, output_counts, prompt_mask, md.presence_penalty, md.frequency_penalty, md.repetition_penalty,
-        row_slots, cond_free,
+        row_slots, policy,
     )
 
 
@@ -112,34 +114,39 @@ def draw(keys: jax.Array, logits: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
 
 
-def sample_random(processed: jax.Array, md: SamplingMetadata, top_k_cap: int, cond_free: bool = False) -> jax.Array:
+def sample_random(processed: jax.Array, md: SamplingMetadata, top_k_cap: int,
+                  policy: SamplerPolicy = WITH_CONDS) -> jax.Array:
     """Step 5 for every row (greedy rows' results are discarded by the caller)."""
     greedy = greedy_rows(md.temperature)
     temperature = jnp.where(greedy, 1.0, md.temperature)
     scaled = processed / temperature[:, None]
     threshold = truncation_threshold(scaled, md.top_k, md.top_p, md.min_p, skip=greedy, cap=top_k_cap,
-                                     cond_free=cond_free)
+                                     policy=policy)
     return draw(row_keys(md.seeds, md.positions), truncate(scaled, threshold))
 
 
-def choose_tokens(processed: jax.Array, md: SamplingMetadata, top_k_cap: int) -> jax.Array:
-    """Steps 4-5; an all-greedy batch never pays for the top-k/sort and the random draw."""
+def choose_tokens(processed: jax.Array, md: SamplingMetadata, top_k_cap: int,
+                  policy: SamplerPolicy = WITH_CONDS) -> jax.Array:
+    """Steps 4-5; an all-greedy batch never pays for the top-k/sort and the random draw (the
+    host's ``policy.all_greedy``, else a cond on the device)."""
     greedy = greedy_rows(md.temperature)
     greedy_ids = first_argmax(processed)
-    return lax.cond(
-        jnp.all(greedy),
-        lambda: greedy_ids,
-        lambda: jnp.where(greedy, greedy_ids, sample_random(processed, md, top_k_cap)),
-    )
+    if policy.all_greedy:
+        return greedy_ids
+
+    def mixed():
+        return jnp.where(greedy, greedy_ids, sample_random(processed, md, top_k_cap, policy))
+
+    return mixed() if policy.all_greedy is False else lax.cond(jnp.all(greedy), lambda: greedy_ids, mixed)
 
 
 def gather_logprobs(logits: jax.Array, sampled: jax.Array, num_logprobs: int,
-                    cond_free: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    policy: SamplerPolicy = WITH_CONDS) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(logprobs f32[R, K+1], token ids i32[R, K+1], rank i32[R]) from the raw logits.
 
     The [R, V] log_softmax is never stored: top-K runs on the logits (same order) and the
     normaliser is subtracted from the K+1 gathered values; the rank compare fuses it in.
-    ``cond_free`` (the GPU step): top-K in rounds of XLA:GPU's TopK kernel rather than a sort.
+    A cond-free ``policy`` (the GPU step): top-K in rounds of XLA:GPU's TopK kernel, not a sort.
     """
     normaliser = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     sampled_col = sampled[:, None]
@@ -147,7 +154,8 @@ def gather_logprobs(logits: jax.Array, sampled: jax.Array, num_logprobs: int,
     rank = jnp.sum(logits - normaliser > sampled_logprob, axis=-1).astype(jnp.int32) + 1
     if num_logprobs == 0:
         return sampled_logprob, sampled_col, rank
-    top_logits, top_ids = top_k_in_rounds(logits, num_logprobs) if cond_free else top_k_sorted(logits, num_logprobs)
+    top_k = top_k_in_rounds if policy.cond_free else top_k_sorted
+    top_logits, top_ids = top_k(logits, num_logprobs)
     logprobs = jnp.concatenate([sampled_logprob, top_logits - normaliser], axis=-1)
     token_ids = jnp.concatenate([sampled_col, top_ids.astype(jnp.int32)], axis=-1)
     return logprobs, token_ids, rank
@@ -165,7 +173,7 @@ def sample(
     need_logprobs: jax.Array | None = None,
     token_bitmask: jax.Array | None = None,
     use_bitmask: jax.Array | None = None,
-    all_greedy: bool | None = None,
+    policy: SamplerPolicy = WITH_CONDS,
 ) -> SamplerOutput:
     """Sample one token per row of logits [R, V] (any float dtype; computed in f32).
 
@@ -173,18 +181,13 @@ def sample(
     prompt_mask: bool[R, V], tokens in the row's prompt. Both may be all-zero when no row uses a
     penalty. With ``row_slots`` they are instead per-slot tables [S, V] and row i reads slot
     ``row_slots[i]`` (only when some row uses a penalty). ``need_logprobs`` (traced bool): when
-    False the logprob outputs are zeros and their [R, V] passes are skipped. ``token_bitmask``
-    (i32[R, ceil(V/32)], structured outputs) masks each row's logits first when ``use_bitmask``
-    (traced bool) is True; logprobs stay those of the raw logits.
-    `max_num_logprobs` and `top_k_cap` are static.
-    ``all_greedy`` (static): None decides on the device, with conds; True/False is the host's
-    word on whether every row is greedy, for a program without any conditional (the GPU step),
-    which always computes the logprobs.
+    False the logprob outputs are zeros (with conds their [R, V] passes are skipped).
+    ``token_bitmask`` (i32[R, ceil(V/32)], structured outputs) masks each row's logits first when
+    ``use_bitmask`` (traced bool) is True; logprobs stay those of the raw logits.
+    `max_num_logprobs` and `top_k_cap` are static; ``policy`` (static) decides the control flow
+    (:mod:`.policy`), never the result.
     """
     logits = logits.astype(jnp.float32)
-    if all_greedy is not None:
-        return sample_cond_free(logits, md, output_counts, prompt_mask, max_num_logprobs=max_num_logprobs,
-                                row_slots=row_slots, all_greedy=all_greedy, token_bitmask=token_bitmask)
     r = logits.shape[0]
     k = max_num_logprobs + 1 if max_num_logprobs else 1
 
@@ -192,16 +195,16 @@ def sample(
         return jnp.zeros((r, k), jnp.float32), jnp.zeros((r, k), jnp.int32), jnp.zeros((r,), jnp.int32)
 
     def full() -> SamplerOutput:
-        processed = process_logits(logits, md, output_counts, prompt_mask, row_slots, token_bitmask, use_bitmask)
-        sampled = choose_tokens(processed, md, top_k_cap)
+        processed = process_logits(logits, md, output_counts, prompt_mask, row_slots, token_bitmask, use_bitmask,
+                                   policy)
+        sampled = choose_tokens(processed, md, top_k_cap, policy)
+        with_logprobs = lambda: gather_logprobs(logits, sampled, max_num_logprobs, policy)  # noqa: E731
         if need_logprobs is None:
-            logprobs, token_ids, rank = gather_logprobs(logits, sampled, max_num_logprobs)
-        else:
-            logprobs, token_ids, rank = lax.cond(
-                need_logprobs, lambda: gather_logprobs(logits, sampled, max_num_logprobs), no_logprobs)
-        return SamplerOutput(sampled, logprobs, token_ids, rank)
+            return SamplerOutput(sampled, *with_logprobs())
+        return SamplerOutput(sampled, *policy.select(jnp.asarray(need_logprobs, jnp.bool_), with_logprobs,
+                                                     no_logprobs))
 
-    if need_logprobs is None:
+    if need_logprobs is None or policy.cond_free:
         return full()
     # The common batch (all greedy, nothing to process, no logprobs) takes the argmax and nothing
     # else. One cond around everything also spares a copy of the [R, V] logits: the processing
@@ -212,19 +215,3 @@ def sample(
                                     md.min_tokens)
              & ~penalties_active(md.presence_penalty, md.frequency_penalty, md.repetition_penalty))
     return lax.cond(plain, lambda: SamplerOutput(first_argmax(logits), *no_logprobs()), full)
-
-
-def sample_cond_free(logits: jax.Array, md: SamplingMetadata, output_counts: jax.Array, prompt_mask: jax.Array, *,
-                     max_num_logprobs: int, row_slots: jax.Array | None, all_greedy: bool,
-                     token_bitmask: jax.Array | None = None) -> SamplerOutput:
-    """`sample` with no conditional: processing (and the bitmask, whose all-ones rows change
-    nothing) always applied, step 5 present only when the host says some row is random, logprobs
-    always computed."""
-    processed = process_logits(logits, md, output_counts, prompt_mask, row_slots, token_bitmask, cond_free=True)
-    greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
-    if all_greedy:
-        sampled = greedy_ids
-    else:
-        random_ids = sample_random(processed, md, DEFAULT_TOP_K_CAP, cond_free=True)
-        sampled = jnp.where(greedy_rows(md.temperature), greedy_ids, random_ids)
-    return SamplerOutput(sampled, *gather_logprobs(logits, sampled, max_num_logprobs, cond_free=True))

@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxserve.sample.policy import WITH_CONDS, SamplerPolicy
+
 # Static size of the partial sort. 256 covers the usual top_k settings (20..100; HF's default 50)
-# and the nucleus of a peaked distribution. On CPU at R=256, V=151936, top-256 takes ~0.17 s
-# against ~17 s for the full sort (`python -m jaxserve.sample.bench`); 64 saves little more and
-# sends top_k in (64, 256] to the sort.
+# and the nucleus of a peaked distribution, far cheaper than the full sort (docs/benchmarks.md,
+# "The sampler"); 64 saves little more and sends top_k in (64, 256] to the sort.
 DEFAULT_TOP_K_CAP = 256
 
 
@@ -150,17 +151,17 @@ def truncation_threshold(
     min_p: jax.Array,
     skip: jax.Array,
     cap: int = DEFAULT_TOP_K_CAP,
-    cond_free: bool = False,
+    policy: SamplerPolicy = WITH_CONDS,
 ) -> jax.Array:
     """Per-row logit threshold for top-k/min-p/top-p on temperature-scaled logits f32[R, V].
 
     `skip` marks rows whose threshold is not used (greedy), so they never force the full sort.
-    ``cond_free`` (static): every row from the full sort, with no conditional. XLA:GPU lowers a
+    A cond-free ``policy``: every row from the full sort, with no conditional. XLA:GPU lowers a
     top-k wider than 16 to a sort of the whole row anyway, so the partial sort saves nothing there.
     """
     vocab_size = scaled.shape[-1]
     k = effective_top_k(top_k, vocab_size)
-    if cond_free:
+    if policy.full_sort_only:
         return full_sort_threshold(scaled, k, top_p, min_p)
     top_vals, _ = top_k_sorted(scaled, min(cap, vocab_size))
     fast, decided = threshold_from_sorted(

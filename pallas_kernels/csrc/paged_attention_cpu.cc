@@ -46,6 +46,22 @@ inline float load(uint16_t bf16) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
+// float8 e4m3fn (a KV cache of --kv-cache-dtype fp8), decoded through a table of its 256 values.
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      float x = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.0f + float(m) / 8.0f, e - 7);
+      if (e == 15 && m == 7) x = std::numeric_limits<float>::quiet_NaN();  // e4m3fn: no infinities
+      v[b] = (b & 0x80) ? -x : x;
+    }
+  }
+};
+inline float load(uint8_t fp8) {
+  static const Fp8Table table;
+  return table.v[fp8];
+}
 inline void store(float* dst, float x) { *dst = x; }
 inline void store(uint16_t* dst, float x) {  // round to nearest even, NaN kept quiet
   uint32_t bits;
@@ -100,7 +116,8 @@ struct WorkItem {
 
 // A K/V row as float: f32 rows are read in place, bf16 rows converted into `buf`.
 inline const float* as_f32(const float* src, float*, int) { return src; }
-inline const float* as_f32(const uint16_t* src, float* buf, int n) {
+template <typename KV>
+inline const float* as_f32(const KV* src, float* buf, int n) {
   for (int i = 0; i < n; ++i) buf[i] = load(src[i]);
   return buf;
 }
@@ -186,7 +203,8 @@ inline void score16_avx512(const float*, const float*, int64_t, float*) {}
 // rows side by side in one pass let the core overlap their chains. The softmax denominator is
 // kept as 16 partial sums per row (by position mod 16) and added up once at the end
 // (docs/benchmarks.md compares it with the row-by-row loop).
-template <typename T, int kD>
+// T: q and out; KV: the pages (T itself, or uint8_t for float8 e4m3fn).
+template <typename T, typename KV, int kD>
 void attend(const Problem& pb, const WorkItem& it) {
   const int D = kD > 0 ? kD : int(pb.head_dim);
   const int HQ = int(pb.num_q_heads), G = int(pb.num_q_heads / pb.num_kv_heads);
@@ -194,8 +212,8 @@ void attend(const Problem& pb, const WorkItem& it) {
   const int nq = it.q_end - it.q_begin;
   const int rows = nq * HQ;
   const T* q = static_cast<const T*>(pb.q);
-  const T* kc = static_cast<const T*>(pb.k);
-  const T* vc = static_cast<const T*>(pb.v);
+  const KV* kc = static_cast<const KV*>(pb.k);
+  const KV* vc = static_cast<const KV*>(pb.v);
   T* out = static_cast<T*>(pb.out);
   const int32_t* table = pb.block_tables + int64_t(it.req) * pb.max_blocks;
   const int ctx = pb.kv_lens[it.req];
@@ -203,7 +221,8 @@ void attend(const Problem& pb, const WorkItem& it) {
   const int q_len = pb.query_start_loc[it.req + 1] - qsl0;
   const int first_pos = ctx - q_len + (it.q_begin - qsl0);  // context position of q_begin
   const int64_t row_stride = pb.num_kv_heads * D;  // elements between positions within a page
-  constexpr bool kVectorScores = kHaveAvx512 && std::is_same_v<T, float> && kD > 0 && kD % 16 == 0;
+  constexpr bool kVectorScores =
+      kHaveAvx512 && std::is_same_v<T, float> && std::is_same_v<KV, float> && kD > 0 && kD % 16 == 0;
   const bool vector_scores = kVectorScores && BS % 16 == 0;
 
   // Per-thread scratch, grown on demand: items run on XLA's pool threads, whose stacks are small.
@@ -246,7 +265,7 @@ void attend(const Problem& pb, const WorkItem& it) {
       const int64_t next = std::clamp<int64_t>(table[page + ahead], 0, pb.num_blocks - 1) * BS * row_stride;
       const char* nk = reinterpret_cast<const char*>(kc + next);
       const char* nv = reinterpret_cast<const char*>(vc + next);
-      for (int64_t o = 0; o < BS * row_stride * int64_t(sizeof(T)); o += 64) {
+      for (int64_t o = 0; o < BS * row_stride * int64_t(sizeof(KV)); o += 64) {
         __builtin_prefetch(nk + o, 0, 2);  // locality 2: into L2 (x86 prefetcht1)
         __builtin_prefetch(nv + o, 0, 2);
       }
@@ -334,7 +353,7 @@ void attend(const Problem& pb, const WorkItem& it) {
         v_rows[0] = vc + page_base + head_off[row];
         accumulate_rows<kD, 1>(acc + row * D, alpha + row, scores + row * BS, BS, v_rows, valid, row_stride);
       }
-    } else if constexpr (std::is_same_v<T, float>) {
+    } else if constexpr (std::is_same_v<KV, float>) {
       for (int row = 0; row < rows; ++row)
         accumulate_row_portable(acc + row * D, alpha[row], scores + row * BS, vc + page_base + head_off[row],
                                 valid, row_stride, D);
@@ -363,13 +382,13 @@ void attend(const Problem& pb, const WorkItem& it) {
   }
 }
 
-template <typename T>
+template <typename T, typename KV>
 void attend_any(const Problem& pb, const WorkItem& it) {
   switch (pb.head_dim) {
-    case 32: return attend<T, 32>(pb, it);
-    case 64: return attend<T, 64>(pb, it);
-    case 128: return attend<T, 128>(pb, it);
-    default: return attend<T, 0>(pb, it);
+    case 32: return attend<T, KV, 32>(pb, it);
+    case 64: return attend<T, KV, 64>(pb, it);
+    case 128: return attend<T, KV, 128>(pb, it);
+    default: return attend<T, KV, 0>(pb, it);
   }
 }
 
@@ -379,14 +398,21 @@ struct Job {
   Problem problem;
   std::vector<WorkItem> items;
   bool bf16 = false;
+  bool fp8_kv = false;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   void work() {
     const int64_t n = int64_t(items.size());
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
-      if (bf16) attend_any<uint16_t>(problem, items[i]);
-      else attend_any<float>(problem, items[i]);
+      if (fp8_kv) {
+        if (bf16) attend_any<uint16_t, uint8_t>(problem, items[i]);
+        else attend_any<float, uint8_t>(problem, items[i]);
+      } else if (bf16) {
+        attend_any<uint16_t, uint16_t>(problem, items[i]);
+      } else {
+        attend_any<float, float>(problem, items[i]);
+      }
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -401,9 +427,10 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   const auto dtype = q.element_type();
   if (dtype != ffi::F32 && dtype != ffi::BF16)
     return ffi::Error::InvalidArgument("cpu paged attention supports float32 and bfloat16 only");
-  if (k_cache.element_type() != dtype || v_cache.element_type() != dtype ||
+  const auto kv_dtype = k_cache.element_type();
+  if ((kv_dtype != dtype && kv_dtype != ffi::F8E4M3FN) || v_cache.element_type() != kv_dtype ||
       out->element_type() != dtype)
-    return ffi::Error::InvalidArgument("q, k_cache, v_cache and out must share one dtype");
+    return ffi::Error::InvalidArgument("q and out share one dtype; k_cache and v_cache it too, or float8_e4m3fn");
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   const auto bd = block_tables.dimensions();
@@ -416,6 +443,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
 
   auto job = std::make_shared<Job>();
   job->bf16 = dtype == ffi::BF16;
+  job->fp8_kv = kv_dtype == ffi::F8E4M3FN;
   job->problem = Problem{q.untyped_data(), k_cache.untyped_data(), v_cache.untyped_data(),
                          out->untyped_data(), kv_lens.typed_data(), block_tables.typed_data(),
                          query_start_loc.typed_data(), hq, d, kd[0], bs, hkv, bd[1],

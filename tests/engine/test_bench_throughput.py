@@ -104,3 +104,36 @@ def test_each_iteration_starts_from_an_empty_prefix_cache(demo_model):
     assert bench.llm.stats()["prefix_cache_hits"] == 0
     bench.llm.generate([{"prompt_token_ids": workload.prompts[0]}], bench.params[:1], use_tqdm=False)
     assert bench.llm.stats()["prefix_cache_hits"] > 0  # without a reset, a repeat does hit
+
+
+def test_real_model_workload_one_stream_and_batch_against_hf(demo_model):
+    """``--workload real-model``: one stream and the batch, each with both backends taking turns,
+    the one-stream ceiling from the engine's weight bytes and the bench's measured bandwidth."""
+    from jaxserve.bench import throughput
+    from jaxserve_server.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "throughput", str(demo_model), "--workload", "real-model", "--backend", "both",
+         "--one-stream-len", "5", "--num-prompts", "3", "--input-len-range", "4", "8",
+         "--output-len-range", "3", "4", "--token-id-range", "3", "400", "--max-model-len", "64",
+         "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--num-iters", "2", "--torch-threads", "1"])
+    result = throughput.run_throughput_cli(args)
+    one, batched = result["one_stream"], result["batched"]
+    assert one["jaxserve"]["output_tokens"] == one["hf"]["output_tokens"] == 5
+    assert batched["jaxserve"]["output_tokens"] == batched["hf"]["output_tokens"] == result["output_tokens"]
+    for phase in (one, batched):
+        assert len(phase["iteration_ratios"]) == 2
+        assert phase["output_throughput_ratio"] == (phase["jaxserve"]["output_tokens_per_s"]
+                                                    / phase["hf"]["output_tokens_per_s"])
+    assert result["weight_bytes"] > 0 and result["read_bandwidth_gb_s"] > 0
+    assert result["one_stream_ceiling_tokens_per_s"] == result["read_bandwidth_gb_s"] * 1e9 / result["weight_bytes"]
+    assert result["one_stream_share_of_ceiling"] == (one["jaxserve"]["output_tokens_per_s"]
+                                                     / result["one_stream_ceiling_tokens_per_s"])
+
+
+def test_bench_model_names_resolve_and_others_pass_through():
+    from jaxserve.bench.real_model import hf_from_pretrained_args, resolve_bench_model
+
+    assert resolve_bench_model("some/folder") == "some/folder"
+    assert hf_from_pretrained_args("/x/m.gguf") == ("/x", {"gguf_file": "m.gguf"})
+    assert hf_from_pretrained_args("/x/folder") == ("/x/folder", {})

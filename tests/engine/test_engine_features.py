@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, AsyncLLM, SamplingParams
 from tests.shapes import ENGINE_TESTS_SHAPE
 
 
@@ -164,6 +166,34 @@ def test_bad_requests_name_the_field_and_leak_nothing(llm):
         llm.generate([{"prompt_token_ids": []}], SamplingParams(), use_tqdm=False)
     assert_pool_empty(llm)
     assert len(llm.generate(["still works"], SamplingParams(max_tokens=3), use_tqdm=False)) == 1
+
+
+def test_a_request_id_must_be_a_string_at_every_entry_point(llm):
+    """As in vLLM: ``LLMEngine.add_request``/``abort_request`` and ``AsyncLLM.generate``/``abort``
+    refuse an id that is not a string; ``abort_request`` takes one id or several."""
+    engine = llm.llm_engine
+    for bad in (7, None, b"r"):
+        with pytest.raises(TypeError, match="request_id must be a string"):
+            engine.add_request(bad, "hi", SamplingParams(max_tokens=2))
+        with pytest.raises(TypeError, match="request_id must be a string"):
+            engine.abort_request([bad])
+    engine.add_request("lone", "hi", SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.abort_request("lone")  # one id, not the ids "l", "o", "n", "e"
+    assert not engine.has_unfinished_requests()
+    async_llm = AsyncLLM(engine)
+
+    async def main():
+        with pytest.raises(TypeError, match="request_id must be a string"):
+            async for _ in async_llm.generate("hi", SamplingParams(max_tokens=2), 7):
+                pass
+        with pytest.raises(TypeError, match="request_id must be a string"):
+            await async_llm.abort(7)
+
+    try:
+        asyncio.run(main())
+    finally:
+        async_llm.shutdown()
+    assert_pool_empty(llm)
 
 
 def test_metrics_have_vllm_names(llm):

@@ -4,6 +4,7 @@ decodes the protobuf export requests (the message classes of ``opentelemetry-pro
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -11,7 +12,7 @@ import pytest
 
 from jaxserve import LLM, ConfigError, SamplingParams
 from jaxserve.engine.outputs import RequestOutputKind
-from jaxserve.engine.timeline import STAGES
+from jaxserve.engine.timeline import STAGES, EntryTimes
 from tests.shapes import ENGINE_TESTS_SHAPE
 
 pytest.importorskip("opentelemetry.sdk")
@@ -19,6 +20,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+
+TRACE_ID, SPAN_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+TRACE_HEADERS = {"traceparent": f"00-{TRACE_ID}-{SPAN_ID}-01"}
 
 
 class OTLPReceiver:
@@ -82,6 +86,12 @@ def test_one_span_tree_per_request(demo_model):
                            output_kind=RequestOutputKind.DELTA)
         engine.step()
         engine.abort_request(["aborted"])
+        # A caller's W3C trace context (what the server reads from the request's headers).
+        traced = engine.process_request("traced", [4, 5], SamplingParams(max_tokens=2, ignore_eos=True),
+                                        entry_times=EntryTimes(time.monotonic(), trace_headers=TRACE_HEADERS))
+        engine.add_processed_request(traced)
+        while engine.has_unfinished_requests():
+            engine.step()
         assert engine.tracer.flush()
         engine.shutdown()
     finally:
@@ -91,12 +101,12 @@ def test_one_span_tree_per_request(demo_model):
     by_trace = defaultdict(list)
     for span in receiver.spans:
         by_trace[span.trace_id].append(span)
-    assert len(by_trace) == len(outs) + 1  # one tree per request, n=2 included
+    assert len(by_trace) == len(outs) + 2  # one tree per request, n=2 included
     stage_order = [name for name, _ in STAGES]
     seen = {}
     for spans in by_trace.values():
-        roots = [s for s in spans if not s.parent_span_id]
-        assert len(roots) == 1 and roots[0].name == "llm_request"
+        roots = [s for s in spans if s.name == "llm_request"]
+        assert len(roots) == 1  # without a caller's trace context, a root (see "traced" below)
         root = roots[0]
         attrs = attributes(root)
         seen[attrs["gen_ai.request.id"]] = attrs
@@ -116,6 +126,20 @@ def test_one_span_tree_per_request(demo_model):
         assert attrs["gen_ai.latency.time_to_first_token"] == pytest.approx(out.metrics.time_to_first_token)
         assert attrs["gen_ai.latency.e2e"] == pytest.approx(out.metrics.e2e_latency)
     assert seen["aborted"]["jaxserve.finish_causes"] == ["abort"]
+    # the traced request's root continues the caller's trace, as a child of the caller's span
+    (traced_root,) = [s for s in receiver.spans if s.name == "llm_request"
+                      and attributes(s)["gen_ai.request.id"] == "traced"]
+    assert traced_root.trace_id == bytes.fromhex(TRACE_ID) and traced_root.parent_span_id == bytes.fromhex(SPAN_ID)
+    others = [s for s in receiver.spans if s.name == "llm_request" and s is not traced_root]
+    assert all(s.trace_id != traced_root.trace_id and not s.parent_span_id for s in others)
+
+
+def test_the_server_passes_the_trace_context_headers_on():
+    from jaxserve_server.entry_times import start
+
+    times = start({"traceparent": TRACE_HEADERS["traceparent"], "tracestate": "k=v", "user-agent": "x"})
+    assert times.trace_headers == {"traceparent": TRACE_HEADERS["traceparent"], "tracestate": "k=v"}
+    assert start({"user-agent": "x"}).trace_headers is None
 
 
 def test_bad_endpoint_is_a_config_error(demo_model):

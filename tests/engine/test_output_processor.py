@@ -336,6 +336,8 @@ def test_prompt_logprobs_start_with_none_and_follow_the_prompt(tokenizer):
 
 
 def test_delta_sends_the_prompt_logprobs_once(tokenizer):
+    """As vLLM's: the first delta carries them all, every later one an empty list (not None, so a
+    caller that extends a list with each delta's works); a request without them has None."""
     run = Run(tokenizer, DELTA, prompt_logprobs=1)
     prompt = run.prompt_ids
     rows = [([tok, tok], [-1.0, -1.0], 1) for tok in prompt[1:]]
@@ -343,7 +345,14 @@ def test_delta_sends_the_prompt_logprobs_once(tokenizer):
     first = only(run.step(EngineCoreOutput("r", [tokens[0]], new_prompt_logprobs=rows))[0])
     assert len(first.prompt_logprobs) == len(prompt)
     later = [only(ros) for ros, _ in run.stream(tokens[1:])]
-    assert all(ro.prompt_logprobs is None for ro in later)
+    assert later and all(ro.prompt_logprobs == [] for ro in later)
+    collected: list = []
+    for ro in [first, *later]:
+        collected.extend(ro.prompt_logprobs)
+    assert collected == first.prompt_logprobs
+    plain = Run(tokenizer, DELTA)
+    outs = [only(ros) for ros, _ in plain.stream(plain.ids(STORY))]
+    assert outs and all(ro.prompt_logprobs is None for ro in outs)
 
 
 def test_without_detokenize_logprobs_carry_no_text(tokenizer):

@@ -18,7 +18,7 @@ from tests.structured.schemas import ANSWER_SCHEMA, THINK_END_BIAS
 
 @pytest.fixture(scope="module")
 def thinking_model(tmp_path_factory) -> str:
-    from jaxserve.testing import build_tiny_checkpoint
+    from tests.tiny_models import build_tiny_checkpoint
 
     return str(build_tiny_checkpoint(tmp_path_factory.mktemp("thinking"), added_tokens=("<think>", "</think>")))
 

@@ -12,9 +12,8 @@ import transformers
 from flax import nnx
 
 from jaxserve.models import load_model
-from jaxserve.testing import build_tiny_checkpoint
 from tests.models.paged_sequence import PagedSequence, prompt
-from tests.tiny_models import ARCHITECTURES
+from tests.tiny_models import ARCHITECTURES, build_tiny_checkpoint
 
 
 def hf_logits(folder: str, ids: list[int]) -> np.ndarray:

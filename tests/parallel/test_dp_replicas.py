@@ -23,7 +23,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from tests.parallel.dp_testing import XLA_FLAGS, engine_samples, fake_devices_env, per_engine, wait_replicas_idle
 from tests.server.server_testing import start_server, stop_server
-from tests.shapes import SERVER_SHAPE
+from tests.shapes import DEMO_MODEL, SERVER_SHAPE
 
 SUCCESS = "jaxserve:request_success_total"
 
@@ -42,7 +42,7 @@ def dp_server():
 @pytest.fixture(scope="module")
 def reference():
     """One engine on the main process's one device: the answers two replicas must give."""
-    return LLM(show_progress=False, **SERVER_SHAPE)
+    return LLM(DEMO_MODEL, show_progress=False, **SERVER_SHAPE)
 
 
 def prompts(seed: int, lengths=(3, 9, 17, 24, 33, 40, 57, 70)) -> list[list[int]]:
@@ -126,6 +126,7 @@ def test_debug_routes_read_every_replica(dp_server):
     steps = httpx.get(f"{dp_server.base}/debug/steps", params={"last": 50}).json()["steps"]
     starts = [s["start"] for s in steps]
     assert len(steps) == 50 and starts == sorted(starts)
+    assert {s["engine_index"] for s in steps} == {0, 1}  # each record names its replica
     trace = httpx.get(f"{dp_server.base}/debug/trace").json()
     assert trace["traceEvents"]
     assert httpx.get(f"{dp_server.base}/dashboard").status_code == 200
@@ -134,12 +135,13 @@ def test_debug_routes_read_every_replica(dp_server):
 OFFLINE_SCRIPT = """
 import json, sys
 from jaxserve import LLM, SamplingParams
-from tests.shapes import SERVER_SHAPE
+from tests.shapes import DEMO_MODEL, SERVER_SHAPE
 prompts, max_tokens, tp = json.loads(sys.argv[1])
-llm = LLM(show_progress=False, data_parallel_size=2, tensor_parallel_size=tp, **SERVER_SHAPE)
+llm = LLM(DEMO_MODEL, show_progress=False, data_parallel_size=2, tensor_parallel_size=tp, **SERVER_SHAPE)
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
 served = {m.labels["engine"]: m.value for m in llm.get_metrics() if m.name == "jaxserve:request_success_total"}
-print(json.dumps({"token_ids": [o.outputs[0].token_ids for o in outs], "served": served}))
+engines = sorted({r.engine_index for r in llm.get_step_records()})
+print(json.dumps({"token_ids": [o.outputs[0].token_ids for o in outs], "served": served, "engines": engines}))
 """
 
 
@@ -161,6 +163,7 @@ def test_offline_two_replicas_of_two_devices_each_match_one_engine(reference):
     assert result["token_ids"] == [list(o.outputs[0].token_ids) for o in expected]
     assert result["served"]["0"] > 0 and result["served"]["1"] > 0
     assert result["served"]["total"] == len(batch)
+    assert result["engines"] == [0, 1]  # the step records name their replica
 
 
 def test_too_few_devices_fail_before_any_weight_loads():

@@ -25,6 +25,17 @@ SCRIPT = textwrap.dedent("""
     from jaxserve.distributed.runtime import coordination_client, start_distributed_runtime
     from jaxserve.exceptions import NodeLostError
 
+    def time_to_loss(monitor, limit_s=5.0):
+        # (the monitor's NodeLostError text, seconds until it came), or (None, limit_s)
+        t = time.monotonic()
+        try:
+            while time.monotonic() - t < limit_s:
+                monitor.check(force=True)
+                time.sleep(0.05)
+        except NodeLostError as exc:
+            return str(exc), time.monotonic() - t
+        return None, limit_s
+
     port = int(sys.argv[1])
     start_distributed_runtime(EngineConfig(nnodes=1, master_addr="127.0.0.1", master_port=port))
     start_distributed_runtime(EngineConfig(nnodes=1, master_addr="127.0.0.1", master_port=port))  # idempotent
@@ -51,15 +62,21 @@ SCRIPT = textwrap.dedent("""
         monitor.check(force=True)
         time.sleep(0.05)
     beat.stop()
-    t = time.monotonic()
-    try:
-        while time.monotonic() - t < 5:
-            monitor.check(force=True)
-            time.sleep(0.05)
-        found["lost"] = None
-    except NodeLostError as exc:
-        found["lost"] = str(exc)
-        found["lost_after_s"] = time.monotonic() - t
+    found["lost"], found["lost_after_s"] = time_to_loss(monitor)
+
+    # The step-progress watchdog: a follower that beats but stops applying messages is lost.
+    applied = [0]
+    beat = Heartbeat(client, 1, interval_s=0.05, progress=lambda: applied[0]).start()
+    monitor = NodeMonitor(client, 2, timeout_s=0.5)
+    for i in range(20):  # 1 s of messages, each applied: no loss
+        monitor.note_published()
+        time.sleep(0.05)
+        applied[0] += 1
+        time.sleep(0.05)
+        monitor.check(force=True)
+    monitor.note_published()  # never applied, while the heartbeat goes on
+    found["stuck"], found["stuck_after_s"] = time_to_loss(monitor)
+    beat.stop()
     print("RESULT " + json.dumps(found))
 """)
 
@@ -82,3 +99,6 @@ def test_channel_and_heartbeats_on_a_real_coordination_service():
     assert found["messages_left"] < 70  # pruned: only those since the last prune remain
     assert found["lost"] is not None and "node 1 of 2" in found["lost"]
     assert 0.4 < found["lost_after_s"] < 2.0
+    assert found["stuck"] is not None and "stuck outside a collective" in found["stuck"], found["stuck"]
+    assert "node 1 of 2" in found["stuck"] and "at message 20 of 21" in found["stuck"]
+    assert 0.4 < found["stuck_after_s"] < 2.0

@@ -2,7 +2,9 @@
 ``jax.distributed`` on the loopback address, one model split 8 ways across both (TP=8, gloo
 collectives between the processes), against one process on one device (TP=1).
 
-Rank 0 serves HTTP and schedules; rank 1 runs headless and replays its steps. The group must
+Both processes run the built wheel installed into a venv of its own (``tests/wheel_install.py``),
+so the test also shows that a non-editable install can run multi-host. Rank 0 serves HTTP and
+schedules; rank 1 runs headless and replays its steps. The group must
 give the single process's greedy tokens, and when rank 1 is killed mid-request, rank 0 must fail
 that request naming the lost node and turn ``/health`` to 503 within the heartbeat limit.
 Every process is killed at the end whatever happens (each also runs under a hard deadline).
@@ -55,12 +57,13 @@ def free_port() -> int:
 class TwoHosts:
     """Rank 0 (HTTP on a free port) and rank 1 (headless), each logging to its own file."""
 
-    def __init__(self, model: str, log_dir: Path, extra: list[str]):
+    def __init__(self, model: str, log_dir: Path, extra: list[str], python: str = sys.executable,
+                 cwd: Path | None = None):
         port = free_port()
         env = dict(os.environ, PYTHONUNBUFFERED="1",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_HOST}")
         env.pop("JAXSERVE_API_KEY", None)
-        common = [sys.executable, "-m", "jaxserve_server.cli", "serve", model, *shape_flags(), "--nnodes", "2",
+        common = [str(python), "-m", "jaxserve_server.cli", "serve", model, *shape_flags(), "--nnodes", "2",
                   "--master-addr", "127.0.0.1", "--master-port", str(port),
                   "--node-heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S), *extra]
         self.logs = [log_dir / "rank0.log", log_dir / "rank1.log"]
@@ -69,7 +72,8 @@ class TwoHosts:
             cmd = common + ["--node-rank", str(rank)]
             if rank == 0:
                 cmd += ["--host", "127.0.0.1", "--port", "0", "--uvicorn-log-level", "warning"]
-            self.procs.append(subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env))
+            self.procs.append(subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
+                                              cwd=cwd))
         self.base = self._wait_for_url()
 
     def log_text(self, rank: int) -> str:
@@ -120,9 +124,11 @@ def one_process_ids(eight_head_model) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def two_hosts(eight_head_model, tmp_path_factory):
+def two_hosts(eight_head_model, tmp_path_factory, installed_wheel):
+    """Served from the built wheel (not the checkout): what a multi-host deployment installs."""
     hosts = TwoHosts(eight_head_model, tmp_path_factory.mktemp("two_hosts"),
-                     ["--served-model-name", "m", "--tensor-parallel-size", str(TENSOR_PARALLEL_SIZE)])
+                     ["--served-model-name", "m", "--tensor-parallel-size", str(TENSOR_PARALLEL_SIZE)],
+                     python=str(installed_wheel.python), cwd=installed_wheel.cwd)
     try:
         yield hosts
     finally:

@@ -49,7 +49,8 @@ def prompts() -> tuple[list[list[int]], list[int]]:
 
 
 def build_checkpoint(root: Path, arch: str) -> str:
-    from jaxserve.testing import TINY_CONFIGS, build_checkpoint
+    from jaxserve.models.demo import build_checkpoint
+    from tests.tiny_models import TINY_CONFIGS
 
     return str(build_checkpoint(root / arch, arch, {**TINY_CONFIGS[arch], "num_attention_heads": HEADS}, seed=1))
 

@@ -82,3 +82,28 @@ def test_allocator_share_is_left_alone_once_jax_has_started(monkeypatch):
     monkeypatch.delenv(envs.XLA_PYTHON_CLIENT_MEM_FRACTION, raising=False)
     configure_xla_allocator(0.5)
     assert envs.xla_mem_fraction() is None
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_fp8_kv_cache_fits_twice_the_blocks_of_bfloat16(platform):
+    """--kv-cache-dtype fp8 halves a bfloat16 model's bytes per block, so the same budget holds
+    twice the blocks (and tokens)."""
+    mc = _model_config()
+    assert bytes_per_block(mc, 16, 1, "fp8") * 2 == bytes_per_block(mc, 16)
+    memory = DeviceMemory(pool_bytes=int(0.9 * 141 * GIB), pool_fraction=0.9, held_bytes=int(1.2 * GIB))
+    blocks = {dtype: determine_num_blocks(mc, EngineConfig(kv_cache_dtype=dtype, kv_cache_memory=GIB), 4096,
+                                          platform=platform, memory=memory)
+              for dtype in ("auto", "fp8")}
+    assert blocks["fp8"] == 2 * blocks["auto"]
+    by_share = {dtype: determine_num_blocks(mc, EngineConfig(kv_cache_dtype=dtype), 4096, platform="gpu",
+                                            memory=memory, peak_temp_bytes=GIB) for dtype in ("auto", "fp8")}
+    assert by_share["fp8"] - 2 * by_share["auto"] in (0, 1)  # the budget's remainder may hold one more
+
+
+def test_unknown_kv_cache_dtype_is_a_config_error():
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="awq")
+    with pytest.raises(ValueError, match="pallas attention backend does not read an fp8"):
+        EngineConfig(kv_cache_dtype="fp8", attention_backend="pallas")

@@ -56,3 +56,23 @@ def test_step_temporaries_do_not_grow_with_the_pool(demo_model):
 def test_local_target_follows_the_default_backend():
     assert StepTarget.local().platform == ("gpu" if jax.default_backend() == "gpu" else jax.default_backend())
     assert not StepTarget.local().is_abstract
+
+
+def test_peak_temp_bytes_compiles_one_program_the_largest_variants_peak(demo_model):
+    runner = _runner(demo_model, "gpu")
+    largest = [v for v in runner.variants() if v.bucket == runner.buckets.token_buckets[-1]]
+    assert len(largest) > 1  # a greedy and a random program: only one needs compiling
+    compiles = []
+
+    def count(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        peak = runner.peak_temp_bytes(runner.num_blocks)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert len(compiles) == 1
+    every = [runner.steps.lowered(v).compile().memory_analysis().temp_size_in_bytes for v in largest]
+    assert peak == max(every) > 0

@@ -1,5 +1,6 @@
 """The GPU step's sampler (no conditional: the host says whether every row is greedy) against the
-CPU one (conds on the device): same tokens, same logprobs, and no conditional in its program."""
+CPU one (conds on the device): one pipeline, so same tokens, same logprobs, the same answer to
+every flag, and no conditional in its program."""
 
 from functools import partial
 
@@ -11,6 +12,7 @@ from jax import lax
 
 from jaxserve.bench.hlo_stats import analyze_hlo
 from jaxserve.sample import sample
+from jaxserve.sample.policy import SamplerPolicy
 from jaxserve.sample.truncation import top_k_in_rounds
 from tests.sample.sampler_testlib import K, metadata, params
 from tests.sample.test_sampling_sampler import MATES, V, random_logits
@@ -18,9 +20,14 @@ from tests.sample.test_sampling_sampler import MATES, V, random_logits
 ROWS = 8
 
 
+def _policy(all_greedy):
+    return SamplerPolicy() if all_greedy is None else SamplerPolicy(cond_free=True, all_greedy=all_greedy)
+
+
 @partial(jax.jit, static_argnames=("all_greedy",))
-def _sample(logits, md, counts, mask, need_logprobs, all_greedy=None):
-    return sample(logits, md, counts, mask, max_num_logprobs=K, need_logprobs=need_logprobs, all_greedy=all_greedy)
+def _sample(logits, md, counts, mask, need_logprobs, all_greedy=None, bitmask=None, use_bitmask=None):
+    return sample(logits, md, counts, mask, max_num_logprobs=K, need_logprobs=need_logprobs,
+                  token_bitmask=bitmask, use_bitmask=use_bitmask, policy=_policy(all_greedy))
 
 
 def _history(seed=3):
@@ -57,6 +64,41 @@ def test_cond_free_sampler_program_has_no_conditional():
         stats = analyze_hlo(_sample.lower(*args, all_greedy=all_greedy).compile().as_text(), shapes, pools)
         assert stats.conditionals == 0 and stats.data_dependent_whiles == 0, stats
     assert with_conds.conditionals > 0  # the CPU program keeps its conds: the check sees them
+
+
+@pytest.mark.parametrize("all_greedy", [None, True, False])
+def test_every_path_honours_need_logprobs_and_use_bitmask(all_greedy):
+    """need_logprobs False gives zero logprobs and use_bitmask False leaves the logits unmasked,
+    whatever the policy (the cond-free sampler used to ignore both)."""
+    logits = random_logits(ROWS, seed=6)
+    random_mates = [m for m in MATES if m.allowed_token_ids is None]  # an allowed list would exclude token 3
+    rows = [params(temperature=0.0)] * (ROWS - (0 if all_greedy else len(random_mates))) + ([] if all_greedy
+                                                                                        else random_mates)
+    md = metadata(rows, V)
+    counts, mask = _history()
+    bitmask = np.zeros((ROWS, -(-V // 32)), np.int32)
+    bitmask[:, 0] = 1 << 3  # each row may take token 3 only
+    off = _sample(logits, md, counts, mask, jnp.asarray(False), all_greedy, jnp.asarray(bitmask), jnp.asarray(False))
+    ref = _sample(logits, md, counts, mask, jnp.asarray(False), None, None, None)  # no bitmask at all
+    np.testing.assert_array_equal(off.sampled_token_ids, ref.sampled_token_ids)
+    assert not np.any(np.asarray(off.logprobs)) and not np.any(np.asarray(off.logprob_token_ids))
+    on = _sample(logits, md, counts, mask, jnp.asarray(True), all_greedy, jnp.asarray(bitmask), jnp.asarray(True))
+    np.testing.assert_array_equal(on.sampled_token_ids, np.full(ROWS, 3))
+    assert np.all(np.asarray(on.logprob_token_ids)[:, 0] == 3) and np.any(np.asarray(on.logprobs))
+
+
+def test_greedy_ties_and_nan_rows_resolve_alike_on_both_paths():
+    logits = random_logits(ROWS, seed=8)
+    logits[0, [5, 900]] = logits[0].max() + 1  # a tie: the first index wins
+    logits[1, :] = 0.0  # a flat row
+    logits[2, [17, 600]] = np.nan  # a broken row: both paths still agree
+    md = metadata([params(temperature=0.0)] * ROWS, V)
+    counts, mask = _history()
+    outs = [np.asarray(_sample(logits, md, counts, mask, jnp.asarray(False), g).sampled_token_ids)
+            for g in (None, True, False)]
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[2])
+    assert outs[0][0] == 5 and outs[0][1] == 0
 
 
 @pytest.mark.parametrize("k", [3, 16, 20, 40])

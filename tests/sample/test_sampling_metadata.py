@@ -83,3 +83,15 @@ def test_table_gathers_fresh_buffers_and_pads_with_its_widths():
 def test_huge_top_k_is_clamped_not_overflowed():
     arrays = build([params(temperature=1.0, top_k=2**40, seed=3)], num_rows=2)
     assert arrays["top_k"][0] == np.iinfo(np.int32).max
+
+
+def test_all_greedy_of_a_step_reads_the_table_as_the_device_does():
+    rows = [params(temperature=0.0), params(temperature=0.7, seed=1), params(temperature=1e-6),
+            params(temperature=1.0, seed=2)]
+    table = SamplingTable(len(rows))
+    for slot, p in enumerate(rows):
+        table.set_row(slot, p, None)
+    pad = table.padding_slot
+    for slots in ([0, 2], [0, 1], [2, pad, pad], [3], [pad]):
+        want = all(rows[s].is_greedy for s in slots if s != pad)
+        assert table.all_greedy(np.asarray(slots, np.int32)) is want

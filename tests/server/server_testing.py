@@ -19,7 +19,7 @@ import httpx
 
 from jaxserve.bench import prom
 from jaxserve.bench.processes import stop_process
-from tests.shapes import SERVER_SHAPE
+from tests.shapes import DEMO_MODEL, SERVER_SHAPE
 
 # The shared server's admission limits, which the error tests probe.
 MAX_WAITING = 64
@@ -32,7 +32,7 @@ IGNORED_FIELDS_HEADER = "X-Jaxserve-Ignored-Fields"
 
 def engine_flags() -> list[str]:
     """The server suite's engine shape as ``jaxserve serve`` flags."""
-    flags = []
+    flags = [DEMO_MODEL]
     for key, value in SERVER_SHAPE.items():
         flags += ["--" + key.replace("_", "-"), str(value)]
     return flags

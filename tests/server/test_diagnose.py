@@ -15,7 +15,7 @@ import pytest
 from jaxserve_server.cli import main as cli_main
 from jaxserve_server.diagnose import first_difference, watch
 from tests.server.server_testing import wait_idle
-from tests.shapes import SERVER_SHAPE
+from tests.shapes import DEMO_MODEL, SERVER_SHAPE
 
 WINDOW_S = 6.0
 
@@ -122,7 +122,7 @@ def test_api_bound_is_flagged(server):
 
 
 def test_compare_eager_on_the_demo_model(server, capsys):
-    shape = [f"--{k.replace('_', '-')}={v}" for k, v in SERVER_SHAPE.items()]
+    shape = [DEMO_MODEL] + [f"--{k.replace('_', '-')}={v}" for k, v in SERVER_SHAPE.items()]
     assert cli_main(["diagnose", "--compare-eager", "--max-tokens", "6", "--prompt", "Hello there", *shape]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["compare_eager"]["first_differences"] == [None] and result["findings"] == []

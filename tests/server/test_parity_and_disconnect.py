@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxserve import LLM, SamplingParams
 from tests.server.server_testing import metric, start_server, stop_server, wait_idle
-from tests.shapes import SERVER_SHAPE
+from tests.shapes import DEMO_MODEL, SERVER_SHAPE
 
 
 def parity_prompts() -> list[list[int]]:
@@ -21,7 +21,7 @@ def parity_prompts() -> list[list[int]]:
 
 def test_greedy_matches_offline_llm(server, openai_client):
     prompts = parity_prompts()
-    llm = LLM(show_progress=False, **SERVER_SHAPE)
+    llm = LLM(DEMO_MODEL, show_progress=False, **SERVER_SHAPE)
     expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     text_prompts = ["Hello, my name is", "The capital of France is", "日本語 and 😀 mixed"]
     expected_text = llm.generate(text_prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
@@ -108,7 +108,7 @@ def test_sync_scheduling_server_matches_and_frees_its_blocks(tmp_path):
     schedules asynchronously, the default), and clients that leave mid-stream still free every
     block."""
     prompts = parity_prompts()
-    llm = LLM(show_progress=False, **SERVER_SHAPE)
+    llm = LLM(DEMO_MODEL, show_progress=False, **SERVER_SHAPE)
     expected = [o.outputs[0].text for o in llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)]
     del llm

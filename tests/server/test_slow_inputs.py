@@ -1,9 +1,9 @@
 """Long work for one client never stalls the others: a 10 MB prompt is tokenized off the event
 loop (``/health`` and a short request are answered meanwhile, shown by the order in which the
-answers arrive), a body sent halfway is cut off, and an idle keep-alive connection is closed.
+answers arrive), headers or a body sent halfway are cut off, and an idle keep-alive connection is closed.
 
 One server of its own: a body limit and prompt limit large enough for a 10 MB prompt, and short
-body and keep-alive timeouts.
+header, body and keep-alive timeouts.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pytest
 from tests.server.server_testing import start_server, stop_server
 
 BODY_TIMEOUT_S = 1
+HEADER_TIMEOUT_S = 1
 KEEP_ALIVE_S = 1
 BIG_PROMPT = "hello world, this is a long prompt. " * 300_000  # ~10.8 MB
 
@@ -29,7 +30,8 @@ BIG_PROMPT = "hello world, this is a long prompt. " * 300_000  # ~10.8 MB
 def slow_server():
     log_path = Path(tempfile.mkdtemp(prefix="jaxserve-slow-")) / "server.log"
     handle = start_server(["--max-prompt-chars", "20000000", "--max-request-body-bytes", "16000000",
-                           "--request-body-timeout", str(BODY_TIMEOUT_S), "--timeout-keep-alive", str(KEEP_ALIVE_S)],
+                           "--request-body-timeout", str(BODY_TIMEOUT_S), "--timeout-keep-alive", str(KEEP_ALIVE_S),
+                           "--request-header-timeout", str(HEADER_TIMEOUT_S)],
                           log_path)
     yield handle
     stop_server(handle)
@@ -89,6 +91,26 @@ def test_half_sent_bodies_are_cut_off(slow_server):
         sock.close()
     assert all(a.startswith(b"HTTP/1.1 408") for a in answers), answers[0][:200]
     assert time.monotonic() - started < 20 * BODY_TIMEOUT_S
+
+
+def test_half_sent_headers_are_cut_off(slow_server):
+    """Clients that send half their headers (also after a first request on the same connection),
+    or connect and send nothing, get a 408 and a closed connection."""
+    fresh = [_connect(slow_server.base) for _ in range(3)]
+    fresh[0].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
+    fresh[1].sendall(b"GET /hea")
+    kept = _connect(slow_server.base)
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    first = b""
+    while not first.endswith(b"\r\n\r\n"):  # /health answers with an empty body
+        first += kept.recv(65536)
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost")  # the next request, half of it
+    answers = [_read_until_closed(s) for s in [*fresh, kept]]
+    for sock in [*fresh, kept]:
+        sock.close()
+    assert first.startswith(b"HTTP/1.1 200"), first
+    assert all(a.startswith(b"HTTP/1.1 408") for a in answers), answers
+    assert b"headers did not arrive" in answers[0]
 
 
 def test_an_idle_keep_alive_connection_is_closed(slow_server):

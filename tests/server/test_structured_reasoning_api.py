@@ -22,8 +22,8 @@ def thinking_server(tmp_path_factory):
     import openai
     from transformers import AutoTokenizer
 
-    from jaxserve.testing import build_tiny_checkpoint
     from tests.server.server_testing import start_server, stop_server
+    from tests.tiny_models import build_tiny_checkpoint
 
     folder = build_tiny_checkpoint(tmp_path_factory.mktemp("thinking"), added_tokens=("<think>", "</think>"))
     end_id = AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids("</think>")

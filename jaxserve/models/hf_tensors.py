@@ -1,0 +1,38 @@
+"""The tensors a Hugging Face checkpoint of a ``ModelConfig`` holds, by name and shape: plain
+Python, so that writing random weights (the demo model) imports no jax."""
+
+from __future__ import annotations
+
+from jaxserve.models.config import ModelConfig
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name the checkpoint must hold, with its shape."""
+    h, q, kv, inter, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
+    names = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        names["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names.update({
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        })
+        if cfg.attention_bias:
+            names.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                          p + "self_attn.v_proj.bias": (kv,)})
+        if cfg.o_proj_bias:
+            names[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.mlp_bias:
+            names.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
+                          p + "mlp.down_proj.bias": (h,)})
+        if cfg.qk_norm:
+            names.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+    return names
