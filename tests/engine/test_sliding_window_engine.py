@@ -10,9 +10,9 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.core import HybridKVCacheManager
 from jaxserve.core.kv_cache_utils import cdiv
-from jaxserve.testing import build_tiny_checkpoint
 from tests.models.test_model_vs_hf import hf_greedy
 from tests.shapes import ENGINE_TESTS_SHAPE
+from tests.tiny_models import build_tiny_checkpoint
 
 WINDOW = 20  # over one 16-token block, not a multiple of it
 MAX_TOKENS = 10

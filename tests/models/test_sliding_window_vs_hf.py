@@ -8,9 +8,9 @@ import torch
 import transformers
 
 from jaxserve.models import load_model
-from jaxserve.testing import build_tiny_checkpoint
 from tests.models.paged_sequence import PagedSequence, prompt
 from tests.models.test_model_vs_hf import hf_greedy, hf_logits
+from tests.tiny_models import build_tiny_checkpoint
 
 WINDOW = 6  # not a multiple of the test block size (4): windows start mid-block
 
