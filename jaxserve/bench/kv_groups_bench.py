@@ -104,17 +104,18 @@ def run_kv_groups_bench(num_layers: int = 26, global_every: int = 6, window: int
 
 
 def add_kv_groups_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-layers", type=int, default=26)
+    parser.add_argument("--num-layers", type=int, default=26, help="decoder layers (default: 26, Gemma 3 1B)")
     parser.add_argument("--global-every", type=int, default=6,
                         help="every N-th layer is full attention, the others a window (default: 6)")
-    parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-heads", type=int, default=1)
-    parser.add_argument("--head-size", type=int, default=256)
-    parser.add_argument("--kv-dtype", default="bfloat16")
-    parser.add_argument("--prompt-len", type=int, default=8192)
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--window", type=int, default=512, help="the local layers' window in tokens (default: 512)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    parser.add_argument("--num-kv-heads", type=int, default=1, help="key/value heads per layer (default: 1)")
+    parser.add_argument("--head-size", type=int, default=256, help="head dimension (default: 256)")
+    parser.add_argument("--kv-dtype", default="bfloat16", help="KV cache dtype (default: bfloat16)")
+    parser.add_argument("--prompt-len", type=int, default=8192, help="the long request's prompt tokens (default: 8192)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens it decodes (default: 256)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="the step's token budget, i.e. the prefill chunk (default: 2048)")
 
 
 def run_kv_groups_cli(args: argparse.Namespace) -> dict:

@@ -211,7 +211,7 @@ class EngineCore:
         dtype = resolve_serving_dtype(requested, checkpoint_config(path).dtype, normalize_platform(platform),
                                       attention_backend=self.config.attention_backend, quantized_file=is_gguf(path))
         if dtype != requested:
-            logger.info("dtype %s: serving in %s on %s", requested, dtype, platform)
+            logger.info("dtype %s: %s on %s", requested, dtype, platform)
         return dtype
 
     # ---- requests ------------------------------------------------------------------------------

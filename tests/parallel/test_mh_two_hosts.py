@@ -140,7 +140,7 @@ def test_two_hosts_give_the_greedy_tokens_of_one_process(two_hosts, one_process_
         assert completion_ids(two_hosts.base, prompt) == one_process_ids[prompt], prompt
     # rank 1 really replayed the steps: it runs no server and logged no error so far
     assert two_hosts.procs[1].poll() is None, two_hosts.tails()
-    assert "serving" not in two_hosts.log_text(1)
+    assert "jaxserve: serving" not in two_hosts.log_text(1)
 
 
 def test_killing_rank_1_mid_request_fails_it_and_health_turns_503(two_hosts):

@@ -30,9 +30,9 @@ START_TIMEOUT_S = 300
 IGNORED_FIELDS_HEADER = "X-Jaxserve-Ignored-Fields"
 
 
-def engine_flags() -> list[str]:
-    """The server suite's engine shape as ``jaxserve serve`` flags."""
-    flags = [DEMO_MODEL]
+def engine_flags(model: str = DEMO_MODEL) -> list[str]:
+    """The server suite's engine shape as ``jaxserve serve`` arguments, serving ``model``."""
+    flags = [model]
     for key, value in SERVER_SHAPE.items():
         flags += ["--" + key.replace("_", "-"), str(value)]
     return flags
@@ -55,8 +55,10 @@ class ServerHandle:
 def start_server(extra: list[str], log_path: Path) -> ServerHandle:
     """Start ``jaxserve serve`` with the server shape plus ``extra`` flags; returns once /health
     answers 200, or raises with the log's tail."""
-    cmd = [sys.executable, "-m", "jaxserve_server.cli", "serve", *engine_flags(), "--host", "127.0.0.1", "--port", "0",
-           "--uvicorn-log-level", "warning", *extra]
+    # A leading positional in ``extra`` is the model to serve instead of the random demo.
+    model, extra = (extra[0], extra[1:]) if extra and not extra[0].startswith("-") else (DEMO_MODEL, extra)
+    cmd = [sys.executable, "-m", "jaxserve_server.cli", "serve", *engine_flags(model), "--host", "127.0.0.1",
+           "--port", "0", "--uvicorn-log-level", "warning", *extra]
     log = open(log_path, "wb")
     env = {k: v for k, v in os.environ.items() if k != "JAXSERVE_API_KEY"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(env, PYTHONUNBUFFERED="1"))

@@ -9,6 +9,7 @@ lm-eval 0.4.13's LocalCompletionsAPI); ``scripts/client_compat.sh`` runs the cli
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 
@@ -241,6 +242,7 @@ class ReplayEngine:
     through a real OutputProcessor, each with a logprobs row (the token, then one alternative)."""
 
     served_model_name = "replay"
+    input_pool = concurrent.futures.ThreadPoolExecutor(2)  # the engine client's tokenizing pool
     max_model_len = 64
     config = EngineConfig()
 

@@ -5,6 +5,7 @@ a preemption, and ``jaxserve trace``."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 from types import SimpleNamespace
 
@@ -146,7 +147,9 @@ def test_with_an_api_key_the_page_opens_and_its_data_needs_the_key(demo_model):
     from jaxserve_server.app import build_app
 
     engine = SimpleNamespace(config=EngineConfig(), tokenizer=AutoTokenizer.from_pretrained(demo_model),
-                             served_model_name="m", max_model_len=64, model_config=SimpleNamespace(vocab_size=8),
+                             served_model_name="m", max_model_len=64,
+                             input_pool=concurrent.futures.ThreadPoolExecutor(1),
+                             model_config=SimpleNamespace(vocab_size=8),
                              is_dead=False, get_step_records=lambda n: [])
     app = build_app(engine, api_key="sekrit", enable_debug_endpoints=True)
 

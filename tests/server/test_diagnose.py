@@ -122,7 +122,7 @@ def test_api_bound_is_flagged(server):
 
 
 def test_compare_eager_on_the_demo_model(server, capsys):
-    shape = [DEMO_MODEL] + [f"--{k.replace('_', '-')}={v}" for k, v in SERVER_SHAPE.items()]
+    shape = ["--model", DEMO_MODEL] + [f"--{k.replace('_', '-')}={v}" for k, v in SERVER_SHAPE.items()]
     assert cli_main(["diagnose", "--compare-eager", "--max-tokens", "6", "--prompt", "Hello there", *shape]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["compare_eager"]["first_differences"] == [None] and result["findings"] == []

@@ -9,6 +9,7 @@ an ``InvalidRequestError`` with its own ``param`` and ``code``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from types import SimpleNamespace
 
 import httpx
@@ -232,6 +233,7 @@ class ScriptedEngine:
     """The slice of AsyncLLM the server uses, with scripted failures."""
 
     served_model_name = "scripted"
+    input_pool = concurrent.futures.ThreadPoolExecutor(2)  # the engine client's tokenizing pool
     max_model_len = 64
     config = EngineConfig()
 

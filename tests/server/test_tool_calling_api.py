@@ -9,6 +9,7 @@ rendered into the prompt, refusals, and ``required``/named calls enforced by str
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import subprocess
 import sys
@@ -42,6 +43,7 @@ class ScriptedTextEngine:
     ``piece`` characters and finishes with ``stop``. Prompts and parameters are recorded."""
 
     served_model_name = "scripted"
+    input_pool = concurrent.futures.ThreadPoolExecutor(2)  # the engine client's tokenizing pool
     max_model_len = 4096
     config = EngineConfig()
 
