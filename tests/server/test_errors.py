@@ -247,6 +247,10 @@ class ScriptedEngine:
     def is_dead(self) -> bool:
         return self.dead
 
+    @property
+    def dead_reason(self) -> str | None:
+        return "scripted failure" if self.dead else None
+
     def render_metrics(self) -> bytes:
         return b"# scripted\n"
 
