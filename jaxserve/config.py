@@ -13,13 +13,12 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from jaxserve import envs
 from jaxserve.exceptions import ConfigError
+from jaxserve.models.config import QUANTIZATION_METHODS
 
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu", "mosaic")  # built in; more may be registered
 # The reasoning parsers' names (``jaxserve.structured.reasoner`` and the server's parsers know each).
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
-# --quantization methods (jaxserve.models.quantize holds the same names; config sits below it)
-# and --kv-cache-dtype values, in vLLM's spellings.
-QUANTIZATION_METHODS = ("int8", "fp8")
+# --kv-cache-dtype values, in vLLM's spellings (--quantization's are QUANTIZATION_METHODS).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 FP8_KV_UNREAD_BY = ("pallas", "triton", "mosaic")  # backends whose kernels do not dequantize fp8 pages yet
 # vLLM's defaults for a multi-node engine's rank 0.

@@ -15,6 +15,9 @@ from typing import Any
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.rope_config import RopeConfig
 
+# Online weight quantization methods (--quantization), vLLM's names; one list for the config and the loader.
+QUANTIZATION_METHODS = ("int8", "fp8")
+
 _DTYPE_NAMES = {
     "float32": "float32", "fp32": "float32", "float": "float32",
     "bfloat16": "bfloat16", "bf16": "bfloat16",

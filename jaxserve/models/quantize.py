@@ -12,7 +12,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-QUANTIZATION_METHODS = ("int8", "fp8")  # EngineConfig's copy of these names is tested equal
+from jaxserve.models.config import QUANTIZATION_METHODS
+
 FP8_E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 
 

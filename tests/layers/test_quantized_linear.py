@@ -5,7 +5,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxserve.config import QUANTIZATION_METHODS as CONFIG_METHODS
 from jaxserve.layers.quantized_linear import QuantizedLinear, quantized_linear, quantized_linear_reference
 from jaxserve.models.quantize import QUANTIZATION_METHODS, dequantize_columns, quantize_columns
 
@@ -14,10 +13,6 @@ def _weight(rows=96, cols=40, seed=0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     # Columns of very different magnitudes: a scale on the wrong axis, or a transposed kernel, shows.
     return (rng.standard_normal((rows, cols)) * np.geomspace(1e-3, 10, cols)).astype(np.float32)
-
-
-def test_method_names_agree_with_the_config():
-    assert QUANTIZATION_METHODS == CONFIG_METHODS
 
 
 def test_int8_columns_round_trip_within_half_a_step():
