@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # One stamp per set of extras, so that `make serve` after `make test` installs nothing new.
 EXTRAS ?= test
 
-.PHONY: setup setup-runtime serve test lint bench-throughput bench-startup gpu-aot-check clean
+.PHONY: setup setup-runtime serve test test-matrix support-matrix lint bench-throughput bench-startup gpu-aot-check clean
 
 $(VENV)/.installed-runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,15 @@ serve: setup-runtime
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The support matrix alone (tests/matrix, part of `make test` too), then its page rewritten from
+# that run (docs/support-matrix.md; the suite fails while the page disagrees with a run).
+test-matrix: setup
+	$(PY) -m pytest tests/matrix $(PYTEST_ARGS)
+
+support-matrix: setup
+	-$(PY) -m pytest tests/matrix -q
+	$(VENV)/bin/jaxserve support-matrix --write docs/support-matrix.md
 
 # Lint and import order (ruff), types (mypy), and the direction of imports.
 lint: setup

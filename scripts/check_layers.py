@@ -50,6 +50,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     # command line also runs the benchmarks.
     "jaxserve_server": (),
     "jaxserve_server.cli": ("jaxserve_server", "jaxserve.bench"),
+    # The support matrix's page, rendered from a results file (no engine).
+    "jaxserve_server.support_matrix_cli": ("jaxserve.support_matrix",),
 }
 
 

@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_diagnose_args(diagnose)
     _add_common_args(diagnose)
 
+    matrix = sub.add_parser("support-matrix", help="which feature pairs work, from the last run of tests/matrix",
+                            description="which feature pairs work, from the last run of tests/matrix")
+    from .support_matrix_cli import add_support_matrix_args
+
+    add_support_matrix_args(matrix)
+    _add_common_args(matrix)
+
     bench = sub.add_parser("bench", help="benchmarks (JSON on stdout)", description="benchmarks (JSON on stdout)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     tp = _engine_parser(bsub, "throughput", "offline throughput, optionally side by side with transformers")
@@ -157,6 +164,10 @@ def _run(args: argparse.Namespace, started: float) -> int:
 
         print(json.dumps(run_diagnose_cli(args), indent=2))
         return 0
+    if args.command == "support-matrix":
+        from .support_matrix_cli import run_support_matrix_cli
+
+        return run_support_matrix_cli(args)
     if args.command == "trace":
         from .trace_cli import run_trace_cli
 

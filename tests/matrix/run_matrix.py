@@ -1,0 +1,200 @@
+"""The support matrix's engines, run in a process of their own with eight fake CPU devices.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.matrix.run_matrix OUT.json [--only I,J]
+
+Each combination engine of :func:`jaxserve.support_matrix.covering_engines` and its reference run
+the same two-wave workload (:func:`workload`); the JSON holds per engine its features, whether all
+checks passed, what failed, what it showed (preemptions, prefix hits, chunked prefills, replicas)
+and its seconds; then, per refused pair, whether its configuration was refused naming both.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxserve import support_matrix as sm
+
+DEVICES = 8
+XLA_FLAGS = f"--xla_force_host_platform_device_count={DEVICES}"
+REGEX = r"[a-c]{2}[0-9]{3}"
+GREEDY_TOKENS = 8
+SAMPLED = dict(n=2, temperature=0.8, seed=11, max_tokens=6, ignore_eos=True)
+WINDOW = 24  # the sliding-window model's window: six 4-token blocks (the pool still preempts)
+
+
+def build_models(root: Path) -> dict[str, str]:
+    """The tiny checkpoints by the names the features give (``Feature.model``), plus 'dense'."""
+    from jaxserve.models.demo import DEMO_ARCH
+    from tests.tiny_models import build_tiny_checkpoint
+
+    return {
+        "dense": str(build_tiny_checkpoint(root / "dense", DEMO_ARCH, seed=3)),
+        "sliding_window": str(build_tiny_checkpoint(root / "swa", "MistralForCausalLM", seed=3,
+                                                    sliding_window=WINDOW)),
+    }
+
+
+def workload() -> tuple[list[list[int]], list[list[int]]]:
+    """Two waves of prompts: the first (40, 9, 34 and 25 tokens) fills a small pool enough to
+    preempt and needs chunks under a 16-token budget; the second extends two of its prompts, so a
+    prefix cache hits."""
+    rng = np.random.default_rng(7)
+    shared = rng.integers(3, 500, 24).tolist()
+    first = [rng.integers(3, 500, 40).tolist(), rng.integers(3, 500, 9).tolist(),
+             shared + rng.integers(3, 500, 10).tolist(), rng.integers(3, 500, 25).tolist()]
+    second = [shared + rng.integers(3, 500, 14).tolist(), first[0][:32] + rng.integers(3, 500, 6).tolist()]
+    return first, second
+
+
+def wave_params(prompts: list[list[int]]) -> tuple[list[dict], list[Any]]:
+    """Each prompt greedy, then one seeded n=2 request and one regex-constrained one."""
+    from jaxserve import SamplingParams, StructuredOutputsParams
+
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    params: list[Any] = [SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True) for _ in prompts]
+    inputs += [{"prompt_token_ids": prompts[-1]}, {"prompt_token_ids": prompts[0]}]
+    params += [SamplingParams(**SAMPLED),
+               SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=REGEX))]
+    return inputs, params
+
+
+def run_engine(path: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Build one engine, run both waves, and read what it shows."""
+    from jaxserve import LLM
+
+    start = time.perf_counter()
+    llm = LLM(path, show_progress=False, **kwargs)
+    engines = llm.llm_engines
+    runners = [e.core.runner for e in engines]
+    compiled_before = [r.stats.num_compiles - r.stats.background_compiles for r in runners]
+    outputs = []
+    for prompts in workload():
+        inputs, params = wave_params(prompts)
+        outputs += llm.generate(inputs, params, use_tqdm=False)
+    stats = [e.stats() for e in engines]
+    records = [r for e in engines for r in e.get_step_records()]
+    prefill_steps: dict[str, int] = {}
+    for record in records:
+        for rid in record.schedule.prefill_ids:
+            prefill_steps[rid] = prefill_steps.get(rid, 0) + 1
+    result = {
+        "tokens": [[c.token_ids for c in o.outputs] for o in outputs],
+        "texts": [[c.text for c in o.outputs] for o in outputs],
+        "finish": [[c.finish_reason for c in o.outputs] for o in outputs],
+        "preemptions": sum(s["num_preemptions"] for s in stats),
+        "prefix_hits": sum(s["prefix_cache_hits"] for s in stats),
+        "chunked_prefills": sum(1 for n in prefill_steps.values() if n > 1),
+        "replicas_used": sum(1 for e in engines if any(r.schedule.scheduled for r in e.get_step_records())),
+        "devices_per_replica": [len(r.mesh.devices.flat) if getattr(r, "mesh", None) is not None else 1
+                                for r in runners],
+        "backend": [s["attention_backend"] for s in stats],
+        "leaks": [f"replica {i}: {s['num_requests_running']} running, {s['num_requests_waiting']} waiting, "
+                  f"{s['num_gpu_blocks'] - 1 - s['num_free_blocks']} blocks held, "
+                  f"{e.core.structured_outputs.num_active} grammar matchers"
+                  for i, (e, s) in enumerate(zip(engines, stats))
+                  if s["num_requests_running"] or s["num_requests_waiting"]
+                  or s["num_free_blocks"] != s["num_gpu_blocks"] - 1 or e.core.structured_outputs.num_active],
+        "compiles_on_requests": sum(r.stats.num_compiles - r.stats.background_compiles - before
+                                    + r.stats.unexpected_compiles for r, before in zip(runners, compiled_before)),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    llm.shutdown() if hasattr(llm, "shutdown") else None
+    return result
+
+
+def compare(features: tuple[str, ...], got: dict[str, Any], ref: dict[str, Any]) -> list[str]:
+    """What an engine holding ``features`` did differently from its reference, or did not show."""
+    failures = []
+    first, second = workload()
+    n_greedy = [len(first), len(second)]
+    greedy_idx = [*range(n_greedy[0]), *range(n_greedy[0] + 2, n_greedy[0] + 2 + n_greedy[1])]
+    sampled_idx = [n_greedy[0], n_greedy[0] + 2 + n_greedy[1]]
+    regex_idx = [n_greedy[0] + 1, n_greedy[0] + 3 + n_greedy[1]]
+    if [got["tokens"][i] for i in greedy_idx] != [ref["tokens"][i] for i in greedy_idx]:
+        failures.append("greedy tokens differ from the reference")
+    if [got["tokens"][i] for i in sampled_idx] != [ref["tokens"][i] for i in sampled_idx]:
+        failures.append("seeded n=2 samples differ from the reference")
+    if [got["tokens"][i] for i in regex_idx] != [ref["tokens"][i] for i in regex_idx]:
+        failures.append("regex-constrained tokens differ from the reference")
+    for i in regex_idx:
+        text, finish = got["texts"][i][0], got["finish"][i][0]
+        if finish != "stop" or not re.fullmatch(REGEX, text):
+            failures.append(f"constrained output {text!r} ({finish}) does not match {REGEX}")
+    if got["leaks"]:
+        failures.append("left behind: " + "; ".join(got["leaks"]))
+    if got["compiles_on_requests"]:
+        failures.append(f"{got['compiles_on_requests']} compiles after warm-up")
+    claims = {
+        "preemption": got["preemptions"] > 0, "prefix_caching": got["prefix_hits"] > 0,
+        "chunked_prefill": got["chunked_prefills"] > 0, "dp2": got["replicas_used"] == 2,
+        "tp2": got["devices_per_replica"] == [2], "cpu_backend": set(got["backend"]) == {"cpu"},
+    }
+    failures += [f"{name} claimed but not seen" for name, seen in claims.items() if name in features and not seen]
+    return failures
+
+
+def refusal(pair: frozenset[str]) -> bool:
+    """Whether a refused pair's configuration raises a ConfigError that names a setting of each."""
+    from jaxserve import LLM
+    from jaxserve.exceptions import ConfigError
+
+    kwargs = sm.engine_kwargs(sorted(pair))
+    try:
+        LLM(build_models(Path(tempfile.mkdtemp()))[sm.model_of(pair)], show_progress=False, **kwargs)
+    except ConfigError as exc:
+        message = str(exc).replace("-", "_")
+        return all(any(key in message for key in sm.FEATURES_BY_NAME[f].engine) for f in pair)
+    return False
+
+
+def main(out: str, only: list[int] | None = None) -> None:
+    models = build_models(Path(tempfile.mkdtemp(prefix="jaxserve-matrix-")))
+    references: dict[tuple[str, ...], dict[str, Any]] = {}
+    engines = []
+    for i, features in enumerate(sm.covering_engines()):
+        if only is not None and i not in only:
+            continue
+        path = models[sm.model_of(features)]
+        ref_features = sm.reference_features(features)
+        try:
+            if ref_features not in references:
+                references[ref_features] = run_engine(path, sm.engine_kwargs(ref_features))
+            got = run_engine(path, sm.engine_kwargs(features))
+            failures = compare(features, got, references[ref_features])
+        except Exception as exc:  # noqa: BLE001 - a crashing combination is a result to report
+            got, failures = {}, [f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"]
+        engines.append({"index": i, "features": list(features), "passed": not failures, "failures": failures,
+                        **{k: got.get(k) for k in ("preemptions", "prefix_hits", "chunked_prefills",
+                                                   "replicas_used", "seconds")}})
+        print(f"engine {i}: {'ok' if not failures else failures} ({got.get('seconds')} s)", file=sys.stderr)
+    refusals = {} if only else {"+".join(sorted(p)): refusal(p) for p in sm.REFUSED_PAIRS}
+    Path(out).write_text(json.dumps({"engines": engines, "refusals": refusals}, indent=1))
+
+
+def run_in_subprocess(out: Path, only: list[int] | None = None, timeout: float = 1500) -> dict[str, Any]:
+    """Run :func:`main` in a fresh process with eight fake devices; its results."""
+    import os
+
+    env = {**os.environ, "XLA_FLAGS": XLA_FLAGS, "JAX_PLATFORMS": "cpu"}
+    argv = [sys.executable, "-m", "tests.matrix.run_matrix", str(out)]
+    if only is not None:
+        argv += ["--only", ",".join(map(str, only))]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=Path(__file__).resolve().parents[2])
+    if proc.returncode:
+        raise RuntimeError(f"the matrix run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+if __name__ == "__main__":
+    only_arg = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+    main(sys.argv[1], [int(x) for x in only_arg.split(",")] if only_arg else None)
