@@ -47,6 +47,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) scripts/check_layers.py
+	$(PY) scripts/check_sizes.py
 
 bench-throughput: setup
 	$(VENV)/bin/jaxserve bench throughput $(ARGS)
