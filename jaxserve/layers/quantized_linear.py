@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.layers.block_quant_linear import BlockQuantLinear, block_format_of
 from jaxserve.layers.linear import Linear
 
 QUANTIZED_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
@@ -86,9 +87,14 @@ def default_int8_activations(platform: str | None = None) -> bool:
 
 
 def make_linear(in_features: int, out_features: int, *, use_bias: bool, param_dtype: jnp.dtype,
-                quantization: str | None, rngs: nnx.Rngs) -> "Linear | QuantizedLinear":
-    """A float :class:`Linear`, or a :class:`QuantizedLinear` of ``quantization`` ("int8", "fp8")."""
+                quantization: str | None, rngs: nnx.Rngs) -> "Linear | QuantizedLinear | BlockQuantLinear":
+    """A float :class:`Linear`, a :class:`QuantizedLinear` of ``quantization`` ("int8", "fp8"), or a
+    :class:`BlockQuantLinear` for a GGUF block format ("gguf:Q4_1", ...)."""
     if quantization is None:
         return Linear(in_features, out_features, use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
+    block_format = block_format_of(quantization)
+    if block_format is not None:
+        return BlockQuantLinear(in_features, out_features, qtype=block_format, use_bias=use_bias,
+                                param_dtype=param_dtype)
     return QuantizedLinear(in_features, out_features, method=quantization, use_bias=use_bias,
                            param_dtype=param_dtype, int8_activations=default_int8_activations())

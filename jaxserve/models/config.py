@@ -15,8 +15,10 @@ from typing import Any
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.rope_config import RopeConfig
 
-# Online weight quantization methods (--quantization), vLLM's names; one list for the config and the loader.
-QUANTIZATION_METHODS = ("int8", "fp8")
+# Weight quantization methods (--quantization), vLLM's names; one list for the config and the loader:
+# int8 and fp8 quantize a float checkpoint online; gguf keeps a .gguf file's quant blocks as stored.
+ONLINE_QUANTIZATION_METHODS = ("int8", "fp8")
+QUANTIZATION_METHODS = (*ONLINE_QUANTIZATION_METHODS, "gguf")
 
 _DTYPE_NAMES = {
     "float32": "float32", "fp32": "float32", "float": "float32",

@@ -25,13 +25,15 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.exceptions import ConfigError
-from jaxserve.models.config import ModelConfig, normalize_dtype_name
+from jaxserve.layers.block_quant_linear import GGUF_PREFIX, block_format_of
+from jaxserve.models.config import QUANTIZATION_METHODS, ModelConfig, normalize_dtype_name
 from jaxserve.models.gguf_loader import GGUFCheckpoint, GGUFTensor, dequantize, is_gguf
 from jaxserve.models.hf_tensors import expected_tensors
 from jaxserve.models.llama import LlamaForCausalLM
-from jaxserve.models.quantize import QUANTIZATION_METHODS, quantize_columns
+from jaxserve.models.quantize import quantize_columns
 from jaxserve.models.safetensors_io import open_checkpoint_files
 from jaxserve.models.tp_layout import TPLayout, check_tensor_parallel_size, split_axis
+from pallas_kernels.block_quant_matmul import BLOCK_FORMATS, split_gguf_blocks
 
 # Buffers some exporters write that carry no weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -77,6 +79,8 @@ def load_model(folder: str | Path, dtype: str | None = None, scan_layers: bool |
     ``.gguf`` file's dequantized tensors."""
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ConfigError(f"quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, got {quantization!r}")
+    if quantization == "gguf" and not is_gguf(folder):
+        raise ConfigError(f"quantization gguf keeps a .gguf file's quant blocks; model {folder} is not a .gguf file")
     if is_gguf(folder):
         return load_gguf_model(folder, dtype, scan_layers, tensor_parallel_size=tensor_parallel_size, place=place,
                                quantization=quantization)
@@ -105,12 +109,51 @@ def load_gguf_model(path: str | Path, dtype: str | None = None, scan_layers: boo
     tensor (default: dequantized into the serving dtype), read as a checkpoint's tensors are."""
     checkpoint = GGUFCheckpoint(path)
     cfg = _with_dtype(ModelConfig.from_dict(checkpoint.hf_config()), dtype)
+    if quantization == "gguf":
+        quantization = GGUF_PREFIX + _projection_block_format(checkpoint, tensor_parallel_size)
     abstract, graphdef, shapes = _abstract_model(cfg, scan_layers, tensor_parallel_size, quantization)
     check_tensors(cfg, checkpoint.tensor_shapes())  # before any tensor is decoded
-    weights = {t.name: policy(t, cfg.dtype) for t in checkpoint.tensors()}
+    keep_blocks = quantization is not None and block_format_of(quantization) is not None
+    weights: dict[str, np.ndarray] = {}
+    for t in checkpoint.tensors():
+        if keep_blocks and t.name.endswith(GGUF_BLOCK_PROJECTIONS):
+            weights.update(zip((f"{t.name}.{part}" for part in BLOCK_PARTS), split_gguf_blocks(t.data, t.qtype)))
+        else:
+            weights[t.name] = policy(t, cfg.dtype)
     state = state_from_tensors(weights.__getitem__, cfg, shapes, scanned=abstract.scan_layers,
                                layout=abstract.layout, place=place, quantization=quantization)
     return nnx.merge(graphdef, state)
+
+
+# The HF projections whose GGUF blocks --quantization gguf keeps, and the arrays each becomes.
+GGUF_BLOCK_PROJECTIONS = tuple(f"{name}.weight" for name in (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+BLOCK_PARTS = ("qs", "d", "m")
+
+
+def _projection_block_format(checkpoint: GGUFCheckpoint, tensor_parallel_size: int) -> str:
+    """The one GGUF block format every decoder projection of the file is stored in, or a
+    ConfigError saying why its blocks cannot be kept."""
+    if tensor_parallel_size > 1:
+        raise ConfigError("quantization gguf keeps the file's blocks on one device; with tensor_parallel_size "
+                          f"{tensor_parallel_size} serve the file dequantized (no --quantization)")
+    types = {t.qtype for t in checkpoint.tensors() if t.name.endswith(GGUF_BLOCK_PROJECTIONS)}
+    if len(types) != 1 or not types <= set(BLOCK_FORMATS):
+        raise ConfigError(f"quantization gguf keeps {', '.join(BLOCK_FORMATS)} blocks, one format for every "
+                          f"projection; {checkpoint.path.name} stores them as {', '.join(sorted(types))}: "
+                          "serve it dequantized (no --quantization)")
+    return types.pop()
+
+
+def _block_readers(get: Callable[[str], np.ndarray]) -> dict[ParamPath, Callable[[str, int], np.ndarray]]:
+    """The fused projections' quant blocks, rows concatenated as the float kernels' columns are
+    (one shard: tensor parallelism with kept blocks is refused before)."""
+    fused = {("self_attn", "qkv_proj"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             ("self_attn", "o_proj"): ("self_attn.o_proj",), ("mlp", "gate_up_proj"): ("mlp.gate_proj", "mlp.up_proj"),
+             ("mlp", "down_proj"): ("mlp.down_proj",)}
+    return {(*module, part): (lambda p, s, names=names, part=part:
+                              np.concatenate([get(f"{p}{name}.weight.{part}") for name in names]))
+            for module, names in fused.items() for part in BLOCK_PARTS}
 
 
 def _with_dtype(cfg: ModelConfig, dtype: str | None) -> ModelConfig:
@@ -151,7 +194,9 @@ def state_from_tensors(get: Callable[[str], np.ndarray], cfg: ModelConfig, shape
     layout = layout or TPLayout.of(cfg, 1)
     top = _top_level_readers(get, layout)
     per_layer = _layer_readers(get, layout)
-    if quantization is not None:
+    if quantization is not None and block_format_of(quantization) is not None:
+        per_layer.update(_block_readers(get))
+    elif quantization is not None:
         per_layer = _quantized_readers(per_layer, layout, quantization)
     prefixes = [f"model.layers.{i}." for i in range(cfg.num_hidden_layers)]
 

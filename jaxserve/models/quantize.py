@@ -12,7 +12,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from jaxserve.models.config import QUANTIZATION_METHODS
+from jaxserve.models.config import ONLINE_QUANTIZATION_METHODS
 
 FP8_E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 
@@ -29,7 +29,7 @@ def quantize_columns(weight: np.ndarray, method: str) -> tuple[np.ndarray, np.nd
         scale = np.where(amax > 0, amax / FP8_E4M3_MAX, 1.0).astype(np.float32)
         q = np.clip(w / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
         return q, scale
-    raise ValueError(f"quantization {method!r}: known methods are {', '.join(QUANTIZATION_METHODS)}")
+    raise ValueError(f"quantization {method!r}: online methods are {', '.join(ONLINE_QUANTIZATION_METHODS)}")
 
 
 def dequantize_columns(kernel: np.ndarray, scale: np.ndarray) -> np.ndarray:

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jaxserve.layers.quantized_linear import QuantizedLinear, quantized_linear, quantized_linear_reference
-from jaxserve.models.quantize import QUANTIZATION_METHODS, dequantize_columns, quantize_columns
+from jaxserve.models.config import ONLINE_QUANTIZATION_METHODS
+from jaxserve.models.quantize import dequantize_columns, quantize_columns
 
 
 def _weight(rows=96, cols=40, seed=0) -> np.ndarray:
@@ -37,7 +38,7 @@ def test_fp8_columns_round_trip_within_e4m3_precision():
 def test_zero_column_gets_a_unit_scale():
     w = _weight()
     w[:, 3] = 0
-    for method in QUANTIZATION_METHODS:
+    for method in ONLINE_QUANTIZATION_METHODS:
         q, scale = quantize_columns(w, method)
         assert scale[3] == 1 and not q[:, 3].astype(np.float32).any()
 

@@ -1,0 +1,79 @@
+"""``x @ W.T`` for a weight kept in GGUF's 32-wide quant blocks (Q8_0, Q4_0, Q4_1), beside its jnp
+reference.
+
+A weight ``W [N, K]`` is stored one row per output feature, blocks along the input, as in a
+``.gguf`` file: ``qs [N, K * bits / 8]`` uint8 (int8 values for 8 bits; for 4 bits byte ``j`` of
+a block holds element ``j`` in its low nibble and ``j + 16`` in its high one), block scales
+``d [N, K / 32]`` and block minimums ``m [N, K / 32]`` (zeros when the format has none), with
+``W[n, k] = d[n, k // 32] * (q[n, k] - offset) + m[n, k // 32]`` (``offset`` 8 for Q4_0).
+
+- :func:`block_quant_matmul_reference`: the weight dequantized, then a plain matmul (any backend;
+  on a GPU XLA fuses the dequantization into the dot's operand read).
+- :func:`block_quant_matmul_cpu`: ``csrc/block_quant_matmul_cpu.cc`` through XLA's FFI, which
+  reads the blocks as stored (XLA:CPU would write the whole float weight first).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .cpu_ffi import CpuFfiKernel
+
+BLOCK = 32
+# GGUF block format -> (bits, offset, has a minimum)
+BLOCK_FORMATS = {"Q8_0": (8, 0, False), "Q4_0": (4, 8, False), "Q4_1": (4, 0, True)}
+KERNEL = CpuFfiKernel("block_quant_matmul_cpu.cc", "jaxserve_block_quant_matmul_cpu", "JaxserveBlockQuantMatmulCpu")
+
+
+def dequantize_blocks(qs: jax.Array, d: jax.Array, m: jax.Array, *, bits: int, offset: int) -> jax.Array:
+    """``W [N, K]`` in float32 from its blocks."""
+    n, nb = d.shape
+    if bits == 8:
+        q = jax.lax.bitcast_convert_type(qs, jnp.int8).astype(jnp.float32).reshape(n, nb, BLOCK)
+    else:
+        packed = qs.reshape(n, nb, BLOCK // 2)
+        q = jnp.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(jnp.float32)
+    w = d[..., None] * (q - offset) + m[..., None]
+    return w.reshape(n, nb * BLOCK)
+
+
+def block_quant_matmul_reference(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, *, bits: int,
+                                 offset: int) -> jax.Array:
+    """The oracle: ``x [..., K] @ W.T`` with ``W`` dequantized in float32; float32 out."""
+    w = dequantize_blocks(qs, d, m, bits=bits, offset=offset)
+    return jax.lax.dot_general(x.astype(jnp.float32), w, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def block_quant_matmul_cpu(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, *, bits: int,
+                           offset: int) -> jax.Array:
+    """The same product by the C++ kernel (float32 out); the kernel must be registered."""
+    KERNEL.register()
+    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    call = jax.ffi.ffi_call(KERNEL.target, jax.ShapeDtypeStruct((rows.shape[0], qs.shape[0]), jnp.float32))
+    y = call(rows, qs, d.astype(jnp.float32), m.astype(jnp.float32), bits=np.int32(bits), offset=np.int32(offset))
+    return y.reshape(*x.shape[:-1], qs.shape[0])
+
+
+def block_quant_kernel_available(build_dir: Path | None = None) -> tuple[bool, str]:
+    """(True, "") when the CPU kernel is built and registered, else (False, the reason)."""
+    return KERNEL.available(build_dir)
+
+
+def split_gguf_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A GGUF tensor's raw rows (``[N, bytes per row]`` uint8, as the file stores them) into
+    ``(qs, d, m)``; the file's half-precision scales become float32."""
+    bits, _, has_min = BLOCK_FORMATS[qtype]
+    header = 4 if has_min else 2  # f16 d, then f16 m for Q4_1
+    per_block = header + BLOCK * bits // 8
+    rows = np.ascontiguousarray(raw).view(np.uint8)
+    n = rows.shape[0]
+    blocks = rows.reshape(n, -1, per_block)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = (blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min
+         else np.zeros_like(d))
+    qs = np.ascontiguousarray(blocks[..., header:]).reshape(n, -1)
+    return qs, d, m

@@ -1,0 +1,52 @@
+"""``--quantization gguf``: a ``.gguf`` file's Q8_0 / Q4_0 / Q4_1 projections kept in their blocks
+(``BlockQuantLinear``), giving the logits of the same file dequantized at load; and the settings
+that cannot keep them refused, naming why."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.exceptions import ConfigError
+from jaxserve.layers.block_quant_linear import KERNEL_MAX_ROWS, BlockQuantLinear
+from jaxserve.models.loader import load_gguf_model, load_model
+from tests.models.paged_sequence import PagedSequence
+from tests.models.tiny_gguf import SHAPE, write_tiny_gguf
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_kept_blocks_give_the_dequantized_files_logits(tmp_path, qtype, scan_layers):
+    path = write_tiny_gguf(tmp_path / "m.gguf", qtype)
+    kept = load_gguf_model(path, scan_layers=scan_layers, quantization="gguf")
+    floats = load_gguf_model(path, scan_layers=scan_layers)
+    layer = kept.layers.stacked if scan_layers else kept.layers[0]
+    assert isinstance(layer.mlp.down_proj, BlockQuantLinear) and layer.mlp.down_proj.qtype == qtype
+    tokens = np.random.default_rng(0).integers(0, SHAPE["vocab"], 44).tolist()
+    # a prefill chunk longer than KERNEL_MAX_ROWS (dequantized in the step), then rows the kernel takes
+    chunks = [tokens[:40], tokens[40:41], tokens[41:44]]
+    assert len(chunks[0]) > KERNEL_MAX_ROWS
+    kept_seq, float_seq = PagedSequence(kept), PagedSequence(floats)
+    for chunk in chunks:
+        np.testing.assert_allclose(kept_seq.feed(chunk), float_seq.feed(chunk), rtol=1e-4, atol=1e-4)
+
+
+def test_kept_blocks_hold_a_quarter_of_the_float_bytes(tmp_path):
+    path = write_tiny_gguf(tmp_path / "m.gguf", "Q4_1")
+    kept = load_gguf_model(path, quantization="gguf")
+    proj = kept.layers[0].mlp.gate_up_proj
+    nbytes = sum(int(np.prod(p.shape)) * jnp.dtype(p.dtype).itemsize for p in (proj.qs, proj.d, proj.m))
+    assert nbytes * 4 < 2 * SHAPE["intermediate"] * SHAPE["hidden"] * 4  # float32: 4 bytes a weight
+
+
+def test_settings_that_cannot_keep_blocks_are_refused_naming_why(tmp_path, qwen3_checkpoint):
+    mixed = write_tiny_gguf(tmp_path / "mixed.gguf", "Q4_1", overrides={"blk.1.ffn_down.weight": "Q8_0"})
+    with pytest.raises(ConfigError, match="Q4_1, Q8_0"):
+        load_gguf_model(mixed, quantization="gguf")
+    with pytest.raises(ConfigError, match="F32"):
+        load_gguf_model(write_tiny_gguf(tmp_path / "f32.gguf", "F32"), quantization="gguf")
+    with pytest.raises(ConfigError, match="tensor_parallel_size 2"):
+        load_gguf_model(write_tiny_gguf(tmp_path / "q8.gguf", "Q8_0"), quantization="gguf", tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="not a .gguf"):
+        load_model(qwen3_checkpoint, quantization="gguf")

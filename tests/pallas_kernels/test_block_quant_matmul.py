@@ -1,0 +1,55 @@
+"""The GGUF block-format matmul (``pallas_kernels/block_quant_matmul.py``): the blocks split out of
+a file's raw rows dequantize exactly as the ``gguf`` package does, and the C++ kernel computes
+what the jnp reference computes, for every format, ragged row and token counts included."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.block_quant_matmul import (
+    BLOCK_FORMATS,
+    block_quant_kernel_available,
+    block_quant_matmul_cpu,
+    block_quant_matmul_reference,
+    dequantize_blocks,
+    split_gguf_blocks,
+)
+
+
+def blocks(qtype: str, n: int, k: int, seed: int = 0):
+    """A random ``[n, k]`` weight quantized by the gguf package: its raw rows and its floats."""
+    w = np.random.default_rng(seed).standard_normal((n, k), np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
+    return raw, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
+def test_split_blocks_dequantize_as_the_gguf_package_does(qtype):
+    raw, expected = blocks(qtype, 7, 96)
+    qs, d, m = split_gguf_blocks(raw, qtype)
+    bits, offset, _ = BLOCK_FORMATS[qtype]
+    assert qs.shape == (7, 96 * bits // 8) and d.shape == m.shape == (7, 3)
+    got = dequantize_blocks(jnp.asarray(qs), jnp.asarray(d), jnp.asarray(m), bits=bits, offset=offset)
+    np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler")
+@pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+def test_cpu_kernel_matches_the_reference(qtype, tokens):
+    assert block_quant_kernel_available() == (True, "")
+    raw, w = blocks(qtype, 70, 160, seed=tokens)  # 70 rows: not a multiple of the kernel's tiles
+    bits, offset, _ = BLOCK_FORMATS[qtype]
+    args = (jnp.asarray(np.random.default_rng(1).standard_normal((tokens, 160), np.float32)),
+            *map(jnp.asarray, split_gguf_blocks(raw, qtype)))
+    ref = block_quant_matmul_reference(*args, bits=bits, offset=offset)
+    got = block_quant_matmul_cpu(*args, bits=bits, offset=offset)
+    assert got.shape == (tokens, 70)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(args[0]) @ w.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
