@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxserve.bench.soak import add_soak_args
 
     add_soak_args(soak)
+    llama = _engine_parser(bsub, "llama-cpp", "jaxserve against llama.cpp on the same .gguf, alternated in "
+                           "rounds (one stream and batched decode; llama.cpp built by scripts/build_llama_cpp.sh)")
+    from jaxserve.bench.llama_cpp import add_llama_cpp_args
+
+    add_llama_cpp_args(llama)
     from jaxserve.bench.roofline import add_roofline_args
 
     roofline = bsub.add_parser("roofline", help="the fastest each step bucket can run on a GPU (model)",
@@ -193,6 +198,10 @@ def _run(args: argparse.Namespace, started: float) -> int:
         from jaxserve.bench.kv_groups_bench import run_kv_groups_cli
 
         result = run_kv_groups_cli(args)
+    elif args.bench_command == "llama-cpp":
+        from jaxserve.bench.llama_cpp import run_llama_cpp_cli
+
+        result = run_llama_cpp_cli(args)
     elif args.bench_command == "soak":
         from jaxserve.bench.soak import run_soak_cli
 
