@@ -145,8 +145,9 @@ class EngineConfig:
     """Quantize the decoder layers' weights as they load (vLLM's flag): int8 (per output channel;
     on a CPU the activations are quantized per token for XLA's int8 dot) or fp8 (e4m3, per output
     channel); or gguf, for a .gguf file: keep its Q8_0/Q4_0/Q4_1 projections in their blocks as
-    stored, dequantized inside the matmul. The embedding and the LM head stay in dtype. Default:
-    none (a .gguf file is dequantized at load)."""
+    stored (and a tied embedding in a block format), dequantized inside the matmul. int8 and fp8
+    leave the embedding and the LM head in dtype. Default: none (a .gguf file is dequantized at
+    load)."""
     kv_cache_dtype: str = "auto"
     """KV cache storage (vLLM's flag): auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3,
     scale 1.0 as vLLM uses without calibrated scales): half of bfloat16's bytes per token."""

@@ -16,6 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxserve import envs
 from pallas_kernels.block_quant_matmul import (
@@ -24,15 +25,25 @@ from pallas_kernels.block_quant_matmul import (
     block_quant_kernel_available,
     block_quant_matmul_cpu,
     block_quant_matmul_reference,
+    dequantize_blocks,
 )
 
 KERNEL_MAX_ROWS = 32  # see docs/benchmarks.md, "GGUF blocks kept quantized"
-GGUF_PREFIX = "gguf:"  # the model-side method name: "gguf:Q4_1" for a file whose projections are Q4_1
+# The model-side method name: "gguf:Q4_1" for a file whose projections are Q4_1 blocks, and
+# "gguf:Q4_1:Q8_0" when its (tied) token embedding is kept as Q8_0 blocks too.
+GGUF_PREFIX = "gguf:"
 
 
 def block_format_of(method: str) -> str | None:
-    """``"gguf:Q4_1"`` -> ``"Q4_1"``; None for another method."""
-    return method[len(GGUF_PREFIX):] if method.startswith(GGUF_PREFIX) else None
+    """The projections' block format of a model-side method (``"gguf:Q4_1..."`` -> ``"Q4_1"``);
+    None for another method."""
+    return method.split(":")[1] if method.startswith(GGUF_PREFIX) else None
+
+
+def embedding_block_format_of(method: str | None) -> str | None:
+    """The token embedding's block format (``"gguf:Q4_1:Q8_0"`` -> ``"Q8_0"``), None if it is float."""
+    parts = (method or "").split(":")
+    return parts[2] if method and method.startswith(GGUF_PREFIX) and len(parts) > 2 else None
 
 
 class BlockQuantLinear(nnx.Module):
@@ -54,14 +65,34 @@ class BlockQuantLinear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else nnx.data(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        args = (x, self.qs[...], self.d[...], self.m[...])
-        rows = math.prod(x.shape[:-1])
-        if rows <= KERNEL_MAX_ROWS and _kernel_usable():
-            y = block_quant_matmul_cpu(*args, bits=self.bits, offset=self.offset)
-        else:
-            y = block_quant_matmul_reference(*args, bits=self.bits, offset=self.offset)
-        y = y.astype(x.dtype)
+        y = _block_matmul(x, self.qs[...], self.d[...], self.m[...], self.bits, self.offset).astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]
+
+
+class BlockQuantEmbedding(nnx.Module):
+    """A token embedding kept in ``qtype`` blocks (rows = tokens), which doubles as the tied LM
+    head: a lookup dequantizes only the rows it reads; ``attend`` is a block matmul."""
+
+    def __init__(self, num_embeddings: int, features: int, *, qtype: str, param_dtype: jnp.dtype = jnp.float32):
+        self.head = BlockQuantLinear(features, num_embeddings, qtype=qtype)
+        self.param_dtype = param_dtype
+
+    def __call__(self, ids: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+        if mesh is not None and mesh.size > 1:
+            raise NotImplementedError("GGUF blocks are kept on one device only")
+        h = self.head
+        rows = dequantize_blocks(h.qs[...][ids], h.d[...][ids], h.m[...][ids], bits=h.bits, offset=h.offset)
+        return rows.astype(self.param_dtype)
+
+    def attend(self, hidden: jax.Array) -> jax.Array:
+        return self.head(hidden)
+
+
+def _block_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, bits: int, offset: int) -> jax.Array:
+    """The kernel for few rows on a CPU, else the weight dequantized and a float dot (module doc)."""
+    if math.prod(x.shape[:-1]) <= KERNEL_MAX_ROWS and _kernel_usable():
+        return block_quant_matmul_cpu(x, qs, d, m, bits=bits, offset=offset)
+    return block_quant_matmul_reference(x, qs, d, m, bits=bits, offset=offset)
 
 
 def _kernel_usable() -> bool:

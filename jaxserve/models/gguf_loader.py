@@ -157,6 +157,10 @@ class GGUFCheckpoint:
     def chat_template(self) -> str | None:
         return self._field("tokenizer.chat_template")
 
+    def tensor_types(self) -> dict[str, str]:
+        """HF name -> GGUF tensor type ("Q4_1", "F32", ...) of every tensor, without reading any data."""
+        return {t.name: t.qtype for t in self._tensor_headers()}
+
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF name -> logical HF shape of every tensor, without reading any data."""
         return {t.name: t.shape for t in self._tensor_headers()}

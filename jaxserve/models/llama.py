@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.layers.attention import AttentionFn, AttentionMetadata, paged_attention, to_cache_dtype
+from jaxserve.layers.block_quant_linear import BlockQuantEmbedding, embedding_block_format_of
 from jaxserve.layers.embedding import Embedding
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.norm import RMSNorm
@@ -157,7 +158,10 @@ class LlamaForCausalLM(nnx.Module):
         self.config = config
         self.layout = layout
         self.quantization = quantization
-        self.embed_tokens = Embedding(layout.padded_vocab, config.hidden_size, param_dtype=dtype, rngs=rngs)
+        embed_format = embedding_block_format_of(quantization)
+        self.embed_tokens = (
+            Embedding(layout.padded_vocab, config.hidden_size, param_dtype=dtype, rngs=rngs) if embed_format is None
+            else BlockQuantEmbedding(layout.padded_vocab, config.hidden_size, qtype=embed_format, param_dtype=dtype))
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
         if scan_layers:
             self.layers = ScannedLayers(lambda r: LlamaDecoderLayer(config, layout, quantization=quantization, rngs=r),

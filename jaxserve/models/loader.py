@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.exceptions import ConfigError
-from jaxserve.layers.block_quant_linear import GGUF_PREFIX, block_format_of
+from jaxserve.layers.block_quant_linear import GGUF_PREFIX, block_format_of, embedding_block_format_of
 from jaxserve.models.config import QUANTIZATION_METHODS, ModelConfig, normalize_dtype_name
 from jaxserve.models.gguf_loader import GGUFCheckpoint, GGUFTensor, dequantize, is_gguf
 from jaxserve.models.hf_tensors import expected_tensors
@@ -111,12 +111,16 @@ def load_gguf_model(path: str | Path, dtype: str | None = None, scan_layers: boo
     cfg = _with_dtype(ModelConfig.from_dict(checkpoint.hf_config()), dtype)
     if quantization == "gguf":
         quantization = GGUF_PREFIX + _projection_block_format(checkpoint, tensor_parallel_size)
+        embed_format = checkpoint.tensor_types().get("model.embed_tokens.weight")
+        if cfg.tie_word_embeddings and embed_format in BLOCK_FORMATS:  # the tied head reads it every step
+            quantization += ":" + embed_format
     abstract, graphdef, shapes = _abstract_model(cfg, scan_layers, tensor_parallel_size, quantization)
     check_tensors(cfg, checkpoint.tensor_shapes())  # before any tensor is decoded
     keep_blocks = quantization is not None and block_format_of(quantization) is not None
     weights: dict[str, np.ndarray] = {}
     for t in checkpoint.tensors():
-        if keep_blocks and t.name.endswith(GGUF_BLOCK_PROJECTIONS):
+        if keep_blocks and (t.name.endswith(GGUF_BLOCK_PROJECTIONS) or (
+                t.name == "model.embed_tokens.weight" and embedding_block_format_of(quantization))):
             weights.update(zip((f"{t.name}.{part}" for part in BLOCK_PARTS), split_gguf_blocks(t.data, t.qtype)))
         else:
             weights[t.name] = policy(t, cfg.dtype)
@@ -137,7 +141,7 @@ def _projection_block_format(checkpoint: GGUFCheckpoint, tensor_parallel_size: i
     if tensor_parallel_size > 1:
         raise ConfigError("quantization gguf keeps the file's blocks on one device; with tensor_parallel_size "
                           f"{tensor_parallel_size} serve the file dequantized (no --quantization)")
-    types = {t.qtype for t in checkpoint.tensors() if t.name.endswith(GGUF_BLOCK_PROJECTIONS)}
+    types = {qtype for name, qtype in checkpoint.tensor_types().items() if name.endswith(GGUF_BLOCK_PROJECTIONS)}
     if len(types) != 1 or not types <= set(BLOCK_FORMATS):
         raise ConfigError(f"quantization gguf keeps {', '.join(BLOCK_FORMATS)} blocks, one format for every "
                           f"projection; {checkpoint.path.name} stores them as {', '.join(sorted(types))}: "
@@ -196,6 +200,8 @@ def state_from_tensors(get: Callable[[str], np.ndarray], cfg: ModelConfig, shape
     per_layer = _layer_readers(get, layout)
     if quantization is not None and block_format_of(quantization) is not None:
         per_layer.update(_block_readers(get))
+        top.update({("embed_tokens", "head", part): (lambda s, part=part: _vocab_rows(
+            get, f"model.embed_tokens.weight.{part}", layout, s)) for part in BLOCK_PARTS})
     elif quantization is not None:
         per_layer = _quantized_readers(per_layer, layout, quantization)
     prefixes = [f"model.layers.{i}." for i in range(cfg.num_hidden_layers)]

@@ -9,20 +9,24 @@ import numpy as np
 import pytest
 
 from jaxserve.exceptions import ConfigError
-from jaxserve.layers.block_quant_linear import KERNEL_MAX_ROWS, BlockQuantLinear
+from jaxserve.layers.block_quant_linear import KERNEL_MAX_ROWS, BlockQuantEmbedding, BlockQuantLinear
 from jaxserve.models.loader import load_gguf_model, load_model
 from tests.models.paged_sequence import PagedSequence
 from tests.models.tiny_gguf import SHAPE, write_tiny_gguf
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype, embedding", [("Q8_0", "F32"), ("Q4_0", "Q8_0"), ("Q4_1", "Q4_1")])
 @pytest.mark.parametrize("scan_layers", [False, True])
-def test_kept_blocks_give_the_dequantized_files_logits(tmp_path, qtype, scan_layers):
-    path = write_tiny_gguf(tmp_path / "m.gguf", qtype)
+def test_kept_blocks_give_the_dequantized_files_logits(tmp_path, qtype, embedding, scan_layers):
+    """The projections' blocks, and the tied embedding's when it is a block format (it is the LM
+    head too), give the logits of the file dequantized at load."""
+    path = write_tiny_gguf(tmp_path / "m.gguf", qtype, overrides={"token_embd.weight": embedding})
     kept = load_gguf_model(path, scan_layers=scan_layers, quantization="gguf")
     floats = load_gguf_model(path, scan_layers=scan_layers)
     layer = kept.layers.stacked if scan_layers else kept.layers[0]
     assert isinstance(layer.mlp.down_proj, BlockQuantLinear) and layer.mlp.down_proj.qtype == qtype
+    kept_embedding = isinstance(kept.embed_tokens, BlockQuantEmbedding)
+    assert kept_embedding == (embedding != "F32")
     tokens = np.random.default_rng(0).integers(0, SHAPE["vocab"], 44).tolist()
     # a prefill chunk longer than KERNEL_MAX_ROWS (dequantized in the step), then rows the kernel takes
     chunks = [tokens[:40], tokens[40:41], tokens[41:44]]
