@@ -49,7 +49,7 @@ def _kw(**kwargs: Any) -> Mapping[str, Any]:
 
 # Every feature off: the scheduling features are explicitly disabled, so a feature's own keywords
 # are the whole difference it makes. block_size 4 makes short prompts span several blocks.
-BASE_ENGINE = _kw(max_model_len=96, block_size=4, max_num_seqs=8, max_num_batched_tokens=96,
+BASE_ENGINE = _kw(max_model_len=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                   enable_chunked_prefill=False, enable_prefix_caching=False, async_scheduling=False,
                   num_gpu_blocks_override=256, attention_backend="xla", compilation_cache_dir="off")
 
@@ -62,6 +62,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("structured_outputs", "structured outputs", _kw(), in_workload=True),
     Feature("int8", "int8 weights", _kw(quantization="int8"), group="quantization", numerics=True),
     Feature("fp8", "fp8 weights", _kw(quantization="fp8"), group="quantization", numerics=True),
+    Feature("gguf", "GGUF Q4_1 blocks kept", _kw(quantization="gguf"), group="quantization", numerics=True,
+            model="gguf"),
     Feature("fp8_kv", "fp8 KV cache", _kw(kv_cache_dtype="fp8"), numerics=True),
     Feature("cpu_backend", "cpu attention (C++)", _kw(attention_backend="cpu"), numerics=True),
     Feature("tp2", "tensor parallel 2", _kw(tensor_parallel_size=2), group="parallel"),
@@ -71,7 +73,10 @@ FEATURES: tuple[Feature, ...] = (
 FEATURES_BY_NAME = MappingProxyType({f.name: f for f in FEATURES})
 
 # Pairs refused by design, with why; the configuration raises a ConfigError naming both.
-REFUSED_PAIRS: Mapping[frozenset[str], str] = MappingProxyType({})
+REFUSED_PAIRS: Mapping[frozenset[str], str] = MappingProxyType({
+    frozenset(("gguf", "tp2")): "a GGUF file's kept blocks are served on one device (serve the file dequantized "
+                                "to split it)",
+})
 
 # Combinations users run together, each held whole by one combination engine.
 USER_TRIPLES: tuple[tuple[str, ...], ...] = (
@@ -88,10 +93,16 @@ def pairs(features: Iterable[str]) -> set[frozenset[str]]:
     return {frozenset(p) for p in itertools.combinations(sorted(features), 2)}
 
 
+def alternatives(a: str, b: str) -> bool:
+    """Two settings of one thing (one weight format, one parallelism), or features of two different
+    test models: no engine can hold both, by construction rather than by refusal."""
+    fa, fb = FEATURES_BY_NAME[a], FEATURES_BY_NAME[b]
+    return bool((fa.group and fa.group == fb.group) or (fa.model and fb.model and fa.model != fb.model))
+
+
 def compatible(a: str, b: str) -> bool:
     """Whether one engine may hold both features."""
-    fa, fb = FEATURES_BY_NAME[a], FEATURES_BY_NAME[b]
-    return a != b and not (fa.group and fa.group == fb.group) and frozenset((a, b)) not in REFUSED_PAIRS
+    return a != b and not alternatives(a, b) and frozenset((a, b)) not in REFUSED_PAIRS
 
 
 def allowed_pairs() -> set[frozenset[str]]:
@@ -165,7 +176,7 @@ def pair_statuses(results: Mapping[str, Any]) -> dict[frozenset[str], str]:
 
 
 def _cell(statuses: Mapping[frozenset[str], str], a: str, b: str) -> str:
-    if a != b and not compatible(a, b) and frozenset((a, b)) not in REFUSED_PAIRS:
+    if a != b and alternatives(a, b):
         return EXCLUSIVE
     return statuses.get(frozenset((a, b)), NOT_RUN)
 
@@ -183,7 +194,8 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         "disagrees with its run. What each status means is in `jaxserve/support_matrix.py`.",
         "",
         f"{PASS} tested and passing · {REFUSED} refused by design (reason below) · {FAIL} failing · "
-        f"{EXCLUSIVE} alternatives of one feature (an engine holds one) · {NOT_RUN} not in this run",
+        f"{EXCLUSIVE} alternatives (one weight format, one parallelism, or two test models) · "
+        f"{NOT_RUN} not in this run",
         "",
         "| feature | " + " | ".join(short[n] for n in names) + " |",
         "|---|" + "---|" * len(names),

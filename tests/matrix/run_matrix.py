@@ -31,15 +31,19 @@ SAMPLED = dict(n=2, temperature=0.8, seed=11, max_tokens=6, ignore_eos=True)
 WINDOW = 24  # the sliding-window model's window: six 4-token blocks (the pool still preempts)
 
 
-def build_models(root: Path) -> dict[str, str]:
-    """The tiny checkpoints by the names the features give (``Feature.model``), plus 'dense'."""
+def build_models(root: Path) -> dict[str, dict[str, str]]:
+    """The tiny models by the names the features give (``Feature.model``), plus 'dense': each the
+    ``LLM`` keywords that serve it (a GGUF file comes with the dense folder's tokenizer)."""
     from jaxserve.models.demo import DEMO_ARCH
+    from tests.models.tiny_gguf import write_tiny_gguf
     from tests.tiny_models import build_tiny_checkpoint
 
+    dense = str(build_tiny_checkpoint(root / "dense", DEMO_ARCH, seed=3))
     return {
-        "dense": str(build_tiny_checkpoint(root / "dense", DEMO_ARCH, seed=3)),
-        "sliding_window": str(build_tiny_checkpoint(root / "swa", "MistralForCausalLM", seed=3,
-                                                    sliding_window=WINDOW)),
+        "dense": {"model": dense},
+        "sliding_window": {"model": str(build_tiny_checkpoint(root / "swa", "MistralForCausalLM", seed=3,
+                                                              sliding_window=WINDOW))},
+        "gguf": {"model": str(write_tiny_gguf(root / "tiny.gguf", "Q4_1", seed=3, vocab=512)), "tokenizer": dense},
     }
 
 
@@ -67,12 +71,12 @@ def wave_params(prompts: list[list[int]]) -> tuple[list[dict], list[Any]]:
     return inputs, params
 
 
-def run_engine(path: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+def run_engine(model: dict[str, str], kwargs: dict[str, Any]) -> dict[str, Any]:
     """Build one engine, run both waves, and read what it shows."""
     from jaxserve import LLM
 
     start = time.perf_counter()
-    llm = LLM(path, show_progress=False, **kwargs)
+    llm = LLM(**model, show_progress=False, **kwargs)
     engines = llm.llm_engines
     runners = [e.core.runner for e in engines]
     compiled_before = [r.stats.num_compiles - r.stats.background_compiles for r in runners]
@@ -149,7 +153,7 @@ def refusal(pair: frozenset[str]) -> bool:
 
     kwargs = sm.engine_kwargs(sorted(pair))
     try:
-        LLM(build_models(Path(tempfile.mkdtemp()))[sm.model_of(pair)], show_progress=False, **kwargs)
+        LLM(**build_models(Path(tempfile.mkdtemp()))[sm.model_of(pair)], show_progress=False, **kwargs)
     except ConfigError as exc:
         message = str(exc).replace("-", "_")
         return all(any(key in message for key in sm.FEATURES_BY_NAME[f].engine) for f in pair)
@@ -163,12 +167,12 @@ def main(out: str, only: list[int] | None = None) -> None:
     for i, features in enumerate(sm.covering_engines()):
         if only is not None and i not in only:
             continue
-        path = models[sm.model_of(features)]
+        model = models[sm.model_of(features)]
         ref_features = sm.reference_features(features)
         try:
             if ref_features not in references:
-                references[ref_features] = run_engine(path, sm.engine_kwargs(ref_features))
-            got = run_engine(path, sm.engine_kwargs(features))
+                references[ref_features] = run_engine(model, sm.engine_kwargs(ref_features))
+            got = run_engine(model, sm.engine_kwargs(features))
             failures = compare(features, got, references[ref_features])
         except Exception as exc:  # noqa: BLE001 - a crashing combination is a result to report
             got, failures = {}, [f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"]

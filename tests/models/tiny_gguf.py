@@ -17,10 +17,11 @@ _PROJECTIONS = {"attn_q": ("hidden", "hidden"), "attn_k": ("kv", "hidden"), "att
 
 
 def write_tiny_gguf(path: str | Path, projections: str = "Q8_0", seed: int = 0,
-                    overrides: dict[str, str] | None = None) -> Path:
-    """The file at ``path``; ``overrides`` gives some tensors (GGUF names) another type."""
+                    overrides: dict[str, str] | None = None, vocab: int | None = None) -> Path:
+    """The file at ``path``; ``overrides`` gives some tensors (GGUF names) another type; ``vocab``
+    rows instead of SHAPE's (to match a tokenizer served beside it)."""
     rng = np.random.default_rng(seed)
-    s = SHAPE
+    s = {**SHAPE, "vocab": vocab or SHAPE["vocab"]}
     dims = {"hidden": s["hidden"], "intermediate": s["intermediate"],
             "kv": s["kv_heads"] * s["hidden"] // s["heads"]}
     writer = gguf.GGUFWriter(str(path), "llama")
