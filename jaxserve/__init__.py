@@ -15,6 +15,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "SamplingParams": "jaxserve.core.sampling_params",
     "EngineConfig": "jaxserve.config",
+    "add_flags": "jaxserve.config",  # flags from a dataclass's fields (the server's FrontendArgs)
+    "dataclass_flags": "jaxserve.config",
     "LLM": "jaxserve.engine.llm",
     "AsyncLLM": "jaxserve.engine.async_llm",
     "DPAsyncLLM": "jaxserve.engine.dp_async_llm",

@@ -28,7 +28,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from jaxserve.core.schedule_record import record_schedule
-from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.stats import SchedulerStats
 from jaxserve.engine.startup import StartupTimes
 from jaxserve.engine.step_records import StepRecord
@@ -173,11 +173,7 @@ class EngineCore:
         with self.startup.phase("runner"):
             self.runner = ModelRunner(config, model, self.max_model_len, devices=devices)
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-                long_prefill_token_threshold=config.long_prefill_token_threshold,
-                policy=config.scheduling_policy, async_scheduling=config.async_scheduling),
+            config.scheduler_config.for_scheduler(self.max_model_len),
             make_kv_cache_manager(model.config, self.runner.num_blocks, config.block_size,
                                   model.config.dtype, self.max_model_len, config.max_num_batched_tokens,
                                   config.enable_prefix_caching),
