@@ -22,11 +22,14 @@ import logging
 import os
 import socket
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from jaxserve import ConfigError, EngineConfig, envs
 
 from .frontend_args import FrontendArgs
+
+if TYPE_CHECKING:
+    from jaxserve.engine.protocol import EngineClient
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -123,7 +126,7 @@ def _serve(args: FrontendArgs, config: EngineConfig, sock: socket.socket, chat_t
     from .header_timeout import header_timeout_protocol
 
     engine_class = DPAsyncLLM if config.data_parallel_size > 1 else AsyncLLM
-    engine = engine_class.from_config(config, served_model_name=args.served_model_name,
+    engine: EngineClient = engine_class.from_config(config, served_model_name=args.served_model_name,
                                       max_waiting=args.max_waiting, show_progress=True)
     freeze_startup_heap()
     stopped = False

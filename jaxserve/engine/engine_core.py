@@ -38,7 +38,7 @@ from jaxserve.models.hub import ModelSource, resolve_model
 if TYPE_CHECKING:
     import numpy as np
 
-    from jaxserve.engine.lockstep import LockstepLeader
+    from jaxserve.distributed.lockstep import LockstepLeader
     from jaxserve.runner.model_runner import InFlightStep, PreparedStep
     from jaxserve.structured.backend import GrammarBackend
     from jaxserve.structured.manager import StructuredOutputManager
@@ -423,8 +423,8 @@ class EngineCore:
 def _start_leader(core: EngineCore) -> LockstepLeader:
     from jaxserve.distributed.channel import ControlChannel
     from jaxserve.distributed.liveness import NodeMonitor
+    from jaxserve.distributed.lockstep import LockstepLeader
     from jaxserve.distributed.runtime import coordination_client
-    from jaxserve.engine.lockstep import LockstepLeader
 
     config = core.config
     client = coordination_client()
