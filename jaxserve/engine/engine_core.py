@@ -30,14 +30,14 @@ from jaxserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, Sche
 from jaxserve.core.schedule_record import record_schedule
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.stats import SchedulerStats
+from jaxserve.engine.executor import LocalExecutor, StepExecutor
 from jaxserve.engine.startup import StartupTimes
+from jaxserve.engine.step_clock import StepClock
 from jaxserve.engine.step_records import StepRecord
 from jaxserve.exceptions import ConfigError
 from jaxserve.models.hub import ModelSource, resolve_model
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from jaxserve.distributed.lockstep import LockstepLeader
     from jaxserve.runner.model_runner import InFlightStep, PreparedStep
     from jaxserve.structured.backend import GrammarBackend
@@ -192,9 +192,9 @@ class EngineCore:
         self.startup.add("compile", self.runner.stats.warm_up_compile_seconds)
         self.startup.add("first_runs", self.runner.stats.warm_up_run_seconds)
         # Rank 0 of a multi-node engine sends its runner calls on; the others replay them (headless).
-        self.lockstep: Optional[LockstepLeader] = None
+        self.executor: StepExecutor = LocalExecutor(self.runner)
         if config.is_multi_node and config.node_rank == 0:
-            self.lockstep = _start_leader(self)
+            self.executor = _start_leader(self)
 
     def _serving_dtype(self, path: str, platform: str) -> str:
         """``config.dtype`` made concrete for the checkpoint and the device, before any weight is read."""
@@ -278,51 +278,48 @@ class EngineCore:
         return any(r in in_flight and so.tracks(r) for r in prepared.plan.req_ids)
 
     def _step_sync(self) -> list[EngineCoreOutput]:
-        t0 = time.monotonic()
-        scheduler_output = self.scheduler.schedule()
-        t1 = time.monotonic()
-        record = self._open_record(scheduler_output, t0, t1) if self.step_records is not None else None
-        prepared = self._prepare(scheduler_output)
-        in_flight = self._launch(prepared, self._bitmask(prepared))
-        t2 = time.monotonic()
-        if record is not None:
-            record.prepare_s, record.dispatched = t2 - t1, t2
-        outputs = self._collect(in_flight, record, t2)
-        self.last_stats = self.scheduler.make_stats()
-        self._last_step_end = time.monotonic()
-        return outputs
+        return self._step(pipelined=False)
 
     def _step_async(self) -> list[EngineCoreOutput]:
-        """Dispatch step N+1, then collect step N: returns step N's outputs (none on the first).
-        A constrained row of N+1 needs its token from N for its bitmask: then N is collected first."""
-        t0 = time.monotonic()
-        scheduler_output = self.scheduler.schedule()
-        t1 = time.monotonic()
-        record = self._open_record(scheduler_output, t0, t1) if self.step_records is not None else None
-        prepared = self._prepare(scheduler_output)  # an empty one only updates request states
-        prepare_s = time.monotonic() - t1
+        return self._step(pipelined=True)
+
+    def _step(self, pipelined: bool) -> list[EngineCoreOutput]:
+        """Schedule, prepare and launch a step, then collect one. Unpipelined: this step, at once.
+        Pipelined (async scheduling): dispatch step N+1, then collect step N, returning N's outputs
+        (none on the first). A constrained row of N+1 needs its token from N for its bitmask: then
+        N's sampled ids are read first."""
+        clock = StepClock()
+        with clock.phase("schedule"):
+            scheduler_output = self.scheduler.schedule()
+        record = (self._open_record(scheduler_output, clock.start, clock.last)
+                  if self.step_records is not None else None)
+        with clock.phase("prepare"):
+            prepared = self.executor.prepare(scheduler_output)  # an empty one only updates request states
         previous, previous_record = self._in_flight, self._in_flight_record
         self._in_flight, self._in_flight_record = None, None
-        outputs: list[EngineCoreOutput] = []
         ahead = previous is not None and self._needs_previous_tokens(prepared, previous)
         if ahead:
             assert previous is not None and self.structured_outputs is not None
             self.structured_outputs.accept_ahead(self.runner.sampled_tokens(previous))
-        launch_start = time.monotonic()
-        dispatched = self._launch(prepared, self._bitmask(prepared))
-        t2 = time.monotonic()
+        with clock.phase("prepare"):
+            dispatched = self.executor.launch(prepared, self._bitmask(prepared))
+        dispatched_at = clock.last
         if record is not None:
-            record.prepare_s, record.dispatched = prepare_s + t2 - launch_start, t2
+            record.prepare_s, record.dispatched = clock.seconds["prepare"], dispatched_at
+        outputs: list[EngineCoreOutput] = []
         ran = dispatched.out is not None
-        if ran:
-            self._in_flight, self._in_flight_record = dispatched, record
-        if previous is not None:
-            outputs = self._collect(previous, previous_record, t2)
-        if ahead:
-            self.structured_outputs.settle()  # type: ignore[union-attr]
+        if not pipelined:
+            outputs = self._collect(dispatched, record, dispatched_at)
+        else:
+            if ran:
+                self._in_flight, self._in_flight_record = dispatched, record
+            if previous is not None:
+                outputs = self._collect(previous, previous_record, dispatched_at)
+            if ahead:
+                self.structured_outputs.settle()  # type: ignore[union-attr]
         self.last_stats = self.scheduler.make_stats()
-        if record is not None and not ran:
-            self._close_record(record, None, [], t2, t2, t2)
+        if pipelined and record is not None and not ran:
+            self._close_record(record, None, [], dispatched_at, dispatched_at, dispatched_at)
         self._last_step_end = time.monotonic()
         return outputs
 
@@ -330,20 +327,12 @@ class EngineCore:
                  collect_start: float) -> list[EngineCoreOutput]:
         """Wait for a dispatched step's tokens and apply them; ``collect_start``: when the host began
         waiting (in async mode, after dispatching the next step)."""
-        runner_output = self.runner.collect(step) if self.lockstep is None else self.lockstep.collect(step)
+        runner_output = self.executor.collect(step)
         collected = time.monotonic()
         outputs = self.scheduler.update_from_output(step.scheduler_output, runner_output)
         if record is not None:
             self._close_record(record, runner_output, outputs, collect_start, collected, time.monotonic())
         return outputs
-
-    def _prepare(self, so: SchedulerOutput) -> PreparedStep:
-        return self.runner.prepare(so) if self.lockstep is None else self.lockstep.prepare(so)
-
-    def _launch(self, prepared: PreparedStep, bitmask: Optional[np.ndarray]) -> InFlightStep:
-        if self.lockstep is None:
-            return self.runner.launch(prepared, bitmask)
-        return self.lockstep.launch(prepared, bitmask)
 
     def _open_record(self, so: SchedulerOutput, start: float, scheduled: float) -> StepRecord:
         """The step as scheduled; read now, before aborts or updates change the scheduler."""
@@ -378,14 +367,12 @@ class EngineCore:
     def check_nodes(self) -> None:
         """Raise ``NodeLostError`` if another host of a multi-node engine was lost (no-op on one
         host); cheap enough to call on every idle wait."""
-        if self.lockstep is not None:
-            self.lockstep.check()
+        self.executor.check()
 
     def shutdown(self) -> None:
         """Release the other hosts of a multi-node engine (they leave their loops)."""
-        if self.lockstep is not None:
-            self.lockstep.shutdown()
-            self.lockstep = None
+        self.executor.shutdown()
+        self.executor = LocalExecutor(self.runner)
 
     # ---- introspection -------------------------------------------------------------------------
 

@@ -70,29 +70,27 @@ from jaxserve.sample.sampler import SamplerOutput, sample
 logger = logging.getLogger("jaxserve")
 
 
-@dataclasses.dataclass
-class InFlightStep:
-    """A dispatched step whose sampled tokens have not been read back yet."""
+@dataclasses.dataclass(frozen=True)
+class RunnerStep:
+    """One step through the runner. ``prepare`` builds it (request states applied, host inputs in
+    ``groups``); ``launch`` returns a copy carrying the device's output ``out``, not yet read back;
+    ``collect`` reads it. ``groups`` None: nothing was scheduled; ``out`` None: not on the device."""
 
     scheduler_output: SchedulerOutput
-    out: SamplerOutput | None = None  # None: nothing was scheduled
+    groups: dict | None = None
     plan: StepPlan | None = None
     states: list[CachedRequestState] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class PreparedStep:
-    """A step whose request states and host inputs are ready, not yet launched."""
-
-    scheduler_output: SchedulerOutput
-    groups: dict | None = None  # None: nothing was scheduled
-    plan: StepPlan | None = None
-    states: list[CachedRequestState] = dataclasses.field(default_factory=list)
+    out: SamplerOutput | None = None
 
     @property
     def num_rows(self) -> int:
         """Rows of the step's padded batch (the bitmask's first dimension)."""
         return 0 if self.groups is None else len(self.groups["model"]["row_slots"])
+
+
+# The two stages' names, kept for the engine, lockstep and their readers: one type.
+PreparedStep = RunnerStep
+InFlightStep = RunnerStep
 
 
 def resolve_attention_backend(requested: str, platform: str | None = None, dtype: str = "float32", *,
@@ -536,16 +534,16 @@ class ModelRunner:
         """Apply ``so`` to the request states and build the step's host inputs."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return PreparedStep(so)
+            return RunnerStep(so)
         groups, plan, states = self._prepare_inputs(so)
-        return PreparedStep(so, groups, plan, states)
+        return RunnerStep(so, groups, plan, states)
 
     def launch(self, prepared: PreparedStep, bitmask: np.ndarray | None = None) -> InFlightStep:
         """Launch a prepared step without waiting for it. ``bitmask`` [num_rows, bitmask_width]:
         the structured-output masks of its rows (all ones for an unconstrained row), or None."""
         so, groups, plan, states = prepared.scheduler_output, prepared.groups, prepared.plan, prepared.states
         if groups is None or plan is None:
-            return InFlightStep(so)
+            return prepared
         # The prepared inputs stay as prepare built them: the bitmask flag joins a copy.
         inputs = {**groups, "model": {**groups["model"], "use_bitmask": np.asarray([bitmask is not None])}}
         buf = pack(inputs, self._layout_for(plan.token_bucket))
@@ -564,7 +562,7 @@ class ModelRunner:
         self._prev_row_of = {r: i for i, r in enumerate(plan.req_ids)}
         self.stats.record_step(plan.num_tokens, plan.token_bucket)
         self.prompt_logprobs.accumulate(self.model_state, result.hidden, plan, states, so)
-        return InFlightStep(so, result.sampler, plan, states)
+        return dataclasses.replace(prepared, out=result.sampler)
 
     def sampled_tokens(self, step: InFlightStep) -> dict[str, int]:
         """Wait for a dispatched step's sampled ids only: request id -> token, for the rows that
