@@ -37,7 +37,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "jaxserve.sample": ("jaxserve.core.sampling_params",),
     "jaxserve.config": ("jaxserve.models.config", "jaxserve.core.scheduler"),
     # Structured outputs' grammar engine (llguidance, numpy): the core's parameters and hooks only.
-    "jaxserve.structured": ("jaxserve.core.structured_outputs",),
+    "jaxserve.structured": ("jaxserve.core.structured_outputs", "jaxserve.core.locked_lru"),
     # Multi-host plumbing (jax.distributed, the control channel): the configuration and the core's data.
     "jaxserve.distributed": ("jaxserve.config", "jaxserve.core"),
     # Lockstep stepping replays the runner's calls; a headless node (rank > 0) runs an engine core.
