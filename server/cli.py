@@ -209,7 +209,7 @@ def _generate(args) -> int:
     from jaxserve import LLM, SamplingParams
 
     config = EngineConfig.from_cli_args(args, model=args.model)
-    llm = LLM(**vars(config))
+    llm = LLM(**config.as_kwargs())
     prompts = args.prompt or ["Hello, my name is", "The capital of France is", "JAX compiles"]
     outputs = llm.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))
     for out in outputs:

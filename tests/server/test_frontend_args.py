@@ -36,3 +36,12 @@ def test_every_field_is_a_flag_with_help_stating_its_default():
 def test_bad_values_are_config_errors(flag, value, message):
     with pytest.raises(ConfigError, match=message):
         serve_args(flag, value)
+
+
+def test_generate_serves_the_model_it_is_given(tmp_path, capsys):
+    # The engine flags reach LLM flat (EngineConfig.as_kwargs): a missing folder is refused, not
+    # silently replaced by the default model.
+    from jaxserve_server.cli import main
+
+    assert main(["generate", str(tmp_path / "no-such-model"), "--max-tokens", "1"]) == 2
+    assert "no-such-model" in capsys.readouterr().err
