@@ -68,6 +68,8 @@ class LlamaAttention(nnx.Module):
                                     param_dtype=dtype, quantization=quantization, rngs=rngs)
         self.o_proj = make_linear(cfg.q_size, cfg.hidden_size, use_bias=cfg.o_proj_bias, param_dtype=dtype,
                                   quantization=quantization, rngs=rngs)
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, param_dtype=dtype)
             self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, param_dtype=dtype)
@@ -159,6 +161,7 @@ class LlamaForCausalLM(nnx.Module):
         self.quantization = quantization
         self.embed_tokens = Embedding(layout.padded_vocab, config.hidden_size, param_dtype=dtype, rngs=rngs)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
+        self.layers: ScannedLayers | nnx.List[LlamaDecoderLayer]
         if scan_layers:
             self.layers = ScannedLayers(lambda r: LlamaDecoderLayer(config, layout, quantization=quantization, rngs=r),
                                         config.num_hidden_layers, rngs=rngs)
@@ -222,7 +225,7 @@ class LlamaForCausalLM(nnx.Module):
         gathered."""
         axes = mesh.axis_names
         tied = self.lm_head is None
-        weight = self.embed_tokens.embedding[...] if tied else self.lm_head.kernel[...]
+        weight = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.kernel[...]
         weight_spec = PartitionSpec(axes, None) if tied else PartitionSpec(None, axes)
 
         def local(h: jax.Array, w: jax.Array) -> jax.Array:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Callable
+from typing import Callable, cast
 
 import jax
 import numpy as np
@@ -161,10 +161,13 @@ def state_from_tensors(get: Callable[[str], np.ndarray], cfg: ModelConfig, shape
         read = per_layer[path[2:]]
         if scanned:  # ("layers", "stacked", ...): one weight over all layers at a time
             return lambda s: np.stack([read(p, s) for p in prefixes])
-        return lambda s: read(prefixes[path[1]], s)  # ("layers", i, ...)
+        layer = path[1]
+        assert isinstance(layer, int)
+        return lambda s: read(prefixes[layer], s)  # ("layers", i, ...)
 
-    flat = {}
-    for path, var in nnx.to_flat_state(shapes):
+    flat: dict = {}
+    for key, var in nnx.to_flat_state(shapes):
+        path = cast(ParamPath, key)  # nnx's keys are the names and indices of the module tree
         sharding = place(path, var.shape) if place is not None else None
         flat[path] = _build_array(path, var, reader(path), layout.size, sharding)
     return nnx.from_flat_state(flat)
@@ -192,10 +195,11 @@ def _build_array(path: ParamPath, var, read: ShardReader, num_shards: int, shard
             raise RuntimeError(f"{name}: read {value.shape}, the model holds {var.shape}")
         return value
 
-    def device_block(index: tuple[slice, ...]) -> np.ndarray:
+    def device_block(index: tuple[slice, ...] | None) -> np.ndarray:
         if axis is None:
             data = block(0)
         else:
+            assert index is not None  # jax passes the block's slices for a sharded array
             per_shard = var.shape[axis] // num_shards
             start = index[axis].start or 0
             stop = var.shape[axis] if index[axis].stop is None else index[axis].stop
@@ -296,16 +300,23 @@ def _quantized_readers(per_layer: dict[ParamPath, Callable[[str, int], np.ndarra
     readers = dict(per_layer)
     n = layout.size
     for module in QUANTIZED_PROJECTIONS:
-        read = per_layer[(*module, "kernel")]
-        axis = split_axis((*module, "kernel"))
+        kernel, scale = module + ("kernel",), module + ("kernel_scale",)
+        read = per_layer[kernel]
+        axis = split_axis(kernel)
 
         @functools.lru_cache(maxsize=2)
         def whole(p: str, read=read, axis=axis) -> tuple[np.ndarray, np.ndarray]:
             full = read(p, 0) if axis is None else np.concatenate([read(p, s) for s in range(n)], axis=axis)
             return quantize_columns(full, method)
 
-        readers[(*module, "kernel")] = lambda p, s, whole=whole, axis=axis: _shard_of(whole(p)[0], axis, s, n)
+        readers[kernel] = _part_reader(whole, 0, axis, n)
         # The scale follows the output columns: split with a column-split kernel, else replicated.
-        readers[(*module, "kernel_scale")] = (
-            lambda p, s, whole=whole, axis=axis: _shard_of(whole(p)[1], 0 if axis == 1 else None, s, n))
+        readers[scale] = _part_reader(whole, 1, 0 if axis == 1 else None, n)
     return readers
+
+
+def _part_reader(whole: Callable[[str], tuple[np.ndarray, np.ndarray]], part: int, axis: int | None,
+                 num_shards: int) -> Callable[[str, int], np.ndarray]:
+    """Shard ``s`` of part ``part`` (0: the quantized kernel, 1: its scale) of a layer's whole
+    quantized projection."""
+    return lambda p, s: _shard_of(whole(p)[part], axis, s, num_shards)

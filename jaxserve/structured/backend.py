@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
@@ -19,6 +19,9 @@ from llguidance.gbnf_to_lark import any_to_lark
 from jaxserve.core.locked_lru import LockedLRU
 from jaxserve.core.structured_outputs import StructuredOutputsParams
 from jaxserve.exceptions import InvalidRequestError
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 # Compiled grammars kept per backend (least recently used dropped first).
 COMPILE_CACHE_SIZE = 256
@@ -127,13 +130,14 @@ class GrammarBackend:
             # Lark string literals use JSON's escapes, so any choice text is one literal.
             return llguidance.LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c) for c in params.choice))  # type: ignore[union-attr]
+        assert params.grammar is not None  # the only kind left; StructuredOutputsParams checked it is set
         try:
             lark = any_to_lark(params.grammar)  # Lark passes through; GBNF is converted
         except Exception as e:  # noqa: BLE001 - the converter raises plain exceptions for bad input
             raise InvalidRequestError("structured_outputs.grammar", f"cannot read the grammar: {e}") from None
         return llguidance.LLMatcher.grammar_from_lark(lark)
 
-    def _json_options(self, params: StructuredOutputsParams) -> dict[str, Any]:
+    def _json_options(self, params: StructuredOutputsParams) -> JsonCompileOptions:
         """Whitespace between JSON tokens: a request's ``whitespace_pattern``, else any JSON
         whitespace if the engine allows it, else none (compact JSON); never any with
         ``disable_any_whitespace``."""
