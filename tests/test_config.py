@@ -4,6 +4,7 @@ flags that give a configuration back."""
 from __future__ import annotations
 
 import argparse
+import copy as copy_module
 import dataclasses
 import pickle
 
@@ -78,6 +79,9 @@ def test_sub_configurations_are_given_whole_or_overridden_flat_and_never_shared(
     copy.max_num_seqs = 1
     assert config.max_num_seqs == 16
     assert pickle.loads(pickle.dumps(config)) == config
+    shallow = copy_module.copy(config)
+    shallow.max_num_seqs = 2
+    assert shallow == dataclasses.replace(config, max_num_seqs=2) and config.max_num_seqs == 16
     assert EngineConfig(**config.as_kwargs()) == config
     with pytest.raises(TypeError, match="scheduler_config must be a SchedulerConfig"):
         EngineConfig(scheduler_config={"max_num_seqs": 1})

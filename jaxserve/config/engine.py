@@ -103,6 +103,10 @@ class EngineConfig:
         """A copy with some flat fields (or sub-configurations) changed, validated again."""
         return dataclasses.replace(self, **changes)
 
+    def __copy__(self) -> EngineConfig:
+        # A shallow copy would share the sub-configurations, so a flat write would reach both.
+        return self.replace()
+
     def as_kwargs(self) -> dict[str, Any]:
         """The flat keyword arguments that build this configuration again."""
         return {flag.name: getattr(self, flag.name) for flag in self.flags()}
