@@ -15,9 +15,12 @@ __version__ = "0.1.0"
 _LAZY = {
     "SamplingParams": "jaxserve.core.sampling_params",
     "EngineConfig": "jaxserve.config",
+    "add_flags": "jaxserve.config",  # flags from a dataclass's fields (the server's FrontendArgs)
+    "dataclass_flags": "jaxserve.config",
     "LLM": "jaxserve.engine.llm",
     "AsyncLLM": "jaxserve.engine.async_llm",
-    "DPAsyncLLM": "jaxserve.engine.dp_async_llm",
+    "DPAsyncLLM": "jaxserve.engine.dp.async_llm",
+    "EngineClient": "jaxserve.engine.protocol",
     "RequestOutput": "jaxserve.engine.outputs",
     "CompletionOutput": "jaxserve.engine.outputs",
     "Logprob": "jaxserve.engine.outputs",
@@ -36,7 +39,7 @@ _LAZY = {
     "EngineDeadError": "jaxserve.exceptions",
     "EngineOverloadedError": "jaxserve.exceptions",
     "NodeLostError": "jaxserve.exceptions",
-    "run_headless": "jaxserve.engine.headless",
+    "run_headless": "jaxserve.distributed.headless",
 }
 
 __all__ = list(_LAZY) + ["__version__"]

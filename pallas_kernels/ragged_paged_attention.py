@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -362,6 +363,7 @@ def ragged_paged_attention_decode(q, k_cache, v_cache, kv_lens, block_tables, qu
     block_tables = block_tables.astype(jnp.int32)
     query_start_loc = query_start_loc.astype(jnp.int32)
     ns = jnp.asarray(num_seqs, jnp.int32).reshape(-1)[:1]
+    out_shape: Any  # one output, or the three partial results of the split KV
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((t * hq + rows, d), q.dtype)
     else:
@@ -369,7 +371,7 @@ def ragged_paged_attention_decode(q, k_cache, v_cache, kv_lens, block_tables, qu
         out_shape = (jax.ShapeDtypeStruct((n, d), jnp.float32),
                      jax.ShapeDtypeStruct((n,), jnp.float32),
                      jax.ShapeDtypeStruct((n,), jnp.float32))
-    res = pl.pallas_call(
+    res: Any = pl.pallas_call(
         functools.partial(_decode_kernel, c=c),
         out_shape=out_shape,
         grid=(r, hkv, splits),
@@ -382,7 +384,8 @@ def ragged_paged_attention_decode(q, k_cache, v_cache, kv_lens, block_tables, qu
     if splits == 1:
         out = res[: t * hq].reshape(t, hq, d)
         return jnp.where(valid[:, None, None], out, jnp.zeros((), q.dtype))
-    return _combine_splits(*res, query_start_loc, kv_lens, ns[0], c, q.dtype)
+    acc, m, l = res
+    return _combine_splits(acc, m, l, query_start_loc, kv_lens, ns[0], c, q.dtype)
 
 
 def _combine_splits(acc, m, l, query_start_loc, kv_lens, ns, c: _Static, dtype):
@@ -422,13 +425,17 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, query_sta
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                  interpret=interpret, block_kv=block_kv, num_warps=num_warps,
-                  num_stages=num_stages)
+    common: dict[str, Any] = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                  interpret=interpret, block_kv=block_kv, num_warps=num_warps,
+                                  num_stages=num_stages)
     args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
-    mixed = functools.partial(ragged_paged_attention_mixed, block_q=block_q, **common)
-    decode = functools.partial(ragged_paged_attention_decode, num_kv_splits=num_kv_splits,
-                               **common)
+
+    def mixed(*a: Any) -> jax.Array:
+        return ragged_paged_attention_mixed(*a, block_q=block_q, **common)
+
+    def decode(*a: Any) -> jax.Array:
+        return ragged_paged_attention_decode(*a, num_kv_splits=num_kv_splits, **common)
+
     if mode == "mixed":
         return mixed(*args)
     if mode == "decode":
@@ -450,7 +457,7 @@ LOWERING_BLOCK_SIZES = (16, 32)
 # The large prefill tile (128 rows at G=2, 3 stages) is for 2-byte dtypes only: in float32 its
 # tiles would not fit the registers / shared memory of one SM.
 _ALL = LOWERING_DTYPES
-LOWERING_TUNINGS = (
+LOWERING_TUNINGS: tuple[tuple[str, dict[str, int], tuple[str, ...]], ...] = (
     ("mixed", dict(), _ALL),
     ("mixed", dict(block_q=16, block_kv=32, num_warps=4, num_stages=2), _ALL),
     ("mixed", dict(block_q=64, block_kv=64, num_warps=8, num_stages=3), ("bfloat16", "float16")),

@@ -104,6 +104,7 @@ def _interpreted_kernels():
     _require_interpreter()
     path = Path(__file__).with_name("_triton_kernels.py")
     spec = importlib.util.spec_from_file_location(f"{__package__}._triton_kernels_interpreted", path)
+    assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
     with _triton_interpret_env():  # the first import of triton happens here, in interpreter mode
         spec.loader.exec_module(module)

@@ -35,11 +35,14 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "jaxserve.layers": ("pallas_kernels",),
     "jaxserve.models": ("jaxserve.layers", "pallas_kernels"),
     "jaxserve.sample": ("jaxserve.core.sampling_params",),
-    "jaxserve.config": ("jaxserve.models.config",),
+    "jaxserve.config": ("jaxserve.models.config", "jaxserve.core.scheduler"),
     # Structured outputs' grammar engine (llguidance, numpy): the core's parameters and hooks only.
-    "jaxserve.structured": ("jaxserve.core.structured_outputs",),
+    "jaxserve.structured": ("jaxserve.core.structured_outputs", "jaxserve.core.locked_lru"),
     # Multi-host plumbing (jax.distributed, the control channel): the configuration and the core's data.
     "jaxserve.distributed": ("jaxserve.config", "jaxserve.core"),
+    # Lockstep stepping replays the runner's calls; a headless node (rank > 0) runs an engine core.
+    "jaxserve.distributed.lockstep": ("jaxserve.config", "jaxserve.core", "jaxserve.distributed", "jaxserve.runner"),
+    "jaxserve.distributed.headless": ("jaxserve.config", "jaxserve.core", "jaxserve.distributed", "jaxserve.engine"),
     "jaxserve.runner": ("jaxserve.config", "jaxserve.core", "jaxserve.models", "jaxserve.layers",
                         "jaxserve.sample", "pallas_kernels"),
     "jaxserve.engine": ("jaxserve.config", "jaxserve.core", "jaxserve.models", "jaxserve.runner",
@@ -48,7 +51,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
                        "jaxserve.sample", "jaxserve.structured", "jaxserve.engine", "pallas_kernels"),
     # The server sees jaxserve's public API only (the package itself, envs, exceptions); its
     # command line also runs the benchmarks.
-    "jaxserve_server": (),
+    "jaxserve_server": ("jaxserve.engine.protocol",),
     "jaxserve_server.cli": ("jaxserve_server", "jaxserve.bench"),
     # The support matrix's page, rendered from a results file (no engine).
     "jaxserve_server.support_matrix_cli": ("jaxserve.support_matrix",),

@@ -6,7 +6,7 @@ can serve the same app in-process (httpx ``ASGITransport``) or through uvicorn.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -42,6 +42,9 @@ from .serving_completion import OpenAIServingCompletion
 from .state import ServerState, dead_message
 from .tokenizer_info import tokenizer_info
 
+if TYPE_CHECKING:
+    from jaxserve.engine.protocol import EngineClient
+
 # One server-sent event of a stream: ``data`` is a JSON chunk, an error object, or ``[DONE]``.
 SSE_EVENT_SCHEMA = {"type": "object", "required": ["data"],
                     "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
@@ -53,7 +56,7 @@ def generation_responses(body: type) -> dict:
             **error_responses(400, 404, 408, 413, 500, 503)}
 
 
-def build_app(engine, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
+def build_app(engine: EngineClient, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
               chat_template: Optional[str] = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,

@@ -1,5 +1,5 @@
 """The ``jaxserve`` command: ``serve``, ``generate``, ``trace``, ``diagnose`` and
-``bench {throughput,startup,scheduler,kv-groups,serve,soak,roofline}``.
+``bench {throughput,startup,scheduler,sampler,kv-groups,serve,soak,roofline}``.
 
 It lives with the server because ``serve`` needs it, and the server sits above the engine.
 Engine flags come from ``EngineConfig`` one-to-one (``--max-num-seqs`` ...), so every entry point
@@ -99,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="running-set sizes to time, one measurement each (default: 64 256 1024)")
     sched.add_argument("--steps", type=int, default=200, help="steps timed per size (default: 200)")
     _add_common_args(sched)
+    sampler = bsub.add_parser("sampler", help="milliseconds per sampler call under jit, and its design alternatives",
+                              description="milliseconds per sampler call under jit, and its design alternatives")
+    sampler.add_argument("--rows", type=int, help="batch rows (default: both shapes, 64 x 8192 and 256 x 151936)")
+    sampler.add_argument("--vocab", type=int, help="vocabulary size, with --rows (default: 8192)")
+    sampler.add_argument("--repeats", type=int, default=5, help="timed calls per cell, the minimum kept (default: 5)")
+    sampler.add_argument("--all", action="store_true", help="time every scenario x variant cell (default: off)")
+    _add_common_args(sampler)
     from jaxserve.bench.kv_groups_bench import add_kv_groups_args
 
     kv_groups = bsub.add_parser("kv-groups", help="KV blocks a long request holds with sliding-window layers "
@@ -194,6 +201,10 @@ def _run(args: argparse.Namespace, started: float) -> int:
         from jaxserve.bench.scheduler_bench import run_scheduler_bench
 
         result = run_scheduler_bench(num_running=tuple(args.num_running), steps=args.steps)
+    elif args.bench_command == "sampler":
+        from jaxserve.bench.sampler_bench import run_sampler_bench_cli
+
+        result = run_sampler_bench_cli(args)
     elif args.bench_command == "kv-groups":
         from jaxserve.bench.kv_groups_bench import run_kv_groups_cli
 
@@ -218,7 +229,7 @@ def _generate(args) -> int:
     from jaxserve import LLM, SamplingParams
 
     config = EngineConfig.from_cli_args(args, model=args.model)
-    llm = LLM(**vars(config))
+    llm = LLM(**config.as_kwargs())
     prompts = args.prompt or ["Hello, my name is", "The capital of France is", "JAX compiles"]
     outputs = llm.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))
     for out in outputs:

@@ -15,6 +15,7 @@ off by default, as vLLM's debug routes are.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse, JSONResponse
@@ -22,11 +23,14 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from .errors import APIError
 from .openapi import error_responses
 
+if TYPE_CHECKING:
+    from jaxserve.engine.protocol import EngineClient
+
 MAX_ITEMS = 10_000
 DASHBOARD_PAGE = Path(__file__).parent / "dashboard.html"
 
 
-def add_debug_endpoints(app: FastAPI, engine) -> None:
+def add_debug_endpoints(app: FastAPI, engine: EngineClient) -> None:
     """Register the routes; ``engine`` is an ``AsyncLLM`` (or has its timeline and step methods)."""
 
     @app.get("/debug/requests/{request_id:path}", responses=error_responses(404))

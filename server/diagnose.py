@@ -199,7 +199,7 @@ def compare_eager(config, prompts: list, max_tokens: int, top: int = 5) -> dict:
 
     results = {}
     for mode, eager in (("compiled", False), ("eager", True)):
-        llm = LLM(show_progress=False, **dict(vars(config), enforce_eager=eager))
+        llm = LLM(show_progress=False, **dict(config.as_kwargs(), enforce_eager=eager))
         results[mode] = _greedy_logprobs(llm, prompts, max_tokens, top)
         del llm
     diffs = [first_difference(a, b) for a, b in zip(results["compiled"], results["eager"])]

@@ -13,11 +13,14 @@ request in the engine and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Awaitable, Optional, Sequence
 
 from jaxserve import EntryTimes, RequestOutput, RequestOutputKind, SamplingParams
 
 from .errors import APIError, engine_error
+
+if TYPE_CHECKING:
+    from jaxserve.engine.protocol import EngineClient
 
 _DONE = object()  # queued by a prompt's pump once its engine stream has ended
 # How long wait_for_disconnect sleeps after an unexpected message, so that it never spins.
@@ -40,7 +43,7 @@ class Generations:
     """The engine requests of one API request, one per prompt. Their ids are ``request_id`` for a
     single prompt and ``request_id-<i>`` for several; outputs are ``(prompt_index, output)``."""
 
-    def __init__(self, engine, prompts: Sequence[Any], params: SamplingParams, request_id: str,
+    def __init__(self, engine: EngineClient, prompts: Sequence[Any], params: SamplingParams, request_id: str,
                  kind: RequestOutputKind, *, priority: int = 0, cache_salt: Optional[str] = None,
                  entry_times: Optional[EntryTimes] = None):
         self.request_ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]

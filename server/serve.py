@@ -22,77 +22,30 @@ import logging
 import os
 import socket
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from jaxserve import ConfigError, EngineConfig, envs
 
-from .limits import (
-    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
-    DEFAULT_MAX_CHAT_MESSAGES,
-    DEFAULT_MAX_REQUEST_BODY_BYTES,
-    DEFAULT_REQUEST_BODY_TIMEOUT_S,
-    DEFAULT_REQUEST_HEADER_TIMEOUT_S,
-)
+from .frontend_args import FrontendArgs
+
+if TYPE_CHECKING:
+    from jaxserve.engine.protocol import EngineClient
 
 logger = logging.getLogger("jaxserve.server")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default: 8000)")
-    g.add_argument("--served-model-name", default=None,
-                   help="model name clients send and responses carry (default: the model path, "
-                        "'SmolLM2-135M-Instruct' for the default demo, 'jaxserve-demo' for the random tiny one)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on every route except /health, /metrics "
-                        "and /version (default: JAXSERVE_API_KEY from the environment, else no auth)")
-    g.add_argument("--chat-template", default=None,
-                   help="chat template: a file path or the Jinja template itself (default: the tokenizer's)")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="uvicorn's log level (default: info)")
-    g.add_argument("--max-waiting", type=int, default=1024,
-                   help="most requests waiting for the engine; beyond that new requests get 503 (default: 1024)")
-    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                   help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BODY_BYTES})")
-    g.add_argument("--request-body-timeout", type=float, default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
-                   help="seconds a client has to send its request body; slower ones get 408 and the connection "
-                        f"is closed (default: {DEFAULT_REQUEST_BODY_TIMEOUT_S:g})")
-    g.add_argument("--request-header-timeout", type=float, default=DEFAULT_REQUEST_HEADER_TIMEOUT_S,
-                   help="seconds a client has to send a request's line and headers, from its connection or its "
-                        "request's first byte; slower ones get 408 and the connection is closed "
-                        f"(default: {DEFAULT_REQUEST_HEADER_TIMEOUT_S:g})")
-    g.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
-                   help=f"seconds an idle keep-alive connection stays open (default: {DEFAULT_KEEP_ALIVE_TIMEOUT_S})")
-    g.add_argument("--max-chat-messages", type=int, default=DEFAULT_MAX_CHAT_MESSAGES,
-                   help=f"most messages in one chat request (default: {DEFAULT_MAX_CHAT_MESSAGES})")
-    g.add_argument("--split-special-tokens-in-content", action="store_true",
-                   help="tokenize the text of chat messages with special-token strings (<|im_start|> ...) split "
-                        "into ordinary tokens, so that no client text becomes a control token; only the template's "
-                        "own text does (default: off, as in vLLM)")
-    g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
-                   help="serve /tokenizer_info (the tokenizer's configuration and chat template), which "
-                        "clients such as lm-eval use to tokenize through the server (default: off, as in vLLM)")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="let the model decide when to call tools (tool_choice 'auto', also the default when a "
-                        "request has tools); needs --tool-call-parser")
-    g.add_argument("--tool-call-parser", default=None,
-                   help="how tool calls are read from the model's text for tool_choice 'auto': 'hermes' "
-                        "(<tool_call>{...}</tool_call>, Qwen2.5/Qwen3/Hermes) (default: none)")
-    g.add_argument("--enable-debug-endpoints", action="store_true",
-                   help="serve /debug/requests/{id} (a request's timeline), /debug/requests, /debug/steps "
-                        "(the newest step records) and /debug/trace (a Chrome/Perfetto trace) (default: off)")
+    FrontendArgs.add_cli_args(parser)
 
 
-def chat_parsers(args: argparse.Namespace):
+def chat_parsers(frontend: FrontendArgs, reasoning_parser: Optional[str]):
     """The parser flags as ``ChatParsers``, checked: an unknown name is a start-up error.
     ``--reasoning-parser`` is the engine's flag (``EngineConfig.reasoning_parser``): the engine
     reads it for structured outputs, the server for the reasoning split."""
     from .chat_output import ChatParsers
 
-    parsers = ChatParsers(enable_auto_tool_choice=args.enable_auto_tool_choice,
-                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+    parsers = ChatParsers(enable_auto_tool_choice=frontend.enable_auto_tool_choice,
+                          tool_call_parser=frontend.tool_call_parser, reasoning_parser=reasoning_parser)
     try:
         parsers.check()
     except ValueError as exc:
@@ -129,30 +82,19 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def run_serve(args: argparse.Namespace, started: Optional[float] = None) -> int:
     """Serve until interrupted; ``started`` (``time.monotonic()``) is when the command began."""
     started = time.monotonic() if started is None else started
-    if args.max_waiting < 1:
-        raise ConfigError("--max-waiting must be at least 1")
-    if args.max_request_body_bytes < 1:
-        raise ConfigError("--max-request-body-bytes must be at least 1")
-    if not args.request_body_timeout > 0:
-        raise ConfigError("--request-body-timeout must be positive")
-    if not args.request_header_timeout > 0:
-        raise ConfigError("--request-header-timeout must be positive")
-    if args.timeout_keep_alive < 1:
-        raise ConfigError("--timeout-keep-alive must be at least 1")
-    if args.max_chat_messages < 1:
-        raise ConfigError("--max-chat-messages must be at least 1")
+    frontend = FrontendArgs.from_cli_args(args)
     try:
-        chat_template = load_chat_template(args.chat_template)
+        chat_template = load_chat_template(frontend.chat_template)
     except (OSError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
-    parsers = chat_parsers(args)
-    api_key = args.api_key or envs.api_key()
     config = EngineConfig.from_cli_args(args, model=args.model)
+    parsers = chat_parsers(frontend, config.reasoning_parser)
+    api_key = frontend.api_key or envs.api_key()
     if config.is_multi_node and config.node_rank > 0:
         return run_headless_node(config)
-    sock = bind_socket(args.host, args.port)
+    sock = bind_socket(frontend.host, frontend.port)
     try:
-        _serve(args, config, sock, chat_template, api_key, parsers, started)
+        _serve(frontend, config, sock, chat_template, api_key, parsers, started)
     finally:
         sock.close()
     return 0
@@ -173,8 +115,8 @@ def run_headless_node(config: EngineConfig) -> int:
     return 0
 
 
-def _serve(args, config, sock: socket.socket, chat_template: Optional[str], api_key: Optional[str],
-           parsers, started: float) -> None:
+def _serve(args: FrontendArgs, config: EngineConfig, sock: socket.socket, chat_template: Optional[str],
+           api_key: Optional[str], parsers, started: float) -> None:
     import uvicorn
 
     from jaxserve import AsyncLLM, DPAsyncLLM
@@ -184,7 +126,7 @@ def _serve(args, config, sock: socket.socket, chat_template: Optional[str], api_
     from .header_timeout import header_timeout_protocol
 
     engine_class = DPAsyncLLM if config.data_parallel_size > 1 else AsyncLLM
-    engine = engine_class.from_config(config, served_model_name=args.served_model_name,
+    engine: EngineClient = engine_class.from_config(config, served_model_name=args.served_model_name,
                                       max_waiting=args.max_waiting, show_progress=True)
     freeze_startup_heap()
     stopped = False

@@ -6,11 +6,14 @@ import asyncio
 import concurrent.futures
 import contextvars
 import functools
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from .errors import ENGINE_DEAD, APIError
 from .limits import DEFAULT_MAX_CHAT_MESSAGES
 from .logprobs import TokenIdText, TokenText
+
+if TYPE_CHECKING:
+    from jaxserve.engine.protocol import EngineClient
 
 T = TypeVar("T")
 
@@ -18,14 +21,13 @@ T = TypeVar("T")
 class ServerState:
     """The engine, the model name it answers to, its tokenizer and limits.
 
-    ``engine`` is a running ``AsyncLLM`` or anything with its public interface (``generate``,
-    ``tokenizer``, ``served_model_name``, ``max_model_len``, ``model_config.vocab_size``,
-    ``config.max_prompt_chars``, ``is_dead``, ``render_metrics``, ``input_pool``).
+    ``engine`` is an ``EngineClient`` (``jaxserve.engine.protocol``): a running ``AsyncLLM`` or
+    ``DPAsyncLLM``, or anything else with that interface.
     """
 
-    def __init__(self, engine, *, served_model_name: Optional[str] = None, chat_template: Optional[str] = None,
-                 model_root: Optional[str] = None, max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
-                 split_special_tokens_in_content: bool = False):
+    def __init__(self, engine: EngineClient, *, served_model_name: Optional[str] = None,
+                 chat_template: Optional[str] = None, model_root: Optional[str] = None,
+                 max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES, split_special_tokens_in_content: bool = False):
         self.engine = engine
         self.split_special_tokens_in_content = split_special_tokens_in_content
         self.max_prompt_chars = engine.config.max_prompt_chars
@@ -84,7 +86,7 @@ class ServerState:
             raise APIError(503, f"{dead_message(self.engine)}; restart the server", code=ENGINE_DEAD)
 
 
-def dead_message(engine) -> str:
+def dead_message(engine: EngineClient) -> str:
     """What a 503 of a dead engine says: its loop failed, and the cause when the engine knows it."""
     reason = engine.dead_reason
     return f"the engine is dead (its loop failed: {reason})" if reason else "the engine is dead (its loop failed)"

@@ -132,5 +132,5 @@ def run_llama_cpp_cli(args: argparse.Namespace) -> dict[str, Any]:
     if not model.endswith(".gguf"):
         raise SystemExit("jaxserve bench llama-cpp: MODEL must be a .gguf file (or smollm2): llama.cpp reads it too")
     config = EngineConfig.from_cli_args(args, model=model)
-    llm = LLM(**vars(config))
+    llm = LLM(**config.as_kwargs())
     return run_llama_cpp_bench(args, llm, model)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from jaxserve.bench.gpu_targets import BF16_PEAK_FLOPS, GpuSpec, gpu_spec, target_config_path
 from jaxserve.bench.presets import PRESETS, preset_config
-from jaxserve.config import EngineConfig
+from jaxserve.config import CacheConfig, EngineConfig
 
 if TYPE_CHECKING:  # the command line builds its parser without importing jax
     from jaxserve.models.config import ModelConfig
@@ -131,7 +131,7 @@ def xla_step_figures(preset: str, config: EngineConfig, target_config: str, buck
 
     sharding = gpu_aot.compile_only_sharding(target_config)
     model = gpu_aot.abstract_model(preset, False)
-    runner = gpu_aot.abstract_runner(model, dataclasses.replace(config, num_gpu_blocks_override=4096), sharding,
+    runner = gpu_aot.abstract_runner(model, config.replace(num_gpu_blocks_override=4096), sharding,
                                      max_model_len=4096)
     out = {}
     for variant in runner.variants():
@@ -187,7 +187,7 @@ def run_roofline_cli(args: argparse.Namespace) -> dict:
         shape = step_shape(b, args.max_num_seqs, args.context_len)
         rows.append({**roofline_row(mc, spec, shape, itemsize), **mosaic_columns(
             mc, spec, shape, context_len=args.context_len, max_num_seqs=args.max_num_seqs,
-            block_size=EngineConfig.block_size, max_model_len=mc.max_position_embeddings, itemsize=itemsize)})
+            block_size=CacheConfig.block_size, max_model_len=mc.max_position_embeddings, itemsize=itemsize)})
     if args.compile:
         config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                               attention_backend="pallas", interpret_kernels=False)

@@ -302,7 +302,7 @@ def run_throughput_cli(args) -> dict:
 
         overrides["tokenizer"] = str(demo_model_path())
     config = EngineConfig.from_cli_args(args, model=model, **overrides)
-    engine_args = {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}
+    engine_args = {k: v for k, v in config.as_kwargs().items() if k != "model"}
     result: dict[str, Any] = {
         "model": model, "num_prompts": args.num_prompts, "input_len_range": list(inp),
         "output_len_range": list(out), "prompt_tokens": workload.num_prompt_tokens,

@@ -28,17 +28,17 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from jaxserve.core.schedule_record import record_schedule
-from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.stats import SchedulerStats
+from jaxserve.engine.executor import LocalExecutor, StepExecutor
 from jaxserve.engine.startup import StartupTimes
+from jaxserve.engine.step_clock import StepClock
 from jaxserve.engine.step_records import StepRecord
 from jaxserve.exceptions import ConfigError
 from jaxserve.models.hub import ModelSource, resolve_model
 
 if TYPE_CHECKING:
-    import numpy as np
-
-    from jaxserve.engine.lockstep import LockstepLeader
+    from jaxserve.distributed.lockstep import LockstepLeader
     from jaxserve.runner.model_runner import InFlightStep, PreparedStep
     from jaxserve.structured.backend import GrammarBackend
     from jaxserve.structured.manager import StructuredOutputManager
@@ -173,11 +173,7 @@ class EngineCore:
         with self.startup.phase("runner"):
             self.runner = ModelRunner(config, model, self.max_model_len, devices=devices)
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-                long_prefill_token_threshold=config.long_prefill_token_threshold,
-                policy=config.scheduling_policy, async_scheduling=config.async_scheduling),
+            config.scheduler_config.for_scheduler(self.max_model_len),
             make_kv_cache_manager(model.config, self.runner.num_blocks, config.block_size,
                                   model.config.dtype, self.max_model_len, config.max_num_batched_tokens,
                                   config.enable_prefix_caching),
@@ -196,9 +192,9 @@ class EngineCore:
         self.startup.add("compile", self.runner.stats.warm_up_compile_seconds)
         self.startup.add("first_runs", self.runner.stats.warm_up_run_seconds)
         # Rank 0 of a multi-node engine sends its runner calls on; the others replay them (headless).
-        self.lockstep: Optional[LockstepLeader] = None
+        self.executor: StepExecutor = LocalExecutor(self.runner)
         if config.is_multi_node and config.node_rank == 0:
-            self.lockstep = _start_leader(self)
+            self.executor = _start_leader(self)
 
     def _serving_dtype(self, path: str, platform: str) -> str:
         """``config.dtype`` made concrete for the checkpoint and the device, before any weight is read."""
@@ -282,51 +278,48 @@ class EngineCore:
         return any(r in in_flight and so.tracks(r) for r in prepared.plan.req_ids)
 
     def _step_sync(self) -> list[EngineCoreOutput]:
-        t0 = time.monotonic()
-        scheduler_output = self.scheduler.schedule()
-        t1 = time.monotonic()
-        record = self._open_record(scheduler_output, t0, t1) if self.step_records is not None else None
-        prepared = self._prepare(scheduler_output)
-        in_flight = self._launch(prepared, self._bitmask(prepared))
-        t2 = time.monotonic()
-        if record is not None:
-            record.prepare_s, record.dispatched = t2 - t1, t2
-        outputs = self._collect(in_flight, record, t2)
-        self.last_stats = self.scheduler.make_stats()
-        self._last_step_end = time.monotonic()
-        return outputs
+        return self._step(pipelined=False)
 
     def _step_async(self) -> list[EngineCoreOutput]:
-        """Dispatch step N+1, then collect step N: returns step N's outputs (none on the first).
-        A constrained row of N+1 needs its token from N for its bitmask: then N is collected first."""
-        t0 = time.monotonic()
-        scheduler_output = self.scheduler.schedule()
-        t1 = time.monotonic()
-        record = self._open_record(scheduler_output, t0, t1) if self.step_records is not None else None
-        prepared = self._prepare(scheduler_output)  # an empty one only updates request states
-        prepare_s = time.monotonic() - t1
+        return self._step(pipelined=True)
+
+    def _step(self, pipelined: bool) -> list[EngineCoreOutput]:
+        """Schedule, prepare and launch a step, then collect one. Unpipelined: this step, at once.
+        Pipelined (async scheduling): dispatch step N+1, then collect step N, returning N's outputs
+        (none on the first). A constrained row of N+1 needs its token from N for its bitmask: then
+        N's sampled ids are read first."""
+        clock = StepClock()
+        with clock.phase("schedule"):
+            scheduler_output = self.scheduler.schedule()
+        record = (self._open_record(scheduler_output, clock.start, clock.last)
+                  if self.step_records is not None else None)
+        with clock.phase("prepare"):
+            prepared = self.executor.prepare(scheduler_output)  # an empty one only updates request states
         previous, previous_record = self._in_flight, self._in_flight_record
         self._in_flight, self._in_flight_record = None, None
-        outputs: list[EngineCoreOutput] = []
         ahead = previous is not None and self._needs_previous_tokens(prepared, previous)
         if ahead:
             assert previous is not None and self.structured_outputs is not None
             self.structured_outputs.accept_ahead(self.runner.sampled_tokens(previous))
-        launch_start = time.monotonic()
-        dispatched = self._launch(prepared, self._bitmask(prepared))
-        t2 = time.monotonic()
+        with clock.phase("prepare"):
+            dispatched = self.executor.launch(prepared, self._bitmask(prepared))
+        dispatched_at = clock.last
         if record is not None:
-            record.prepare_s, record.dispatched = prepare_s + t2 - launch_start, t2
+            record.prepare_s, record.dispatched = clock.seconds["prepare"], dispatched_at
+        outputs: list[EngineCoreOutput] = []
         ran = dispatched.out is not None
-        if ran:
-            self._in_flight, self._in_flight_record = dispatched, record
-        if previous is not None:
-            outputs = self._collect(previous, previous_record, t2)
-        if ahead:
-            self.structured_outputs.settle()  # type: ignore[union-attr]
+        if not pipelined:
+            outputs = self._collect(dispatched, record, dispatched_at)
+        else:
+            if ran:
+                self._in_flight, self._in_flight_record = dispatched, record
+            if previous is not None:
+                outputs = self._collect(previous, previous_record, dispatched_at)
+            if ahead:
+                self.structured_outputs.settle()  # type: ignore[union-attr]
         self.last_stats = self.scheduler.make_stats()
-        if record is not None and not ran:
-            self._close_record(record, None, [], t2, t2, t2)
+        if pipelined and record is not None and not ran:
+            self._close_record(record, None, [], dispatched_at, dispatched_at, dispatched_at)
         self._last_step_end = time.monotonic()
         return outputs
 
@@ -334,20 +327,12 @@ class EngineCore:
                  collect_start: float) -> list[EngineCoreOutput]:
         """Wait for a dispatched step's tokens and apply them; ``collect_start``: when the host began
         waiting (in async mode, after dispatching the next step)."""
-        runner_output = self.runner.collect(step) if self.lockstep is None else self.lockstep.collect(step)
+        runner_output = self.executor.collect(step)
         collected = time.monotonic()
         outputs = self.scheduler.update_from_output(step.scheduler_output, runner_output)
         if record is not None:
             self._close_record(record, runner_output, outputs, collect_start, collected, time.monotonic())
         return outputs
-
-    def _prepare(self, so: SchedulerOutput) -> PreparedStep:
-        return self.runner.prepare(so) if self.lockstep is None else self.lockstep.prepare(so)
-
-    def _launch(self, prepared: PreparedStep, bitmask: Optional[np.ndarray]) -> InFlightStep:
-        if self.lockstep is None:
-            return self.runner.launch(prepared, bitmask)
-        return self.lockstep.launch(prepared, bitmask)
 
     def _open_record(self, so: SchedulerOutput, start: float, scheduled: float) -> StepRecord:
         """The step as scheduled; read now, before aborts or updates change the scheduler."""
@@ -382,14 +367,12 @@ class EngineCore:
     def check_nodes(self) -> None:
         """Raise ``NodeLostError`` if another host of a multi-node engine was lost (no-op on one
         host); cheap enough to call on every idle wait."""
-        if self.lockstep is not None:
-            self.lockstep.check()
+        self.executor.check()
 
     def shutdown(self) -> None:
         """Release the other hosts of a multi-node engine (they leave their loops)."""
-        if self.lockstep is not None:
-            self.lockstep.shutdown()
-            self.lockstep = None
+        self.executor.shutdown()
+        self.executor = LocalExecutor(self.runner)
 
     # ---- introspection -------------------------------------------------------------------------
 
@@ -427,8 +410,8 @@ class EngineCore:
 def _start_leader(core: EngineCore) -> LockstepLeader:
     from jaxserve.distributed.channel import ControlChannel
     from jaxserve.distributed.liveness import NodeMonitor
+    from jaxserve.distributed.lockstep import LockstepLeader
     from jaxserve.distributed.runtime import coordination_client
-    from jaxserve.engine.lockstep import LockstepLeader
 
     config = core.config
     client = coordination_client()

@@ -13,17 +13,15 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.engine.dp_load import hash_for_routing, pick_replica
-from jaxserve.engine.dp_metrics import merge_stats, merged_snapshot
-from jaxserve.engine.dp_placement import start_replica_engines
+from jaxserve.engine.dp.placement import start_replica_engines
+from jaxserve.engine.dp.replica_set import ReplicaSet
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import Metric
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.processor import PromptType
 from jaxserve.engine.profiling import Profile, Profiler
-from jaxserve.engine.step_records import StepRecord, merged_records
-from jaxserve.engine.timeline import RequestTimeline, merged_timelines
-from jaxserve.engine.trace import build_trace
+from jaxserve.engine.step_records import StepRecord
+from jaxserve.engine.timeline import RequestTimeline
 from jaxserve.exceptions import ConfigError, InvalidRequestError
 
 if TYPE_CHECKING:  # the runner imports jax; LLM loads it with the engine
@@ -63,6 +61,7 @@ class LLM:
             self.llm_engines = [LLMEngine(self.config, show_progress=show_progress, record_steps=record_steps,
                                           model=model_object, tokenizer=tokenizer_object)]
         self.llm_engine = self.llm_engines[0]
+        self.replicas = ReplicaSet(self.llm_engines)  # routes and merges (also with one engine)
         self._counter = itertools.count()
         self._profiler = Profiler()
 
@@ -81,12 +80,12 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         added: list[tuple[LLMEngine, str]] = []
-        live = [0] * len(self.llm_engines)  # sequences routed to each engine by this call
+        self.replicas.reset_load()  # every earlier call ran to its end
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = str(next(self._counter))
                 salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-                engine = self._add_routed(rid, prompt, p, priority[i] if priority else 0, salt, live)
+                engine = self._add_routed(rid, prompt, p, priority[i] if priority else 0, salt)
                 added.append((engine, rid))
         except Exception:
             for engine, rid in added:
@@ -95,17 +94,14 @@ class LLM:
         return self._run([rid for _, rid in added], use_tqdm)
 
     def _add_routed(self, rid: str, prompt: PromptType, params: SamplingParams, priority: int,
-                    cache_salt: Optional[str], live: list[int]) -> LLMEngine:
-        """Add the request to the engine the router picks (the only one without data parallelism);
-        ``live``: the sequences each engine got so far, counted up here."""
+                    cache_salt: Optional[str]) -> LLMEngine:
+        """Add the request to the engine the router picks (the only one without data parallelism)."""
         engines = self.llm_engines
         processed = engines[0].process_request(rid, prompt, params, priority=priority, cache_salt=cache_salt)
-        index = 0
-        if len(engines) > 1:
-            hash_for_routing(processed.core_requests[0], self.config)
-            index = pick_replica(engines, live, processed.core_requests[0])
+        self.replicas.prepare(processed)
+        index = self.replicas.route(processed)
         engines[index].add_processed_request(processed, output_kind=RequestOutputKind.FINAL_ONLY)
-        live[index] += len(processed.core_requests)
+        self.replicas.admit(index, processed)
         return engines[index]
 
     def chat(
@@ -156,18 +152,16 @@ class LLM:
 
     def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]:
         """The newest ``limit`` step records (all kept with None) of all engines, oldest first."""
-        return merged_records((e.get_step_records(limit) for e in self.llm_engines), limit)
+        return self.replicas.get_step_records(limit)
 
     def get_request_timeline(self, request_id: str) -> Optional[RequestTimeline]:
         """A request's timeline (``RequestOutput.request_id``), while the engine keeps it."""
-        return next((t for e in self.llm_engines if (t := e.get_request_timeline(request_id)) is not None), None)
+        return self.replicas.get_request_timeline(request_id)
 
     def export_trace(self, path: Optional[str] = None, *, num_steps: Optional[int] = None,
                      num_requests: int = 100) -> dict:
         """A Chrome/Perfetto trace of the newest steps and requests; written to ``path`` if given."""
-        timelines = merged_timelines((e.recent_request_timelines(num_requests) for e in self.llm_engines),
-                                     num_requests)
-        trace = build_trace(self.get_step_records(num_steps), timelines)
+        trace = self.replicas.build_trace(num_steps, num_requests)
         if path is not None:
             with open(path, "w", encoding="utf-8") as f:
                 json.dump(trace, f)
@@ -175,12 +169,12 @@ class LLM:
 
     def get_metrics(self) -> list[Metric]:
         """Every engine's metrics (label ``engine``); with several, their totals (``engine="total"``)."""
-        return merged_snapshot([e.metrics.snapshot() for e in self.llm_engines])
+        return self.replicas.metrics_snapshot()
 
     def stats(self) -> dict:
         if len(self.llm_engines) == 1:
             return self.llm_engine.stats()
-        return merge_stats([e.stats() for e in self.llm_engines])
+        return self.replicas.merged_stats()
 
     def reset_prefix_cache(self) -> bool:
         return all([e.reset_prefix_cache() for e in self.llm_engines])

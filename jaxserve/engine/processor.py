@@ -72,11 +72,7 @@ class InputProcessor:
         self.grammar_backend = grammar_backend  # None: structured outputs are refused (no tokenizer)
         self.model_config = model_config
         self.max_model_len = max_model_len
-        self.max_logprobs = config.max_logprobs
-        self.max_prompt_chars = config.max_prompt_chars
-        self.max_n = config.max_n
-        self.max_stop_strings = config.max_stop_strings
-        self.max_stop_str_chars = config.max_stop_str_chars
+        self.limits = config.limits_config  # read per request: the one copy of the bounds
         # Without chunked prefill a prompt must fit one step's token budget.
         self.max_prompt_tokens = (max_model_len - 1 if config.enable_chunked_prefill
                                   else min(max_model_len - 1, config.max_num_batched_tokens))
@@ -106,15 +102,16 @@ class InputProcessor:
     def check_text(self, field: str, text: str) -> None:
         """A text prompt must be valid Unicode text (no lone surrogate, which no tokenizer or hash
         can encode) and at most ``max_prompt_chars`` long, checked before any tokenizing."""
-        if len(text) > self.max_prompt_chars:
-            raise InvalidRequestError(field, f"{len(text)} characters exceed max_prompt_chars={self.max_prompt_chars}")
+        if len(text) > self.limits.max_prompt_chars:
+            raise InvalidRequestError(
+                field, f"{len(text)} characters exceed max_prompt_chars={self.limits.max_prompt_chars}")
         check_no_surrogates(field, text)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  cache_salt: Optional[str] = None) -> None:
         """Raise ``InvalidRequestError`` if this engine cannot serve the request as given."""
-        if params.n > self.max_n:
-            raise InvalidRequestError("n", f"{params.n} samples exceed max_n={self.max_n}")
+        if params.n > self.limits.max_n:
+            raise InvalidRequestError("n", f"{params.n} samples exceed max_n={self.limits.max_n}")
         self._check_prompt(prompt_token_ids, params)
         if cache_salt is not None:
             if not isinstance(cache_salt, str):
@@ -137,8 +134,8 @@ class InputProcessor:
             self._check_token_ids("allowed_token_ids", params.allowed_token_ids)
         for field in ("logprobs", "prompt_logprobs"):
             value = getattr(params, field)
-            if value is not None and value > self.max_logprobs:
-                raise InvalidRequestError(field, f"{value} exceeds max_logprobs={self.max_logprobs}")
+            if value is not None and value > self.limits.max_logprobs:
+                raise InvalidRequestError(field, f"{value} exceeds max_logprobs={self.limits.max_logprobs}")
         if params.structured_outputs is not None:
             if self.grammar_backend is None:
                 raise InvalidRequestError("structured_outputs", "structured outputs need the model's tokenizer, "
@@ -146,13 +143,13 @@ class InputProcessor:
             self.grammar_backend.check(params.structured_outputs)  # a bad schema, regex or grammar is refused here
 
     def _check_stops(self, stops: Sequence[str]) -> None:
-        if len(stops) > self.max_stop_strings:
+        if len(stops) > self.limits.max_stop_strings:
             raise InvalidRequestError("stop", f"{len(stops)} stop strings exceed max_stop_strings="
-                                              f"{self.max_stop_strings}")
+                                              f"{self.limits.max_stop_strings}")
         for stop in stops:
-            if len(stop) > self.max_stop_str_chars:
+            if len(stop) > self.limits.max_stop_str_chars:
                 raise InvalidRequestError("stop", f"a stop string of {len(stop)} characters exceeds "
-                                                  f"max_stop_str_chars={self.max_stop_str_chars}")
+                                                  f"max_stop_str_chars={self.limits.max_stop_str_chars}")
             check_no_surrogates("stop", stop)
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:

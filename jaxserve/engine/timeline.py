@@ -12,12 +12,11 @@ Finish causes refine vLLM's finish reasons: ``stop`` is ``eos``, ``stop_token`` 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import threading
 from collections.abc import Iterable
 from typing import Any, Optional
 
+from jaxserve.core.locked_lru import LockedLRU
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.outputs import RequestMetrics
 
@@ -131,26 +130,17 @@ class TimelineStore:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._items: collections.OrderedDict[str, Any] = collections.OrderedDict()
-        self._lock = threading.Lock()
+        self._items: LockedLRU[str, Any] = LockedLRU(capacity)
 
     def add(self, request_id: str, state: Any) -> None:
-        if self.capacity <= 0:
-            return
-        with self._lock:
-            self._items[request_id] = state
-            self._items.move_to_end(request_id)
-            if len(self._items) > self.capacity:
-                self._items.popitem(last=False)
+        self._items.put(request_id, state)
 
     def get(self, request_id: str) -> Any:
-        with self._lock:
-            return self._items.get(request_id)
+        return self._items.peek(request_id)  # a read does not make a request newer
 
     def recent(self, limit: int) -> list[Any]:
         """The newest ``limit`` states, oldest first."""
-        with self._lock:
-            items = list(self._items.values())
+        items = self._items.values()
         return items[-limit:] if limit > 0 else []
 
 

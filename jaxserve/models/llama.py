@@ -69,6 +69,8 @@ class LlamaAttention(nnx.Module):
                                     param_dtype=dtype, quantization=quantization, rngs=rngs)
         self.o_proj = make_linear(cfg.q_size, cfg.hidden_size, use_bias=cfg.o_proj_bias, param_dtype=dtype,
                                   quantization=quantization, rngs=rngs)
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, param_dtype=dtype)
             self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, param_dtype=dtype)
@@ -163,6 +165,7 @@ class LlamaForCausalLM(nnx.Module):
             Embedding(layout.padded_vocab, config.hidden_size, param_dtype=dtype, rngs=rngs) if embed_format is None
             else BlockQuantEmbedding(layout.padded_vocab, config.hidden_size, qtype=embed_format, param_dtype=dtype))
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
+        self.layers: ScannedLayers | nnx.List[LlamaDecoderLayer]
         if scan_layers:
             self.layers = ScannedLayers(lambda r: LlamaDecoderLayer(config, layout, quantization=quantization, rngs=r),
                                         config.num_hidden_layers, rngs=rngs)
@@ -226,7 +229,8 @@ class LlamaForCausalLM(nnx.Module):
         gathered."""
         axes = mesh.axis_names
         tied = self.lm_head is None
-        weight = self.embed_tokens.embedding[...] if tied else self.lm_head.kernel[...]
+        assert isinstance(self.embed_tokens, Embedding), "kept GGUF blocks are served on one device"
+        weight = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.kernel[...]
         weight_spec = PartitionSpec(axes, None) if tied else PartitionSpec(None, axes)
 
         def local(h: jax.Array, w: jax.Array) -> jax.Array:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Callable
+from typing import Callable, cast
 
 import jax
 import numpy as np
@@ -155,9 +155,15 @@ def _block_readers(get: Callable[[str], np.ndarray]) -> dict[ParamPath, Callable
     fused = {("self_attn", "qkv_proj"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
              ("self_attn", "o_proj"): ("self_attn.o_proj",), ("mlp", "gate_up_proj"): ("mlp.gate_proj", "mlp.up_proj"),
              ("mlp", "down_proj"): ("mlp.down_proj",)}
-    return {(*module, part): (lambda p, s, names=names, part=part:
-                              np.concatenate([get(f"{p}{name}.weight.{part}") for name in names]))
-            for module, names in fused.items() for part in BLOCK_PARTS}
+
+    def reader(names: tuple[str, ...], part: str) -> Callable[[str, int], np.ndarray]:
+        return lambda p, s: np.concatenate([get(f"{p}{name}.weight.{part}") for name in names])
+
+    return {(*module, part): reader(names, part) for module, names in fused.items() for part in BLOCK_PARTS}
+
+
+def _embedding_block_reader(get: Callable[[str], np.ndarray], part: str, layout: TPLayout) -> ShardReader:
+    return lambda s: _vocab_rows(get, f"model.embed_tokens.weight.{part}", layout, s)
 
 
 def _with_dtype(cfg: ModelConfig, dtype: str | None) -> ModelConfig:
@@ -200,8 +206,8 @@ def state_from_tensors(get: Callable[[str], np.ndarray], cfg: ModelConfig, shape
     per_layer = _layer_readers(get, layout)
     if quantization is not None and block_format_of(quantization) is not None:
         per_layer.update(_block_readers(get))
-        top.update({("embed_tokens", "head", part): (lambda s, part=part: _vocab_rows(
-            get, f"model.embed_tokens.weight.{part}", layout, s)) for part in BLOCK_PARTS})
+        top.update({("embed_tokens", "head", part): _embedding_block_reader(get, part, layout)
+                    for part in BLOCK_PARTS})
     elif quantization is not None:
         per_layer = _quantized_readers(per_layer, layout, quantization)
     prefixes = [f"model.layers.{i}." for i in range(cfg.num_hidden_layers)]
@@ -212,10 +218,13 @@ def state_from_tensors(get: Callable[[str], np.ndarray], cfg: ModelConfig, shape
         read = per_layer[path[2:]]
         if scanned:  # ("layers", "stacked", ...): one weight over all layers at a time
             return lambda s: np.stack([read(p, s) for p in prefixes])
-        return lambda s: read(prefixes[path[1]], s)  # ("layers", i, ...)
+        layer = path[1]
+        assert isinstance(layer, int)
+        return lambda s: read(prefixes[layer], s)  # ("layers", i, ...)
 
-    flat = {}
-    for path, var in nnx.to_flat_state(shapes):
+    flat: dict = {}
+    for key, var in nnx.to_flat_state(shapes):
+        path = cast(ParamPath, key)  # nnx's keys are the names and indices of the module tree
         sharding = place(path, var.shape) if place is not None else None
         flat[path] = _build_array(path, var, reader(path), layout.size, sharding)
     return nnx.from_flat_state(flat)
@@ -243,10 +252,11 @@ def _build_array(path: ParamPath, var, read: ShardReader, num_shards: int, shard
             raise RuntimeError(f"{name}: read {value.shape}, the model holds {var.shape}")
         return value
 
-    def device_block(index: tuple[slice, ...]) -> np.ndarray:
+    def device_block(index: tuple[slice, ...] | None) -> np.ndarray:
         if axis is None:
             data = block(0)
         else:
+            assert index is not None  # jax passes the block's slices for a sharded array
             per_shard = var.shape[axis] // num_shards
             start = index[axis].start or 0
             stop = var.shape[axis] if index[axis].stop is None else index[axis].stop
@@ -347,16 +357,23 @@ def _quantized_readers(per_layer: dict[ParamPath, Callable[[str, int], np.ndarra
     readers = dict(per_layer)
     n = layout.size
     for module in QUANTIZED_PROJECTIONS:
-        read = per_layer[(*module, "kernel")]
-        axis = split_axis((*module, "kernel"))
+        kernel, scale = module + ("kernel",), module + ("kernel_scale",)
+        read = per_layer[kernel]
+        axis = split_axis(kernel)
 
         @functools.lru_cache(maxsize=2)
         def whole(p: str, read=read, axis=axis) -> tuple[np.ndarray, np.ndarray]:
             full = read(p, 0) if axis is None else np.concatenate([read(p, s) for s in range(n)], axis=axis)
             return quantize_columns(full, method)
 
-        readers[(*module, "kernel")] = lambda p, s, whole=whole, axis=axis: _shard_of(whole(p)[0], axis, s, n)
+        readers[kernel] = _part_reader(whole, 0, axis, n)
         # The scale follows the output columns: split with a column-split kernel, else replicated.
-        readers[(*module, "kernel_scale")] = (
-            lambda p, s, whole=whole, axis=axis: _shard_of(whole(p)[1], 0 if axis == 1 else None, s, n))
+        readers[scale] = _part_reader(whole, 1, 0 if axis == 1 else None, n)
     return readers
+
+
+def _part_reader(whole: Callable[[str], tuple[np.ndarray, np.ndarray]], part: int, axis: int | None,
+                 num_shards: int) -> Callable[[str, int], np.ndarray]:
+    """Shard ``s`` of part ``part`` (0: the quantized kernel, 1: its scale) of a layer's whole
+    quantized projection."""
+    return lambda p, s: _shard_of(whole(p)[part], axis, s, num_shards)

@@ -49,7 +49,7 @@ def enable_persistent_compilation_cache(cache_dir: Optional[str]) -> None:
     if not cache_dir:
         return
     os.makedirs(cache_dir, exist_ok=True)
-    previous = jax.config.jax_compilation_cache_dir
+    previous = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # a flag jax's stubs do not list
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     if previous and previous != cache_dir:
         try:

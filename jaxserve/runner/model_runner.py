@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -70,29 +70,27 @@ from jaxserve.sample.sampler import SamplerOutput, sample
 logger = logging.getLogger("jaxserve")
 
 
-@dataclasses.dataclass
-class InFlightStep:
-    """A dispatched step whose sampled tokens have not been read back yet."""
+@dataclasses.dataclass(frozen=True)
+class RunnerStep:
+    """One step through the runner. ``prepare`` builds it (request states applied, host inputs in
+    ``groups``); ``launch`` returns a copy carrying the device's output ``out``, not yet read back;
+    ``collect`` reads it. ``groups`` None: nothing was scheduled; ``out`` None: not on the device."""
 
     scheduler_output: SchedulerOutput
-    out: SamplerOutput | None = None  # None: nothing was scheduled
+    groups: dict | None = None
     plan: StepPlan | None = None
     states: list[CachedRequestState] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class PreparedStep:
-    """A step whose request states and host inputs are ready, not yet launched."""
-
-    scheduler_output: SchedulerOutput
-    groups: dict | None = None  # None: nothing was scheduled
-    plan: StepPlan | None = None
-    states: list[CachedRequestState] = dataclasses.field(default_factory=list)
+    out: SamplerOutput | None = None
 
     @property
     def num_rows(self) -> int:
         """Rows of the step's padded batch (the bitmask's first dimension)."""
         return 0 if self.groups is None else len(self.groups["model"]["row_slots"])
+
+
+# The two stages' names, kept for the engine, lockstep and their readers: one type.
+PreparedStep = RunnerStep
+InFlightStep = RunnerStep
 
 
 def resolve_attention_backend(requested: str, platform: str | None = None, dtype: str = "float32", *,
@@ -299,10 +297,13 @@ class ModelRunner:
     def _state_shardings(self) -> DeviceState:
         """The KV cache split on its key/value heads, the rest replicated."""
         kv = kv_cache_sharding(self.mesh)
-        return DeviceState(kv_cache=(kv, kv), penalties=self._replicated, prev_sampled=self._replicated)
+        # The same dataclass as a tree of shardings (jit's out_shardings), not of arrays.
+        leaves: dict[str, Any] = dict(kv_cache=(kv, kv), penalties=self._replicated, prev_sampled=self._replicated)
+        return DeviceState(**leaves)
 
     def _replicated_except_state(self) -> StepOutput:
-        return StepOutput(self._state_shardings(), self._replicated, self._replicated)
+        replicated: list[Any] = [self._replicated, self._replicated]
+        return StepOutput(self._state_shardings(), *replicated)
 
     def _zero_state(self, num_blocks: int) -> DeviceState:
         slots = self.config.max_num_seqs
@@ -369,6 +370,7 @@ class ModelRunner:
         prev = x["prev_rows"]
         input_ids = jnp.where(prev >= 0, state.prev_sampled[jnp.maximum(prev, 0)], x["input_ids"])
         attn_fn = self.decode_attn_fn if decode_only else self.attn_fn
+        assert attn_fn is not None  # a decode-only variant exists only with a decode kernel
         md = AttentionMetadata(
             positions=x["positions"], slot_mapping=x["slot_mapping"], block_tables=x["block_tables"],
             kv_lens=x["kv_lens"], query_start_loc=x["query_start_loc"], num_seqs=x["num_seqs"])
@@ -536,35 +538,34 @@ class ModelRunner:
         """Apply ``so`` to the request states and build the step's host inputs."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return PreparedStep(so)
+            return RunnerStep(so)
         groups, plan, states = self._prepare_inputs(so)
-        return PreparedStep(so, groups, plan, states)
+        return RunnerStep(so, groups, plan, states)
 
     def launch(self, prepared: PreparedStep, bitmask: np.ndarray | None = None) -> InFlightStep:
         """Launch a prepared step without waiting for it. ``bitmask`` [num_rows, bitmask_width]:
         the structured-output masks of its rows (all ones for an unconstrained row), or None."""
         so, groups, plan, states = prepared.scheduler_output, prepared.groups, prepared.plan, prepared.states
         if groups is None or plan is None:
-            return InFlightStep(so)
+            return prepared
         # The prepared inputs stay as prepare built them: the bitmask flag joins a copy.
         inputs = {**groups, "model": {**groups["model"], "use_bitmask": np.asarray([bitmask is not None])}}
         buf = pack(inputs, self._layout_for(plan.token_bucket))
         self.last_packed = PackedStep(buf, self._layout_for(plan.token_bucket), plan.token_bucket, plan.num_tokens,
                                       tuple(plan.req_ids), self.block_size)
-        if bitmask is None:
-            bitmask = self._allowed_all_bitmask(prepared.num_rows)
+        device_mask: Any = self._allowed_all_bitmask(prepared.num_rows) if bitmask is None else bitmask
         if self.config.enforce_eager:  # op by op, every numpy slice would be its own transfer
-            buf, bitmask = jax.device_put((buf, bitmask), self._replicated)
+            buf, device_mask = jax.device_put((buf, device_mask), self._replicated)
         # Compiled: the executable takes the fresh numpy buffer as its one transfer (an explicit
         # device_put first costs several times as much host time per step).
         decode_only = self.decode_attn_fn is not None and plan.num_tokens == len(plan.req_ids)
         all_greedy = self.sampling_table.all_greedy(groups["model"]["row_slots"]) if self.cond_free else None
         result = self._launch(self._executable(StepVariant(plan.token_bucket, decode_only, all_greedy)), buf,
-                              bitmask)
+                              device_mask)
         self._prev_row_of = {r: i for i, r in enumerate(plan.req_ids)}
         self.stats.record_step(plan.num_tokens, plan.token_bucket)
         self.prompt_logprobs.accumulate(self.model_state, result.hidden, plan, states, so)
-        return InFlightStep(so, result.sampler, plan, states)
+        return dataclasses.replace(prepared, out=result.sampler)
 
     def sampled_tokens(self, step: InFlightStep) -> dict[str, int]:
         """Wait for a dispatched step's sampled ids only: request id -> token, for the rows that
@@ -579,7 +580,7 @@ class ModelRunner:
 
     def collect(self, step: InFlightStep) -> ModelRunnerOutput:
         """Wait for a dispatched step and hand its tokens to the host-side request states."""
-        if step.out is None:
+        if step.out is None or step.plan is None:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         return self._collect(step.out, step.plan, step.states, step.scheduler_output)
 
@@ -617,7 +618,8 @@ class ModelRunner:
         else:
             sampled = np.asarray(out.sampled_token_ids)
         self.stats.device_wait_seconds += time.perf_counter() - start
-        sampled_lists, logprob_rows = [], []
+        sampled_lists: list[list[int]] = []
+        logprob_rows: list[tuple[list[int], list[float], int] | None] = []
         prompt_logprobs: dict[str, list] = {}
         live_slots, live_tokens = [], []
         tokens = sampled[: len(states)].tolist()

@@ -23,7 +23,7 @@ def _scatter_indices(token_ids: jax.Array, vocab_size: int) -> tuple[jax.Array, 
     return rows, cols
 
 
-def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array, use_bitmask: jax.Array,
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array, use_bitmask: jax.Array | bool,
                         policy: SamplerPolicy = WITH_CONDS) -> jax.Array:
     """Structured outputs: token ``t`` of row ``r`` keeps its logit iff bit ``t % 32`` of word
     ``bitmask[r, t // 32]`` is set (llguidance's layout), else -inf. A row of all ones (-1) is

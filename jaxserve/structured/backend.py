@@ -8,17 +8,20 @@ cached entry is a compiled matcher in its initial state; each request gets a ``d
 
 from __future__ import annotations
 
-import collections
 import copy
 import json
 import threading
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
+from jaxserve.core.locked_lru import LockedLRU
 from jaxserve.core.structured_outputs import StructuredOutputsParams
 from jaxserve.exceptions import InvalidRequestError
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 # Compiled grammars kept per backend (least recently used dropped first).
 COMPILE_CACHE_SIZE = 256
@@ -80,8 +83,8 @@ class GrammarBackend:
         self._end_tokens: Optional[frozenset[int]] = None
         self._ll_tokenizer: Optional[llguidance.LLTokenizer] = None
         self._lock = threading.Lock()
-        self._compiled: collections.OrderedDict[tuple, llguidance.LLMatcher] = collections.OrderedDict()
-        self._checked: collections.OrderedDict[tuple, str] = collections.OrderedDict()
+        self._compiled: LockedLRU[tuple, llguidance.LLMatcher] = LockedLRU(COMPILE_CACHE_SIZE)
+        self._checked: LockedLRU[tuple, str] = LockedLRU(COMPILE_CACHE_SIZE)
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -127,13 +130,14 @@ class GrammarBackend:
             # Lark string literals use JSON's escapes, so any choice text is one literal.
             return llguidance.LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c) for c in params.choice))  # type: ignore[union-attr]
+        assert params.grammar is not None  # the only kind left; StructuredOutputsParams checked it is set
         try:
             lark = any_to_lark(params.grammar)  # Lark passes through; GBNF is converted
         except Exception as e:  # noqa: BLE001 - the converter raises plain exceptions for bad input
             raise InvalidRequestError("structured_outputs.grammar", f"cannot read the grammar: {e}") from None
         return llguidance.LLMatcher.grammar_from_lark(lark)
 
-    def _json_options(self, params: StructuredOutputsParams) -> dict[str, Any]:
+    def _json_options(self, params: StructuredOutputsParams) -> JsonCompileOptions:
         """Whitespace between JSON tokens: a request's ``whitespace_pattern``, else any JSON
         whitespace if the engine allows it, else none (compact JSON); never any with
         ``disable_any_whitespace``."""
@@ -149,16 +153,10 @@ class GrammarBackend:
         """Raise ``InvalidRequestError`` naming the problem if the constraint cannot be compiled:
         too large, or an invalid schema, regex or grammar. Results are cached by constraint."""
         key = params.cache_key()
-        with self._lock:
-            error = self._checked.get(key)
-            if error is not None:
-                self._checked.move_to_end(key)
+        error = self._checked.get(key)
         if error is None:
             error = self._find_error(params)
-            with self._lock:
-                self._checked[key] = error
-                while len(self._checked) > COMPILE_CACHE_SIZE:
-                    self._checked.popitem(last=False)
+            self._checked.put(key, error)
         if error:
             raise InvalidRequestError(f"structured_outputs.{params.kind}", error)
 
@@ -179,19 +177,13 @@ class GrammarBackend:
     def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A fresh matcher in its initial state; raises ``GrammarError`` if compiling fails."""
         key = params.cache_key()
-        with self._lock:
-            template = self._compiled.get(key)
-            if template is not None:
-                self._compiled.move_to_end(key)
+        template = self._compiled.get(key)
         if template is None:
             template = llguidance.LLMatcher(self.ll_tokenizer, self.grammar_text(params), log_level=0,
                                             limits=self.limits)
             if template.is_error():
                 raise GrammarError(f"invalid {_KIND_NAMES[params.kind]}: {template.get_error()}")
-            with self._lock:
-                self._compiled[key] = template
-                while len(self._compiled) > COMPILE_CACHE_SIZE:
-                    self._compiled.popitem(last=False)
+            self._compiled.put(key, template)
         return template.deep_copy()
 
 

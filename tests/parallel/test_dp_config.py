@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.dp_placement import replica_device_groups
+from jaxserve.engine.dp.placement import replica_device_groups
 from jaxserve.exceptions import ConfigError
 
 

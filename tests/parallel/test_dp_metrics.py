@@ -7,7 +7,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.core.stats import SchedulerStats
-from jaxserve.engine.dp_metrics import merge_stats, merged_snapshot, render_merged
+from jaxserve.engine.dp.metrics import merge_stats, merged_snapshot, render_merged
 from jaxserve.engine.metrics import EngineMetrics
 
 

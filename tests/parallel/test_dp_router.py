@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.engine.dp_router import ReplicaLoad, choose_replica
+from jaxserve.engine.dp.router import ReplicaLoad, choose_replica
 
 
 def test_least_loaded_replica_wins():

@@ -19,9 +19,9 @@ def run_headless(config: EngineConfig, *, show_progress: bool = True) -> int:
     """Follow rank 0 until it stops; returns the number of steps run."""
     from jaxserve.distributed.channel import ControlChannel
     from jaxserve.distributed.liveness import Heartbeat
+    from jaxserve.distributed.lockstep import LockstepFollower
     from jaxserve.distributed.runtime import coordination_client, start_distributed_runtime
     from jaxserve.engine.engine_core import EngineCore
-    from jaxserve.engine.lockstep import LockstepFollower
 
     if not config.is_multi_node or config.node_rank == 0:
         raise ValueError(f"node_rank: a headless node has rank 1 to nnodes - 1, got {config.node_rank} "

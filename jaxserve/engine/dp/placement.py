@@ -5,7 +5,6 @@ any weight is loaded."""
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -48,7 +47,7 @@ def start_replica_engines(config: EngineConfig, *, served_model_name: Optional[s
     def start(index: int) -> LLMEngine:
         devices = groups[index]
         logger.info("data parallel: starting replica %d of %d on %s", index, len(groups), devices)
-        return LLMEngine(dataclasses.replace(config, seed=config.seed + index), show_progress=show_progress,
+        return LLMEngine(config.replace(seed=config.seed + index), show_progress=show_progress,
                          record_steps=record_steps, served_model_name=served_model_name, devices=devices,
                          engine_index=index)
 

@@ -12,12 +12,23 @@ The policy (vLLM's DP load balancing, plus prefix awareness):
 
 Cached blocks are counted by the replica's own ``KVCacheManager.get_computed_blocks`` over the
 request's block hash chain, so a hit here is a hit there (until evicted).
+
+What the router reads of a replica (``replica_load``) is plain Python state of its scheduler, read
+from the caller's thread. The reads race with the replica's loop thread and may be a step old;
+single dict lookups and int reads are atomic under the GIL, so the worst case is a slightly stale
+routing choice.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxserve.config import EngineConfig
+    from jaxserve.core.request import Request
+    from jaxserve.engine.llm_engine import LLMEngine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,3 +61,26 @@ def choose_replica(loads: Sequence[ReplicaLoad]) -> int:
         raise ValueError("no replica to route to")
     return min(range(len(loads)), key=lambda i: (routing_key(loads[i]), i))
 
+
+def hash_for_routing(request: Request, config: EngineConfig) -> None:
+    """With prefix caching, compute the request's block hashes now (off the engine thread); the
+    scheduler reuses them."""
+    if config.enable_prefix_caching:
+        request.init_block_hashes(config.block_size)
+
+
+def replica_load(engine: LLMEngine, live_seqs: int, request: Request) -> ReplicaLoad:
+    """The replica's load for ``request``. ``live_seqs``: sequences routed to it and not finished
+    (the router's own count, ahead of the scheduler's between steps); those the scheduler does not
+    run yet count as waiting."""
+    core = engine.core
+    kv = core.scheduler.kv_cache_manager
+    running = core.last_stats.num_running_reqs
+    cached = kv.get_computed_blocks(request, record_stats=False)[1] // kv.block_size  # any KV groups
+    return ReplicaLoad(num_waiting=max(0, live_seqs - running), num_running=running,
+                       kv_cache_usage=kv.usage, cached_blocks=cached)
+
+
+def pick_replica(engines: Sequence[LLMEngine], live_seqs: Sequence[int], request: Request) -> int:
+    """The index of the replica that takes ``request`` (the policy above)."""
+    return choose_replica([replica_load(e, n, request) for e, n in zip(engines, live_seqs)])

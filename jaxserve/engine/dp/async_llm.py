@@ -4,9 +4,9 @@ vLLM's data-parallel front end (a load-balancing client over engine cores, fed b
 counts) in one process: each replica is a whole ``AsyncLLM`` (scheduler, KV pool, runner on its
 own device group, loop thread). Their loop threads step concurrently: a step's device work runs
 with the GIL released. This object tokenizes each prompt once, hashes its full blocks, asks the
-router which replica takes it (prefix hits, then load, then KV usage: ``dp_router``) and streams
-that replica's outputs. It owns the request-id -> replica map, so an abort reaches the right one
-and an id is unique across all of them.
+router which replica takes it (prefix hits, then load, then KV usage: ``router``, through the
+``ReplicaSet`` that ``LLM`` uses too) and streams that replica's outputs. It owns the request-id ->
+replica map, so an abort reaches the right one and an id is unique across all of them.
 """
 
 from __future__ import annotations
@@ -17,19 +17,17 @@ import contextlib
 import functools
 import time
 from collections.abc import Sequence
-from typing import AsyncGenerator, Optional
+from typing import TYPE_CHECKING, AsyncGenerator, Optional
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.async_llm import DEFAULT_INPUT_WORKERS, AsyncLLM
-from jaxserve.engine.dp_load import hash_for_routing, pick_replica
-from jaxserve.engine.dp_metrics import merge_stats, render_merged
-from jaxserve.engine.dp_placement import start_replica_engines
+from jaxserve.engine.dp.placement import start_replica_engines
+from jaxserve.engine.dp.replica_set import ReplicaSet
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.processor import ProcessedRequest, PromptType, check_request_id
-from jaxserve.engine.step_records import StepRecord, merged_records
-from jaxserve.engine.timeline import EntryTimes, RequestTimeline, merged_timelines
-from jaxserve.engine.trace import build_trace
+from jaxserve.engine.step_records import StepRecord
+from jaxserve.engine.timeline import EntryTimes, RequestTimeline
 from jaxserve.exceptions import EngineDeadError, EngineOverloadedError, InvalidRequestError
 
 
@@ -37,8 +35,8 @@ class DPAsyncLLM:
     """``AsyncLLM``'s public interface over M replicas.
 
     Invariants: ``_owner`` holds exactly the live requests (added before the first output, removed
-    when the stream ends, however it ends); ``_live_seqs[i]`` is the number of sequences of the
-    live requests owned by replica ``i``. Both are touched on the caller's event loop only.
+    when the stream ends, however it ends); ``replica_set.live_seqs[i]`` is the number of sequences
+    of the live requests owned by replica ``i``. Both are touched on the caller's event loop only.
     """
 
     def __init__(self, replicas: Sequence[AsyncLLM], *, max_waiting: int = 1024,
@@ -54,8 +52,8 @@ class DPAsyncLLM:
         self.served_model_name = first.served_model_name
         self.model_root = first.model_root
         self.max_waiting = max_waiting
+        self.replica_set = ReplicaSet([r.engine for r in self.replicas])
         self._owner: dict[str, int] = {}
-        self._live_seqs = [0] * len(self.replicas)
         self._processing = 0
         self.input_pool = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="jaxserve-input")
 
@@ -115,16 +113,15 @@ class DPAsyncLLM:
         if request_id in self._owner:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         index = self.route(processed)
-        num_seqs = len(processed.core_requests)
+        num_seqs = self.replica_set.admit(index, processed)
         self._owner[request_id] = index
-        self._live_seqs[index] += num_seqs
         try:
             async with contextlib.aclosing(self.replicas[index].generate_processed(processed, output_kind)) as stream:
                 async for out in stream:
                     yield out
         finally:
             del self._owner[request_id]
-            self._live_seqs[index] -= num_seqs
+            self.replica_set.release(index, num_seqs)
 
     def _process(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
                  cache_salt: Optional[str], arrival_time: float, entry_times: Optional[EntryTimes]) -> ProcessedRequest:
@@ -133,12 +130,12 @@ class DPAsyncLLM:
         processed = self.replicas[0].engine.process_request(request_id, prompt, params, priority=priority,
                                                             cache_salt=cache_salt, arrival_time=arrival_time,
                                                             entry_times=entry_times)
-        hash_for_routing(processed.core_requests[0], self.config)
+        self.replica_set.prepare(processed)
         return processed
 
     def route(self, processed: ProcessedRequest) -> int:
-        """The replica index that takes ``processed`` (see ``dp_router`` for the policy)."""
-        return pick_replica([r.engine for r in self.replicas], self._live_seqs, processed.core_requests[0])
+        """The replica index that takes ``processed`` (see ``router`` for the policy)."""
+        return self.replica_set.route(processed)
 
     async def abort(self, request_id: str) -> None:
         check_request_id(request_id)
@@ -150,32 +147,35 @@ class DPAsyncLLM:
 
     def render_metrics(self) -> bytes:
         """Every replica's samples (label ``engine``) and their totals (``engine="total"``)."""
-        return render_merged([r.engine.metrics.registry for r in self.replicas])
+        return self.replica_set.render_metrics()
 
     def get_request_timeline(self, request_id: str) -> Optional[RequestTimeline]:
-        for replica in self.replicas:
-            timeline = replica.get_request_timeline(request_id)
-            if timeline is not None:
-                return timeline
-        return None
+        return self.replica_set.get_request_timeline(request_id)
 
     def recent_request_timelines(self, limit: int = 100) -> list[RequestTimeline]:
         """The newest ``limit`` over all replicas, by arrival."""
-        return merged_timelines((r.recent_request_timelines(limit) for r in self.replicas), limit)
+        return self.replica_set.recent_request_timelines(limit)
 
     def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]:
         """The newest ``limit`` step records of all replicas, oldest first (by start)."""
-        return merged_records((r.get_step_records(limit) for r in self.replicas), limit)
+        return self.replica_set.get_step_records(limit)
 
     def build_trace(self, num_steps: Optional[int] = None, num_requests: int = 100) -> dict:
         """A Chrome/Perfetto trace of the newest steps (all replicas) and requests."""
-        return build_trace(self.get_step_records(num_steps), self.recent_request_timelines(num_requests))
+        return self.replica_set.build_trace(num_steps, num_requests)
 
     def stats(self) -> dict:
         """Totals over the replicas, and each replica's own under ``engines``."""
-        return merge_stats([r.stats() for r in self.replicas])
+        return self.replica_set.merged_stats()
 
     def shutdown(self, timeout: float = 5.0) -> None:
         for replica in self.replicas:
             replica.shutdown(timeout)
         self.input_pool.shutdown(wait=False, cancel_futures=True)
+
+
+if TYPE_CHECKING:
+    from jaxserve.engine.protocol import EngineClient
+
+    def _both_are_engine_clients(one: AsyncLLM, many: DPAsyncLLM) -> tuple[EngineClient, EngineClient]:
+        return one, many  # mypy checks that each front end has the whole interface

@@ -1,14 +1,16 @@
-"""Time the sampler under jit and the design alternatives it was chosen over.
+"""``jaxserve bench sampler``: the sampler under jit, and the design alternatives it was chosen over.
 
-    python -m jaxserve.sample.bench                 # R=64 V=8192 and R=256 V=151936
-    python -m jaxserve.sample.bench --rows 64 --vocab 8192 --repeats 20
+    jaxserve bench sampler                          # R=64 V=8192 and R=256 V=151936
+    jaxserve bench sampler --rows 64 --vocab 8192 --repeats 20
 
 Scenarios: all-greedy; top_k=50; top_p=0.9 on peaked logits (nucleus inside the top-256 fast
 path) and on flat logits (forces the full-sort fallback); temperature only; all penalties on.
 Variants: the shipped `sample`; `full_sort` (always sort V, no top-256 fast path); `no_greedy_cond`
 (always run the random path); `no_proc_conds` (always apply allowed/bias/penalties); other caps.
 Only the cells that answer a question are timed (`--all` times every cell). Times are the minimum
-over repeats: on a shared CPU the minimum is the least disturbed by other processes.
+over repeats: on a shared CPU the minimum is the least disturbed by other processes. The result
+is JSON (milliseconds per shape, scenario and variant; null for a cell not timed); the figures
+are quoted in docs/benchmarks.md ("The sampler").
 """
 
 from __future__ import annotations
@@ -125,34 +127,24 @@ def time_call(fn, args, repeats: int) -> float:
     return 1e3 * float(np.min(times))
 
 
-def run(rows: int, vocab: int, repeats: int, every_cell: bool) -> None:
-    print(f"\nR={rows} V={vocab} ({jax.devices()[0].platform}, min of {repeats}, ms)")
+def run(rows: int, vocab: int, repeats: int, every_cell: bool) -> dict[str, dict[str, float | None]]:
+    """Milliseconds per scenario and variant at one shape (None: a cell not timed)."""
     counts = jnp.asarray(np.random.default_rng(0).integers(0, 2, (rows, vocab)), jnp.int32)
     prompt_mask = counts > 0
     logits = {peaked: make_logits(rows, vocab, peaked) for peaked in (True, False)}
     fns = variants()
-    print(f"{'scenario':22s}" + "".join(f"{name:>18s}" for name in fns))
+    table: dict[str, dict[str, float | None]] = {}
     for scenario in SCENARIOS:
         md = scenario_metadata(scenario, rows, vocab)
         args = (logits["flat" not in scenario], md, counts, prompt_mask)
-        cells = [
-            f"{time_call(fn, args, repeats):18.1f}" if every_cell or name in RELEVANT[scenario] else f"{'-':>18s}"
-            for name, fn in fns.items()
-        ]
-        print(f"{scenario:22s}" + "".join(cells), flush=True)
+        table[scenario] = {name: round(time_call(fn, args, repeats), 3) if every_cell or name in RELEVANT[scenario]
+                           else None for name, fn in fns.items()}
+    return table
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", type=int)
-    parser.add_argument("--vocab", type=int)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--all", action="store_true", help="time every scenario x variant cell")
-    args = parser.parse_args()
-    shapes = [(args.rows, args.vocab)] if args.rows else [(64, 8192), (256, 151936)]
-    for rows, vocab in shapes:
-        run(rows, vocab, args.repeats, args.all)
-
-
-if __name__ == "__main__":
-    main()
+def run_sampler_bench_cli(args: argparse.Namespace) -> dict:
+    """The flags are in ``jaxserve_server.cli`` (building the parser imports no jax)."""
+    shapes = [(args.rows, args.vocab or 8192)] if args.rows else [(64, 8192), (256, 151936)]
+    return {"platform": jax.devices()[0].platform, "repeats": args.repeats, "unit": "ms (minimum over repeats)",
+            "shapes": [{"rows": rows, "vocab": vocab, "ms": run(rows, vocab, args.repeats, args.all)}
+                       for rows, vocab in shapes]}

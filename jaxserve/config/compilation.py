@@ -1,0 +1,49 @@
+"""How the step is compiled and which kernels it runs (vLLM's ``CompilationConfig``, with the
+attention backend and the layer layout)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxserve import envs
+from jaxserve.config.base import SubConfig
+
+ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu", "mosaic")  # built in; more may be registered
+
+
+@dataclasses.dataclass
+class CompilationConfig(SubConfig):
+    enforce_eager: bool = False
+    """Run the step without jax.jit (for comparison with the compiled path)."""
+    attention_backend: str = "auto"
+    """auto, xla, pallas, triton, cpu, mosaic, or a name registered with
+    pallas_kernels.register_attention_backend in this process. auto = mosaic on an sm_90 GPU when
+    it passes its start-up self-check, else pallas on GPU; on a CPU, cpu (the C++ kernel) when it
+    builds here, else xla (mosaic on a CPU runs interpreted: tests only)."""
+    compilation_cache_dir: str | None = None
+    """JAX persistent compilation cache folder; default is under the user cache; 'off' disables it."""
+    interpret_kernels: bool | None = None
+    """Run Pallas kernels in interpret mode (default: on when not on a GPU)."""
+    scan_layers: bool | None = None
+    """Decoder layers under lax.scan over stacked weights (compile time flat in depth), or unrolled
+    over per-layer weights (no weight slicing per step; longer compiles for deep models).
+    Default: unrolled up to 8 layers, scanned above."""
+
+    def validate(self) -> None:
+        if not _is_backend_name(self.attention_backend):
+            # Registered names are known only to the kernels' registry: the runner checks them.
+            raise self.bad("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)} or a registered name")
+
+    def resolved_compilation_cache_dir(self) -> str | None:
+        if self.compilation_cache_dir == "off":
+            return None
+        if self.compilation_cache_dir:
+            return self.compilation_cache_dir
+        return str(envs.cache_dir() / "xla")
+
+
+def _is_backend_name(name: Any) -> bool:
+    """A built-in backend, or a name a registered one could have (letters, digits, ``_-.``)."""
+    return isinstance(name, str) and (name in ATTENTION_BACKENDS or (
+        bool(name) and all(c.isalnum() or c in "_-." for c in name)))
