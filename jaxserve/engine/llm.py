@@ -61,7 +61,7 @@ class LLM:
             self.llm_engines = [LLMEngine(self.config, show_progress=show_progress, record_steps=record_steps,
                                           model=model_object, tokenizer=tokenizer_object)]
         self.llm_engine = self.llm_engines[0]
-        self.replicas = ReplicaSet(self.llm_engines)  # routes and merges (also with one engine)
+        self.replica_set = ReplicaSet(self.llm_engines)  # routes and merges (also with one engine)
         self._counter = itertools.count()
         self._profiler = Profiler()
 
@@ -80,7 +80,7 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         added: list[tuple[LLMEngine, str]] = []
-        self.replicas.reset_load()  # every earlier call ran to its end
+        self.replica_set.reset_load()  # every earlier call ran to its end
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = str(next(self._counter))
@@ -98,10 +98,10 @@ class LLM:
         """Add the request to the engine the router picks (the only one without data parallelism)."""
         engines = self.llm_engines
         processed = engines[0].process_request(rid, prompt, params, priority=priority, cache_salt=cache_salt)
-        self.replicas.prepare(processed)
-        index = self.replicas.route(processed)
+        self.replica_set.prepare(processed)
+        index = self.replica_set.route(processed)
         engines[index].add_processed_request(processed, output_kind=RequestOutputKind.FINAL_ONLY)
-        self.replicas.admit(index, processed)
+        self.replica_set.admit(index, processed)
         return engines[index]
 
     def chat(
@@ -152,16 +152,16 @@ class LLM:
 
     def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]:
         """The newest ``limit`` step records (all kept with None) of all engines, oldest first."""
-        return self.replicas.get_step_records(limit)
+        return self.replica_set.get_step_records(limit)
 
     def get_request_timeline(self, request_id: str) -> Optional[RequestTimeline]:
         """A request's timeline (``RequestOutput.request_id``), while the engine keeps it."""
-        return self.replicas.get_request_timeline(request_id)
+        return self.replica_set.get_request_timeline(request_id)
 
     def export_trace(self, path: Optional[str] = None, *, num_steps: Optional[int] = None,
                      num_requests: int = 100) -> dict:
         """A Chrome/Perfetto trace of the newest steps and requests; written to ``path`` if given."""
-        trace = self.replicas.build_trace(num_steps, num_requests)
+        trace = self.replica_set.build_trace(num_steps, num_requests)
         if path is not None:
             with open(path, "w", encoding="utf-8") as f:
                 json.dump(trace, f)
@@ -169,12 +169,12 @@ class LLM:
 
     def get_metrics(self) -> list[Metric]:
         """Every engine's metrics (label ``engine``); with several, their totals (``engine="total"``)."""
-        return self.replicas.metrics_snapshot()
+        return self.replica_set.metrics_snapshot()
 
     def stats(self) -> dict:
         if len(self.llm_engines) == 1:
             return self.llm_engine.stats()
-        return self.replicas.merged_stats()
+        return self.replica_set.merged_stats()
 
     def reset_prefix_cache(self) -> bool:
         return all([e.reset_prefix_cache() for e in self.llm_engines])
