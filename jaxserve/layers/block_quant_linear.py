@@ -28,7 +28,7 @@ from pallas_kernels.block_quant_matmul import (
     dequantize_blocks,
 )
 
-KERNEL_MAX_ROWS = 32  # see docs/benchmarks.md, "GGUF blocks kept quantized"
+KERNEL_MAX_ROWS = 128  # the kernel is faster or even up to here (docs/benchmarks.md, "GGUF blocks kept")
 # The model-side method name: "gguf:Q4_1" for a file whose projections are Q4_1 blocks, and
 # "gguf:Q4_1:Q8_0" when its (tied) token embedding is kept as Q8_0 blocks too.
 GGUF_PREFIX = "gguf:"

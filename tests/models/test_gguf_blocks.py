@@ -27,9 +27,9 @@ def test_kept_blocks_give_the_dequantized_files_logits(tmp_path, qtype, embeddin
     assert isinstance(layer.mlp.down_proj, BlockQuantLinear) and layer.mlp.down_proj.qtype == qtype
     kept_embedding = isinstance(kept.embed_tokens, BlockQuantEmbedding)
     assert kept_embedding == (embedding != "F32")
-    tokens = np.random.default_rng(0).integers(0, SHAPE["vocab"], 44).tolist()
+    tokens = np.random.default_rng(0).integers(0, SHAPE["vocab"], 134).tolist()
     # a prefill chunk longer than KERNEL_MAX_ROWS (dequantized in the step), then rows the kernel takes
-    chunks = [tokens[:40], tokens[40:41], tokens[41:44]]
+    chunks = [tokens[:130], tokens[130:131], tokens[131:134]]
     assert len(chunks[0]) > KERNEL_MAX_ROWS
     kept_seq, float_seq = PagedSequence(kept), PagedSequence(floats)
     for chunk in chunks:
