@@ -394,6 +394,13 @@ class Scheduler:
         return (request.num_output_tokens + pending >= request.max_tokens
                 or request.num_tokens + pending >= self.max_model_len)
 
+    def _valid_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """The drafts up to the first one the request's grammar rejects (all, without one)."""
+        hooks = self.structured_outputs
+        if not request.use_structured_output or hooks is None:
+            return list(drafts)
+        return list(drafts[:hooks.validate_tokens(request.request_id, list(drafts))])
+
     def _trim_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         """The drafts whose acceptance could still produce a kept token: with T tokens, K drafts
         yield up to K+1 new tokens, and no more than ``max_tokens`` outputs and
@@ -502,7 +509,7 @@ class Scheduler:
             if finished:
                 stopped.append(request)
             elif new_drafts is not None and idx >= 0 and new_drafts[idx]:
-                request.spec_token_ids = list(new_drafts[idx])
+                request.spec_token_ids = self._valid_drafts(request, new_drafts[idx])
             outputs.append(EngineCoreOutput(
                 req_id, new_token_ids,
                 request.get_finished_reason() if finished else None,

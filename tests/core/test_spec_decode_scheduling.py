@@ -244,3 +244,50 @@ def test_config_refuses_spec_with_async_scheduling():
         SchedulerConfig(num_speculative_tokens=2, async_scheduling=True)
     with pytest.raises(ValueError, match="non-negative"):
         SchedulerConfig(num_speculative_tokens=-1)
+
+
+class PrefixGrammar:
+    """Hooks whose grammar allows only tokens below ``limit``: drafts are cut at the first other."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.validated: list[list[int]] = []
+
+    def grammar_status(self, request_id):
+        return "ready"
+
+    def accept_tokens(self, request_id, token_ids):
+        return False
+
+    def release(self, request_id):
+        pass
+
+    def validate_tokens(self, request_id, token_ids):
+        self.validated.append(list(token_ids))
+        n = 0
+        while n < len(token_ids) and token_ids[n] < self.limit:
+            n += 1
+        return n
+
+
+def test_the_grammar_cuts_drafts_at_the_first_invalid_one():
+    from jaxserve.core.structured_outputs import StructuredOutputsParams
+
+    sched = make_scheduler(num_speculative_tokens=4, block_size=4)
+    sched.structured_outputs = hooks = PrefixGrammar(limit=3)
+    free = make_request([1, 2, 3], max_tokens=10, eos=None)
+    constrained = make_request([1, 2, 3], max_tokens=10, eos=None,
+                               structured_outputs=StructuredOutputsParams(regex="x+"))
+    sched.add_request(free)
+    sched.add_request(constrained)
+    so = sched.schedule()
+    out = ModelRunnerOutput([free.request_id, constrained.request_id],
+                            {free.request_id: 0, constrained.request_id: 1}, [[1], [1]],
+                            spec_token_ids=[[1, 2, 4, 1], [1, 2, 4, 1]])
+    sched.update_from_output(so, out)
+    assert free.spec_token_ids == [1, 2, 4, 1]         # no grammar: every draft
+    assert constrained.spec_token_ids == [1, 2]        # cut before the 4
+    assert hooks.validated == [[1, 2, 4, 1]]
+    so = sched.schedule()
+    assert so.scheduled_spec_decode_tokens == {free.request_id: [1, 2, 4, 1],
+                                               constrained.request_id: [1, 2]}
