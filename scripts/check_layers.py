@@ -36,6 +36,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "jaxserve.models": ("jaxserve.layers", "pallas_kernels"),
     "jaxserve.sample": ("jaxserve.core.sampling_params",),
     "jaxserve.config": ("jaxserve.models.config", "jaxserve.core.scheduler"),
+    # Speculative decoding's host side (numpy proposers, the JSON config): the core only.
+    "jaxserve.spec_decode": ("jaxserve.core",),
     # Structured outputs' grammar engine (llguidance, numpy): the core's parameters and hooks only.
     "jaxserve.structured": ("jaxserve.core.structured_outputs", "jaxserve.core.locked_lru"),
     # Multi-host plumbing (jax.distributed, the control channel): the configuration and the core's data.

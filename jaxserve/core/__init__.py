@@ -30,7 +30,7 @@ from jaxserve.core.sched_output import (
                                           SchedulerOutput,
 )
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig
-from jaxserve.core.stats import PrefixCacheStats, SchedulerStats
+from jaxserve.core.stats import PrefixCacheStats, SchedulerStats, SpecDecodingStats
 
 __all__ = [
     "BlockHash", "BlockPool", "CachedRequestData", "EngineCoreOutput", "FCFSRequestQueue",
@@ -39,6 +39,6 @@ __all__ = [
     "SlidingWindowSpec", "get_kv_cache_config", "get_kv_cache_groups", "ModelRunnerOutput",
     "NewRequestData", "PrefixCacheStats", "PriorityRequestQueue", "Request", "RequestStatus",
     "SamplingParams", "SamplingType", "Scheduler", "SchedulerConfig", "SchedulerOutput",
-    "SchedulerStats", "create_request_queue", "generate_block_hash_extra_keys",
+    "SchedulerStats", "SpecDecodingStats", "create_request_queue", "generate_block_hash_extra_keys",
     "hash_block_tokens", "hash_request_tokens",
 ]

@@ -36,7 +36,7 @@ class KVCacheManagerInterface(Protocol):
     def reads_prefix_cache(self, request: Request) -> bool: ...
     def get_computed_blocks(self, request: Request, record_stats: bool = True) -> tuple[Any, int]: ...
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: Any = None) -> Any: ...
+                       new_computed_blocks: Any = None, num_lookahead_tokens: int = 0) -> Any: ...
     def free(self, request: Request) -> None: ...
     def get_block_ids(self, request_id: str) -> Any: ...
     def new_block_ids(self, blocks: Any) -> Any: ...
@@ -128,6 +128,7 @@ class KVCacheManager(_BlockPoolViews):
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
                        new_computed_blocks: Optional[list[KVCacheBlock]] = None,
+                       num_lookahead_tokens: int = 0,
                        ) -> Optional[list[KVCacheBlock]]:
         """Make room for ``num_new_tokens`` after the request's computed (and prefix-hit) tokens.
 
@@ -136,6 +137,8 @@ class KVCacheManager(_BlockPoolViews):
         first allocation) get a reference here. Full blocks whose tokens are all known are
         published in the prefix cache at once, before their KV is written: the runner writes a
         step's KV before any attention of that step reads it, so a same-step hit is safe.
+        ``num_lookahead_tokens`` more slots are allocated (not cached) for a proposer that writes
+        the KV of its drafts past the scheduled tokens (a draft model).
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
@@ -145,7 +148,7 @@ class KVCacheManager(_BlockPoolViews):
         if req_blocks is not None and not new_computed_blocks:
             # Decode fast path: the new tokens fit in the blocks the request already has.
             end = request.num_computed_tokens + num_new_tokens
-            if end <= len(req_blocks) * bs:
+            if min(end + num_lookahead_tokens, self.max_model_len) <= len(req_blocks) * bs:
                 # Most decode steps fill no block: check that before calling out.
                 if self.enable_caching and end // bs > self.num_cached_block.get(req_id, 0):
                     self._cache_full_blocks(request, req_blocks, end)
@@ -157,7 +160,8 @@ class KVCacheManager(_BlockPoolViews):
             raise ValueError("prefix-hit blocks can only be added on a request's first allocation")
 
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_slots = min(num_computed_tokens + num_new_tokens, self.max_model_len)
+        num_slots = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens,
+                        self.max_model_len)
         num_new_blocks = max(
             0, cdiv(num_slots, self.block_size) - len(req_blocks) - len(new_computed_blocks))
         # Free hit blocks leave the free queue when touched, so they are not available for new ones.
@@ -253,6 +257,7 @@ class HybridKVCacheManager(_BlockPoolViews):
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
                        new_computed_blocks: Optional[GroupBlocks] = None,
+                       num_lookahead_tokens: int = 0,
                        ) -> Optional[GroupBlocks]:
         """As ``KVCacheManager.allocate_slots``, per group; all or nothing over all groups."""
         if num_new_tokens <= 0:
@@ -265,7 +270,8 @@ class HybridKVCacheManager(_BlockPoolViews):
         # Freed even if this request cannot be scheduled now: no later token reads them.
         coord.remove_skipped_blocks(req_id, request.num_computed_tokens)
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_slots = min(num_computed_tokens + num_new_tokens, self.max_model_len)
+        num_slots = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens,
+                        self.max_model_len)
         needed = coord.get_num_blocks_to_allocate(req_id, num_slots, hits)
         if needed > self.block_pool.get_num_free_blocks():
             return None

@@ -91,6 +91,9 @@ class Request:
         self.num_computed_tokens = 0
         # Async scheduling: tokens sampled by dispatched steps whose results have not arrived yet.
         self.num_output_placeholders = 0
+        # Speculative decoding: drafts proposed after the last step, verified by the next one.
+        # Never part of ``all_token_ids``, so never hashed into the prefix cache.
+        self.spec_token_ids: list[int] = []
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 = not scheduled yet
         self.num_preemptions = 0
 

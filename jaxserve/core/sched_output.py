@@ -8,6 +8,8 @@ Runner contract:
   * A request's tokens ``[num_computed_tokens, num_computed_tokens + num_scheduled_tokens)`` are
     computed this step; a token is sampled only when that range reaches its last known token,
     otherwise (a partial prefill chunk) ``sampled_token_ids`` for it is ``[]``.
+  * With ``scheduled_spec_decode_tokens[id]`` = K drafts, the range ends with those K drafts;
+    the runner returns 1..K+1 tokens (the accepted drafts, then the target's own token).
   * The runner writes all of a step's KV before the step's attention reads it: a request may hit
     prefix blocks another request fills in the same step.
 """
@@ -57,6 +59,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]      # finished/aborted since the last step: the runner drops them
     preempted_req_ids: set[str]     # preempted this step: the runner drops them
+    # Speculative decoding: the draft ids a request verifies this step. They are the last
+    # ``len(drafts)`` of its ``num_scheduled_tokens``, right after its last known token.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -73,6 +78,10 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: Optional[list[Optional[LogprobsRow]]] = None
     prompt_logprobs_dict: dict[str, list[LogprobsRow]] = field(default_factory=dict)
+    # Speculative decoding: per request (indexed like ``sampled_token_ids``), the drafts proposed
+    # for the next step. With drafts scheduled, ``sampled_token_ids`` holds the accepted drafts
+    # then one token of the target's own (at most K+1 tokens).
+    spec_token_ids: Optional[list[list[int]]] = None
 
 
 @dataclass(slots=True)  # one per request per step: slots keep it small and cheap for the GC

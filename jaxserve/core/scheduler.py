@@ -26,7 +26,7 @@ from jaxserve.core.schedule_record import (
     WAIT_PREEMPTION,
     WAIT_TOKEN_BUDGET,
 )
-from jaxserve.core.stats import SchedulerStats
+from jaxserve.core.stats import SchedulerStats, SpecDecodingStats
 from jaxserve.core.structured_outputs import GRAMMAR_READY, StructuredOutputHooks
 from jaxserve.exceptions import InvalidRequestError
 
@@ -46,6 +46,10 @@ class SchedulerConfig:
     policy: str = "fcfs"
     history_size: int = 0
     async_scheduling: bool = False
+    # Speculative decoding: at most this many drafts per request and step (0: off), and the
+    # KV slots the proposer writes past the scheduled tokens.
+    num_speculative_tokens: int = 0
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
@@ -60,6 +64,11 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold requires enable_chunked_prefill")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.num_speculative_tokens < 0 or self.num_lookahead_tokens < 0:
+            raise ValueError("num_speculative_tokens and num_lookahead_tokens must be non-negative")
+        if self.num_speculative_tokens and self.async_scheduling:
+            raise ValueError("num_speculative_tokens > 0 (speculative decoding) does not work "
+                             "with async_scheduling yet: turn one of them off")
         if self.history_size < 0:
             raise ValueError(f"history_size must be non-negative, got {self.history_size}")
 
@@ -81,6 +90,12 @@ class Scheduler:
     request may be scheduled before its last sampled token is known. That token is counted in
     ``num_output_placeholders`` (the runner feeds it from the device), and a request whose
     in-flight tokens already reach ``max_tokens`` or ``max_model_len`` is not scheduled again.
+    Speculative decoding: a running request's drafts (``spec_token_ids``) are scheduled tokens,
+    after its last known token and within the one budget; a short budget takes a prefix of them,
+    and drafts that could only produce tokens past ``max_tokens``/``max_model_len`` are cut. The
+    runner returns the accepted drafts plus one token; rejected drafts roll back by arithmetic
+    on ``num_computed_tokens`` (their slots stay allocated and are overwritten). Drafts are never
+    in ``all_token_ids``, so they are never hashed into the prefix cache.
     Preemption victim: the newest running request (fcfs) or the largest
     (priority, arrival_time, request_id) (priority). The oldest/best request is never a victim
     while another runs, so it always progresses: with a pool holding ``max_model_len`` tokens,
@@ -125,6 +140,8 @@ class Scheduler:
         self.step_counter = 0
         self.num_preemptions = 0
         self.num_finished_reqs = 0
+        self.spec_decoding_stats: Optional[SpecDecodingStats] = (
+            SpecDecodingStats(cfg.num_speculative_tokens) if cfg.num_speculative_tokens else None)
         self._last_num_scheduled_tokens = 0
         self._last_num_scheduled_reqs = 0
         self._last_num_preempted = 0
@@ -211,6 +228,8 @@ class Scheduler:
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         preempted: list[Request] = []
+        spec_tokens: dict[str, list[int]] = {}
+        lookahead = cfg.num_lookahead_tokens
 
         # 1. Running requests, oldest first.
         req_index = 0
@@ -221,6 +240,10 @@ class Scheduler:
                 req_index += 1  # its in-flight token ends it: computing another would be wasted
                 continue
             num_new = len(request.all_token_ids) + pending - request.num_computed_tokens
+            drafts = request.spec_token_ids
+            if drafts:
+                drafts = self._trim_drafts(request, drafts)
+                num_new += len(drafts)
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > token_budget:
@@ -229,7 +252,7 @@ class Scheduler:
                 req_index += 1
                 continue
             while True:
-                new_blocks = kv.allocate_slots(request, num_new)
+                new_blocks = kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
                 if new_blocks is not None:
                     break
                 victim_index = self._pick_victim_index()
@@ -240,6 +263,7 @@ class Scheduler:
                     # Already scheduled this step (priority policy): take its work back.
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     del new_blocks_of[victim.request_id]
+                    spec_tokens.pop(victim.request_id, None)
                     scheduled_running.remove(victim)
                 self._preempt(victim, now)
                 preempted.append(victim)
@@ -254,6 +278,12 @@ class Scheduler:
             new_blocks_of[request.request_id] = new_blocks
             token_budget -= num_new
             req_index += 1
+            if drafts:
+                # The budget may have cut the step short: the drafts it reaches, in order.
+                num_spec = request.num_computed_tokens + num_new - len(request.all_token_ids)
+                if num_spec > 0:
+                    spec_tokens[request.request_id] = drafts[:num_spec]
+                request.spec_token_ids = []  # verified (or dropped) now; new ones come back
 
         # 2. Waiting requests, unless this step preempted.
         grammar_pending: list[Request] = []
@@ -277,7 +307,8 @@ class Scheduler:
                     blocked = WAIT_TOKEN_BUDGET
                     break
                 num_new = min(num_new, token_budget)
-                new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks)
+                new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks,
+                                               num_lookahead_tokens=lookahead)
                 if new_blocks is None:
                     blocked = WAIT_KV_BLOCKS
                     break
@@ -330,7 +361,8 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=total,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted})
+            preempted_req_ids={r.request_id for r in preempted},
+            scheduled_spec_decode_tokens=spec_tokens)
         self.finished_req_ids = set()
 
         # As in vLLM, progress is booked at schedule time: the next schedule() must not hand the
@@ -362,6 +394,22 @@ class Scheduler:
         return (request.num_output_tokens + pending >= request.max_tokens
                 or request.num_tokens + pending >= self.max_model_len)
 
+    def _valid_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """The drafts up to the first one the request's grammar rejects (all, without one)."""
+        hooks = self.structured_outputs
+        if not request.use_structured_output or hooks is None:
+            return list(drafts)
+        return list(drafts[:hooks.validate_tokens(request.request_id, list(drafts))])
+
+    def _trim_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """The drafts whose acceptance could still produce a kept token: with T tokens, K drafts
+        yield up to K+1 new tokens, and no more than ``max_tokens`` outputs and
+        ``max_model_len`` tokens in all are ever kept."""
+        assert request.max_tokens is not None  # resolved by add_request
+        room = min(request.max_tokens - request.num_output_tokens,
+                   self.max_model_len - request.num_tokens) - 1
+        return drafts if len(drafts) <= room else drafts[:max(room, 0)]
+
     def _pick_victim_index(self) -> int:
         """Index in ``running`` of the request to preempt: the newest (fcfs) or the worst by
         (priority, arrival_time, request_id) (priority, possibly one already scheduled)."""
@@ -374,6 +422,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # proposed for a context it will recompute: propose again
         request.num_preemptions += 1
         request.preempted_ts = now
         self.num_preemptions += 1
@@ -395,6 +444,9 @@ class Scheduler:
         index_of = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs_dict
+        scheduled_spec = scheduler_output.scheduled_spec_decode_tokens
+        new_drafts = model_runner_output.spec_token_ids
+        spec_stats = self.spec_decoding_stats
         requests = self.requests
         running_status = RequestStatus.RUNNING
         check_stop = self._check_stop
@@ -423,6 +475,14 @@ class Scheduler:
                     continue
             if request.status is not running_status:
                 continue  # preempted after this step was scheduled
+            drafts = scheduled_spec.get(req_id) if scheduled_spec else None
+            if drafts and tokens:
+                # K drafts, accepted a of them: a+1 tokens came back, K-a positions roll back.
+                num_accepted = len(tokens) - 1
+                assert 0 <= num_accepted <= len(drafts), (req_id, len(tokens), len(drafts))
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                if spec_stats is not None:
+                    spec_stats.observe_draft(len(drafts), num_accepted)
             new_token_ids: list[int] = []
             finished = False
             # A partial prefill chunk samples nothing; ignore a token the runner sent anyway.
@@ -448,6 +508,8 @@ class Scheduler:
                 continue
             if finished:
                 stopped.append(request)
+            elif new_drafts is not None and idx >= 0 and new_drafts[idx]:
+                request.spec_token_ids = self._valid_drafts(request, new_drafts[idx])
             outputs.append(EngineCoreOutput(
                 req_id, new_token_ids,
                 request.get_finished_reason() if finished else None,

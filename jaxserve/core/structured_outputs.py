@@ -110,3 +110,8 @@ class StructuredOutputHooks(Protocol):
     def release(self, request_id: str) -> None:
         """The request is finished: drop its matcher."""
         ...
+
+    def validate_tokens(self, request_id: str, token_ids: list[int]) -> int:
+        """How many of ``token_ids``, in order, the grammar accepts next, without advancing it
+        (speculative decoding cuts a request's drafts at the first invalid one)."""
+        ...

@@ -175,6 +175,16 @@ class StructuredOutputManager:
             self._undo(request_id, ahead)  # the scheduler took other tokens than were fed ahead
         return self._advance(request_id, token_ids).stop
 
+    def validate_tokens(self, request_id: str, token_ids: list[int]) -> int:
+        """The valid prefix's length of drafts. While the request thinks, none: a draft crossing
+        the end tag would need the grammar from the middle of the draft (not built)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None or request_id in self._thinking or request_id in self._ahead:
+            return 0
+        if matcher.is_error():
+            return 0
+        return int(matcher.validate_tokens(token_ids))
+
     def accept_ahead(self, sampled: dict[str, int]) -> None:
         """Feed a step's sampled tokens (request id -> token) to the matchers before the scheduler
         takes them, so that the next step's bitmask is filled, and the step launched, first. The

@@ -103,8 +103,9 @@ class FakeRunner:
         return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
 
 
-def check_pool_invariants(sched: Scheduler) -> None:
-    """Ref counts, free queue and cache map agree with the requests' block tables."""
+def check_pool_invariants(sched: Scheduler, slack: int = 0) -> None:
+    """Ref counts, free queue and cache map agree with the requests' block tables. ``slack``:
+    tokens a request may hold slots for past ``num_computed_tokens`` (rejected drafts, lookahead)."""
     kv = sched.kv_cache_manager
     pool = kv.block_pool
     free = pool.free_block_queue.get_all_free_blocks()
@@ -129,7 +130,9 @@ def check_pool_invariants(sched: Scheduler) -> None:
     hashed = [b for b in pool.blocks if b.block_hash is not None]
     assert len(hashed) == len(pool.cached_block_hash_to_block)
     for r in sched.running:
-        assert len(kv.req_to_blocks[r.request_id]) == cdiv(r.num_computed_tokens, kv.block_size)
+        held = len(kv.req_to_blocks[r.request_id])
+        assert cdiv(r.num_computed_tokens, kv.block_size) <= held <= cdiv(
+            min(r.num_computed_tokens + slack, sched.max_model_len), kv.block_size)
         # A published block of a running request is published under that request's hash.
         for i, b in enumerate(kv.req_to_blocks[r.request_id]):
             if b.block_hash is not None:

@@ -1,0 +1,58 @@
+"""``--speculative-config`` / ``LLM(speculative_config=...)``: vLLM's JSON keys, checked by name."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from jaxserve.exceptions import ConfigError
+
+METHODS = ("ngram",)  # draft_model, eagle, eagle3, mtp: not built yet, refused by name
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+
+    @classmethod
+    def parse(cls, value: Union[None, str, dict[str, Any]]) -> Optional["SpeculativeConfig"]:
+        """From the flag's JSON text or a dict; None/empty means off. As vLLM: ``method``
+        defaults to ngram when prompt_lookup_max is given, prompt_lookup_min to max and max to min."""
+        if value is None or value == "" or value == {}:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative_config: not valid JSON ({e.msg})") from None
+        if not isinstance(value, dict):
+            raise ConfigError("speculative_config must be a JSON object")
+        unknown = sorted(set(value) - set(_KEYS))
+        if unknown:
+            raise ConfigError(f"speculative_config: unsupported key(s) {', '.join(unknown)}; "
+                              f"jaxserve reads {', '.join(_KEYS)}")
+        method = value.get("method") or ("ngram" if "prompt_lookup_max" in value else None)
+        if method not in METHODS:
+            raise ConfigError(f"speculative_config.method={method!r} is not supported; "
+                              f"jaxserve has {', '.join(METHODS)}")
+        k = value.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ConfigError("speculative_config.num_speculative_tokens must be an integer >= 1, "
+                              f"got {k!r}")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        lo, hi = lo if lo is not None else hi, hi if hi is not None else lo
+        if lo is None:
+            lo, hi = 5, 5  # vLLM's defaults when neither is given
+        for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ConfigError(f"speculative_config.{name} must be an integer >= 1, got {n!r}")
+        assert isinstance(lo, int) and isinstance(hi, int)
+        if lo > hi:
+            raise ConfigError(f"speculative_config.prompt_lookup_min={lo} is above "
+                              f"prompt_lookup_max={hi}")
+        return cls(method, k, hi, lo)
