@@ -124,7 +124,9 @@ def test_greedy_generation_through_llm(llama, tmp_path):
     params = SamplingParams(max_tokens=8, temperature=0)
     ids = prompt(12, seed=7)
     kw = dict(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32, show_progress=False)
-    got = LLM(str(folder), **kw).generate([ids], params)[0].outputs[0].token_ids
+    llm = LLM(str(folder), **kw)
+    got = llm.generate([ids], params)[0].outputs[0].token_ids
+    assert llm.stats()["quantization"] == "int8"  # the stored format, though no flag named it
     ref = LLM(llama, quantization="int8", **kw).generate([ids], params)[0].outputs[0].token_ids
     assert len(got) == 8 and list(got) == list(ref)
 
