@@ -99,8 +99,14 @@ def test_per_channel_checkpoint_is_the_online_quantized_model(llama, tmp_path, m
 _STORED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
+@pytest.fixture(scope="module")
+def float_logits(llama):
+    ids = prompt(24, seed=3)
+    return ids, PagedSequence(load_model(llama, "float32", scan_layers=True)).feed(ids)
+
+
 @pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_per_tensor_checkpoint_close_to_float(llama, tmp_path, method):
+def test_per_tensor_checkpoint_close_to_float(llama, float_logits, tmp_path, method):
     folder = write_compressed(llama, tmp_path / method, method, "tensor", activations=method == "int8")
     model = load_model(folder, "float32", scan_layers=True, quantization="compressed-tensors")
     scale = np.asarray(model.layers.stacked.self_attn.qkv_proj.kernel_scale[...])
@@ -110,8 +116,7 @@ def test_per_tensor_checkpoint_close_to_float(llama, tmp_path, method):
     for lo, hi in ((0, q_cols), (q_cols, q_cols + kv_cols), (q_cols + kv_cols, q_cols + 2 * kv_cols)):
         assert np.all(scale[:, lo:hi] == scale[:, lo:lo + 1])
     assert not np.all(scale == scale[:, :1])
-    ids = prompt(24, seed=3)
-    ref = PagedSequence(load_model(llama, "float32", scan_layers=True)).feed(ids)
+    ids, ref = float_logits
     got = PagedSequence(model).feed(ids)
     bound = 0.1 if method == "int8" else 0.3  # a whole tensor's step is coarser than a column's
     assert np.abs(log_softmax(got, -1) - log_softmax(ref, -1)).max() < bound
