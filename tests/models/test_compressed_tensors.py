@@ -169,3 +169,12 @@ def test_flag_mismatches_are_config_errors(llama, tmp_path):
         load_model(folder, quantization="int8")
     with pytest.raises(ConfigError, match="no quantization_config"):
         load_model(llama, quantization="compressed-tensors")
+
+
+def test_weights_stored_in_another_dtype_are_refused(llama, tmp_path):
+    """An int8 checkpoint whose config says float (fp8) is never cast silently."""
+    def to_float(qc, g):
+        qc["format"] = "float-quantized"
+        g["weights"]["type"] = "float"
+    with pytest.raises(ConfigError, match="stored as int8, quantization_config says fp8"):
+        load_model(_with_config(llama, tmp_path, to_float), "float32")
