@@ -31,8 +31,10 @@ class LoadConfig(SubConfig):
     on a CPU the activations are quantized per token for XLA's int8 dot) or fp8 (e4m3, per output
     channel); or gguf, for a .gguf file: keep its Q8_0/Q4_0/Q4_1 projections in their blocks as
     stored (and a tied embedding in a block format), dequantized inside the matmul. int8 and fp8
-    leave the embedding and the LM head in dtype. Default: none (a .gguf file is dequantized at
-    load)."""
+    leave the embedding and the LM head in dtype; or compressed-tensors, for a pre-quantized
+    checkpoint (int8/fp8 weights with their scales, loaded as stored; detected from its
+    config.json's quantization_config without the flag). Default: none (a .gguf file is
+    dequantized at load)."""
 
     def validate(self) -> None:
         # The one check of max_model_len >= 2 on the engine's path (the core's classes keep their own).

@@ -16,9 +16,10 @@ from jaxserve.exceptions import ConfigError
 from jaxserve.layers.rope_config import RopeConfig
 
 # Weight quantization methods (--quantization), vLLM's names; one list for the config and the loader:
-# int8 and fp8 quantize a float checkpoint online; gguf keeps a .gguf file's quant blocks as stored.
+# int8 and fp8 quantize a float checkpoint online; gguf keeps a .gguf file's quant blocks as stored;
+# compressed-tensors loads a pre-quantized checkpoint's int8/fp8 weights (also detected unasked).
 ONLINE_QUANTIZATION_METHODS = ("int8", "fp8")
-QUANTIZATION_METHODS = (*ONLINE_QUANTIZATION_METHODS, "gguf")
+QUANTIZATION_METHODS = (*ONLINE_QUANTIZATION_METHODS, "gguf", "compressed-tensors")
 
 _DTYPE_NAMES = {
     "float32": "float32", "fp32": "float32", "float": "float32",

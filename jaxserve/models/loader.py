@@ -26,6 +26,13 @@ from flax import nnx
 
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.block_quant_linear import GGUF_PREFIX, block_format_of, embedding_block_format_of
+from jaxserve.models.compressed_tensors import (
+    COMPRESSED_TENSORS,
+    CompressedTensorsScheme,
+    checkpoint_scheme,
+    column_scales,
+    stored_getter,
+)
 from jaxserve.models.config import QUANTIZATION_METHODS, ModelConfig, normalize_dtype_name
 from jaxserve.models.gguf_loader import GGUFCheckpoint, GGUFTensor, dequantize, is_gguf
 from jaxserve.models.hf_tensors import expected_tensors
@@ -76,7 +83,9 @@ def load_model(folder: str | Path, dtype: str | None = None, scan_layers: bool |
     layout (checked against the heads before any weight is read); ``place`` puts each
     parameter's shards on their devices. ``quantization`` ("int8", "fp8") quantizes the decoder
     layers' projections as they are read (:mod:`.quantize`), from a checkpoint's floats or a
-    ``.gguf`` file's dequantized tensors."""
+    ``.gguf`` file's dequantized tensors. A checkpoint whose ``config.json`` declares a
+    compressed-tensors ``quantization_config`` is loaded as stored, int8 or fp8
+    (:mod:`.compressed_tensors`), with ``quantization`` None or "compressed-tensors"."""
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ConfigError(f"quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, got {quantization!r}")
     if quantization == "gguf" and not is_gguf(folder):
@@ -85,9 +94,18 @@ def load_model(folder: str | Path, dtype: str | None = None, scan_layers: bool |
         return load_gguf_model(folder, dtype, scan_layers, tensor_parallel_size=tensor_parallel_size, place=place,
                                quantization=quantization)
     cfg = _with_dtype(ModelConfig.from_pretrained(folder), dtype)
+    scheme = checkpoint_scheme(folder)
+    if scheme is not None:
+        if quantization not in (None, COMPRESSED_TENSORS):
+            raise ConfigError(f"quantization: {folder} is pre-quantized ({COMPRESSED_TENSORS}, {scheme.method}); "
+                              f"leave quantization unset or {COMPRESSED_TENSORS!r}, got {quantization!r}")
+        quantization = scheme.method
+    elif quantization == COMPRESSED_TENSORS:
+        raise ConfigError(f"quantization {COMPRESSED_TENSORS}: {folder}'s config.json has no quantization_config")
     abstract, graphdef, shapes = _abstract_model(cfg, scan_layers, tensor_parallel_size, quantization)
     return nnx.merge(graphdef, read_state(folder, cfg, shapes, scanned=abstract.scan_layers,
-                                          layout=abstract.layout, place=place, quantization=quantization))
+                                          layout=abstract.layout, place=place, quantization=quantization,
+                                          scheme=scheme))
 
 
 def checkpoint_config(path: str | Path) -> ModelConfig:
@@ -185,19 +203,31 @@ def _abstract_model(cfg: ModelConfig, scan_layers: bool | None, tensor_parallel_
 
 def read_state(folder: str | Path, cfg: ModelConfig, shapes: nnx.State, scanned: bool,
                layout: TPLayout | None = None, place: Placement | None = None,
-               quantization: str | None = None) -> nnx.State:
+               quantization: str | None = None, scheme: CompressedTensorsScheme | None = None) -> nnx.State:
     """The checkpoint's weights at the paths of ``shapes`` (the model's abstract state), each of
     the shape and dtype found there, in ``layout`` (default: one shard), placed by ``place``;
-    the projections quantized with ``quantization`` when it is given."""
+    the projections quantized with ``quantization`` when it is given, or read as stored with
+    their scales for a pre-quantized ``scheme``."""
     files = open_checkpoint_files(folder)
-    check_tensors(cfg, {name: f.shape(name) for name, f in files.items()})
-    return state_from_tensors(lambda name: files[name].get(name), cfg, shapes, scanned, layout, place,
-                              quantization)
+    shapes_in_files = {name: f.shape(name) for name, f in files.items()}
+    if scheme is not None:  # every projection weight has its scale; nothing else is extra
+        weights = [n for n in expected_tensors(cfg) if n.startswith("model.layers.") and n.endswith("_proj.weight")]
+        missing = [n + "_scale" for n in weights if n + "_scale" not in shapes_in_files]
+        if missing:
+            raise ConfigError(f"pre-quantized checkpoint lacks scales: {', '.join(missing[:10])}")
+        for n in weights:
+            shapes_in_files.pop(n + "_scale")
+    check_tensors(cfg, shapes_in_files)
+    get: Callable[[str], np.ndarray] = lambda name: files[name].get(name)  # noqa: E731
+    if scheme is not None:
+        get = stored_getter(get, scheme)
+    return state_from_tensors(get, cfg, shapes, scanned, layout, place, quantization,
+                              prequantized=scheme is not None)
 
 
 def state_from_tensors(get: Callable[[str], np.ndarray], cfg: ModelConfig, shapes: nnx.State, scanned: bool,
                        layout: TPLayout | None = None, place: Placement | None = None,
-                       quantization: str | None = None) -> nnx.State:
+                       quantization: str | None = None, prequantized: bool = False) -> nnx.State:
     """The model's state from ``get`` (an HF tensor name -> its ``[out, in]`` array), vetted by
     :func:`check_tensors`: fused, transposed, stacked and sharded as ``read_state`` says, the
     projections quantized with ``quantization`` when it is given."""
@@ -208,6 +238,8 @@ def state_from_tensors(get: Callable[[str], np.ndarray], cfg: ModelConfig, shape
         per_layer.update(_block_readers(get))
         top.update({("embed_tokens", "head", part): _embedding_block_reader(get, part, layout)
                     for part in BLOCK_PARTS})
+    elif prequantized:
+        per_layer = _prequantized_readers(get, layout)
     elif quantization is not None:
         per_layer = _quantized_readers(per_layer, layout, quantization)
     prefixes = [f"model.layers.{i}." for i in range(cfg.num_hidden_layers)]
@@ -377,3 +409,29 @@ def _part_reader(whole: Callable[[str], tuple[np.ndarray, np.ndarray]], part: in
     """Shard ``s`` of part ``part`` (0: the quantized kernel, 1: its scale) of a layer's whole
     quantized projection."""
     return lambda p, s: _shard_of(whole(p)[part], axis, s, num_shards)
+
+
+# The HF name of each row-split projection (its scales follow whole output columns: replicated).
+_ROW_SPLIT_NAMES = {("self_attn", "o_proj"): "self_attn.o_proj", ("mlp", "down_proj"): "mlp.down_proj"}
+
+
+def _prequantized_readers(get: Callable[[str], np.ndarray],
+                          layout: TPLayout) -> dict[ParamPath, Callable[[str, int], np.ndarray]]:
+    """The layer readers of a pre-quantized checkpoint: the stored int8/fp8 kernels read, fused
+    and split as float ones are, and each ``kernel_scale`` read as its weight's rows are, through
+    a ``get`` that turns ``x.weight`` into x's per-row scales (a per-tensor scale broadcast, so
+    q, k and v keep their own)."""
+    readers = _layer_readers(get, layout)
+    scales = _layer_readers(lambda name: column_scales(get, name.removesuffix(".weight")), layout)
+    for module in QUANTIZED_PROJECTIONS:
+        kernel = module + ("kernel",)
+        if split_axis(kernel) == 1:  # column-split (qkv, gate|up): the scales split with the columns
+            readers[module + ("kernel_scale",)] = scales[kernel]
+        else:
+            readers[module + ("kernel_scale",)] = functools.partial(_replicated_scales, get, _ROW_SPLIT_NAMES[module])
+    return readers
+
+
+def _replicated_scales(get: Callable[[str], np.ndarray], name: str, p: str, s: int) -> np.ndarray:
+    """A row-split projection's scales: whole on every shard (``s`` unused)."""
+    return column_scales(get, p + name)

@@ -169,6 +169,8 @@ class ModelRunner:
         # data-dependent loop in the compiled step.
         self.cond_free = self.target.cond_free
         self.mc = model.config
+        # The weights' storage format: the flag's, else the model's own (a pre-quantized checkpoint's int8/fp8).
+        self.weight_format = config.quantization or getattr(model, "quantization", None) or "none"
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
@@ -358,7 +360,7 @@ class ModelRunner:
         nbytes = lambda x: int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize  # noqa: E731  (arrays or shapes)
         return {"weight_bytes": sum(nbytes(x) for x in jax.tree.leaves(self.model_state)),
                 "kv_cache_bytes": sum(nbytes(x) for x in self._state_spec.kv_cache),
-                "quantization": self.config.quantization or "none",
+                "quantization": self.weight_format,
                 "kv_cache_dtype": str(self._state_spec.kv_cache[0].dtype)}
 
     # ---- the step ------------------------------------------------------------------------------
