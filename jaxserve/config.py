@@ -148,6 +148,15 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     """KV cache storage (vLLM's flag): auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3,
     scale 1.0 as vLLM uses without calibrated scales): half of bfloat16's bytes per token."""
+    # ---- LoRA (issue 33): multi-adapter serving; to move into a sub-config at merge.
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT format) beside the base model, several in one batch (vLLM's flag)."""
+    max_loras: int = 1
+    """Adapters in one step: the device slots of stacked LoRA weights (vLLM's flag)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept loaded in host memory, at least max_loras. Default: max_loras."""
+    max_lora_rank: int = 16
+    """Largest adapter rank r accepted; the slots are padded to it (vLLM's flag)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -199,6 +208,7 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise bad(name, "must be >= 1")
         self._validate_nodes(bad)
+        self._validate_lora(bad)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise bad("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -210,6 +220,21 @@ class EngineConfig:
             from jaxserve.models.config import normalize_dtype_name
 
             self.dtype = normalize_dtype_name(self.dtype)
+
+    def _validate_lora(self, bad) -> None:
+        if not self.enable_lora:
+            return
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise bad(name, "must be >= 1")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise bad("max_cpu_loras", f"must be >= max_loras ({self.max_loras})")
+        if self.tensor_parallel_size > 1:
+            # The adapters' A/B weights are not sharded yet.
+            raise ConfigError(f"enable_lora with tensor_parallel_size={self.tensor_parallel_size}: LoRA is "
+                              "served on one device only (tensor_parallel_size 1)")
 
     def _validate_nodes(self, bad) -> None:
         if self.nnodes < 1:

@@ -50,3 +50,14 @@ def test_bad_values_are_config_errors():
     with pytest.raises(ConfigError, match="max_model_len: must be >= 2, got 0"):
         EngineConfig(max_model_len=0)
     assert issubclass(ConfigError, ValueError)  # callers catching ValueError keep working
+
+
+def test_lora_fields_are_checked():
+    cfg = EngineConfig(model="m", enable_lora=True, max_loras=3)
+    assert cfg.max_cpu_loras == 3
+    with pytest.raises(ConfigError, match="max_cpu_loras"):
+        EngineConfig(model="m", enable_lora=True, max_loras=3, max_cpu_loras=2)
+    with pytest.raises(ConfigError, match="max_lora_rank"):
+        EngineConfig(model="m", enable_lora=True, max_lora_rank=0)
+    with pytest.raises(ConfigError, match="enable_lora.*tensor_parallel_size=2"):
+        EngineConfig(model="m", enable_lora=True, tensor_parallel_size=2)
