@@ -16,6 +16,8 @@ docs/benchmarks.md).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,3 +54,25 @@ def lora_delta_reference(x: np.ndarray, slot_ids: np.ndarray, a: np.ndarray, b: 
         if s >= 0:
             out[t] = x[t].astype(np.float32) @ a[s].astype(np.float32) @ b[s].astype(np.float32)
     return out
+
+
+# The fused projections the model runs, and the adapter projections each is made of (in column order).
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRABatch:
+    """One step's adapters: every token's slot and the slot tables of the fused projections,
+    ``a[name]``: ``(layers, slots, in, parts*rank)``, ``b[name]``: ``(layers, slots, parts*rank, out)``
+    (block-diagonal over the fused parts, so one delta covers q|k|v and gate|up)."""
+
+    slot_ids: jax.Array  # (tokens,) int32, -1 for a base-model token
+    a: dict[str, jax.Array]
+    b: dict[str, jax.Array]
+
+    def delta(self, name: str, x: jax.Array, layer: jax.Array | int) -> jax.Array:
+        return lora_delta_one_hot(x, self.slot_ids, self.a[name][layer], self.b[name][layer])
