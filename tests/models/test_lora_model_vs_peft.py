@@ -68,3 +68,35 @@ def test_each_slot_matches_peft(tiny_checkpoints, tmp_path, scan_layers):
     np.testing.assert_allclose(ours[:, :cfg.vocab_size], base, rtol=2e-4, atol=2e-4)
     assert not np.allclose(base, peft_logits(pms[0], ids), atol=1e-3)  # the adapter does change the output
     jax.clear_caches()
+
+
+def test_one_step_mixes_an_adapter_and_the_base(tiny_checkpoints, tmp_path):
+    from jaxserve.layers.attention import AttentionMetadata
+    from tests.models.paged_sequence import BLOCK_SIZE, NUM_BLOCKS
+
+    folder = tiny_checkpoints["LlamaForCausalLM"]
+    cfg = ModelConfig.from_pretrained(folder)
+    model = load_model(folder, scan_layers=True)
+    pm = make_peft_adapter(folder, tmp_path / "a", seed=7, r=4).eval()
+    table = LoRASlotTable(cfg, max_loras=2, max_rank=8)
+    table.write(1, load_lora_adapter(tmp_path / "a", cfg, 8))
+    seqs = [prompt(9, seed=1), prompt(6, seed=2)]  # sequence 0 on slot 1, sequence 1 on the base
+    half = NUM_BLOCKS // 2
+    positions = np.concatenate([np.arange(len(s)) for s in seqs]).astype(np.int32)
+    first_block = np.repeat([1, half], [len(s) for s in seqs])
+    md = AttentionMetadata(
+        positions=jnp.asarray(positions),
+        slot_mapping=jnp.asarray((first_block + positions // BLOCK_SIZE) * BLOCK_SIZE + positions % BLOCK_SIZE,
+                                 jnp.int32),
+        block_tables=jnp.asarray(np.stack([np.arange(1, half), np.arange(half, 2 * half - 1)]), jnp.int32),
+        kv_lens=jnp.asarray([len(s) for s in seqs], jnp.int32),
+        query_start_loc=jnp.asarray([0, len(seqs[0]), len(seqs[0]) + len(seqs[1])], jnp.int32),
+        num_seqs=jnp.asarray([2], jnp.int32),
+    )
+    slot_ids = jnp.asarray([1] * len(seqs[0]) + [-1] * len(seqs[1]), jnp.int32)
+    seq = LoRASequence(model, table, 0)
+    logits, _ = seq.step(seq.state, jnp.asarray(seqs[0] + seqs[1], jnp.int32), seq.kv, md, table.batch(slot_ids))
+    logits = np.asarray(logits)[:, :cfg.vocab_size]
+    np.testing.assert_allclose(logits[:len(seqs[0])], peft_logits(pm, seqs[0]), rtol=2e-4, atol=2e-4)
+    with pm.disable_adapter():
+        np.testing.assert_allclose(logits[len(seqs[0]):], peft_logits(pm, seqs[1]), rtol=2e-4, atol=2e-4)
