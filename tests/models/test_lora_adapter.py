@@ -90,3 +90,20 @@ def test_embedding_and_lm_head_targets_and_big_ranks_are_refused(llama, tmp_path
         load_lora_adapter(tmp_path / "r", cfg, 8)
     with pytest.raises(ConfigError, match="no adapter_config.json"):
         load_lora_adapter(tmp_path / "missing", cfg, 8)
+
+
+def test_host_cache_keeps_max_cpu_loras_and_reloads_new_weights(llama, tmp_path):
+    from jaxserve.models.lora_cache import LoRAAdapterCache
+
+    cache = LoRAAdapterCache(ModelConfig.from_pretrained(llama), max_cpu_loras=2, max_lora_rank=8)
+    for name, seed in (("a", 1), ("b", 2), ("c", 3)):
+        make_peft_adapter(llama, tmp_path / name, seed=seed, targets=["q_proj"])
+    first = cache.get("a", tmp_path / "a")
+    assert cache.get("a", tmp_path / "a") is first and cache.loads == 1
+    old_b = cache.get("b", tmp_path / "b").digest
+    cache.get("c", tmp_path / "c")
+    assert cache.names() == ["b", "c"] and cache.loads == 3  # "a" evicted, least recently used
+    make_peft_adapter(llama, tmp_path / "b", seed=9, targets=["q_proj"])
+    assert cache.get("b", tmp_path / "b").digest == old_b  # no reload asked: the loaded weights stay
+    assert cache.get("b", tmp_path / "b", reload=True).digest != old_b
+    assert cache.remove("b") and not cache.remove("b") and cache.names() == ["c"]
