@@ -34,6 +34,7 @@ _LAZY = {
     "Profile": "jaxserve.engine.profiling",
     "PromptType": "jaxserve.engine.processor",
     "StructuredOutputsParams": "jaxserve.core.structured_outputs",
+    "LoRARequest": "jaxserve.core.lora_request",
     "InvalidRequestError": "jaxserve.exceptions",
     "ConfigError": "jaxserve.exceptions",
     "EngineDeadError": "jaxserve.exceptions",

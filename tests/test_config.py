@@ -142,3 +142,14 @@ def test_a_field_name_defined_twice_is_refused():
 
     with pytest.raises(TypeError, match="'max_num_seqs' is defined twice"):
         Clashing()
+
+
+def test_lora_fields_are_checked():
+    cfg = EngineConfig(model="m", enable_lora=True, max_loras=3)
+    assert cfg.max_cpu_loras == 3
+    with pytest.raises(ConfigError, match="max_cpu_loras"):
+        EngineConfig(model="m", enable_lora=True, max_loras=3, max_cpu_loras=2)
+    with pytest.raises(ConfigError, match="max_lora_rank"):
+        EngineConfig(model="m", enable_lora=True, max_lora_rank=0)
+    with pytest.raises(ConfigError, match="enable_lora.*tensor_parallel_size=2"):
+        EngineConfig(model="m", enable_lora=True, tensor_parallel_size=2)

@@ -15,6 +15,7 @@ from jaxserve.config.engine import EngineConfig, sub_config
 from jaxserve.config.flags import CLI_SHORT_FLAGS, Flag, add_flags, dataclass_flags, flags_for
 from jaxserve.config.limits import LimitsConfig
 from jaxserve.config.load import LoadConfig
+from jaxserve.config.lora import LoRAConfig
 from jaxserve.config.observability import ObservabilityConfig
 from jaxserve.config.parallel import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, ParallelConfig
 from jaxserve.config.scheduler import SchedulerConfig
@@ -23,6 +24,6 @@ from jaxserve.config.structured_outputs import REASONING_PARSERS, StructuredOutp
 __all__ = [
     "ATTENTION_BACKENDS", "CLI_SHORT_FLAGS", "DEFAULT_MASTER_ADDR", "DEFAULT_MASTER_PORT", "FP8_KV_UNREAD_BY",
     "KV_CACHE_DTYPES", "REASONING_PARSERS", "CacheConfig", "CompilationConfig", "EngineConfig", "Flag",
-    "LimitsConfig", "LoadConfig", "ObservabilityConfig", "ParallelConfig", "SchedulerConfig",
+    "LimitsConfig", "LoadConfig", "LoRAConfig", "ObservabilityConfig", "ParallelConfig", "SchedulerConfig",
     "StructuredOutputsConfig", "SubConfig", "add_flags", "dataclass_flags", "flags_for", "sub_config",
 ]

@@ -23,10 +23,12 @@ from jaxserve.config.compilation import CompilationConfig
 from jaxserve.config.flags import Flag, add_flags, dataclass_flags, flags_for
 from jaxserve.config.limits import LimitsConfig
 from jaxserve.config.load import LoadConfig
+from jaxserve.config.lora import LoRAConfig
 from jaxserve.config.observability import ObservabilityConfig
 from jaxserve.config.parallel import ParallelConfig
 from jaxserve.config.scheduler import SchedulerConfig
 from jaxserve.config.structured_outputs import StructuredOutputsConfig
+from jaxserve.exceptions import ConfigError
 
 
 def sub_config(cls: type[SubConfig]) -> Any:
@@ -44,6 +46,7 @@ class EngineConfig:
     limits_config: LimitsConfig = sub_config(LimitsConfig)
     structured_outputs_config: StructuredOutputsConfig = sub_config(StructuredOutputsConfig)
     observability_config: ObservabilityConfig = sub_config(ObservabilityConfig)
+    lora_config: LoRAConfig = sub_config(LoRAConfig)
 
     def __init__(self, **kwargs: Any) -> None:
         """Flat keyword arguments (``max_num_seqs=8``), sub-configurations (``cache_config=...``),
@@ -79,6 +82,10 @@ class EngineConfig:
 
     def validate(self) -> None:
         """What spans two sub-configurations (each validated its own fields when it was built)."""
+        if self.lora_config.enable_lora and self.parallel_config.tensor_parallel_size > 1:
+            # The adapters' A/B weights are not sharded yet.
+            raise ConfigError(f"enable_lora with tensor_parallel_size={self.tensor_parallel_size}: LoRA is "
+                              "served on one device only (tensor_parallel_size 1)")
         if self.cache_config.kv_cache_dtype != "auto" and self.compilation_config.attention_backend in FP8_KV_UNREAD_BY:
             raise bad_value(self, "kv_cache_dtype", f"the {self.attention_backend} attention backend does not "
                             "read an fp8 cache yet (xla and cpu do)")

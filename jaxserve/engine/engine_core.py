@@ -106,6 +106,11 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False,
                  model: Any = None, devices: Optional[Sequence[Any]] = None):
+        if config.enable_lora:
+            # The adapters' reader, slot table and mixed-batch model path exist (jaxserve.models.lora_*);
+            # the scheduler and runner do not route requests to them yet: refuse rather than ignore.
+            raise ConfigError("enable_lora: LoRA adapters are not served by the engine yet (the model-side "
+                              "pieces exist; the scheduler and runner do not route requests to them)")
         self.config = config
         self.devices = list(devices) if devices else None
         with self.on_devices():

@@ -8,6 +8,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxserve.layers.attention import AttentionFn, AttentionMetadata
+from jaxserve.layers.lora import LoRABatch
 
 KVPools = tuple[jax.Array, jax.Array]  # (k, v), each [num_layers * num_blocks, block_size, Hkv, D]
 
@@ -23,3 +24,4 @@ class ForwardContext:
     sin: jax.Array
     num_blocks: int  # KV blocks per layer: layer l's pages start at l * num_blocks in the pools
     mesh: Mesh | None = None  # tensor parallel: attention runs per shard of the heads
+    lora: LoRABatch | None = None  # this step's adapters; None in a base-only step

@@ -27,6 +27,7 @@ from jaxserve.layers.attention import AttentionFn, AttentionMetadata, paged_atte
 from jaxserve.layers.block_quant_linear import BlockQuantEmbedding, embedding_block_format_of
 from jaxserve.layers.embedding import Embedding
 from jaxserve.layers.linear import Linear
+from jaxserve.layers.lora import LoRABatch
 from jaxserve.layers.norm import RMSNorm
 from jaxserve.layers.quantized_linear import make_linear
 from jaxserve.layers.rotary import RotaryEmbedding, apply_rope
@@ -83,7 +84,10 @@ class LlamaAttention(nnx.Module):
         """``x [T, hidden]`` -> ``[T, hidden]``; this step's K/V are written into layer ``layer``'s pages."""
         n = self.num_shards
         q_size, kv_size = self.num_heads * self.head_dim // n, self.num_kv_heads * self.head_dim // n
-        qkv = self.qkv_proj(x).reshape(x.shape[0], n, -1)  # [T, shard, q_s | k_s | v_s]
+        qkv = self.qkv_proj(x)
+        if ctx.lora is not None:  # one shard only (LoRA refuses tensor parallelism): columns q | k | v
+            qkv = qkv + ctx.lora.delta("qkv", x, layer)
+        qkv = qkv.reshape(x.shape[0], n, -1)  # [T, shard, q_s | k_s | v_s]
         q, k, v = jnp.split(qkv, [q_size, q_size + kv_size], axis=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -100,7 +104,11 @@ class LlamaAttention(nnx.Module):
             ctx.num_blocks, ctx.md, ctx.attn_fn, sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window,
             mesh=ctx.mesh,
         )
-        return self.o_proj(out.reshape(out.shape[0], -1).astype(x.dtype)), (k_pool, v_pool)
+        out = out.reshape(out.shape[0], -1).astype(x.dtype)
+        o = self.o_proj(out)
+        if ctx.lora is not None:
+            o = o + ctx.lora.delta("o", out, layer)
+        return o, (k_pool, v_pool)
 
 
 class LlamaMLP(nnx.Module):
@@ -115,9 +123,14 @@ class LlamaMLP(nnx.Module):
         self.down_proj = make_linear(cfg.intermediate_size, cfg.hidden_size, use_bias=cfg.mlp_bias,
                                      param_dtype=dtype, quantization=quantization, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = jnp.split(self.gate_up_proj(x).reshape(x.shape[0], self.num_shards, -1), 2, axis=-1)
-        return self.down_proj((jax.nn.silu(gate) * up).reshape(x.shape[0], -1))
+    def __call__(self, x: jax.Array, lora: LoRABatch | None = None, layer: jax.Array | int = 0) -> jax.Array:
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            gate_up = gate_up + lora.delta("gate_up", x, layer)
+        gate, up = jnp.split(gate_up.reshape(x.shape[0], self.num_shards, -1), 2, axis=-1)
+        h = (jax.nn.silu(gate) * up).reshape(x.shape[0], -1)
+        down = self.down_proj(h)
+        return down if lora is None else down + lora.delta("down", h, layer)
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -134,7 +147,7 @@ class LlamaDecoderLayer(nnx.Module):
                  ctx: ForwardContext) -> tuple[jax.Array, KVPools]:
         attn, kv = self.self_attn(self.input_layernorm(hidden), kv, layer, ctx)
         hidden = hidden + attn
-        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden), ctx.lora, layer)
         return hidden, kv
 
 
@@ -188,14 +201,17 @@ class LlamaForCausalLM(nnx.Module):
         return self.layout.size
 
     def __call__(self, input_ids: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
-                 attn_fn: AttentionFn, mesh: Mesh | None = None) -> tuple[jax.Array, KVCache]:
+                 attn_fn: AttentionFn, mesh: Mesh | None = None,
+                 lora: LoRABatch | None = None) -> tuple[jax.Array, KVCache]:
         """Hidden states ``[T, hidden]`` of every scheduled token (replicated), and the updated KV
-        cache. ``mesh``: the tensor-parallel mesh the arrays live on (its axes split the heads)."""
+        cache. ``mesh``: the tensor-parallel mesh the arrays live on (its axes split the heads).
+        ``lora``: this step's adapter slots (None: the base program, with no LoRA op in it)."""
         k_cache, v_cache = kv_cache
         num_layers, num_blocks = k_cache.shape[:2]
         pool_shape = (num_layers * num_blocks, *k_cache.shape[2:])
         cos, sin = self.rotary_emb(md.positions)
-        ctx = ForwardContext(md=md, attn_fn=attn_fn, cos=cos, sin=sin, num_blocks=num_blocks, mesh=mesh)
+        ctx = ForwardContext(md=md, attn_fn=attn_fn, cos=cos, sin=sin, num_blocks=num_blocks, mesh=mesh,
+                             lora=lora)
 
         def run_layer(layer, index, carry):
             hidden, kv = carry

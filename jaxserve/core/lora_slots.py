@@ -1,0 +1,51 @@
+"""Which adapters sit in the ``max_loras`` device slots, and which wait (pure Python).
+
+The scheduler asks :meth:`LoRASlotAssigner.admit` before it schedules a request with an adapter:
+an adapter already in a slot is admitted; otherwise a free slot is taken, or the least recently
+used slot whose adapter no request of the current step uses is reclaimed. When every slot is held
+by this step's adapters the request waits (reason :data:`WAITING_FOR_LORA_SLOT`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+WAITING_FOR_LORA_SLOT = "lora_slots_full"
+
+
+class LoRASlotAssigner:
+    def __init__(self, max_loras: int):
+        self.max_loras = max_loras
+        self._slots: OrderedDict[str, int] = OrderedDict()  # adapter key -> slot, least recent first
+        self._step: set[str] = set()  # the adapters this step uses
+        self.pending_writes: list[tuple[int, str]] = []  # (slot, key) the runner must load before the step
+
+    def begin_step(self) -> None:
+        self._step.clear()
+
+    def admit(self, key: str) -> Optional[int]:
+        """The slot of adapter ``key`` for this step, or None when it must wait."""
+        if key in self._slots:
+            self._slots.move_to_end(key)
+            self._step.add(key)
+            return self._slots[key]
+        if len(self._slots) < self.max_loras:
+            slot = min(set(range(self.max_loras)) - set(self._slots.values()))
+        else:
+            victim = next((k for k in self._slots if k not in self._step), None)
+            if victim is None:
+                return None
+            slot = self._slots.pop(victim)
+        self._slots[key] = slot
+        self._step.add(key)
+        self.pending_writes.append((slot, key))
+        return slot
+
+    def slot_of(self, key: str) -> Optional[int]:
+        return self._slots.get(key)
+
+    def forget(self, key: str) -> None:
+        """An unloaded adapter frees its slot (a reload under the same name has another key)."""
+        self._slots.pop(key, None)
+        self._step.discard(key)

@@ -1,0 +1,78 @@
+"""The LoRA delta of a mixed batch: each token adds its own adapter's ``x @ A @ B`` (or nothing).
+
+The adapters sit in a fixed table of ``max_loras`` slots, ``a``: ``(slots, in, rank)`` and ``b``:
+``(slots, rank, out)`` (scaling folded into ``b``, ranks below the table's padded with zeros);
+``slot_ids[t]`` is token ``t``'s slot, ``-1`` for a base-model token. Shapes never depend on
+which adapters are loaded, so writing a slot compiles nothing.
+
+Two equivalent forms:
+- :func:`lora_delta_one_hot` multiplies by every slot at once (``in x slots*rank``) and masks the
+  rank block of the token's slot; two dense matmuls, no sort, cost linear in ``max_loras``.
+- :func:`lora_delta_ragged` sorts tokens by slot and runs ``jax.lax.ragged_dot`` (a grouped
+  matmul); cost independent of ``max_loras`` but it pays a sort and two gathers.
+``scripts/lora_matmul_bench.py`` measures both; the runner uses the one-hot form (see
+docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def lora_delta_one_hot(x: jax.Array, slot_ids: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``(tokens, out)``: ``x[t] @ a[s] @ b[s]`` with ``s = slot_ids[t]``, zero where ``s == -1``."""
+    slots, d_in, rank = a.shape
+    xa = jnp.dot(x, jnp.transpose(a, (1, 0, 2)).reshape(d_in, slots * rank),
+                 preferred_element_type=jnp.float32)  # (T, slots*rank)
+    mask = jax.nn.one_hot(slot_ids, slots, dtype=xa.dtype)  # -1 -> a zero row
+    xa = (xa.reshape(-1, slots, rank) * mask[:, :, None]).reshape(-1, slots * rank)
+    out = jnp.dot(xa.astype(b.dtype), b.reshape(slots * rank, -1), preferred_element_type=jnp.float32)
+    return out.astype(x.dtype)
+
+
+def lora_delta_ragged(x: jax.Array, slot_ids: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """The same delta by a grouped matmul over the tokens sorted by slot (base tokens sort last)."""
+    slots = a.shape[0]
+    key = jnp.where(slot_ids < 0, slots, slot_ids)
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=slots + 1)[:slots].astype(jnp.int32)
+    xs = x[order]
+    # Rows past sum(sizes) (the base tokens) belong to no group and come out zero.
+    xa = jax.lax.ragged_dot(xs, a, sizes, preferred_element_type=jnp.float32)
+    out = jax.lax.ragged_dot(xa.astype(b.dtype), b, sizes, preferred_element_type=jnp.float32)
+    return jnp.zeros_like(out).at[order].set(out).astype(x.dtype)
+
+
+def lora_delta_reference(x: np.ndarray, slot_ids: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row by row in numpy, for the tests."""
+    out = np.zeros((x.shape[0], b.shape[2]), np.float32)
+    for t, s in enumerate(slot_ids):
+        if s >= 0:
+            out[t] = x[t].astype(np.float32) @ a[s].astype(np.float32) @ b[s].astype(np.float32)
+    return out
+
+
+# The fused projections the model runs, and the adapter projections each is made of (in column order).
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRABatch:
+    """One step's adapters: every token's slot and the slot tables of the fused projections,
+    ``a[name]``: ``(layers, slots, in, parts*rank)``, ``b[name]``: ``(layers, slots, parts*rank, out)``
+    (block-diagonal over the fused parts, so one delta covers q|k|v and gate|up)."""
+
+    slot_ids: jax.Array  # (tokens,) int32, -1 for a base-model token
+    a: dict[str, jax.Array]
+    b: dict[str, jax.Array]
+
+    def delta(self, name: str, x: jax.Array, layer: jax.Array | int) -> jax.Array:
+        return lora_delta_one_hot(x, self.slot_ids, self.a[name][layer], self.b[name][layer])

@@ -1,0 +1,47 @@
+"""LoRA in the core: slot assignment per step, and the adapter's weights digest in the block hashes."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.core.kv_cache_utils import hash_request_tokens
+from jaxserve.core.lora_request import LoRARequest, lora_cache_key
+from jaxserve.core.lora_slots import LoRASlotAssigner
+
+
+def test_at_most_max_loras_adapters_per_step_and_lru_reuse():
+    s = LoRASlotAssigner(max_loras=2)
+    s.begin_step()
+    assert s.admit("a@1") == 0 and s.admit("b@1") == 1 and s.admit("a@1") == 0
+    assert s.admit("c@1") is None  # both slots are used by this step
+    assert s.pending_writes == [(0, "a@1"), (1, "b@1")]
+    s.begin_step()
+    s.admit("b@1")
+    assert s.admit("c@1") == 0  # a is the least recently used and idle this step
+    assert s.slot_of("a@1") is None and s.pending_writes[-1] == (0, "c@1")
+    s.forget("b@1")
+    assert s.admit("d@1") == 1
+
+
+class _Req:
+    def __init__(self, tokens, lora_name=None):
+        self.all_token_ids, self.block_size, self.block_hashes = tokens, 4, []
+        self.lora_name, self.cache_salt = lora_name, None
+
+
+def test_a_reload_under_the_same_name_gets_other_block_hashes():
+    tokens = list(range(12))
+    old, new = lora_cache_key("sql", "aa" * 32), lora_cache_key("sql", "bb" * 32)
+    h_old, h_new = hash_request_tokens(4, _Req(tokens, old)), hash_request_tokens(4, _Req(tokens, new))
+    assert len(h_old) == 3 and not set(h_old) & set(h_new)
+    assert h_old == hash_request_tokens(4, _Req(tokens, old))
+    assert not set(h_old) & set(hash_request_tokens(4, _Req(tokens)))
+
+
+def test_lora_request_fields():
+    r = LoRARequest("sql", 1, "/adapters/sql")
+    assert (r.name, r.int_id, r.path) == ("sql", 1, "/adapters/sql")
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("sql", 0, "/x")
+    with pytest.raises(ValueError, match="lora_name"):
+        LoRARequest("", 1, "/x")

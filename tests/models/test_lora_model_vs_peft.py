@@ -1,0 +1,102 @@
+"""The decoder with LoRA slots: each slot's logits equal transformers + peft; writing a slot compiles nothing."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import pallas_kernels
+from jaxserve.models import load_model
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.lora_adapter import load_lora_adapter
+from jaxserve.models.lora_slots import LoRASlotTable, _write_slot
+from tests.models.paged_sequence import PagedSequence, prompt
+from tests.models.test_lora_adapter import make_peft_adapter
+
+
+class LoRASequence(PagedSequence):
+    """One sequence through the paged decoder, every token on LoRA slot ``slot`` (-1: base)."""
+
+    def __init__(self, model, table: LoRASlotTable, slot: int):
+        super().__init__(model)
+        self.table, self.slot = table, slot
+
+    def _step(self, state, ids, kv, md, lora):
+        model = nnx.merge(self.graphdef, state)
+        hidden, kv = model(ids, kv, md, pallas_kernels.ragged_paged_attention_reference, lora=lora)
+        return model.compute_logits(hidden), kv
+
+    def feed(self, token_ids):
+        ids, md = self.inputs(token_ids)
+        lora = self.table.batch(jnp.full((len(token_ids),), self.slot, jnp.int32))
+        logits, self.kv = self.step(self.state, ids, self.kv, md, lora)
+        self.num_computed += len(token_ids)
+        return np.asarray(logits)
+
+
+def peft_logits(pm, ids):
+    import torch
+
+    with torch.no_grad():
+        return pm(torch.tensor([ids])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("scan_layers", [True])
+def test_each_slot_matches_peft(tiny_checkpoints, tmp_path, scan_layers):
+    folder = tiny_checkpoints["LlamaForCausalLM"]
+    cfg = ModelConfig.from_pretrained(folder)
+    model = load_model(folder, scan_layers=scan_layers)
+    pms = [make_peft_adapter(folder, tmp_path / "a0", seed=3, r=8).eval(),
+           make_peft_adapter(folder, tmp_path / "a1", seed=4, r=4, targets=["q_proj", "v_proj", "down_proj"],
+                             use_rslora=True, lora_alpha=5).eval()]
+    table = LoRASlotTable(cfg, max_loras=3, max_rank=8)
+    table.write(2, load_lora_adapter(tmp_path / "a0", cfg, 8))
+    compiled = _write_slot._cache_size()
+    table.write(0, load_lora_adapter(tmp_path / "a1", cfg, 8))
+    assert _write_slot._cache_size() == compiled
+    ids = prompt(11, seed=5)
+    for slot, pm in ((2, pms[0]), (0, pms[1])):
+        seq = LoRASequence(model, table, slot)
+        ours = np.concatenate([seq.feed(ids[:6]), seq.feed(ids[6:])])  # two chunks, the KV of the first reused
+        np.testing.assert_allclose(ours[:, :cfg.vocab_size], peft_logits(pm, ids), rtol=2e-4, atol=2e-4)
+    with pms[0].disable_adapter():
+        base = peft_logits(pms[0], ids)
+    ours = LoRASequence(model, table, -1).feed(ids)
+    np.testing.assert_allclose(ours[:, :cfg.vocab_size], base, rtol=2e-4, atol=2e-4)
+    assert not np.allclose(base, peft_logits(pms[0], ids), atol=1e-3)  # the adapter does change the output
+    jax.clear_caches()
+
+
+def test_one_step_mixes_an_adapter_and_the_base(tiny_checkpoints, tmp_path):
+    from jaxserve.layers.attention import AttentionMetadata
+    from tests.models.paged_sequence import BLOCK_SIZE, NUM_BLOCKS
+
+    folder = tiny_checkpoints["LlamaForCausalLM"]
+    cfg = ModelConfig.from_pretrained(folder)
+    model = load_model(folder, scan_layers=True)
+    pm = make_peft_adapter(folder, tmp_path / "a", seed=7, r=4).eval()
+    table = LoRASlotTable(cfg, max_loras=2, max_rank=8)
+    table.write(1, load_lora_adapter(tmp_path / "a", cfg, 8))
+    seqs = [prompt(9, seed=1), prompt(6, seed=2)]  # sequence 0 on slot 1, sequence 1 on the base
+    half = NUM_BLOCKS // 2
+    positions = np.concatenate([np.arange(len(s)) for s in seqs]).astype(np.int32)
+    first_block = np.repeat([1, half], [len(s) for s in seqs])
+    md = AttentionMetadata(
+        positions=jnp.asarray(positions),
+        slot_mapping=jnp.asarray((first_block + positions // BLOCK_SIZE) * BLOCK_SIZE + positions % BLOCK_SIZE,
+                                 jnp.int32),
+        block_tables=jnp.asarray(np.stack([np.arange(1, half), np.arange(half, 2 * half - 1)]), jnp.int32),
+        kv_lens=jnp.asarray([len(s) for s in seqs], jnp.int32),
+        query_start_loc=jnp.asarray([0, len(seqs[0]), len(seqs[0]) + len(seqs[1])], jnp.int32),
+        num_seqs=jnp.asarray([2], jnp.int32),
+    )
+    slot_ids = jnp.asarray([1] * len(seqs[0]) + [-1] * len(seqs[1]), jnp.int32)
+    seq = LoRASequence(model, table, 0)
+    logits, _ = seq.step(seq.state, jnp.asarray(seqs[0] + seqs[1], jnp.int32), seq.kv, md, table.batch(slot_ids))
+    logits = np.asarray(logits)[:, :cfg.vocab_size]
+    np.testing.assert_allclose(logits[:len(seqs[0])], peft_logits(pm, seqs[0]), rtol=2e-4, atol=2e-4)
+    with pm.disable_adapter():
+        np.testing.assert_allclose(logits[len(seqs[0]):], peft_logits(pm, seqs[1]), rtol=2e-4, atol=2e-4)
