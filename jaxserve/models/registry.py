@@ -13,6 +13,8 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",  # the same decoder with a sparse MoE MLP (jaxserve.models.moe)
+    "MixtralForCausalLM",
 )
 
 
