@@ -6,7 +6,9 @@ kept and, when the checkpoint says so, renormalized to sum to one: Qwen3-MoE's
 (``gate_up_proj [E, hidden, 2 * inter]``, ``down_proj [E, inter, hidden]``) and run as a grouped
 matmul: the ``T * k`` (token, expert) pairs are sorted by expert and ``jax.lax.ragged_dot``
 multiplies each expert's contiguous rows by its own weight, so the work is that of the active
-experts only. :func:`dense_moe` is the one-hot reference that runs every expert on every token.
+experts only. :func:`dense_moe` runs every expert on every token, weighted by a one-hot mix: on
+XLA:CPU it is the faster of the two (``ragged_dot`` lowers to a slow loop there; figures in
+docs/benchmarks.md), so :func:`default_grouped` picks it on a CPU and ``ragged_dot`` elsewhere.
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.layers.linear import Linear
+
+
+def default_grouped(platform: str | None = None) -> bool:
+    """``ragged_dot`` except on a CPU, where the dense one-hot form measured faster."""
+    return (platform or jax.default_backend()) != "cpu"
 
 
 def route(router_logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -64,13 +71,14 @@ class MoEExperts(nnx.Module):
 
 
 class SparseMoeBlock(nnx.Module):
-    """Router (``gate``, no bias) and experts; ``grouped`` picks ``ragged_dot`` over the one-hot form."""
+    """Router (``gate``, no bias) and experts; ``grouped`` picks ``ragged_dot`` over the one-hot form
+    (None: :func:`default_grouped`)."""
 
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, normalize: bool, *,
-                 param_dtype, rngs: nnx.Rngs, grouped: bool = True):
+                 param_dtype, rngs: nnx.Rngs, grouped: bool | None = None):
         self.top_k = top_k
         self.normalize = normalize
-        self.grouped = grouped
+        self.grouped = default_grouped() if grouped is None else grouped
         self.gate = Linear(hidden, num_experts, param_dtype=param_dtype, rngs=rngs)
         self.experts = MoEExperts(num_experts, hidden, inter, param_dtype=param_dtype, rngs=rngs)
 

@@ -44,6 +44,16 @@ def test_logits_and_greedy_match_transformers(checkpoints, arch, scan_layers):
     assert ours == hf_greedy(folder, ids, 10)
 
 
+def test_ragged_dot_model_matches_transformers(checkpoints):
+    """The model with ``ragged_dot`` experts (the non-CPU default) on the CPU, against transformers."""
+    folder = checkpoints["Qwen3MoeForCausalLM"]
+    model = load_model(folder, scan_layers=False)
+    for layer in model.layers:
+        layer.mlp.grouped = True
+    ids = prompt(19, seed=5)
+    np.testing.assert_allclose(PagedSequence(model).feed(ids), hf_logits(folder, ids), atol=2e-4, rtol=0)
+
+
 def test_grouped_equals_dense():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((13, 16)), jnp.float32)
