@@ -148,6 +148,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     """KV cache storage (vLLM's flag): auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3,
     scale 1.0 as vLLM uses without calibrated scales): half of bfloat16's bytes per token."""
+    # ---- mixture of experts (issue 36); to move into a sub-config at merge.
+    enable_expert_parallel: bool = False
+    """Split a mixture-of-experts model's experts over the devices (vLLM's flag). Not supported
+    yet: a MoE model runs on one device with every expert."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -199,6 +203,7 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise bad(name, "must be >= 1")
         self._validate_nodes(bad)
+        self._validate_moe(bad)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise bad("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -210,6 +215,11 @@ class EngineConfig:
             from jaxserve.models.config import normalize_dtype_name
 
             self.dtype = normalize_dtype_name(self.dtype)
+
+    def _validate_moe(self, bad) -> None:
+        if self.enable_expert_parallel:
+            raise bad("enable_expert_parallel", "expert parallelism is not supported yet (MoE models run on one "
+                      "device)")
 
     def _validate_nodes(self, bad) -> None:
         if self.nnodes < 1:

@@ -95,3 +95,10 @@ def test_unsupported_moe_configs(checkpoints):
         ModelConfig.from_dict(cfg)
     with pytest.raises(ValueError, match="one device"):
         load_model(checkpoints["MixtralForCausalLM"], tensor_parallel_size=2)
+
+
+def test_expert_parallel_flag_refused():
+    from jaxserve.config import EngineConfig
+
+    with pytest.raises(ConfigError, match="enable_expert_parallel"):
+        EngineConfig(enable_expert_parallel=True)
