@@ -102,3 +102,8 @@ def test_expert_parallel_flag_refused():
 
     with pytest.raises(ConfigError, match="enable_expert_parallel"):
         EngineConfig(enable_expert_parallel=True)
+
+
+def test_gemma3_refused_with_its_reason():
+    with pytest.raises(ConfigError, match="Gemma3ForCausalLM.*several KV cache groups"):
+        ModelConfig.from_dict({"architectures": ["Gemma3ForCausalLM"], "vocab_size": 10, "hidden_size": 8})
