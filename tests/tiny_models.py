@@ -23,10 +23,22 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     DEMO_ARCH: DEMO_SHAPE,
 }
 
+# Mixture-of-experts shapes, kept apart from TINY_CONFIGS (whose every entry the dense-family tests
+# run): 8 experts, 2 per token, as in the real checkpoints' ratio.
+TINY_MOE_CONFIGS: dict[str, dict[str, Any]] = {
+    "Qwen3MoeForCausalLM": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
+    "MixtralForCausalLM": dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                               num_experts_per_tok=2, sliding_window=None),
+}
+
 
 def build_tiny_checkpoint(folder: str | Path, architecture: str = DEMO_ARCH, **kwargs: Any) -> Path:
     """A random-init checkpoint of ``architecture``'s tiny shape (keywords: ``build_checkpoint``'s)."""
-    return build_checkpoint(folder, architecture, TINY_CONFIGS[architecture], **kwargs)
+    shape = TINY_CONFIGS[architecture] if architecture in TINY_CONFIGS else TINY_MOE_CONFIGS[architecture]
+    return build_checkpoint(folder, architecture, shape, **kwargs)
 
 
 ARCHITECTURES = tuple(TINY_CONFIGS)

@@ -58,6 +58,15 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (Qwen3-MoE, Mixtral); num_experts 0: a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's width
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to one
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def q_size(self) -> int:
@@ -87,7 +96,8 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+        qwen = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        if arch in qwen and not cfg.get("use_sliding_window", False):
             sliding = None
         return cls(
             architecture=arch,
@@ -107,11 +117,34 @@ class ModelConfig:
             # Qwen2 has biases on q/k/v only; Llama's attention_bias covers o_proj too.
             o_proj_bias=bool(cfg.get("attention_bias", False)) and not is_qwen2,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **_moe_fields(arch, cfg),
         )
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The experts of a MoE checkpoint: Mixtral names them ``num_local_experts`` (its
+    ``intermediate_size`` is the experts'), Qwen3-MoE ``num_experts`` (``moe_intermediate_size``)."""
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=_required(cfg, "num_local_experts"),
+                    num_experts_per_tok=_required(cfg, "num_experts_per_tok"),
+                    moe_intermediate_size=_required(cfg, "intermediate_size"), norm_topk_prob=True)
+    if arch != "Qwen3MoeForCausalLM":
+        return {}
+    # Dense layers between sparse ones would make layers of two kinds, which the scanned stack can't hold.
+    if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+        raise ConfigError("config.json: Qwen3-MoE with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
+                          "is not supported")
+    # transformers 5 writes Qwen3-MoE's count as num_local_experts too.
+    count = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not count:
+        raise ConfigError("config.json: missing required field 'num_experts'")
+    return dict(num_experts=count, num_experts_per_tok=_required(cfg, "num_experts_per_tok"),
+                moe_intermediate_size=_required(cfg, "moe_intermediate_size"),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
 
 
 def _required(cfg: dict[str, Any], key: str) -> Any:

@@ -21,10 +21,12 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
         })
+        if cfg.is_moe:
+            names.update(moe_tensors(cfg, p))
+        else:
+            names.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                          p + "mlp.down_proj.weight": (h, inter)})
         if cfg.attention_bias:
             names.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                           p + "self_attn.v_proj.bias": (kv,)})
@@ -35,4 +37,23 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                           p + "mlp.down_proj.bias": (h,)})
         if cfg.qk_norm:
             names.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+    return names
+
+
+def moe_names(cfg: ModelConfig) -> tuple[str, str, str, str]:
+    """The MoE block's prefix and its experts' gate, up and down names (Mixtral's are w1, w3, w2)."""
+    if cfg.architecture == "MixtralForCausalLM":
+        return "block_sparse_moe.", "w1", "w3", "w2"
+    return "mlp.", "gate_proj", "up_proj", "down_proj"
+
+
+def moe_tensors(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """One layer's router and per-expert tensors, as the hub's checkpoints name them."""
+    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    block, gate, up, down = moe_names(cfg)
+    names: dict[str, tuple[int, ...]] = {p + block + "gate.weight": (cfg.num_experts, h)}
+    for e in range(cfg.num_experts):
+        q = f"{p}{block}experts.{e}."
+        names.update({q + gate + ".weight": (inter, h), q + up + ".weight": (inter, h),
+                      q + down + ".weight": (h, inter)})
     return names

@@ -35,6 +35,7 @@ from jaxserve.layers.shard import shard_map
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.forward_context import ForwardContext, KVPools
 from jaxserve.models.layer_stack import ScannedLayers
+from jaxserve.models.moe import SparseMoeBlock
 from jaxserve.models.tp_layout import TPLayout
 
 KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [L, num_blocks, block_size, Hkv, D]
@@ -141,13 +142,22 @@ class LlamaDecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=dtype)
         self.self_attn = LlamaAttention(cfg, layout, quantization=quantization, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=dtype)
-        self.mlp = LlamaMLP(cfg, layout, quantization=quantization, rngs=rngs)
+        self.mlp: LlamaMLP | SparseMoeBlock
+        if cfg.is_moe:  # Qwen3-MoE, Mixtral: the experts stay in float under --quantization
+            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                      cfg.num_experts_per_tok, cfg.norm_topk_prob, param_dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = LlamaMLP(cfg, layout, quantization=quantization, rngs=rngs)
 
     def __call__(self, hidden: jax.Array, kv: KVPools, layer: jax.Array,
                  ctx: ForwardContext) -> tuple[jax.Array, KVPools]:
         attn, kv = self.self_attn(self.input_layernorm(hidden), kv, layer, ctx)
         hidden = hidden + attn
-        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden), ctx.lora, layer)
+        normed = self.post_attention_layernorm(hidden)
+        if isinstance(self.mlp, SparseMoeBlock):
+            hidden = hidden + self.mlp(normed)  # no LoRA on the experts (adapters target the dense MLP)
+        else:
+            hidden = hidden + self.mlp(normed, ctx.lora, layer)
         return hidden, kv
 
 

@@ -35,7 +35,7 @@ from jaxserve.models.compressed_tensors import (
 )
 from jaxserve.models.config import QUANTIZATION_METHODS, ModelConfig, normalize_dtype_name
 from jaxserve.models.gguf_loader import GGUFCheckpoint, GGUFTensor, dequantize, is_gguf
-from jaxserve.models.hf_tensors import expected_tensors
+from jaxserve.models.hf_tensors import expected_tensors, moe_names
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.quantize import quantize_columns
 from jaxserve.models.safetensors_io import open_checkpoint_files
@@ -242,6 +242,8 @@ def state_from_tensors(get: Callable[[str], np.ndarray], cfg: ModelConfig, shape
         per_layer = _prequantized_readers(get, layout)
     elif quantization is not None:
         per_layer = _quantized_readers(per_layer, layout, quantization)
+    if cfg.is_moe:  # the experts stay float under every --quantization
+        per_layer.update(_moe_readers(get, cfg))
     prefixes = [f"model.layers.{i}." for i in range(cfg.num_hidden_layers)]
 
     def reader(path: ParamPath) -> ShardReader:
@@ -363,6 +365,25 @@ def _layer_readers(get: Callable[[str], np.ndarray],
         ("mlp", "gate_up_proj", "bias"): lambda p, s: gate_up(p, "bias", s),
         ("mlp", "down_proj", "kernel"): lambda p, s: in_cols(p, "mlp.down_proj.weight", s),
         ("mlp", "down_proj", "bias"): lambda p, s: get(p + "mlp.down_proj.bias"),
+    }
+
+
+def _moe_readers(get: Callable[[str], np.ndarray],
+                 cfg: ModelConfig) -> dict[ParamPath, Callable[[str, int], np.ndarray]]:
+    """The router as a ``[hidden, E]`` kernel and the experts stacked: ``gate_up_proj [E, hidden,
+    2 * inter]`` (``[gate | up]`` columns) and ``down_proj [E, inter, hidden]`` (replicated)."""
+    block, gate, up, down = moe_names(cfg)
+    experts = range(cfg.num_experts)
+
+    def gate_up(p: str) -> np.ndarray:
+        return np.stack([np.concatenate([get(f"{p}{block}experts.{e}.{gate}.weight"),
+                                         get(f"{p}{block}experts.{e}.{up}.weight")]).T for e in experts])
+
+    return {
+        ("mlp", "gate", "kernel"): lambda p, s: get(p + block + "gate.weight").T,
+        ("mlp", "experts", "gate_up_proj"): lambda p, s: gate_up(p),
+        ("mlp", "experts", "down_proj"): lambda p, s: np.stack(
+            [get(f"{p}{block}experts.{e}.{down}.weight").T for e in experts]),
     }
 
 

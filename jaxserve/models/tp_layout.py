@@ -56,6 +56,9 @@ def check_tensor_parallel_size(cfg: ModelConfig, size: int) -> None:
     if (size % kv_heads) if size > kv_heads else (kv_heads % size):
         raise ValueError(f"tensor_parallel_size {size} and the model's {kv_heads} key/value heads: one must "
                          "divide the other")
+    if cfg.is_moe and size > 1:
+        raise ValueError(f"tensor_parallel_size {size}: a mixture-of-experts model ({cfg.architecture}) runs on "
+                         "one device only for now")
     if cfg.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's intermediate_size "
                          f"{cfg.intermediate_size}")

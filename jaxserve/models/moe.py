@@ -1,0 +1,88 @@
+"""The sparse mixture-of-experts MLP of Qwen3-MoE and Mixtral, as a Flax NNX module.
+
+A router picks ``top_k`` experts per token (softmax over all experts in float32, the top ``k``
+kept and, when the checkpoint says so, renormalized to sum to one: Qwen3-MoE's
+``norm_topk_prob``; Mixtral always renormalizes). The experts are one stacked weight each
+(``gate_up_proj [E, hidden, 2 * inter]``, ``down_proj [E, inter, hidden]``) and run as a grouped
+matmul: the ``T * k`` (token, expert) pairs are sorted by expert and ``jax.lax.ragged_dot``
+multiplies each expert's contiguous rows by its own weight, so the work is that of the active
+experts only. :func:`dense_moe` runs every expert on every token, weighted by a one-hot mix: on
+XLA:CPU it is the faster of the two (``ragged_dot`` lowers to a slow loop there; figures in
+docs/benchmarks.md), so :func:`default_grouped` picks it on a CPU and ``ragged_dot`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.layers.linear import Linear
+
+
+def default_grouped(platform: str | None = None) -> bool:
+    """``ragged_dot`` except on a CPU, where the dense one-hot form measured faster."""
+    return (platform or jax.default_backend()) != "cpu"
+
+
+def route(router_logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """``[T, E]`` logits -> the top-k experts' weights ``[T, k]`` (float32) and ids ``[T, k]``."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights, ids
+
+
+def grouped_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
+                down: jax.Array) -> jax.Array:
+    """SwiGLU experts over the routed pairs with ``ragged_dot``: ``x [T, H]`` -> ``[T, H]``."""
+    num_tokens, top_k = ids.shape
+    num_experts = gate_up.shape[0]
+    flat_ids = ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)  # pairs grouped by expert
+    token_of = order // top_k
+    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
+    h = jax.lax.ragged_dot(x[token_of], gate_up, group_sizes)
+    gate, up = jnp.split(h, 2, axis=-1)
+    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, group_sizes)
+    out = out * weights.reshape(-1)[order, None].astype(out.dtype)
+    return jnp.zeros((num_tokens, x.shape[1]), out.dtype).at[token_of].add(out)
+
+
+def dense_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
+              down: jax.Array) -> jax.Array:
+    """The same sum computed densely: every expert on every token, weighted by a one-hot mix."""
+    mix = (jax.nn.one_hot(ids, gate_up.shape[0], dtype=jnp.float32) * weights[..., None]).sum(axis=1)  # [T, E]
+    h = jnp.einsum("th,ehi->eti", x, gate_up)
+    gate, up = jnp.split(h, 2, axis=-1)
+    out = jnp.einsum("eti,eih->eth", jax.nn.silu(gate) * up, down)
+    return jnp.einsum("eth,te->th", out, mix.astype(out.dtype))
+
+
+class MoEExperts(nnx.Module):
+    """The stacked expert weights: ``gate_up_proj [E, hidden, 2 * inter]`` (``[gate | up]`` per
+    expert) and ``down_proj [E, inter, hidden]``."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, *, param_dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(stddev=0.02)
+        self.gate_up_proj = nnx.Param(init(rngs.params(), (num_experts, hidden, 2 * inter), param_dtype))
+        self.down_proj = nnx.Param(init(rngs.params(), (num_experts, inter, hidden), param_dtype))
+
+
+class SparseMoeBlock(nnx.Module):
+    """Router (``gate``, no bias) and experts; ``grouped`` picks ``ragged_dot`` over the one-hot form
+    (None: :func:`default_grouped`)."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, normalize: bool, *,
+                 param_dtype, rngs: nnx.Rngs, grouped: bool | None = None):
+        self.top_k = top_k
+        self.normalize = normalize
+        self.grouped = default_grouped() if grouped is None else grouped
+        self.gate = Linear(hidden, num_experts, param_dtype=param_dtype, rngs=rngs)
+        self.experts = MoEExperts(num_experts, hidden, inter, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weights, ids = route(self.gate(x), self.top_k, self.normalize)
+        fn = grouped_moe if self.grouped else dense_moe
+        return fn(x, weights, ids, self.experts.gate_up_proj[...], self.experts.down_proj[...]).astype(x.dtype)
