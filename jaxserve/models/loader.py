@@ -26,6 +26,7 @@ from flax import nnx
 
 from jaxserve.exceptions import ConfigError
 from jaxserve.models.config import ModelConfig, normalize_dtype_name
+from jaxserve.models.gguf_cache import GGUFCache
 from jaxserve.models.gguf_loader import GGUFCheckpoint, GGUFTensor, dequantize, is_gguf
 from jaxserve.models.hf_tensors import expected_tensors
 from jaxserve.models.llama import LlamaForCausalLM
@@ -89,7 +90,7 @@ def load_model(folder: str | Path, dtype: str | None = None, scan_layers: bool |
 def checkpoint_config(path: str | Path) -> ModelConfig:
     """The config of a checkpoint folder or a ``.gguf`` file, weights unread."""
     if is_gguf(path):
-        return ModelConfig.from_dict(GGUFCheckpoint(path).hf_config())
+        return ModelConfig.from_dict(GGUFCache(path).config(lambda: GGUFCheckpoint(path).hf_config()))
     return ModelConfig.from_pretrained(path)
 
 
@@ -102,12 +103,26 @@ def load_gguf_model(path: str | Path, dtype: str | None = None, scan_layers: boo
                     tensor_parallel_size: int = 1, place: Placement | None = None,
                     policy: TensorPolicy = dequantize, quantization: str | None = None) -> LlamaForCausalLM:
     """A ``.gguf`` file into the model: the config from its metadata, then one ``policy`` call per
-    tensor (default: dequantized into the serving dtype), read as a checkpoint's tensors are."""
-    checkpoint = GGUFCheckpoint(path)
-    cfg = _with_dtype(ModelConfig.from_dict(checkpoint.hf_config()), dtype)
+    tensor (default: dequantized into the serving dtype), read as a checkpoint's tensors are.
+    Dequantized tensors, like the config, are kept in the start-up cache (:mod:`.gguf_cache`):
+    parsing the file and decoding its blocks happen once per file and dtype."""
+    cache = GGUFCache(path)
+    opened: list[GGUFCheckpoint] = []
+
+    def checkpoint() -> GGUFCheckpoint:  # parsing the file costs seconds: only on a miss
+        if not opened:
+            opened.append(GGUFCheckpoint(path))
+        return opened[0]
+
+    cfg = _with_dtype(ModelConfig.from_dict(cache.config(lambda: checkpoint().hf_config())), dtype)
     abstract, graphdef, shapes = _abstract_model(cfg, scan_layers, tensor_parallel_size, quantization)
-    check_tensors(cfg, checkpoint.tensor_shapes())  # before any tensor is decoded
-    weights = {t.name: policy(t, cfg.dtype) for t in checkpoint.tensors()}
+    kept = cache.tensor_shapes(cfg.dtype) if policy is dequantize else None
+    check_tensors(cfg, kept if kept is not None else checkpoint().tensor_shapes())  # before any is decoded
+
+    def decode() -> dict[str, np.ndarray]:
+        return {t.name: policy(t, cfg.dtype) for t in checkpoint().tensors()}
+
+    weights = cache.tensors(cfg.dtype, decode) if policy is dequantize else decode()
     state = state_from_tensors(weights.__getitem__, cfg, shapes, scanned=abstract.scan_layers,
                                layout=abstract.layout, place=place, quantization=quantization)
     return nnx.merge(graphdef, state)
