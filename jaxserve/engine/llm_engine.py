@@ -24,6 +24,7 @@ from jaxserve.engine.step_records import StepRecord, last_records
 from jaxserve.engine.timeline import ABORT, EntryTimes, RequestTimeline
 from jaxserve.engine.trace import build_trace
 from jaxserve.exceptions import ConfigError, InvalidRequestError
+from jaxserve.models.gguf_cache import GGUFCache
 from jaxserve.models.gguf_loader import is_gguf
 from jaxserve.models.hub import resolve_model
 from jaxserve.models.smollm2 import SERVED_NAME as SMOLLM2_NAME
@@ -42,9 +43,10 @@ def load_tokenizer(path: str):
     """The checkpoint's tokenizer, or None for a weights-only folder (token-id prompts only)."""
     from transformers import AutoTokenizer
 
-    if is_gguf(path):  # transformers rebuilds the tokenizer and chat template from the metadata
-        file = Path(path)
-        return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name, trust_remote_code=False)
+    if is_gguf(path):  # transformers rebuilds the tokenizer and chat template from the metadata (seconds):
+        file = Path(path)  # kept in the start-up cache, read back as a plain tokenizer folder
+        return GGUFCache(file).tokenizer(lambda: AutoTokenizer.from_pretrained(
+            str(file.parent), gguf_file=file.name, trust_remote_code=False))
     if not has_tokenizer_files(path):
         logger.warning("no tokenizer files in %s: only token-id prompts, no detokenization", path)
         return None

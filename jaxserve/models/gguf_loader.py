@@ -201,10 +201,10 @@ def dequantize(t: GGUFTensor, dtype: Any) -> np.ndarray:
         values = np.asarray(t.data).view(np.float16)
     else:
         values = gguf.quants.dequantize(np.asarray(t.data), gguf.GGMLQuantizationType[t.qtype])
-    return values.reshape(t.shape).astype(_np_dtype(dtype), copy=False)
+    return values.reshape(t.shape).astype(np_dtype(dtype), copy=False)
 
 
-def _np_dtype(dtype: Any) -> np.dtype:
+def np_dtype(dtype: Any) -> np.dtype:
     if isinstance(dtype, str) and dtype == "bfloat16":
         import ml_dtypes
 

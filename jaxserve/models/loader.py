@@ -34,6 +34,7 @@ from jaxserve.models.compressed_tensors import (
     stored_getter,
 )
 from jaxserve.models.config import QUANTIZATION_METHODS, ModelConfig, normalize_dtype_name
+from jaxserve.models.gguf_cache import GGUFCache
 from jaxserve.models.gguf_loader import GGUFCheckpoint, GGUFTensor, dequantize, is_gguf
 from jaxserve.models.hf_tensors import expected_tensors, moe_names
 from jaxserve.models.llama import LlamaForCausalLM
@@ -111,7 +112,7 @@ def load_model(folder: str | Path, dtype: str | None = None, scan_layers: bool |
 def checkpoint_config(path: str | Path) -> ModelConfig:
     """The config of a checkpoint folder or a ``.gguf`` file, weights unread."""
     if is_gguf(path):
-        return ModelConfig.from_dict(GGUFCheckpoint(path).hf_config())
+        return ModelConfig.from_dict(GGUFCache(path).config(lambda: GGUFCheckpoint(path).hf_config()))
     return ModelConfig.from_pretrained(path)
 
 
@@ -124,24 +125,28 @@ def load_gguf_model(path: str | Path, dtype: str | None = None, scan_layers: boo
                     tensor_parallel_size: int = 1, place: Placement | None = None,
                     policy: TensorPolicy = dequantize, quantization: str | None = None) -> LlamaForCausalLM:
     """A ``.gguf`` file into the model: the config from its metadata, then one ``policy`` call per
-    tensor (default: dequantized into the serving dtype), read as a checkpoint's tensors are."""
-    checkpoint = GGUFCheckpoint(path)
-    cfg = _with_dtype(ModelConfig.from_dict(checkpoint.hf_config()), dtype)
+    tensor (default: dequantized into the serving dtype), read as a checkpoint's tensors are.
+    Dequantized tensors, like the config, are kept in the start-up cache (:mod:`.gguf_cache`):
+    parsing the file and decoding its blocks happen once per file and dtype."""
     if quantization == "gguf":
-        quantization = GGUF_PREFIX + _projection_block_format(checkpoint, tensor_parallel_size)
-        embed_format = checkpoint.tensor_types().get("model.embed_tokens.weight")
-        if cfg.tie_word_embeddings and embed_format in BLOCK_FORMATS:  # the tied head reads it every step
-            quantization += ":" + embed_format
+        return _load_gguf_blocks(path, dtype, scan_layers, tensor_parallel_size, place, policy)
+    cache = GGUFCache(path)
+    opened: list[GGUFCheckpoint] = []
+
+    def checkpoint() -> GGUFCheckpoint:  # parsing the file costs seconds: only on a miss
+        if not opened:
+            opened.append(GGUFCheckpoint(path))
+        return opened[0]
+
+    cfg = _with_dtype(ModelConfig.from_dict(cache.config(lambda: checkpoint().hf_config())), dtype)
     abstract, graphdef, shapes = _abstract_model(cfg, scan_layers, tensor_parallel_size, quantization)
-    check_tensors(cfg, checkpoint.tensor_shapes())  # before any tensor is decoded
-    keep_blocks = quantization is not None and block_format_of(quantization) is not None
-    weights: dict[str, np.ndarray] = {}
-    for t in checkpoint.tensors():
-        if keep_blocks and (t.name.endswith(GGUF_BLOCK_PROJECTIONS) or (
-                t.name == "model.embed_tokens.weight" and embedding_block_format_of(quantization))):
-            weights.update(zip((f"{t.name}.{part}" for part in BLOCK_PARTS), split_gguf_blocks(t.data, t.qtype)))
-        else:
-            weights[t.name] = policy(t, cfg.dtype)
+    kept = cache.tensor_shapes(cfg.dtype) if policy is dequantize else None
+    check_tensors(cfg, kept if kept is not None else checkpoint().tensor_shapes())  # before any is decoded
+
+    def decode() -> dict[str, np.ndarray]:
+        return {t.name: policy(t, cfg.dtype) for t in checkpoint().tensors()}
+
+    weights = cache.tensors(cfg.dtype, decode) if policy is dequantize else decode()
     state = state_from_tensors(weights.__getitem__, cfg, shapes, scanned=abstract.scan_layers,
                                layout=abstract.layout, place=place, quantization=quantization)
     return nnx.merge(graphdef, state)
@@ -182,6 +187,31 @@ def _block_readers(get: Callable[[str], np.ndarray]) -> dict[ParamPath, Callable
 
 def _embedding_block_reader(get: Callable[[str], np.ndarray], part: str, layout: TPLayout) -> ShardReader:
     return lambda s: _vocab_rows(get, f"model.embed_tokens.weight.{part}", layout, s)
+
+
+def _load_gguf_blocks(path: str | Path, dtype: str | None, scan_layers: bool | None, tensor_parallel_size: int,
+                      place: Placement | None, policy: TensorPolicy) -> LlamaForCausalLM:
+    """``--quantization gguf``: the projections (and a tied embedding in a block format) kept in the
+    file's blocks, the other tensors through ``policy``; read from the file, not the start-up cache
+    (which holds dequantized tensors)."""
+    checkpoint = GGUFCheckpoint(path)
+    cfg = _with_dtype(ModelConfig.from_dict(checkpoint.hf_config()), dtype)
+    quantization = GGUF_PREFIX + _projection_block_format(checkpoint, tensor_parallel_size)
+    embed_format = checkpoint.tensor_types().get("model.embed_tokens.weight")
+    if cfg.tie_word_embeddings and embed_format in BLOCK_FORMATS:  # the tied head reads it every step
+        quantization += ":" + embed_format
+    abstract, graphdef, shapes = _abstract_model(cfg, scan_layers, tensor_parallel_size, quantization)
+    check_tensors(cfg, checkpoint.tensor_shapes())  # before any tensor is decoded
+    weights: dict[str, np.ndarray] = {}
+    for t in checkpoint.tensors():
+        if t.name.endswith(GGUF_BLOCK_PROJECTIONS) or (
+                t.name == "model.embed_tokens.weight" and embedding_block_format_of(quantization)):
+            weights.update(zip((f"{t.name}.{part}" for part in BLOCK_PARTS), split_gguf_blocks(t.data, t.qtype)))
+        else:
+            weights[t.name] = policy(t, cfg.dtype)
+    state = state_from_tensors(weights.__getitem__, cfg, shapes, scanned=abstract.scan_layers,
+                               layout=abstract.layout, place=place, quantization=quantization)
+    return nnx.merge(graphdef, state)
 
 
 def _with_dtype(cfg: ModelConfig, dtype: str | None) -> ModelConfig:
