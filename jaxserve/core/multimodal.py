@@ -75,11 +75,12 @@ class EncoderCacheManager:
         refs.add(request_id)
         return True
 
-    def can_allocate(self, feature: MultiModalFeatureSpec, encoder_budget: int) -> bool:
-        """Whether ``feature`` fits the step's remaining encoder budget and the cache, evicting
-        unreferenced outputs (oldest first) to make room."""
-        n = feature.num_encoder_tokens
-        if n > encoder_budget or n > self.num_freeable_slots:
+    def can_allocate(self, feature: MultiModalFeatureSpec, encoder_budget: int, tokens_to_schedule: int = 0) -> bool:
+        """Whether ``feature`` fits the step's remaining encoder budget and the cache besides the
+        ``tokens_to_schedule`` chosen (not yet allocated) before it, evicting unreferenced outputs
+        (oldest first) to make room."""
+        n = feature.num_encoder_tokens + tokens_to_schedule
+        if feature.num_encoder_tokens > encoder_budget or n > self.num_freeable_slots:
             return False
         while n > self.num_free_slots:
             mm_hash, size = self.freeable.popitem(last=False)
@@ -116,7 +117,7 @@ class EncoderCacheManager:
 class EncoderSchedule:
     """The scheduler's decision for one request this step."""
 
-    to_encode: tuple[int, ...]  # indices into the request's features
+    to_encode: tuple[int, ...]  # indices into the request's features, to allocate once the KV fits
     num_new_tokens: int
     encoder_budget_left: int
 
@@ -126,8 +127,11 @@ def schedule_encoder_inputs(request_id: str, features: Sequence[MultiModalFeatur
     """Which images the tokens ``[num_computed_tokens, + num_new_tokens)`` need encoded, and how
     many of those tokens can run. An image whose placeholders the chunk reaches is encoded whole
     (its output waits in the cache), so a chunk may end inside an image; an image that does not
-    fit the budget or the cache cuts the chunk just before its first placeholder."""
+    fit the budget or the cache cuts the chunk just before its first placeholder. Images held in
+    the cache are referenced for ``request_id`` here; those to encode are allocated by the caller
+    (:meth:`EncoderCacheManager.allocate`) once the step's KV blocks are granted."""
     to_encode: list[int] = []
+    scheduled_tokens = 0
     end = num_computed_tokens + num_new_tokens
     for i, f in enumerate(features):
         start = f.placeholder.offset
@@ -139,11 +143,11 @@ def schedule_encoder_inputs(request_id: str, features: Sequence[MultiModalFeatur
             continue
         if any(features[j].identifier == f.identifier for j in to_encode):
             continue  # the same image twice in one prompt is encoded once
-        if not cache.can_allocate(f, encoder_budget):
+        if not cache.can_allocate(f, encoder_budget, scheduled_tokens):
             # Tokens before the image run now; a chunk never starts inside an image it cannot encode.
             num_new_tokens = max(0, start - num_computed_tokens)
             break
-        cache.allocate(request_id, f)
         to_encode.append(i)
+        scheduled_tokens += f.num_encoder_tokens
         encoder_budget -= f.num_encoder_tokens
     return EncoderSchedule(tuple(to_encode), num_new_tokens, encoder_budget)

@@ -67,9 +67,11 @@ def test_encoder_budget_cuts_the_chunk_before_an_image_it_cannot_encode():
     # Budget for one image: the chunk of 16 tokens reaches both, so it stops before the second.
     s = schedule_encoder_inputs("r", feats, 0, 16, 8, cache)
     assert s.to_encode == (0,) and s.num_new_tokens == 10 and s.encoder_budget_left == 2
+    cache.allocate("r", feats[0])
     # Next step: the first image is cached, the second is encoded; a 3-token chunk ends inside it.
     s = schedule_encoder_inputs("r", feats, 10, 3, 8, cache)
     assert s.to_encode == (1,) and s.num_new_tokens == 3
+    cache.allocate("r", feats[1])
     # The rest of that image comes from the cache: nothing more to encode.
     s = schedule_encoder_inputs("r", feats, 13, 5, 8, cache)
     assert s.to_encode == () and s.num_new_tokens == 5
@@ -96,3 +98,88 @@ def test_encoder_cache_shares_by_hash_keeps_unreferenced_outputs_and_evicts_olde
     cache.allocate("r4", b)
     assert cache.can_allocate(feature("c", 0, 6), 100)  # evicts "a"
     assert cache.get_freed_mm_hashes() == ["a"] and not cache.check_and_update_cache("r5", a)
+
+
+def test_a_step_counts_the_images_it_already_chose_against_the_cache():
+    feats = [feature("x", 0, 6), feature("y", 6, 6)]
+    s = schedule_encoder_inputs("r", feats, 0, 12, 100, EncoderCacheManager(10))
+    assert s.to_encode == (0,) and s.num_new_tokens == 6  # both fit the budget, not the cache
+
+
+# ---------------------------------------------------------------- the scheduler with images
+
+def _sched(budget, *, tokens=64, cache=0, enable_caching=True):
+    from tests.core.core_testing import make_scheduler
+    return make_scheduler(num_blocks=64, block_size=BS, max_model_len=64, max_num_batched_tokens=tokens,
+                          max_num_encoder_input_tokens=budget, encoder_cache_size=cache,
+                          enable_caching=enable_caching)
+
+
+def _no_tokens(so):
+    from jaxserve.core import ModelRunnerOutput
+    ids = list(so.num_scheduled_tokens)
+    return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, [[] for _ in ids])
+
+
+def test_scheduler_encodes_each_image_once_and_chunks_through_it():
+    sched = _sched(6, tokens=8)
+    req = image_request("a", "img-A")  # image at 6..12, 17 tokens
+    sched.add_request(req)
+    so = sched.schedule()
+    # 8 tokens reach the image: it is encoded whole, the chunk ends inside it (token 8 of 6..12).
+    assert so.num_scheduled_tokens == {"a": 8} and so.scheduled_encoder_inputs == {"a": [0]}
+    assert so.scheduled_new_reqs[0].mm_features == req.mm_features
+    sched.update_from_output(so, _no_tokens(so))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"a": 8} and so.scheduled_encoder_inputs == {}  # from the cache
+    enc = sched.encoder_cache_manager
+    assert enc.cached["img-A"] == set() and "img-A" in enc.freeable  # done with: kept, evictable
+
+
+def test_no_encoder_budget_for_the_image_cuts_the_chunk_before_it():
+    sched = _sched(6, tokens=32)
+    a, b = image_request("a", "img-A"), image_request("b", "img-B", text_before=(31, 32, 33, 34, 35, 36))
+    sched.add_request(a)
+    sched.add_request(b)
+    so = sched.schedule()
+    # a takes the whole budget; b runs its text up to its image, whose encoding waits a step.
+    assert so.num_scheduled_tokens == {"a": 17, "b": 6} and so.scheduled_encoder_inputs == {"a": [0]}
+    sched.update_from_output(so, _no_tokens(so))
+    so = sched.schedule()
+    assert so.scheduled_encoder_inputs == {"b": [0]} and so.num_scheduled_tokens["b"] == 11
+
+
+def test_a_request_whose_first_token_is_an_image_waits_for_budget():
+    sched = _sched(6, tokens=64)
+    sched.add_request(image_request("a", "img-A"))
+    sched.add_request(image_request("b", "img-B", text_before=()))
+    so = sched.schedule()
+    assert set(so.num_scheduled_tokens) == {"a"} and sched.waiting_reason == "encoder_budget"
+    assert sched.encoder_cache_manager.cached.keys() == {"img-A"}  # b holds nothing while it waits
+
+
+def test_preemption_recomputes_kv_and_keeps_the_encoder_output():
+    from jaxserve.core import RequestStatus
+    sched = _sched(12, tokens=64, enable_caching=False)  # no prefix hit: every token is recomputed
+    a = image_request("a", "img-A")
+    sched.add_request(a)
+    so = sched.schedule()
+    assert so.scheduled_encoder_inputs == {"a": [0]}
+    sched.update_from_output(so, _no_tokens(so))
+    sched._preempt(sched.running.pop(), 0.0)  # as the scheduler does when blocks run out
+    assert a.status is RequestStatus.PREEMPTED and a.num_computed_tokens == 0
+    so = sched.schedule()
+    # a resumes: its 17 tokens are recomputed, its image is not re-encoded (the cache kept it).
+    assert so.num_scheduled_tokens == {"a": 17} and so.scheduled_new_reqs[0].num_computed_tokens == 0
+    assert so.scheduled_encoder_inputs == {} and so.free_encoder_mm_hashes == []
+    assert "img-A" in sched.encoder_cache_manager.freeable  # used by the resumed step, then released
+
+
+def test_an_evicted_output_is_named_to_the_runner():
+    sched = _sched(6, tokens=64)
+    sched.add_request(image_request("a", "img-A"))
+    so = sched.schedule()
+    sched.update_from_output(so, _no_tokens(so))
+    sched.add_request(image_request("c", "img-C", text_before=(41, 42, 43, 44, 45, 46)))
+    so = sched.schedule()  # the cache holds 6 tokens: A (unreferenced now) makes way for C
+    assert so.scheduled_encoder_inputs == {"c": [0]} and so.free_encoder_mm_hashes == ["img-A"]
