@@ -92,3 +92,44 @@ def test_image_features_and_logits_equal_transformers(tiny_llava):
 def test_bad_config_is_named():
     with pytest.raises(ValueError, match="vision_feature_select_strategy"):
         LlavaVisionConfig.from_hf({"vision_config": {}, "text_config": {}, "vision_feature_select_strategy": "x"})
+
+
+@pytest.mark.parametrize("split", [None, 7], ids=["one-chunk", "chunk-inside-image"])
+def test_jaxserve_llava_logits_equal_transformers(tiny_llava, split):
+    """Our image encoder and our paged decoder (fed the merged embeddings, in one chunk or two
+    that cut through the image) against HF's whole LLaVA."""
+    from jaxserve.models.llava import load_llava_language_model
+    from tests.models.paged_sequence import PagedSequence
+
+    model, folder = tiny_llava
+    cfg, encoder = load_llava_image_encoder_from_folder(folder)
+    lm = load_llava_language_model(folder, scan_layers=False)
+    proc = CLIPImageProcessorConfig(shortest_edge=28, crop_height=28, crop_width=28)
+    pixels = preprocess_clip_image(_image(3, 33, 41), proc)[None]
+    ids = expand_image_placeholders([1, 5, 9, IMAGE_TOKEN, 17, 3], IMAGE_TOKEN, cfg.tokens_per_image)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids]), pixel_values=torch.from_numpy(pixels)).logits[0].numpy()
+
+    feats = np.asarray(encoder(jnp.asarray(pixels))).reshape(-1, 48)
+    mm = np.zeros((len(ids), 48), np.float32)
+    mask = np.asarray(ids) == IMAGE_TOKEN
+    mm[mask] = feats
+    seq = PagedSequence(lm)
+    import jax
+    from flax import nnx
+
+    import pallas_kernels
+
+    def step(state, ids_, kv, md, e, m):
+        mod = nnx.merge(seq.graphdef, state)
+        hidden, kv = mod(ids_, kv, md, pallas_kernels.ragged_paged_attention_reference, None, e, m)
+        return mod.compute_logits(hidden), kv
+
+    step = jax.jit(step)
+    out = []
+    for lo, hi in ([(0, len(ids))] if split is None else [(0, split), (split, len(ids))]):
+        chunk_ids, md = seq.inputs(ids[lo:hi])
+        logits, seq.kv = step(seq.state, chunk_ids, seq.kv, md, jnp.asarray(mm[lo:hi]), jnp.asarray(mask[lo:hi]))
+        seq.num_computed += hi - lo
+        out.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(out), ref, atol=1e-4, rtol=1e-4)
