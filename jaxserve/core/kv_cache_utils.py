@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Optional, Protocol
 
 from jaxserve import envs
+from jaxserve.core.multimodal import MultiModalFeatureSpec, mm_extra_keys
 
 BlockHash = bytes
 
@@ -28,6 +29,7 @@ class HashedTokens(Protocol):
     block_hashes: list[BlockHash]
     lora_name: Optional[str]
     cache_salt: Optional[str]
+    mm_features: list[MultiModalFeatureSpec]
 
 NONE_HASH: BlockHash = b""
 
@@ -84,11 +86,13 @@ def generate_block_hash_extra_keys(request: HashedTokens, start: int, end: int) 
 
     The LoRA adapter changes every block's KV, so it keys every block. ``cache_salt`` keys only the
     first block: the chain carries it to all later blocks, isolating tenants at no extra cost.
-    Multimodal hashes would go here (none yet).
+    An image keys every block its placeholders overlap (:func:`.multimodal.mm_extra_keys`).
     """
-    keys = []
+    keys: list[tuple] = []
     if request.lora_name is not None:
         keys.append(("lora", request.lora_name))
+    if request.mm_features:
+        keys.extend(mm_extra_keys(request.mm_features, start, end))
     if start == 0 and request.cache_salt is not None:
         keys.append(("salt", request.cache_salt))
     return tuple(keys) if keys else None

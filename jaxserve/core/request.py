@@ -8,6 +8,7 @@ from typing import Optional, Union
 
 from jaxserve.core import kv_cache_utils
 from jaxserve.core.kv_cache_utils import BlockHash
+from jaxserve.core.multimodal import MultiModalFeatureSpec
 from jaxserve.core.sampling_params import SamplingParams
 
 
@@ -70,6 +71,7 @@ class Request:
         cache_salt: Optional[str] = None,
         lora_name: Optional[str] = None,
         block_size: Optional[int] = None,
+        mm_features: Optional[list[MultiModalFeatureSpec]] = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -78,6 +80,8 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.lora_name = lora_name
+        # Images, in prompt order; their hashes key the blocks their placeholders overlap.
+        self.mm_features: list[MultiModalFeatureSpec] = list(mm_features or ())
 
         self.status = RequestStatus.WAITING_FOR_FSM if self.use_structured_output else RequestStatus.WAITING
         self.stop_reason: Union[int, str, None] = None

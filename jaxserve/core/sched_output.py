@@ -10,6 +10,9 @@ Runner contract:
     otherwise (a partial prefill chunk) ``sampled_token_ids`` for it is ``[]``.
   * With ``scheduled_spec_decode_tokens[id]`` = K drafts, the range ends with those K drafts;
     the runner returns 1..K+1 tokens (the accepted drafts, then the target's own token).
+  * ``scheduled_encoder_inputs`` are encoded before the step's forward; an image's output is then
+    kept under its content hash until ``free_encoder_mm_hashes`` names it, and may serve several
+    requests and steps (a chunk can end inside an image).
   * The runner writes all of a step's KV before the step's attention reads it: a request may hit
     prefix blocks another request fills in the same step.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from jaxserve.core.multimodal import MultiModalFeatureSpec
 from jaxserve.core.sampling_params import SamplingParams
 
 # One position's logprobs: (token ids, logprobs, rank of the chosen token); index 0 is the chosen
@@ -36,6 +40,7 @@ class NewRequestData:
     block_ids: list[int]          # all blocks of the request so far (hybrid: a tuple, one per KV group)
     num_computed_tokens: int      # tokens already in the KV cache (prefix hit or 0)
     output_token_ids: list[int]   # non-empty only when resumed after preemption (recompute)
+    mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)  # images, prompt order
 
 
 @dataclass
@@ -62,6 +67,10 @@ class SchedulerOutput:
     # Speculative decoding: the draft ids a request verifies this step. They are the last
     # ``len(drafts)`` of its ``num_scheduled_tokens``, right after its last known token.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Images: request id -> indices of its features to encode this step (before the forward);
+    # content hashes whose encoder outputs the runner may drop (evicted from the encoder cache).
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from jaxserve.core.kv_cache_manager import KVCacheManager, KVCacheManagerInterface
+from jaxserve.core.multimodal import EncoderCacheManager, EncoderSchedule, schedule_encoder_inputs
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import create_request_queue
 from jaxserve.core.sched_output import (
@@ -20,6 +21,7 @@ from jaxserve.core.sched_output import (
     SchedulerOutput,
 )
 from jaxserve.core.schedule_record import (
+    WAIT_ENCODER_BUDGET,
     WAIT_GRAMMAR,
     WAIT_KV_BLOCKS,
     WAIT_MAX_NUM_SEQS,
@@ -31,6 +33,8 @@ from jaxserve.core.structured_outputs import GRAMMAR_READY, StructuredOutputHook
 from jaxserve.exceptions import InvalidRequestError
 
 logger = logging.getLogger("jaxserve")
+
+_NO_ENCODER = EncoderSchedule((), 0, 0)  # a request with no image to encode
 
 
 @dataclass
@@ -50,6 +54,9 @@ class SchedulerConfig:
     # KV slots the proposer writes past the scheduled tokens.
     num_speculative_tokens: int = 0
     num_lookahead_tokens: int = 0
+    # Images: encoder tokens one step may encode, and the encoder cache's size (0: the budget).
+    max_num_encoder_input_tokens: int = 0
+    encoder_cache_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
@@ -71,6 +78,10 @@ class SchedulerConfig:
                              "with async_scheduling yet: turn one of them off")
         if self.history_size < 0:
             raise ValueError(f"history_size must be non-negative, got {self.history_size}")
+        if self.max_num_encoder_input_tokens < 0 or self.encoder_cache_size < 0:
+            raise ValueError("max_num_encoder_input_tokens and encoder_cache_size must be non-negative")
+        if 0 < self.encoder_cache_size < self.max_num_encoder_input_tokens:
+            raise ValueError("encoder_cache_size must be at least max_num_encoder_input_tokens")
 
 
 class Scheduler:
@@ -149,6 +160,10 @@ class Scheduler:
             deque(maxlen=cfg.history_size) if cfg.history_size else None)
         # Why the last schedule() left waiting requests waiting (a schedule_record.WAIT_* value).
         self.waiting_reason: Optional[str] = None
+        # Images: which encoder outputs the runner holds (None: a text-only model).
+        cache_size = cfg.encoder_cache_size or cfg.max_num_encoder_input_tokens
+        self.encoder_cache_manager: Optional[EncoderCacheManager] = (
+            EncoderCacheManager(cache_size) if cache_size else None)
 
     # ------------------------------------------------------------------ requests in
 
@@ -214,6 +229,25 @@ class Scheduler:
         self.num_finished_reqs += 1
         if request.use_structured_output and self.structured_outputs is not None:
             self.structured_outputs.release(request.request_id)
+        if self.encoder_cache_manager is not None and request.mm_features:
+            self.encoder_cache_manager.free(request.request_id, request.mm_features)
+
+    def _plan_encoder(self, request: Request, num_new: int, encoder_budget: int) -> tuple[EncoderSchedule, int]:
+        """The images ``request``'s next ``num_new`` tokens need encoded; the tokens that can run."""
+        enc = self.encoder_cache_manager
+        if enc is None or not request.mm_features:
+            return _NO_ENCODER, num_new
+        plan = schedule_encoder_inputs(request.request_id, request.mm_features, request.num_computed_tokens,
+                                       num_new, encoder_budget, enc)
+        return plan, plan.num_new_tokens
+
+    def _book_encoder(self, request: Request, plan: EncoderSchedule, out: dict[str, list[int]]) -> None:
+        """The request got its KV blocks: its planned images are encoded this step."""
+        if plan.to_encode:
+            assert self.encoder_cache_manager is not None
+            for i in plan.to_encode:
+                self.encoder_cache_manager.allocate(request.request_id, request.mm_features[i])
+            out[request.request_id] = list(plan.to_encode)
 
     # ------------------------------------------------------------------ schedule
 
@@ -230,6 +264,8 @@ class Scheduler:
         preempted: list[Request] = []
         spec_tokens: dict[str, list[int]] = {}
         lookahead = cfg.num_lookahead_tokens
+        encoder_budget = cfg.max_num_encoder_input_tokens
+        encoder_inputs: dict[str, list[int]] = {}
 
         # 1. Running requests, oldest first.
         req_index = 0
@@ -248,7 +284,8 @@ class Scheduler:
                 num_new = threshold
             if num_new > token_budget:
                 num_new = token_budget
-            if num_new <= 0:  # nothing to compute (the runner owes it a token)
+            plan, num_new = self._plan_encoder(request, num_new, encoder_budget)
+            if num_new <= 0:  # nothing to compute (the runner owes it a token, or no encoder budget)
                 req_index += 1
                 continue
             while True:
@@ -273,6 +310,8 @@ class Scheduler:
                 # It was the victim itself: the worst left (priority; fcfs: the last). Its blocks
                 # are free now, so better-ranked requests after it may still fit.
                 continue
+            self._book_encoder(request, plan, encoder_inputs)
+            encoder_budget = plan.encoder_budget_left if plan.to_encode else encoder_budget
             scheduled_running.append(request)
             num_scheduled_tokens[request.request_id] = num_new
             new_blocks_of[request.request_id] = new_blocks
@@ -307,11 +346,21 @@ class Scheduler:
                     blocked = WAIT_TOKEN_BUDGET
                     break
                 num_new = min(num_new, token_budget)
+                request.num_computed_tokens = num_hit_tokens  # where the encoder plan starts
+                plan, num_new = self._plan_encoder(request, num_new, encoder_budget)
+                request.num_computed_tokens = 0
+                if num_new <= 0:
+                    self._release_encoder_refs(request)
+                    blocked = WAIT_ENCODER_BUDGET
+                    break
                 new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks,
                                                num_lookahead_tokens=lookahead)
                 if new_blocks is None:
+                    self._release_encoder_refs(request)
                     blocked = WAIT_KV_BLOCKS
                     break
+                self._book_encoder(request, plan, encoder_inputs)
+                encoder_budget = plan.encoder_budget_left if plan.to_encode else encoder_budget
                 self.waiting.pop_request()
                 if kv.log_stats and kv.reads_prefix_cache(request):
                     # Booked on admission only: a head that waits would be counted every step. As
@@ -347,7 +396,8 @@ class Scheduler:
                            sampling_params=r.sampling_params,
                            block_ids=kv.get_block_ids(r.request_id),
                            num_computed_tokens=r.num_computed_tokens,
-                           output_token_ids=list(r.output_token_ids))
+                           output_token_ids=list(r.output_token_ids),
+                           mm_features=r.mm_features)
             for r in scheduled_new]
         cached_reqs_data = CachedRequestData(
             req_ids=[r.request_id for r in scheduled_running],
@@ -362,7 +412,10 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
-            scheduled_spec_decode_tokens=spec_tokens)
+            scheduled_spec_decode_tokens=spec_tokens,
+            scheduled_encoder_inputs=encoder_inputs,
+            free_encoder_mm_hashes=(self.encoder_cache_manager.get_freed_mm_hashes()
+                                    if self.encoder_cache_manager is not None else []))
         self.finished_req_ids = set()
 
         # As in vLLM, progress is booked at schedule time: the next schedule() must not hand the
@@ -372,6 +425,11 @@ class Scheduler:
         for req_id, n in num_scheduled_tokens.items():
             request = requests[req_id]
             request.num_computed_tokens += n
+            if request.mm_features and self.encoder_cache_manager is not None:
+                # An image whose tokens are all scheduled is no longer needed by this request.
+                for f in request.mm_features:
+                    if f.placeholder.end <= request.num_computed_tokens:
+                        self.encoder_cache_manager.free_encoder_input(req_id, f)
             if placeholders and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples a token we will not see yet
 
@@ -382,6 +440,11 @@ class Scheduler:
         if self.history is not None:
             self.history.append(self.make_stats())
         return output
+
+    def _release_encoder_refs(self, request: Request) -> None:
+        """A request that stays waiting holds no encoder output (they stay cached, evictable)."""
+        if self.encoder_cache_manager is not None and request.mm_features:
+            self.encoder_cache_manager.free(request.request_id, request.mm_features)
 
     def _grammar_ready(self, request: Request) -> bool:
         hooks = self.structured_outputs
@@ -420,6 +483,9 @@ class Scheduler:
     def _preempt(self, request: Request, now: float) -> None:
         # Free while num_computed_tokens still says which blocks hold written KV.
         self.kv_cache_manager.free(request)
+        # Its KV is recomputed; its images' encoder outputs stay cached (unreferenced, so evictable
+        # under pressure) and are reused when it resumes.
+        self._release_encoder_refs(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []  # proposed for a context it will recompute: propose again

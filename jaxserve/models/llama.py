@@ -211,11 +211,13 @@ class LlamaForCausalLM(nnx.Module):
         return self.layout.size
 
     def __call__(self, input_ids: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
-                 attn_fn: AttentionFn, mesh: Mesh | None = None,
-                 lora: LoRABatch | None = None) -> tuple[jax.Array, KVCache]:
+                 attn_fn: AttentionFn, mesh: Mesh | None = None, lora: LoRABatch | None = None,
+                 mm_embeds: jax.Array | None = None, mm_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """Hidden states ``[T, hidden]`` of every scheduled token (replicated), and the updated KV
         cache. ``mesh``: the tensor-parallel mesh the arrays live on (its axes split the heads).
-        ``lora``: this step's adapter slots (None: the base program, with no LoRA op in it)."""
+        ``lora``: this step's adapter slots (None: the base program, with no LoRA op in it).
+        ``mm_embeds [T, hidden]``, where ``mm_mask [T]`` is set, replace the token embeddings: an
+        image's encoder output at its placeholder tokens (a vision-language model)."""
         k_cache, v_cache = kv_cache
         num_layers, num_blocks = k_cache.shape[:2]
         pool_shape = (num_layers * num_blocks, *k_cache.shape[2:])
@@ -227,7 +229,10 @@ class LlamaForCausalLM(nnx.Module):
             hidden, kv = carry
             return layer(hidden, kv, index, ctx)
 
-        carry = (self.embed_tokens(input_ids, mesh), (k_cache.reshape(pool_shape), v_cache.reshape(pool_shape)))
+        embeds = self.embed_tokens(input_ids, mesh)
+        if mm_embeds is not None and mm_mask is not None:
+            embeds = jnp.where(mm_mask[:, None], mm_embeds.astype(embeds.dtype), embeds)
+        carry = (embeds, (k_cache.reshape(pool_shape), v_cache.reshape(pool_shape)))
         if isinstance(self.layers, ScannedLayers):
             carry = self.layers.scan(run_layer, carry)
         else:

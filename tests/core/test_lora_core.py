@@ -26,7 +26,7 @@ def test_at_most_max_loras_adapters_per_step_and_lru_reuse():
 class _Req:
     def __init__(self, tokens, lora_name=None):
         self.all_token_ids, self.block_size, self.block_hashes = tokens, 4, []
-        self.lora_name, self.cache_salt = lora_name, None
+        self.lora_name, self.cache_salt, self.mm_features = lora_name, None, []
 
 
 def test_a_reload_under_the_same_name_gets_other_block_hashes():

@@ -1,0 +1,55 @@
+"""A LLaVA checkpoint's language model: the Llama-family decoder read from its ``text_config`` and
+its ``language_model.*`` tensors (the image side is :mod:`.llava_vision`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from flax import nnx
+
+from jaxserve.exceptions import ConfigError
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.models.loader import _abstract_model, _with_dtype, check_tensors, state_from_tensors
+from jaxserve.models.safetensors_io import open_checkpoint_files
+
+VLM_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+_TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def is_llava_config(hf: dict[str, Any]) -> bool:
+    return any(a in VLM_ARCHITECTURES for a in hf.get("architectures") or [])
+
+
+def text_model_config(hf: dict[str, Any]) -> ModelConfig:
+    """The language model's config from a LLaVA ``config.json``."""
+    text = dict(hf.get("text_config") or {})
+    model_type = text.get("model_type", "llama")
+    if model_type not in _TEXT_ARCHITECTURES:
+        raise ConfigError(f"text_config.model_type: {model_type!r} is not one of {sorted(_TEXT_ARCHITECTURES)}")
+    text.setdefault("architectures", [_TEXT_ARCHITECTURES[model_type]])
+    text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
+    return ModelConfig.from_dict(text)
+
+
+def _text_name(name: str) -> str | None:
+    """A LLaVA tensor name -> the text model's HF name (``model.layers...``, ``lm_head.weight``)."""
+    for prefix, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                        ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
+        if name.startswith(prefix):
+            return new + name[len(prefix):]
+    return None
+
+
+def load_llava_language_model(folder: str | Path, dtype: str | None = None,
+                              scan_layers: bool | None = None) -> LlamaForCausalLM:
+    hf = json.loads((Path(folder) / "config.json").read_text())
+    cfg = _with_dtype(text_model_config(hf), dtype)
+    files = open_checkpoint_files(folder)
+    names = {new: old for old in files if (new := _text_name(old)) is not None}
+    check_tensors(cfg, {new: files[old].shape(old) for new, old in names.items()})
+    abstract, graphdef, shapes = _abstract_model(cfg, scan_layers, 1)
+    state = state_from_tensors(lambda n: files[names[n]].get(names[n]), cfg, shapes, abstract.scan_layers)
+    return nnx.merge(graphdef, state)
