@@ -148,6 +148,15 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     """KV cache storage (vLLM's flag): auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3,
     scale 1.0 as vLLM uses without calibrated scales): half of bfloat16's bytes per token."""
+    # ---- pooling models (issue 34): embeddings and classification; to move into a sub-config at merge.
+    runner: str = "auto"
+    """vLLM's --runner: auto (pooling for *Model, *ForSequenceClassification and Sentence-Transformers
+    folders, else generate), generate or pooling."""
+    convert: str = "auto"
+    """vLLM's --convert: embed or classify turn a causal LM into a pooling model; auto/none keep it."""
+    pooler_config: str | None = None
+    """JSON overriding the checkpoint's pooling, e.g. {"pooling_type": "MEAN", "normalize": true,
+    "dimensions": 256}; default: the Sentence-Transformers files, else last token."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -206,10 +215,22 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" and self.attention_backend in FP8_KV_UNREAD_BY:
             raise bad("kv_cache_dtype", f"the {self.attention_backend} attention backend does not read an fp8 "
                       "cache yet (xla and cpu do)")
+        self._validate_pooling()
         if self.dtype != "auto":
             from jaxserve.models.config import normalize_dtype_name
 
             self.dtype = normalize_dtype_name(self.dtype)
+
+    def _validate_pooling(self) -> None:
+        from jaxserve.models.pooling_config import CONVERTS, RUNNERS, parse_pooler_config
+
+        if self.runner not in RUNNERS:
+            raise ConfigError(f"runner: must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        if self.convert not in CONVERTS:
+            raise ConfigError(f"convert: must be one of {', '.join(CONVERTS)}, got {self.convert!r}")
+        if self.runner == "generate" and self.convert in ("embed", "classify"):
+            raise ConfigError(f"convert: {self.convert!r} makes a pooling model, which runner 'generate' cannot run")
+        parse_pooler_config(self.pooler_config)
 
     def _validate_nodes(self, bad) -> None:
         if self.nnodes < 1:

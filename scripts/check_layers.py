@@ -35,7 +35,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "jaxserve.layers": ("pallas_kernels",),
     "jaxserve.models": ("jaxserve.layers", "pallas_kernels"),
     "jaxserve.sample": ("jaxserve.core.sampling_params",),
-    "jaxserve.config": ("jaxserve.models.config",),
+    "jaxserve.config": ("jaxserve.models.config", "jaxserve.models.pooling_config"),
     # Structured outputs' grammar engine (llguidance, numpy): the core's parameters and hooks only.
     "jaxserve.structured": ("jaxserve.core.structured_outputs",),
     # Multi-host plumbing (jax.distributed, the control channel): the configuration and the core's data.
