@@ -111,3 +111,19 @@ def test_rerank_score_and_classify(reranker):
     assert r.status_code == 400 and "classify" in r.json()["error"]["message"]
     r = httpx.post(url + "/rerank", json={"query": "q", "documents": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
+
+
+def test_jaxserve_serve_detects_a_pooling_folder(tmp_path):
+    from tests.server.server_testing import start_server, stop_server
+
+    folder = tmp_path / "ce"
+    folder.mkdir()
+    tiny_bert(folder, "BertForSequenceClassification", seed=2)
+    handle = start_server([str(folder), "--served-model-name", "ce"], tmp_path / "log.txt")
+    try:
+        r = httpx.post(handle.base + "/v1/rerank", json={"query": "q", "documents": ["hello world", "a cat"]})
+        assert r.status_code == 200 and len(r.json()["results"]) == 2, r.text
+        r = httpx.post(handle.base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}]})
+        assert r.status_code == 400 and "does not generate" in r.json()["error"]["message"]
+    finally:
+        stop_server(handle)
