@@ -41,6 +41,11 @@ _LAZY = {
     "EngineOverloadedError": "jaxserve.exceptions",
     "NodeLostError": "jaxserve.exceptions",
     "run_headless": "jaxserve.distributed.headless",
+    "PoolingLLM": "jaxserve.engine.pooling_llm",
+    "pooling_task_of": "jaxserve.engine.pooling_llm",
+    "EmbeddingRequestOutput": "jaxserve.engine.pooling_outputs",
+    "ClassificationRequestOutput": "jaxserve.engine.pooling_outputs",
+    "ScoringRequestOutput": "jaxserve.engine.pooling_outputs",
 }
 
 __all__ = list(_LAZY) + ["__version__"]

@@ -35,7 +35,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "jaxserve.layers": ("pallas_kernels",),
     "jaxserve.models": ("jaxserve.layers", "pallas_kernels"),
     "jaxserve.sample": ("jaxserve.core.sampling_params",),
-    "jaxserve.config": ("jaxserve.models.config", "jaxserve.core.scheduler"),
+    "jaxserve.config": ("jaxserve.models.config", "jaxserve.models.pooling_config", "jaxserve.core.scheduler"),
     # Speculative decoding's host side (numpy proposers, the JSON config): the core only.
     "jaxserve.spec_decode": ("jaxserve.core",),
     # Structured outputs' grammar engine (llguidance, numpy): the core's parameters and hooks only.

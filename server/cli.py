@@ -1,5 +1,5 @@
 """The ``jaxserve`` command: ``serve``, ``generate``, ``trace``, ``diagnose`` and
-``bench {throughput,startup,scheduler,sampler,kv-groups,serve,soak,roofline}``.
+``bench {throughput,startup,scheduler,sampler,kv-groups,serve,soak,roofline,embed,llama-cpp}``.
 
 It lives with the server because ``serve`` needs it, and the server sits above the engine.
 Engine flags come from ``EngineConfig`` one-to-one (``--max-num-seqs`` ...), so every entry point
@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxserve.bench.llama_cpp import add_llama_cpp_args
 
     add_llama_cpp_args(llama)
+    from jaxserve.bench.embed_bench import add_embed_bench_args
+
+    embed_bench = bsub.add_parser("embed", help="a pooling model's texts/s against sentence-transformers",
+                                  description="a pooling model's texts/s against sentence-transformers")
+    add_embed_bench_args(embed_bench)
+    _add_common_args(embed_bench)
     from jaxserve.bench.roofline import add_roofline_args
 
     roofline = bsub.add_parser("roofline", help="the fastest each step bucket can run on a GPU (model)",
@@ -193,6 +199,10 @@ def _run(args: argparse.Namespace, started: float) -> int:
         from jaxserve.bench.startup_bench import run_startup_bench_cli
 
         result = run_startup_bench_cli(args, EngineConfig.from_cli_args(args, model=args.model))
+    elif args.bench_command == "embed":
+        from jaxserve.bench.embed_bench import run_embed_bench_cli
+
+        result = run_embed_bench_cli(args)
     elif args.bench_command == "roofline":
         from jaxserve.bench.roofline import run_roofline_cli
 

@@ -119,12 +119,16 @@ def _serve(args: FrontendArgs, config: EngineConfig, sock: socket.socket, chat_t
            api_key: Optional[str], parsers, started: float) -> None:
     import uvicorn
 
-    from jaxserve import AsyncLLM, DPAsyncLLM
+    from jaxserve import AsyncLLM, DPAsyncLLM, pooling_task_of
 
     from .app import build_app
     from .gc_heap import freeze_startup_heap
     from .header_timeout import header_timeout_protocol
 
+    task = pooling_task_of(config)
+    if task is not None:
+        _serve_pooling(args, config, task, sock, api_key, started)
+        return
     engine_class = DPAsyncLLM if config.data_parallel_size > 1 else AsyncLLM
     engine: EngineClient = engine_class.from_config(config, served_model_name=args.served_model_name,
                                       max_waiting=args.max_waiting, show_progress=True)
@@ -151,6 +155,24 @@ def _serve(args: FrontendArgs, config: EngineConfig, sock: socket.socket, chat_t
         asyncio.run(server.serve(sockets=[sock]))
     finally:
         stop_engine()
+
+
+def _serve_pooling(args, config, task: str, sock: socket.socket, api_key: Optional[str], started: float) -> None:
+    """A pooling model (issue 34): its own app (embeddings, classify, score, rerank), no generating engine."""
+    import uvicorn
+
+    from jaxserve import PoolingLLM
+
+    from .middleware import AuthMiddleware
+    from .pooling_app import build_pooling_app
+
+    name = args.served_model_name or config.model
+    app = build_pooling_app(PoolingLLM(config, task), served_model_name=name)
+    if api_key:
+        app.add_middleware(AuthMiddleware, api_key=api_key)
+    uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_keep_alive=args.timeout_keep_alive,
+                               lifespan="off")
+    asyncio.run(_make_server(uv_config, name, started, lambda: None).serve(sockets=[sock]))
 
 
 def _make_server(config, model_name: str, started: float, on_shutdown: Callable[[], None]):

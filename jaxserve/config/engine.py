@@ -26,6 +26,7 @@ from jaxserve.config.load import LoadConfig
 from jaxserve.config.lora import LoRAConfig
 from jaxserve.config.observability import ObservabilityConfig
 from jaxserve.config.parallel import ParallelConfig
+from jaxserve.config.pooling import PoolingConfig
 from jaxserve.config.scheduler import SchedulerConfig
 from jaxserve.config.structured_outputs import StructuredOutputsConfig
 from jaxserve.exceptions import ConfigError
@@ -47,6 +48,7 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = sub_config(StructuredOutputsConfig)
     observability_config: ObservabilityConfig = sub_config(ObservabilityConfig)
     lora_config: LoRAConfig = sub_config(LoRAConfig)
+    pooling_config: PoolingConfig = sub_config(PoolingConfig)
 
     def __init__(self, **kwargs: Any) -> None:
         """Flat keyword arguments (``max_num_seqs=8``), sub-configurations (``cache_config=...``),

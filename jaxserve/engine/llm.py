@@ -18,6 +18,8 @@ from jaxserve.engine.dp.replica_set import ReplicaSet
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import Metric
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
+from jaxserve.engine.pooling_llm import PoolingLLM, pooling_task_of
+from jaxserve.engine.pooling_outputs import ClassificationRequestOutput, EmbeddingRequestOutput, ScoringRequestOutput
 from jaxserve.engine.processor import PromptType
 from jaxserve.engine.profiling import Profile, Profiler
 from jaxserve.engine.step_records import StepRecord
@@ -51,6 +53,15 @@ class LLM:
             model=None if model is None or model_object is not None else os.fspath(model),
             tokenizer=None if tokenizer is None or tokenizer_object is not None else os.fspath(tokenizer),
             **engine_args)
+        self._counter = itertools.count()
+        self._profiler = Profiler()
+        # A pooling model (issue 34) runs without the generating engine; generate() refuses it.
+        task = pooling_task_of(self.config) if model_object is None else None
+        self.pooling: Optional[PoolingLLM] = None
+        if task is not None:
+            self.pooling = PoolingLLM(self.config, task, tokenizer_object)
+            self.llm_engines = []
+            return
         if self.config.data_parallel_size > 1:
             if model_object is not None:
                 raise ConfigError("data_parallel_size: a model object is one engine's; replicas load a "
@@ -62,8 +73,6 @@ class LLM:
                                           model=model_object, tokenizer=tokenizer_object)]
         self.llm_engine = self.llm_engines[0]
         self.replica_set = ReplicaSet(self.llm_engines)  # routes and merges (also with one engine)
-        self._counter = itertools.count()
-        self._profiler = Profiler()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -77,6 +86,9 @@ class LLM:
         priority: Optional[Sequence[int]] = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of ``prompts``."""
+        if self.pooling is not None:
+            raise InvalidRequestError("model", f"a pooling model ({self.pooling.task}) does not generate; "
+                                      "use embed, classify or score")
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         added: list[tuple[LLMEngine, str]] = []
@@ -92,6 +104,30 @@ class LLM:
                 engine.abort_request([rid])
             raise
         return self._run([rid for _, rid in added], use_tqdm)
+
+    def _pooling_model(self) -> PoolingLLM:
+        if self.pooling is None:
+            raise InvalidRequestError("model", "a generative model does not pool; serve it with --runner pooling "
+                                      "or --convert embed|classify")
+        return self.pooling
+
+    def embed(self, prompts: Union[str, list[int], Sequence[Union[str, list[int]]]], *,
+              truncate_prompt_tokens: Optional[int] = None, dimensions: Optional[int] = None,
+              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed``: one embedding per prompt (text or token ids), in order."""
+        return self._pooling_model().embed(_pooling_prompts(prompts), truncate_prompt_tokens, dimensions)
+
+    def classify(self, prompts: Union[str, list[int], Sequence[Union[str, list[int]]]], *,
+                 truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = False
+                 ) -> list[ClassificationRequestOutput]:
+        """vLLM's ``LLM.classify``: class probabilities per prompt."""
+        return self._pooling_model().classify(_pooling_prompts(prompts), truncate_prompt_tokens)
+
+    def score(self, data_1: str, data_2: Union[str, Sequence[str]], *, truncate_prompt_tokens: Optional[int] = None,
+              use_tqdm: bool = False) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score``: the query ``data_1`` against each of ``data_2``."""
+        docs = [data_2] if isinstance(data_2, str) else list(data_2)
+        return self._pooling_model().score(data_1, docs, truncate_prompt_tokens)
 
     def _add_routed(self, rid: str, prompt: PromptType, params: SamplingParams, priority: int,
                     cache_salt: Optional[str]) -> LLMEngine:
@@ -231,6 +267,12 @@ def _template_message(message: dict[str, Any]) -> dict[str, Any]:
                 raise InvalidRequestError("messages", "tool call arguments must be JSON text, got "
                                                       f"{fn['arguments'][:80]!r}") from None
     return out
+
+
+def _pooling_prompts(prompts) -> list:
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:
