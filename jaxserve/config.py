@@ -20,7 +20,6 @@ ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu", "mosaic")  # bui
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 # --kv-cache-dtype values, in vLLM's spellings (--quantization's are QUANTIZATION_METHODS).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-FP8_KV_UNREAD_BY = ("pallas", "triton", "mosaic")  # backends whose kernels do not dequantize fp8 pages yet
 # vLLM's defaults for a multi-node engine's rank 0.
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29501
@@ -203,9 +202,6 @@ class EngineConfig:
             raise bad("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
-        if self.kv_cache_dtype != "auto" and self.attention_backend in FP8_KV_UNREAD_BY:
-            raise bad("kv_cache_dtype", f"the {self.attention_backend} attention backend does not read an fp8 "
-                      "cache yet (xla and cpu do)")
         if self.dtype != "auto":
             from jaxserve.models.config import normalize_dtype_name
 
