@@ -219,8 +219,9 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_out, *, c: 
             plgpu.barrier_wait(kv_bar.at[slot])
             if cast_kv:  # fp8 slot -> registers -> q's dtype in the staging tiles the wgmmas read
                 k_tile, v_tile = staging
-                k_tile[...] = k_smem.at[slot][...].astype(dtype)
-                v_tile[...] = v_smem.at[slot][...].astype(dtype)
+                # through f32: the H200 compile has no direct e4m3 -> bf16 conversion (ptxas of CUDA 12)
+                k_tile[...] = k_smem.at[slot][...].astype(jnp.float32).astype(dtype)
+                v_tile[...] = v_smem.at[slot][...].astype(jnp.float32).astype(dtype)
                 plgpu.commit_smem()
             else:
                 k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
