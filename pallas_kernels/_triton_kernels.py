@@ -89,8 +89,9 @@ def ragged_paged_attention_kernel(
             blk = tl.minimum(tl.maximum(blk, 0), NB - 1)
             slot = blk.to(tl.int64) * BS + (pos_c % BS)
             kv_off = (slot * HKV + h)[:, None] * D + dcol[None, :]
-            k = tl.load(k_ptr + kv_off)
-            v = tl.load(v_ptr + kv_off)
+            # an fp8 pool is loaded as stored (half the bytes) and cast to the query dtype here
+            k = tl.load(k_ptr + kv_off).to(q.dtype)
+            v = tl.load(v_ptr + kv_off).to(q.dtype)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:

@@ -25,14 +25,20 @@ Work split (one CTA = one warpgroup per ``(q tile, kv head, kv split)``):
 * Stale cache slots (the unused tail of a context's last page) may hold anything, NaN included:
   scores are masked with a select, and the V rows past the context are zeroed in shared memory in
   the last step before the ``p V`` product (0 * NaN would otherwise leak in).
+* An fp8 (e4m3) pool is copied by TMA as stored (half the bytes of bf16) into an fp8 ring; each
+  step casts its K and V slot in registers into one bf16 staging tile each, which the ``wgmma``
+  reads (Hopper's fp8 ``wgmma`` wants a K-major B operand and fp8 P, which V is not and would lose).
+* A sliding window starts each tile's walk at the step holding its first token's window start:
+  pages wholly before it are never loaded; the rest of the window is a select on the scores.
 
-Not yet: fp8 KV caches and sliding windows / soft caps (other issues; :func:`check_mosaic_options`
-is the one place that refuses them), warp specialisation (a producer warpgroup issuing the TMA
-while two consumer warpgroups alternate, FlashAttention-3's ping-pong).
+Not yet: soft caps (:func:`check_mosaic_options` is the one place that refuses them), warp
+specialisation (a producer warpgroup issuing the TMA while two consumer warpgroups alternate,
+FlashAttention-3's ping-pong).
 
 On a CPU the kernel runs in Mosaic GPU's interpret mode (``interpret=True``), which simulates
 shared memory, barriers, TMA and wgmma: for tests only, it is slow. Constraints: a 2-byte dtype
-(bf16/f16), ``head_dim`` a multiple of 64, ``block_size`` a multiple of 8 dividing ``block_kv``.
+(bf16/f16) for q, the same or fp8 e4m3 for the pools, ``head_dim`` a multiple of 64,
+``block_size`` a multiple of 8 dividing ``block_kv``.
 """
 
 from __future__ import annotations
@@ -82,6 +88,8 @@ class _Static:
     min_split_steps: int
     scale_log2: float
     dtype: str
+    kv_dtype: str  # the pools' dtype: q's, or float8_e4m3fn (cast in the kernel)
+    window: int  # sliding window in positions; 0 = none
     interpret: bool  # the interpreter has no layout casts (they only pin register layouts)
 
     def layout(self, x, layout):
@@ -95,13 +103,19 @@ class _Static:
         return self.block_kv // self.bs
 
 
-def check_mosaic_options(dtype, head_dim: int, block_size: int, block_kv: int, sliding_window, soft_cap) -> None:
+FP8_KV = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def check_mosaic_options(dtype, head_dim: int, block_size: int, block_kv: int, sliding_window, soft_cap,
+                         kv_dtype=None) -> None:
     """Raise ValueError for what this kernel does not do (yet); the one place to extend."""
-    if sliding_window is not None or soft_cap is not None:
-        raise ValueError("the mosaic attention kernel has no sliding window or soft cap yet")
+    if soft_cap is not None:
+        raise ValueError("the mosaic attention kernel has no soft cap yet")
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"the mosaic attention kernel needs bf16 or f16 q and caches, got {jnp.dtype(dtype)}"
-                         " (fp8 KV caches: not yet)")
+        raise ValueError(f"the mosaic attention kernel needs bf16 or f16 queries, got {jnp.dtype(dtype)}")
+    if kv_dtype is not None and jnp.dtype(kv_dtype) not in (jnp.dtype(dtype), FP8_KV):
+        raise ValueError(f"the mosaic attention kernel needs caches of q's dtype {jnp.dtype(dtype)} or "
+                         f"float8_e4m3fn, got {jnp.dtype(kv_dtype)}")
     if head_dim % 64:
         raise ValueError(f"the mosaic attention kernel needs head_dim a multiple of 64, got {head_dim}")
     if block_size % 8 or block_kv % block_size or block_kv % 8:
@@ -123,7 +137,7 @@ def num_query_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
 
 
 def default_mosaic_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int,
-                          head_dim: int, block_size: int, max_context: int) -> MosaicConfig:
+                          head_dim: int, block_size: int, max_context: int, kv_itemsize: int = 2) -> MosaicConfig:
     """Split the context only when the tiles cannot fill the SMs twice over (decode buckets)."""
     block_kv = max(64, block_size)
     ctas = num_query_tiles(num_tokens, num_seqs, block_q_for(num_q_heads, num_kv_heads)) * num_kv_heads
@@ -137,32 +151,38 @@ def default_mosaic_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_
     # and V), fewer or shorter steps for wider heads.
     for stages, kv in ((3, block_kv), (2, block_kv), (2, max(32, block_size))):
         cfg = MosaicConfig(block_kv=kv, num_stages=stages, num_splits=splits)
-        if smem_bytes(head_dim, cfg) <= SMEM_BYTES_H200:
+        if smem_bytes(head_dim, cfg, kv_itemsize=kv_itemsize) <= SMEM_BYTES_H200:
             break
     return cfg
 
 
-def smem_bytes(head_dim: int, cfg: MosaicConfig, itemsize: int = 2) -> int:
-    """Shared memory of one CTA: Q tile, the K/V ring, the p tile, the f32 output staging, max/sum, barriers."""
+def smem_bytes(head_dim: int, cfg: MosaicConfig, itemsize: int = 2, kv_itemsize: int | None = None) -> int:
+    """Shared memory of one CTA: Q tile, the K/V ring (and, for a narrower pool, the K/V staging
+    tiles of q's dtype), the p tile, the f32 output staging, max/sum, barriers."""
+    kv_itemsize = itemsize if kv_itemsize is None else kv_itemsize
     q = TILE_ROWS * head_dim * itemsize
-    kv = 2 * cfg.num_stages * cfg.block_kv * head_dim * itemsize
+    kv = 2 * cfg.num_stages * cfg.block_kv * head_dim * kv_itemsize
+    staging = 0 if kv_itemsize == itemsize else 2 * cfg.block_kv * head_dim * itemsize
     p = TILE_ROWS * cfg.block_kv * itemsize
     out = TILE_ROWS * head_dim * 4 + 2 * TILE_ROWS * 4
-    return q + kv + p + out + 8 * (cfg.num_stages + 1)
+    return q + kv + staging + p + out + 8 * (cfg.num_stages + 1)
 
 
-def _transforms(d: int):
-    swizzle = min(128, d * 2)  # bytes of one row segment; 64 bf16 = 128 bytes, the widest
-    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+def _transforms(d: int, itemsize: int = 2):
+    swizzle = min(128, d * itemsize)  # bytes of one row segment; 64 bf16 = 128 bytes, the widest
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def split_run(pos0, ntok, split, block_kv: int, splits: int, min_split_steps: int):
+def split_run(pos0, ntok, split, block_kv: int, splits: int, min_split_steps: int, window: int = 0):
     """A tile's KV end (causal: its last token's position + 1) and split ``split``'s run of steps
-    ``[lo, hi)``; empty (lo == hi) past the context. Scalars in the kernel, arrays in jnp."""
+    ``[lo, hi)``; empty (lo == hi) past the context. With a sliding ``window`` the run starts at
+    the step of the tile's first token's window start: no earlier page is loaded. Scalars in the
+    kernel, arrays in jnp."""
     kv_end = jnp.where(ntok > 0, pos0 + ntok, 0)
     n_steps = (kv_end + (block_kv - 1)) // block_kv
-    per = jnp.maximum((n_steps + (splits - 1)) // splits, min_split_steps)
-    lo = jnp.minimum(split * per, n_steps)
+    first = jnp.minimum(jnp.maximum(pos0 - (window - 1), 0) // block_kv, n_steps) if window else 0
+    per = jnp.maximum((n_steps - first + (splits - 1)) // splits, min_split_steps)
+    lo = jnp.minimum(first + split * per, n_steps)
     return kv_end, lo, jnp.minimum(lo + per, n_steps)
 
 
@@ -173,12 +193,13 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_out, *, c: 
     req = meta_ref[w, 0]
     pos0 = meta_ref[w, 1]
     ntok = meta_ref[w, 2]
-    kv_end, lo, hi = split_run(pos0, ntok, s, c.block_kv, c.splits, c.min_split_steps)
+    kv_end, lo, hi = split_run(pos0, ntok, s, c.block_kv, c.splits, c.min_split_steps, c.window)
     bkv, bs, ppp = c.block_kv, c.bs, c.pages_per_step
     dtype = jnp.dtype(c.dtype)
+    cast_kv = jnp.dtype(c.kv_dtype) != dtype
     log_g = int(math.log2(c.g_pad))
 
-    def body(q_smem, k_smem, v_smem, p_smem, o_smem, m_smem, l_smem, q_bar, kv_bar):
+    def body(q_smem, k_smem, v_smem, p_smem, o_smem, m_smem, l_smem, q_bar, kv_bar, *staging):
         def issue(step, slot):
             for i in range(ppp):  # one TMA box per page: pages are not contiguous in the pool
                 page = jnp.minimum(step * ppp + i, c.mb - 1)
@@ -196,19 +217,29 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_out, *, c: 
             acc, m, l = carry
             slot = lax.rem(step - lo, jnp.int32(c.stages))
             plgpu.barrier_wait(kv_bar.at[slot])
+            if cast_kv:  # fp8 slot -> registers -> q's dtype in the staging tiles the wgmmas read
+                k_tile, v_tile = staging
+                # through f32: the H200 compile has no direct e4m3 -> bf16 conversion (ptxas of CUDA 12)
+                k_tile[...] = k_smem.at[slot][...].astype(jnp.float32).astype(dtype)
+                v_tile[...] = v_smem.at[slot][...].astype(jnp.float32).astype(dtype)
+                plgpu.commit_smem()
+            else:
+                k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
                 return acc_ref[...]
 
             if c.interpret:  # jax 0.10.2's interpreter cannot read a transposed wgmma operand
-                scores = lax.dot_general(q_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+                scores = lax.dot_general(q_smem[...], k_tile[...], (((1,), (1,)), ((), ())),
                                          preferred_element_type=jnp.float32)
             else:
                 scores = pl.run_scoped(qk, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
             rows, cols = c.iota((TILE_ROWS, bkv), 0), c.iota((TILE_ROWS, bkv), 1)
             tok = lax.shift_right_logical(rows, jnp.int32(log_g))
             mask = (cols + step * bkv <= tok + pos0) & (tok < ntok)
+            if c.window:
+                mask = mask & (cols + step * bkv > tok + pos0 - c.window)
             sc = jnp.where(mask, scores * jnp.float32(c.scale_log2), -jnp.inf)
             m_new = jnp.maximum(m, sc.max(axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -220,8 +251,7 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_out, *, c: 
             @pl.when(step * bkv + bkv > kv_end)
             def _zero_stale_rows():  # the context's last step: its tail rows may hold NaN
                 v_rows = c.iota((bkv, c.d), 0)
-                vs = v_smem.at[slot]
-                vs[...] = jnp.where(v_rows + step * bkv < kv_end, vs[...], jnp.zeros((), dtype))
+                v_tile[...] = jnp.where(v_rows + step * bkv < kv_end, v_tile[...], jnp.zeros((), v_tile.dtype))
                 plgpu.commit_smem()
 
             # p goes through shared memory (not wgmma's register operand) and into a fresh
@@ -231,7 +261,7 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_out, *, c: 
             plgpu.commit_smem()
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                plgpu.wgmma(acc_ref, p_smem, v_tile)
                 return acc_ref[...]
 
             acc = acc + pl.run_scoped(pv, plgpu.ACC((TILE_ROWS, c.d), jnp.float32))
@@ -265,19 +295,23 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_out, *, c: 
         plgpu.wait_smem_to_gmem(0)
 
     tr = _transforms(c.d)
+    kv_dtype = jnp.dtype(c.kv_dtype)
+    tr_kv = _transforms(c.d, kv_dtype.itemsize)
+    staging = [plgpu.SMEM((bkv, c.d), dtype, transforms=tr)] * 2 if cast_kv else []
     # An empty tile (past the batch's last one: the grid is a static bound) or an empty split
     # (past its tile's context) does nothing, not even its stores: the combine ignores it.
     pl.when(lo < hi)(lambda: pl.run_scoped(
         body,
         plgpu.SMEM((TILE_ROWS, c.d), dtype, transforms=tr),
-        plgpu.SMEM((c.stages, bkv, c.d), dtype, transforms=tr),
-        plgpu.SMEM((c.stages, bkv, c.d), dtype, transforms=tr),
+        plgpu.SMEM((c.stages, bkv, c.d), kv_dtype, transforms=tr_kv),
+        plgpu.SMEM((c.stages, bkv, c.d), kv_dtype, transforms=tr_kv),
         plgpu.SMEM((TILE_ROWS, bkv), dtype, transforms=_transforms(bkv)),
         plgpu.SMEM((TILE_ROWS, c.d), jnp.float32),
         plgpu.SMEM((TILE_ROWS,), jnp.float32),
         plgpu.SMEM((TILE_ROWS,), jnp.float32),
         plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=2 * ppp, num_barriers=c.stages),
+        *staging,
     ))
 
 
@@ -315,10 +349,9 @@ def ragged_paged_attention_mosaic(q, k_cache, v_cache, kv_lens, block_tables, qu
     check_options(sliding_window, soft_cap)
     t, hq, d, nb, bs, hkv, r, mb = check_shapes(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc)
     if config is None:
-        config = default_mosaic_config(t, r, hq, hkv, d, bs, mb * bs)
-    check_mosaic_options(q.dtype, d, bs, config.block_kv, sliding_window, soft_cap)
-    if k_cache.dtype != q.dtype:
-        raise ValueError(f"the mosaic attention kernel needs caches of q's dtype {q.dtype}, got {k_cache.dtype}")
+        config = default_mosaic_config(t, r, hq, hkv, d, bs, mb * bs, jnp.dtype(k_cache.dtype).itemsize)
+    check_mosaic_options(q.dtype, d, bs, config.block_kv, sliding_window, soft_cap, k_cache.dtype)
+    window = 0 if sliding_window is None else int(sliding_window)
     g = hq // hkv
     bq = block_q_for(hq, hkv)
     g_pad = TILE_ROWS // bq
@@ -341,7 +374,8 @@ def ragged_paged_attention_mosaic(q, k_cache, v_cache, kv_lens, block_tables, qu
     c = _Static(w=w, hkv=hkv, g_pad=g_pad, d=d, bs=bs, mb=mb, block_kv=config.block_kv,
                 stages=config.num_stages, splits=config.num_splits,
                 min_split_steps=config.min_split_steps, scale_log2=float(sm_scale) * LOG2E,
-                dtype=jnp.dtype(q.dtype).name, interpret=bool(interpret))
+                dtype=jnp.dtype(q.dtype).name, kv_dtype=jnp.dtype(k_cache.dtype).name, window=window,
+                interpret=bool(interpret))
     s = config.num_splits
     f32 = jnp.float32
     out_type = (jax.ShapeDtypeStruct((s, w, hkv, TILE_ROWS, d), f32),
@@ -360,7 +394,7 @@ def ragged_paged_attention_mosaic(q, k_cache, v_cache, kv_lens, block_tables, qu
     row = ((i % bq)[:, None] * g_pad + jnp.arange(g, dtype=jnp.int32)[None, :])[:, None, :]  # [T, 1, G]
     head = jnp.arange(hkv)[None, :, None]
     _, lo, hi = split_run(meta[:, 1][None], meta[:, 2][None], jnp.arange(s)[:, None], config.block_kv, s,
-                          config.min_split_steps)
+                          config.min_split_steps, window)
     ran = (lo < hi)[:, tile]  # [S, T, 1, 1]: the splits that wrote their partials
     got = combine_splits(jnp.where(ran[..., None], acc[:, tile, head, row], 0.0),
                          jnp.where(ran, m[:, tile, head, row], -jnp.inf),

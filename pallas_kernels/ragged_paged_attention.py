@@ -156,8 +156,9 @@ def _attend(q, q_pos, r, h, kv_len, lo_t, hi_t, bt_ref, k_ref, v_ref, c: _Static
         page = jnp.minimum(lax.div(pos_c, jnp.int32(bs)), c.mb - 1)
         blk = jnp.clip(bt_ref[r, page], 0, c.nb - 1)
         slot = blk * bs + lax.rem(pos_c, jnp.int32(bs))
-        k = k_ref[slot, h, :]  # [bkv, D]
-        v = v_ref[slot, h, :]
+        # an fp8 pool is loaded as stored (half the bytes) and cast to the query dtype here
+        k = k_ref[slot, h, :].astype(c.dtype)  # [bkv, D]
+        v = v_ref[slot, h, :].astype(c.dtype)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                             preferred_element_type=jnp.float32) * scale
         if c.soft_cap is not None:

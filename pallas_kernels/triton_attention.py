@@ -266,8 +266,10 @@ def _interpret(plan: TritonLaunchPlan, operands, dtype):
     """Launch the kernel in Triton's interpreter from inside a traced function (host callback)."""
     run_dtype = jnp.float32 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
     if run_dtype != jnp.dtype(dtype):
-        operands = operands[:4] + tuple(x.astype(run_dtype) for x in operands[4:])
         plan = dataclasses.replace(plan, constexprs={**plan.constexprs, "IEEE": True})
+    # torch arrays of bf16/fp8 have no numpy twin in the interpreter: it runs on exact up-casts
+    # (an fp8 pool's values are exact in any wider float; the compiled kernel casts in registers)
+    operands = operands[:4] + tuple(x if x.dtype == run_dtype else x.astype(run_dtype) for x in operands[4:])
     out_sds = jax.ShapeDtypeStruct((plan.out_rows, operands[4].shape[-1]), run_dtype)
     out = jax.pure_callback(functools.partial(_launch_on, "cpu", plan), out_sds, *operands)
     return out.astype(dtype)

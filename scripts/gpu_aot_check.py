@@ -43,7 +43,8 @@ from jaxserve.bench.hlo_stats import analyze_hlo  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 
 SHARED_TARGET = REPO.parent / "shared" / "gpu" / "h200_target_config.txtpb"
-HLO_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int32": "s32", "bool": "pred"}
+HLO_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int32": "s32", "bool": "pred",
+              "float8_e4m3fn": "f8e4m3fn"}
 
 
 def default_target_config() -> Path:
@@ -103,16 +104,18 @@ def check_model(preset: str, backend: str, args, sharding, spec) -> list[dict]:
     model = gpu_aot.abstract_model(preset, False if scan is None else scan, tp)  # a GPU engine unrolls
     max_model_len = args.max_model_len or model.config.max_position_embeddings
     base = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=2,
-                        tensor_parallel_size=tp)
+                        tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype)
     blocks, _ = gpu_aot.kv_blocks_on(spec, model, base, max_model_len, peak_temp_bytes=0)
     config = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=blocks,
-                          tensor_parallel_size=tp)
+                          tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype)
     runner = gpu_aot.abstract_runner(model, config, sharding, max_model_len)
     # A split program's HLO holds each device's blocks: copies and aliasing are of block shapes,
     # while a weight gathered whole would have the full one.
     weight_shapes = {hlo_shape(x, per_device=True) for x in jax.tree.leaves(runner.model_state)}
     full_weight_shapes = {hlo_shape(x) for x in jax.tree.leaves(runner.model_state)}
     pool_shapes = {hlo_shape(x, per_device=True) for x in jax.tree.leaves(runner.state.kv_cache)}
+    # an fp8 pool dequantized whole (a bf16 copy of its shape) counts as a pool copy too
+    pool_shapes |= {("bf16", shape) for dtype, shape in pool_shapes if dtype == "f8e4m3fn"}
     variants = [v for v in runner.variants() if not args.buckets or v.bucket in args.buckets]
     rows = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
@@ -164,6 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--scan-layers", choices=["auto", "true", "false"], default="auto",
                     help="auto: the GPU engine's default (unrolled)")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's (40960)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                    help="fp8: e4m3 pools, read by the kernels as stored")
     ap.add_argument("--jobs", type=int, default=1, help="variants compiled at once")
     ap.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1],
                     help="compile split over this many of 8 H200s on one host (default: 1)")

@@ -126,7 +126,7 @@ def backends(interpret):
         fn = pk.ragged_paged_attention_triton
     out["triton"] = (fn if ok else None, reason, None)
     mosaic = lambda *a, **k: pk.ragged_paged_attention_mosaic(*a, interpret=interpret, **k)  # noqa: E731
-    mosaic.bf16_plain_only = True  # no fp8, window or soft cap yet
+    mosaic.no_soft_cap = True  # bf16 queries over bf16 or fp8 pools, windows; no soft cap yet
     out["mosaic"] = (None if interpret else mosaic,
                      "the smoke sizes' head_dim 16 is below mosaic's 64" if interpret else "", None)
     if not ok and not interpret:
@@ -189,15 +189,17 @@ def run_correctness(result, scale, interpret, deadline):
     rng = np.random.default_rng(0)
     bks = backends(interpret)
     option_sets = [dict(), dict(sliding_window=100 if scale != "smoke" else 6, soft_cap=30.0)]
-    tol = {"float32": 2e-4, "bfloat16": 3e-2}
+    tol = {"float32": 2e-4, "bfloat16": 3e-2, "fp8": 3e-2}  # fp8: the reference reads the same fp8 values
     for kind, q_lens, kv_lens in batch_kinds(rng, scale):
-        for dtype in ("bfloat16", "float32"):
+        for dtype in ("bfloat16", "float32", "fp8"):  # fp8: bf16 queries over e4m3 pools
             args, meta = build_batch(q_lens, kv_lens, num_q_heads=heads[0], num_kv_heads=heads[1],
-                                     head_dim=d, block_size=bs, dtype=jnp.dtype(dtype), seed=1,
-                                     **bucket)
+                                     head_dim=d, block_size=bs, seed=1, **bucket,
+                                     dtype=jnp.dtype("bfloat16" if dtype == "fp8" else dtype))
+            if dtype == "fp8":
+                args = (args[0], *(x.astype(jnp.float8_e4m3fn) for x in args[1:3]), *args[3:])
             for opts in option_sets:
                 if opts and dtype == "float32":
-                    continue  # window / soft cap once per kind, in bf16
+                    continue  # window / soft cap once per kind, in bf16 and over fp8
                 static = dict(sm_scale=1.0 / math.sqrt(d), **opts)
                 try:
                     ref = np.asarray(jit_fn(pk.ragged_paged_attention_reference, **static)(*args),
@@ -212,7 +214,7 @@ def run_correctness(result, scale, interpret, deadline):
                     if fn is None:
                         result["skipped"].setdefault(name, reason)
                         continue
-                    if getattr(fn, "bf16_plain_only", False) and (dtype != "bfloat16" or opts):
+                    if getattr(fn, "no_soft_cap", False) and (dtype == "float32" or opts):
                         continue
                     if time.time() > deadline:
                         result["skipped"].setdefault("correctness_rest", "time budget")

@@ -73,22 +73,30 @@ class KernelEstimate:
 
 
 def estimate_layer(mc: ModelConfig, spec: GpuSpec, requests: list[tuple[int, int]], *, num_tokens: int,
-                   num_seqs: int, block_size: int, max_model_len: int, itemsize: int = 2) -> KernelEstimate:
-    """The kernel's schedule for one layer of a step (bucket ``num_tokens`` x ``num_seqs``)."""
+                   num_seqs: int, block_size: int, max_model_len: int, itemsize: int = 2,
+                   kv_itemsize: int | None = None) -> KernelEstimate:
+    """The kernel's schedule for one layer of a step (bucket ``num_tokens`` x ``num_seqs``).
+
+    ``kv_itemsize`` 1: an fp8 pool (half the K/V bytes per step, a cast into the staging tiles);
+    the model's ``sliding_window`` starts each tile's walk at its window's first step."""
+    kv_itemsize = itemsize if kv_itemsize is None else kv_itemsize
+    window = mc.sliding_window or 0
     from pallas_kernels import mosaic_attention as ma
 
     hq, hkv, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
-    cfg = ma.default_mosaic_config(num_tokens, num_seqs, hq, hkv, d, block_size, max_model_len)
+    cfg = ma.default_mosaic_config(num_tokens, num_seqs, hq, hkv, d, block_size, max_model_len, kv_itemsize)
     bq = ma.block_q_for(hq, hkv)
     splits, bkv = cfg.num_splits, cfg.block_kv
-    stage = 2 * bkv * d * itemsize
+    stage = 2 * bkv * d * kv_itemsize
     q_tile, g_pad = ma.TILE_ROWS * d * itemsize, ma.TILE_ROWS // bq
     total_steps = max_steps = runs = unique_steps = partials = 0
     for q_len, kv_len in requests:
-        unique_steps += math.ceil(kv_len / bkv)
+        oldest = max(kv_len - q_len - window + 1, 0) // bkv if window else 0  # the request's first step read
+        unique_steps += math.ceil(kv_len / bkv) - oldest
         for first in range(0, q_len, bq):
             tokens = min(bq, q_len - first)
-            steps = math.ceil((kv_len - q_len + first + tokens) / bkv)  # causal: up to the tile's last token
+            start = max(kv_len - q_len + first - window + 1, 0) // bkv if window else 0  # as split_run
+            steps = math.ceil((kv_len - q_len + first + tokens) / bkv) - start  # causal: up to its last token
             per = max(math.ceil(steps / splits), cfg.min_split_steps)  # as the kernel's split_run
             total_steps += steps
             max_steps = max(max_steps, min(per, steps))
@@ -96,7 +104,7 @@ def estimate_layer(mc: ModelConfig, spec: GpuSpec, requests: list[tuple[int, int
             # each run stores its real rows of the f32 accumulator, and the 64-row max and sum
             partials += math.ceil(steps / per) * (tokens * g_pad * d + 2 * ma.TILE_ROWS) * 4
     ctas = runs * hkv  # the CTAs that work: empty tiles and splits exit at once
-    smem = ma.smem_bytes(d, cfg, itemsize)
+    smem = ma.smem_bytes(d, cfg, itemsize, kv_itemsize)
     per_sm = max(1, ma.SMEM_BYTES_H200 // smem)
     waves = math.ceil(ctas / (spec.sm_count * per_sm))
     wgmma = d // WGMMA_K + bkv // WGMMA_K

@@ -9,7 +9,7 @@ are the entry points; ``config.scheduler_config`` and the other sub-configuratio
 from __future__ import annotations
 
 from jaxserve.config.base import SubConfig
-from jaxserve.config.cache import FP8_KV_UNREAD_BY, KV_CACHE_DTYPES, CacheConfig
+from jaxserve.config.cache import KV_CACHE_DTYPES, CacheConfig
 from jaxserve.config.compilation import ATTENTION_BACKENDS, CompilationConfig
 from jaxserve.config.engine import EngineConfig, sub_config
 from jaxserve.config.flags import CLI_SHORT_FLAGS, Flag, add_flags, dataclass_flags, flags_for
@@ -23,7 +23,7 @@ from jaxserve.config.scheduler import SchedulerConfig
 from jaxserve.config.structured_outputs import REASONING_PARSERS, StructuredOutputsConfig
 
 __all__ = [
-    "ATTENTION_BACKENDS", "CLI_SHORT_FLAGS", "DEFAULT_MASTER_ADDR", "DEFAULT_MASTER_PORT", "FP8_KV_UNREAD_BY",
+    "ATTENTION_BACKENDS", "CLI_SHORT_FLAGS", "DEFAULT_MASTER_ADDR", "DEFAULT_MASTER_PORT",
     "KV_CACHE_DTYPES", "REASONING_PARSERS", "CacheConfig", "CompilationConfig", "EngineConfig", "Flag",
     "LimitsConfig", "LoadConfig", "LoRAConfig", "ObservabilityConfig", "ParallelConfig", "PoolingConfig",
     "SchedulerConfig",

@@ -8,7 +8,6 @@ from jaxserve.config.base import SubConfig
 
 # --kv-cache-dtype values, in vLLM's spellings (--quantization's are QUANTIZATION_METHODS).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-FP8_KV_UNREAD_BY = ("pallas", "triton", "mosaic")  # backends whose kernels do not dequantize fp8 pages yet
 
 
 @dataclasses.dataclass

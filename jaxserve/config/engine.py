@@ -17,8 +17,8 @@ import argparse
 import dataclasses
 from typing import Any
 
-from jaxserve.config.base import SubConfig, bad_value
-from jaxserve.config.cache import FP8_KV_UNREAD_BY, CacheConfig
+from jaxserve.config.base import SubConfig
+from jaxserve.config.cache import CacheConfig
 from jaxserve.config.compilation import CompilationConfig
 from jaxserve.config.flags import Flag, add_flags, dataclass_flags, flags_for
 from jaxserve.config.limits import LimitsConfig
@@ -88,9 +88,6 @@ class EngineConfig:
             # The adapters' A/B weights are not sharded yet.
             raise ConfigError(f"enable_lora with tensor_parallel_size={self.tensor_parallel_size}: LoRA is "
                               "served on one device only (tensor_parallel_size 1)")
-        if self.cache_config.kv_cache_dtype != "auto" and self.compilation_config.attention_backend in FP8_KV_UNREAD_BY:
-            raise bad_value(self, "kv_cache_dtype", f"the {self.attention_backend} attention backend does not "
-                            "read an fp8 cache yet (xla and cpu do)")
 
     # ---- the flat view -------------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ from flax import nnx
 
 import pallas_kernels
 from jaxserve import envs
-from jaxserve.config import FP8_KV_UNREAD_BY, EngineConfig
+from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.exceptions import ConfigError
@@ -211,9 +211,6 @@ class ModelRunner:
             config.attention_backend, self.target.platform, self.mc.dtype, mc=self.mc,
             block_size=config.block_size, compute_capability=self.target.compute_capability,
             abstract=self.target.is_abstract)
-        if config.kv_cache_dtype != "auto" and self.attention_backend in FP8_KV_UNREAD_BY:  # "auto" chose it
-            raise ConfigError(f"kv_cache_dtype {config.kv_cache_dtype}: the {self.attention_backend} attention "
-                              "backend does not read an fp8 cache yet; use --attention-backend xla")
         interpret = config.interpret_kernels
         if interpret is None:
             interpret = self.target.platform != "gpu"

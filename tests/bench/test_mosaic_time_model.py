@@ -1,5 +1,6 @@
 """The mosaic kernel's time model: its schedule's bytes and steps, split-K on a lone long decode."""
 
+import dataclasses
 import math
 
 from jaxserve.bench import gpu_targets
@@ -42,3 +43,17 @@ def test_roofline_columns_put_the_model_next_to_the_ideal():
                              block_size=16, max_model_len=40960)
         assert 0 < row["ideal_attn_ms"] < row["mosaic_attn_ms"]
         assert row["mosaic_smem_kib"] * 1024 <= 232448
+
+
+def test_fp8_pools_halve_the_kv_bytes_and_windows_cut_the_steps():
+    """An fp8 pool moves half the K/V bytes of a long decode; a 4096-token window reads only the
+    steps that hold the window (the rest is never loaded), so its time is the window's, not the context's."""
+    kw = dict(num_tokens=16, num_seqs=16, block_size=16, max_model_len=40960)
+    bf16 = estimate_layer(MC, SPEC, [(1, 40960)], **kw)
+    fp8 = estimate_layer(MC, SPEC, [(1, 40960)], kv_itemsize=1, **kw)
+    assert fp8.stage_bytes * 2 == bf16.stage_bytes and fp8.smem_bytes < bf16.smem_bytes
+    kv = 40960 * KV_PER_TOKEN_LAYER
+    assert kv / 2 <= fp8.hbm_bytes < 0.55 * kv and fp8.seconds < 0.6 * bf16.seconds
+    windowed = estimate_layer(dataclasses.replace(MC, sliding_window=4096), SPEC, [(1, 40960)], **kw)
+    assert 4096 * KV_PER_TOKEN_LAYER <= windowed.hbm_bytes < 1.1 * (4096 + 64) * KV_PER_TOKEN_LAYER
+    assert windowed.loaded_bytes < bf16.loaded_bytes / 9

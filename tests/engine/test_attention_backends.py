@@ -69,3 +69,20 @@ def test_triton_backend_unavailable_on_cpu_is_a_clear_error(demo_model):
     with pytest.raises(RuntimeError, match="triton"):  # a real launch needs jax_triton and a GPU
         LLM(demo_model, show_progress=False, attention_backend="triton", interpret_kernels=False,
             **BACKEND_COMPARISON_SHAPE)
+
+
+@pytest.mark.slow  # Mosaic GPU's interpreter simulates every TMA copy and barrier: about a minute
+@pytest.mark.parametrize("arch, extra", [("LlamaForCausalLM", {}),
+                                         ("MistralForCausalLM", {"sliding_window": 24})])
+def test_mosaic_interpreted_matches_xla(tmp_path, arch, extra):
+    """The Mosaic GPU kernel inside the engine's step (interpreted) gives xla's greedy tokens on a
+    bf16 model of its smallest head (64), over an fp8 pool too; Mistral with a window shorter than
+    the longest prompt, so pages leave the window."""
+    from tests.tiny_models import build_tiny_checkpoint
+
+    model = str(build_tiny_checkpoint(tmp_path / arch, arch, seed=3, dtype="bfloat16", vocab_size=1024, hidden_size=128,
+                                      num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1, **extra))
+    for kv_cache_dtype in ("auto", "fp8"):
+        expected = _greedy_tokens(model, attention_backend="xla", kv_cache_dtype=kv_cache_dtype)
+        assert _greedy_tokens(model, attention_backend="mosaic", interpret_kernels=True, enforce_eager=True,
+                              kv_cache_dtype=kv_cache_dtype) == expected

@@ -108,11 +108,54 @@ def test_split_runs_cover_each_context_once():
             assert all(b - a >= least for a, b in runs[:-1])
 
 
+# (pool dtype, window, tiles, scenario): fp8 pools through the staging tiles, windows shorter than
+# one step, spanning steps and over a split context; every pool NaN outside the live context.
+WINDOW_FP8_CASES = {
+    "fp8-nowindow-mixed": (jnp.float8_e4m3fn, None, CFG(block_kv=16, num_stages=2, num_splits=1), "mixed"),
+    "bf16-window20-split2": (jnp.bfloat16, 20, CFG(block_kv=16, num_stages=2, num_splits=2), "mixed"),
+    "fp8-window12-decode-split3": (jnp.float8_e4m3fn, 12, CFG(block_kv=16, num_stages=3, num_splits=3), "decode"),
+    "fp8-window5-prefix": (jnp.float8_e4m3fn, 5, CFG(block_kv=16, num_stages=2, num_splits=1), "prefix"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WINDOW_FP8_CASES))
+def test_fp8_pools_and_sliding_windows_match_the_oracle(name):
+    kv_dtype, window, config, scenario = WINDOW_FP8_CASES[name]
+    bucket = Bucket(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8, max_blocks=8, num_blocks=48)
+    q, kc, vc, *rest = make_batch(bucket, SCENARIOS[scenario], dtype=jnp.bfloat16, seed=len(name))
+    args = poison((q, kc.astype(kv_dtype), vc.astype(kv_dtype), *rest))
+    fn = pk.get_attention_fn("mosaic", interpret=True, config=config)
+    out = jax.jit(lambda *a: fn(*a, sm_scale=SCALE, sliding_window=window))(*args)
+    assert out.dtype == jnp.bfloat16
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, naive_attention(*args, sm_scale=SCALE, sliding_window=window), **BF16_TOL)
+
+
+def test_window_runs_skip_the_pages_before_the_window():
+    """Split runs over a window start at the step of the window's start and cover the rest once."""
+    pos0 = np.arange(0, 700, 7)
+    for window, splits, least in ((64, 1, 8), (100, 3, 1), (300, 16, 1)):
+        _, lo, hi = (np.asarray(x) for x in ma.split_run(pos0[None], 1, np.arange(splits)[:, None], 64, splits,
+                                                          least, window))
+        for j, p in enumerate(pos0):
+            steps = [i for a, b in zip(lo[:, j], hi[:, j]) if a < b for i in range(a, b)]
+            assert steps == list(range(max(int(p) - window + 1, 0) // 64, int(p) // 64 + 1))
+
+
+def test_fp8_staging_fits_the_smem_budget():
+    """fp8 ring + bf16 staging tiles take less shared memory than the bf16 ring at head_dim 128."""
+    cfg = pk.default_mosaic_config(16, 16, 32, 8, 128, 16, 40960, kv_itemsize=1)
+    assert ma.smem_bytes(128, cfg, kv_itemsize=1) < ma.smem_bytes(128, cfg) <= ma.SMEM_BYTES_H200
+
+
 def test_refuses_what_it_does_not_do():
     args = make_batch(Bucket(head_dim=64), SCENARIOS["mixed"], dtype=jnp.bfloat16)
-    for options, what in ((dict(sliding_window=8), "sliding window"), (dict(soft_cap=2.0), "soft cap")):
-        with pytest.raises(ValueError, match=what):
-            pk.ragged_paged_attention_mosaic(*args, sm_scale=SCALE, interpret=True, **options)
+    with pytest.raises(ValueError, match="soft cap"):
+        pk.ragged_paged_attention_mosaic(*args, sm_scale=SCALE, interpret=True, soft_cap=2.0)
+    f16_pool = (args[0], args[1].astype(jnp.float16), args[2].astype(jnp.float16), *args[3:])
+    with pytest.raises(ValueError, match="float8_e4m3fn, got float16"):
+        pk.ragged_paged_attention_mosaic(*f16_pool, sm_scale=SCALE, interpret=True)
     f32 = make_batch(Bucket(head_dim=64), SCENARIOS["mixed"], dtype=jnp.float32)
     with pytest.raises(ValueError, match="bf16 or f16"):
         pk.ragged_paged_attention_mosaic(*f32, sm_scale=SCALE, interpret=True)
@@ -134,7 +177,7 @@ def test_backend_choice(caplog):
     assert resolve("auto", "gpu", **hopper) == "mosaic"
     assert resolve("auto", "gpu", **{**hopper, "compute_capability": 80}) == "pallas"  # no wgmma
     assert resolve("auto", "gpu", **{**hopper, "mc": _model(dtype="float32")}) == "pallas"
-    assert resolve("auto", "gpu", **{**hopper, "mc": _model(sliding_window=4096)}) == "pallas"
+    assert resolve("auto", "gpu", **{**hopper, "mc": _model(sliding_window=4096)}) == "mosaic"
     # A local "sm_90" here has no GPU: the compiled self-check fails, and auto falls back, logged.
     with caplog.at_level(logging.WARNING, logger=model_runner.logger.name):
         assert resolve("auto", "gpu", mc=QWEN3, compute_capability=90) == "pallas"
