@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
 
 JAXSERVE_CACHE_DIR = "JAXSERVE_CACHE_DIR"
 """Folder of every jaxserve artefact (XLA compilation cache, demo models, built kernels)."""
@@ -54,15 +53,15 @@ def profiler_dir() -> Path:
     return Path(explicit).expanduser() if explicit else cache_dir() / "profiles"
 
 
-def hash_seed() -> Optional[str]:
+def hash_seed() -> str | None:
     return os.environ.get(JAXSERVE_HASH_SEED)
 
 
-def api_key() -> Optional[str]:
+def api_key() -> str | None:
     return os.environ.get(JAXSERVE_API_KEY) or None
 
 
-def xla_mem_fraction() -> Optional[float]:
+def xla_mem_fraction() -> float | None:
     value = os.environ.get(XLA_PYTHON_CLIENT_MEM_FRACTION)
     return float(value) if value else None
 
@@ -78,7 +77,7 @@ def allow_cuda_plugin_without_gpu() -> None:
     os.environ.setdefault(JAX_SKIP_CUDA_CONSTRAINTS_CHECK, "1")
 
 
-def jax_coordinator_address() -> tuple[Optional[str], Optional[int]]:
+def jax_coordinator_address() -> tuple[str | None, int | None]:
     """``$JAX_COORDINATOR_ADDRESS`` split into host and port (either None when absent); an IPv6
     host keeps its brackets."""
     value = (os.environ.get(JAX_COORDINATOR_ADDRESS) or "").strip()
@@ -90,7 +89,7 @@ def jax_coordinator_address() -> tuple[Optional[str], Optional[int]]:
     return host or None, int(port)
 
 
-def log_level() -> Optional[str]:
+def log_level() -> str | None:
     """``$JAXSERVE_LOG_LEVEL`` upper-cased (``DEBUG``, ``INFO`` ...), or None when unset."""
     value = os.environ.get(JAXSERVE_LOG_LEVEL)
     return value.strip().upper() if value and value.strip() else None

@@ -7,13 +7,11 @@ in one place; offline callers can catch it as the ``ValueError`` it also is.
 
 from __future__ import annotations
 
-from typing import Optional
-
 
 class InvalidRequestError(ValueError):
     """A request that cannot be served as given. ``str(err)`` is ``"<param>: <reason>"``."""
 
-    def __init__(self, param: str, reason: str, *, code: Optional[str] = None):
+    def __init__(self, param: str, reason: str, *, code: str | None = None):
         super().__init__(f"{param}: {reason}")
         self.param = param
         self.reason = reason

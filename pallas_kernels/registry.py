@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -107,8 +107,8 @@ def make_check_batch(case: CheckCase, shape: CheckShape = CheckShape(), *, seed:
             jnp.asarray(tables), jnp.asarray(qsl), jnp.asarray(np.array([n], np.int32)))
 
 
-def check_against_reference(fn: AttentionFn, *, atol: float = 2e-3, sliding_window: Optional[int] = None,
-                            soft_cap: Optional[float] = None, cases=CHECK_CASES,
+def check_against_reference(fn: AttentionFn, *, atol: float = 2e-3, sliding_window: int | None = None,
+                            soft_cap: float | None = None, cases=CHECK_CASES,
                             shape: CheckShape = CheckShape(), dtype=jnp.float32) -> BackendCheck:
     """Run ``fn`` jitted on each case and compare it, padding tokens included, with the reference
     (both given q and caches of ``dtype``)."""
@@ -132,7 +132,7 @@ def _reference_output(case: CheckCase, shape: CheckShape, seed: int, options: tu
 
 
 def register_attention_backend(name: str, fn: AttentionFn, *, check: bool = True, atol: float = 2e-3,
-                               replace: bool = False) -> Optional[BackendCheck]:
+                               replace: bool = False) -> BackendCheck | None:
     """Make ``fn`` the attention backend ``name`` in this process; returns its check (None with
     ``check=False``). Raises ValueError for a built-in or reserved name, a name already taken
     (unless ``replace``), or a callable that disagrees with the reference by more than ``atol``."""
@@ -155,7 +155,7 @@ def unregister_attention_backend(name: str) -> None:
     del _registered[name]
 
 
-def registered_attention_fn(name: str) -> Optional[AttentionFn]:
+def registered_attention_fn(name: str) -> AttentionFn | None:
     return _registered.get(name)
 
 

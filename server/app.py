@@ -6,7 +6,7 @@ can serve the same app in-process (httpx ``ASGITransport``) or through uvicorn.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -56,13 +56,13 @@ def generation_responses(body: type) -> dict:
             **error_responses(400, 404, 408, 413, 500, 503)}
 
 
-def build_app(engine: EngineClient, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
-              chat_template: Optional[str] = None,
+def build_app(engine: EngineClient, *, served_model_name: str | None = None, api_key: str | None = None,
+              chat_template: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
               max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES, split_special_tokens_in_content: bool = False,
-              model_root: Optional[str] = None, enable_tokenizer_info_endpoint: bool = False,
-              chat_parsers: Optional[ChatParsers] = None, enable_debug_endpoints: bool = False) -> FastAPI:
+              model_root: str | None = None, enable_tokenizer_info_endpoint: bool = False,
+              chat_parsers: ChatParsers | None = None, enable_debug_endpoints: bool = False) -> FastAPI:
     state = ServerState(engine, served_model_name=served_model_name, chat_template=chat_template,
                         model_root=model_root, max_chat_messages=max_chat_messages,
                         split_special_tokens_in_content=split_special_tokens_in_content)

@@ -9,7 +9,6 @@ text), so they agree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from .reasoning import ReasoningDelta, ReasoningParser, reasoning_parser_class
 from .tool_calls import ToolChoice
@@ -39,7 +38,7 @@ class ChoiceDelta:
 class ChoiceParser:
     """Reasoning split, then tool calls from the content; with neither, the text is content."""
 
-    def __init__(self, reasoning: Optional[ReasoningParser], tools: Optional[ToolParser]):
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None):
         self.reasoning = reasoning
         self.tools = tools
 
@@ -67,7 +66,7 @@ class ChoiceParser:
         return ChoiceDelta(delta.reasoning, parsed.content, parsed.tool_calls)
 
 
-def finish_reason(engine_reason: Optional[str], called: bool) -> Optional[str]:
+def finish_reason(engine_reason: str | None, called: bool) -> str | None:
     """A choice that ended normally after calling tools finishes with ``tool_calls``; one cut by
     ``length`` (or aborted) keeps its reason, since its last call may be incomplete."""
     return "tool_calls" if called and engine_reason == "stop" else engine_reason
@@ -79,8 +78,8 @@ class ChatParsers:
     ``--reasoning-parser``); ``check`` refuses unknown names at start-up."""
 
     enable_auto_tool_choice: bool = False
-    tool_call_parser: Optional[str] = None
-    reasoning_parser: Optional[str] = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def check(self) -> None:
         """``ValueError`` for a setting that cannot work."""
@@ -97,7 +96,7 @@ class ChatParsers:
 
     def new_choice_parser(self, choice: ToolChoice) -> ChoiceParser:
         """A fresh parser for one choice of a request in mode ``choice``."""
-        tools: Optional[ToolParser] = None
+        tools: ToolParser | None = None
         if choice.mode == "auto":
             tools = tool_parser_class(self.tool_call_parser or "")()
         elif choice.mode == "required":
@@ -110,7 +109,7 @@ class ChatParsers:
         return ChoiceParser(reasoning, tools)
 
 
-def merged(deltas: ChoiceDelta) -> tuple[Optional[str], Optional[str], list[ToolCall]]:
+def merged(deltas: ChoiceDelta) -> tuple[str | None, str | None, list[ToolCall]]:
     """(reasoning, content, calls) of a whole answer; the strings None when empty."""
     calls = merge(ToolParseDelta(tool_calls=deltas.tool_calls)).tool_calls
     return deltas.reasoning or None, deltas.content or None, calls

@@ -10,7 +10,8 @@ message's text with special-token strings split into ordinary tokens.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .errors import APIError
 

@@ -20,7 +20,7 @@ import argparse
 import dataclasses
 import statistics
 import time
-from typing import Any, Optional
+from typing import Any
 
 from .trace_cli import get_json, server_root
 
@@ -53,7 +53,7 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def api_bound(steps: list[dict], requests: list[dict]) -> tuple[dict, Optional[Finding]]:
+def api_bound(steps: list[dict], requests: list[dict]) -> tuple[dict, Finding | None]:
     """Requests spend a large share of their life before the engine, while the engine idles
     between its steps for most of the window."""
     pre, share = [], []
@@ -81,7 +81,7 @@ def api_bound(steps: list[dict], requests: list[dict]) -> tuple[dict, Optional[F
         "kernel first: the engine is waiting for the API, not the other way round", evidence)
 
 
-def prefill_stall(steps: list[dict]) -> tuple[dict, Optional[Finding]]:
+def prefill_stall(steps: list[dict]) -> tuple[dict, Finding | None]:
     """The inter-token latency of running requests spikes in steps that carry a large prefill chunk:
     the interval between a step's results and the previous step's, mixed steps against decode-only."""
     largest = max((s["num_tokens"] for s in steps), default=0)
@@ -112,7 +112,7 @@ def prefill_stall(steps: list[dict]) -> tuple[dict, Optional[Finding]]:
         "their own step, not for blocks", evidence)
 
 
-def kv_pressure(steps: list[dict], requests: list[dict]) -> tuple[dict, Optional[Finding]]:
+def kv_pressure(steps: list[dict], requests: list[dict]) -> tuple[dict, Finding | None]:
     """Preemptions while the KV pool is (nearly) full."""
     preemptions = sum(len(s["preempted_ids"]) for s in steps)
     used = max((s["blocks"]["used"] / max(1, s["blocks"]["total"]) for s in steps), default=0.0)
@@ -142,7 +142,7 @@ def analyse(steps: list[dict], requests: list[dict]) -> tuple[dict[str, dict], l
             [finding for _, finding in checks.values() if finding is not None])
 
 
-def watch(url: str, window_s: float, api_key: Optional[str] = None) -> dict:
+def watch(url: str, window_s: float, api_key: str | None = None) -> dict:
     """Read the server's records of the next ``window_s`` seconds and analyse them."""
     root = server_root(url)
     last = get_json(f"{root}/debug/steps?last=1", api_key)["steps"]
@@ -163,7 +163,7 @@ def watch(url: str, window_s: float, api_key: Optional[str] = None) -> dict:
 # ---- --compare-eager ------------------------------------------------------------------------------
 
 
-def first_difference(compiled: list[dict], eager: list[dict]) -> Optional[dict]:
+def first_difference(compiled: list[dict], eager: list[dict]) -> dict | None:
     """The first position where two greedy runs of one prompt chose different tokens, with the
     logit gap there: ``{position, compiled_token, eager_token, logprob_gap, ...}``; None if equal.
     Each run is a list of ``{token: logprob}`` dicts, one per position, chosen token first."""

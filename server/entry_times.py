@@ -9,18 +9,18 @@ per asyncio task, so concurrent requests never see each other's record.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from contextvars import ContextVar
-from typing import Mapping, Optional
 
 from jaxserve import EntryTimes
 
-_current: ContextVar[Optional[EntryTimes]] = ContextVar("jaxserve_entry_times", default=None)
+_current: ContextVar[EntryTimes | None] = ContextVar("jaxserve_entry_times", default=None)
 
 
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, as vLLM forwards it
 
 
-def start(headers: Optional[Mapping[str, str]] = None) -> EntryTimes:
+def start(headers: Mapping[str, str] | None = None) -> EntryTimes:
     """A new record for the request being handled, received now, with its trace context headers."""
     trace = {k: headers[k] for k in TRACE_HEADERS if headers is not None and k in headers}
     times = EntryTimes(received=time.monotonic(), trace_headers=trace or None)

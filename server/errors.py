@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -54,8 +53,8 @@ _TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-                 type: Optional[str] = None):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -64,7 +63,7 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status, "server_error")
 
 
-def safe_text(text: Optional[str]) -> Optional[str]:
+def safe_text(text: str | None) -> str | None:
     """``text`` with anything UTF-8 cannot encode (a lone surrogate echoed from the request)
     replaced, so that an error body can always be rendered."""
     if text is None:
@@ -72,8 +71,8 @@ def safe_text(text: Optional[str]) -> Optional[str]:
     return str(text).encode("utf-8", "replace").decode("utf-8")
 
 
-def error_body(status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-               type: Optional[str] = None) -> dict:
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
+               type: str | None = None) -> dict:
     return {"error": {"message": safe_text(message), "type": type or _TYPES.get(status, "server_error"),
                       "param": safe_text(param), "code": code}}
 
@@ -82,7 +81,7 @@ def error_response(status: int, message: str, **kw) -> JSONResponse:
     return JSONResponse(error_body(status, message, **kw), status_code=status)
 
 
-def retry_after_headers(status: int, code: Optional[str]) -> Optional[dict[str, str]]:
+def retry_after_headers(status: int, code: str | None) -> dict[str, str] | None:
     """A 503 says when to try again: soon when the queue is full, later when the engine is dead
     (a supervisor restarts it)."""
     if status != 503:
@@ -137,7 +136,7 @@ _UNION_HINTS = {
 }
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     parts = []
     first_param = None

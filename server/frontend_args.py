@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Literal, Optional
+from typing import Literal
 
 from jaxserve import ConfigError, add_flags, dataclass_flags
 
@@ -25,13 +25,13 @@ class FrontendArgs:
     """Address to bind."""
     port: int = 8000
     """Port to bind; 0 picks a free one."""
-    served_model_name: Optional[str] = None
+    served_model_name: str | None = None
     """Model name clients send and responses carry (default: the model path, 'SmolLM2-135M-Instruct'
     for the default demo, 'jaxserve-demo' for the random tiny one)."""
-    api_key: Optional[str] = None
+    api_key: str | None = None
     """Require 'Authorization: Bearer <key>' on every route except /health, /metrics and /version
     (default: JAXSERVE_API_KEY from the environment, else no auth)."""
-    chat_template: Optional[str] = None
+    chat_template: str | None = None
     """Chat template: a file path or the Jinja template itself (default: the tokenizer's)."""
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
     """Uvicorn's log level."""
@@ -58,7 +58,7 @@ class FrontendArgs:
     enable_auto_tool_choice: bool = False
     """Let the model decide when to call tools (tool_choice 'auto', also the default when a request
     has tools); needs --tool-call-parser (default: off)."""
-    tool_call_parser: Optional[str] = None
+    tool_call_parser: str | None = None
     """How tool calls are read from the model's text for tool_choice 'auto': 'hermes'
     (<tool_call>{...}</tool_call>, Qwen2.5/Qwen3/Hermes) (default: none)."""
     enable_debug_endpoints: bool = False

@@ -13,7 +13,8 @@ request in the engine and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Awaitable, Optional, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from jaxserve import EntryTimes, RequestOutput, RequestOutputKind, SamplingParams
 
@@ -44,8 +45,8 @@ class Generations:
     single prompt and ``request_id-<i>`` for several; outputs are ``(prompt_index, output)``."""
 
     def __init__(self, engine: EngineClient, prompts: Sequence[Any], params: SamplingParams, request_id: str,
-                 kind: RequestOutputKind, *, priority: int = 0, cache_salt: Optional[str] = None,
-                 entry_times: Optional[EntryTimes] = None):
+                 kind: RequestOutputKind, *, priority: int = 0, cache_salt: str | None = None,
+                 entry_times: EntryTimes | None = None):
         self.request_ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._buffered: list[tuple[int, Any]] = []
@@ -102,7 +103,7 @@ class Generations:
 
     async def collect(self) -> list[RequestOutput]:
         """Non-streaming: the last output of every prompt, in prompt order."""
-        last: list[Optional[RequestOutput]] = [None] * len(self._tasks)
+        last: list[RequestOutput | None] = [None] * len(self._tasks)
         async for index, out in self:
             last[index] = out
         return [out for out in last if out is not None]

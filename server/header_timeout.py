@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Optional
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -26,7 +25,7 @@ def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
     """uvicorn's h11 protocol with a header-read deadline of ``timeout_s`` seconds (``--request-header-timeout``)."""
 
     class HeaderTimeoutProtocol(H11Protocol):
-        _header_timer: Optional[asyncio.TimerHandle] = None
+        _header_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -39,7 +38,7 @@ def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
             else:
                 self._cancel_header_timer()
 
-        def connection_lost(self, exc: Optional[Exception]) -> None:
+        def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_header_timer()
             super().connection_lost(exc)
 

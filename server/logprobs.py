@@ -9,7 +9,6 @@ Every logprob reported is at least ``LOGPROB_FLOOR``.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Optional
 
 from jaxserve import CompletionOutput, Logprob, RequestOutput
 
@@ -52,7 +51,7 @@ class TokenText:
         self._text = lru_cache(maxsize=TOKEN_CACHE_SIZE)(self._text_uncached)
         self._bytes = lru_cache(maxsize=TOKEN_CACHE_SIZE)(self._bytes_uncached)
 
-    def text(self, token_id: int, decoded: Optional[str] = None) -> str:
+    def text(self, token_id: int, decoded: str | None = None) -> str:
         """The token's string; ``decoded`` (the engine's own detokenization) wins when given."""
         if decoded is not None:
             return decoded
@@ -81,7 +80,7 @@ class TokenIdText(TokenText):
     """``return_tokens_as_token_ids``: every token is shown as ``token_id:<id>``, as vLLM shows it,
     so a client can map logprobs to ids whatever the tokenizer; ``bytes`` stay the token's own."""
 
-    def text(self, token_id: int, decoded: Optional[str] = None) -> str:
+    def text(self, token_id: int, decoded: str | None = None) -> str:
         return f"token_id:{token_id}"
 
 
@@ -96,7 +95,7 @@ def _is_byte_level(tokenizer) -> bool:
 # ---- /v1/completions ---------------------------------------------------------------------------
 
 
-def top_entries(entry: dict[int, Logprob], token_id: int, top_n: Optional[int]) -> dict[int, Logprob]:
+def top_entries(entry: dict[int, Logprob], token_id: int, top_n: int | None) -> dict[int, Logprob]:
     """The position's token and its ``top_n`` likeliest alternatives (all of them when None): the
     engine may have computed more, for another field of the same request."""
     if top_n is None:
@@ -104,14 +103,14 @@ def top_entries(entry: dict[int, Logprob], token_id: int, top_n: Optional[int]) 
     return {tid: lp for tid, lp in entry.items() if tid == token_id or (lp.rank is not None and lp.rank <= top_n)}
 
 
-def _append_position(lp: CompletionLogProbs, text: str, token_id: int, entry: Optional[dict[int, Logprob]],
-                     tokens: TokenText, offset: int, top_n: Optional[int] = None) -> int:
+def _append_position(lp: CompletionLogProbs, text: str, token_id: int, entry: dict[int, Logprob] | None,
+                     tokens: TokenText, offset: int, top_n: int | None = None) -> int:
     """One position of a completions ``logprobs`` object (no ``entry``: no logprobs there); returns
     the next text offset."""
     chosen = entry.get(token_id) if entry is not None else None
     lp.tokens.append(text)
     lp.token_logprobs.append(None if chosen is None else floored(chosen.logprob))
-    top: Optional[dict[str, float]] = None
+    top: dict[str, float] | None = None
     if entry is not None:
         top = {}
         for tid, alt in sorted(top_entries(entry, token_id, top_n).items(), key=lambda kv: kv[1].rank or 0):
@@ -134,7 +133,7 @@ def completion_logprobs(out: CompletionOutput, tokens: TokenText, start_offset: 
 
 
 def prepend_prompt_logprobs(ro: RequestOutput, tokens: TokenText, generated: CompletionLogProbs,
-                            top_n: Optional[int] = None) -> CompletionLogProbs:
+                            top_n: int | None = None) -> CompletionLogProbs:
     """``echo`` with ``logprobs``: the prompt's tokens come first, the first one without a logprob
     (nothing precedes it), as the OpenAI completions API reports them; ``top_n`` alternatives each."""
     lp = CompletionLogProbs()
@@ -150,10 +149,10 @@ def prepend_prompt_logprobs(ro: RequestOutput, tokens: TokenText, generated: Com
     return lp
 
 
-def prompt_logprobs_field(ro: RequestOutput, top_n: int) -> list[Optional[dict[int, PromptLogprob]]]:
+def prompt_logprobs_field(ro: RequestOutput, top_n: int) -> list[dict[int, PromptLogprob] | None]:
     """vLLM's ``prompt_logprobs`` of a completions choice: per prompt position (None first), the
     prompt token and its ``top_n`` alternatives by id."""
-    out: list[Optional[dict[int, PromptLogprob]]] = []
+    out: list[dict[int, PromptLogprob] | None] = []
     for token_id, entry in zip(ro.prompt_token_ids, ro.prompt_logprobs or []):
         if entry is None:
             out.append(None)

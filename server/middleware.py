@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from typing import Iterable
+from collections.abc import Iterable
 
 from .errors import error_body
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -46,7 +46,7 @@ def _inputs(body: dict, name: str) -> list:
     return value
 
 
-def build_pooling_app(pooling, *, served_model_name: Optional[str] = None) -> FastAPI:
+def build_pooling_app(pooling, *, served_model_name: str | None = None) -> FastAPI:
     app = FastAPI(title="jaxserve")
     install_handlers(app)
     name = served_model_name or "model"
@@ -128,7 +128,7 @@ def build_pooling_app(pooling, *, served_model_name: Optional[str] = None) -> Fa
     async def classify(request: Request):
         return await classify_body(await read(request))
 
-    async def score_pairs(query: str, docs: list, truncate: Optional[int]):
+    async def score_pairs(query: str, docs: list, truncate: int | None):
         if not docs or not all(isinstance(d, str) for d in docs):
             raise APIError(400, "documents: must be a non-empty list of strings", param="documents")
         return await run(pooling.score, query, docs, truncate)

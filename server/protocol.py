@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
     BaseModel,
@@ -59,7 +59,7 @@ def _is_text(value: str) -> bool:
     return True
 
 
-def find_invalid_text(value: Any, path: str = "") -> Optional[str]:
+def find_invalid_text(value: Any, path: str = "") -> str | None:
     """The path of the first string (value or key) in ``value`` that is not Unicode text, else None."""
     if isinstance(value, str):
         return None if _is_text(value) else (path or "body")
@@ -110,20 +110,20 @@ class _Body(_Request):
 
 
 class StreamOptions(_Request):
-    include_usage: Optional[bool] = False
+    include_usage: bool | None = False
     # vLLM's: with include_usage, every chunk carries the usage so far (guidellm always asks).
-    continuous_usage_stats: Optional[bool] = False
+    continuous_usage_stats: bool | None = False
 
 
 class JsonSchemaFormat(_Request):
     """``response_format.json_schema``: the schema is enforced whether or not ``strict`` is set."""
 
     model_config = ConfigDict(populate_by_name=True)
-    name: Optional[str] = None
-    description: Optional[str] = None
+    name: str | None = None
+    description: str | None = None
     # "schema" would shadow a BaseModel attribute: stored under another name, read by its alias.
-    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
-    strict: Optional[bool] = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -131,21 +131,21 @@ RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 class ResponseFormat(_Request):
     type: str
-    json_schema: Optional[JsonSchemaFormat] = None
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StructuredOutputsBody(_Request):
     """vLLM's ``structured_outputs`` body field: the keys of ``StructuredOutputsParams``."""
 
     model_config = ConfigDict(populate_by_name=True)
-    json_: Optional[Union[dict[str, Any], StrictStr]] = Field(None, alias="json")
-    regex: Optional[StrictStr] = None
-    choice: Optional[list[StrictStr]] = None
-    grammar: Optional[StrictStr] = None
-    json_object: Optional[StrictBool] = None
-    disable_any_whitespace: Optional[StrictBool] = None
-    disable_additional_properties: Optional[StrictBool] = None
-    whitespace_pattern: Optional[StrictStr] = None
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool | None = None
+    disable_additional_properties: StrictBool | None = None
+    whitespace_pattern: StrictStr | None = None
 
     def given(self) -> dict[str, Any]:
         """The keys set (not None), by the dataclass's names; unknown keys are only reported."""
@@ -156,46 +156,46 @@ class StructuredOutputsBody(_Request):
 class _SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model: Optional[str] = None
+    model: str | None = None
     n: int = Field(1, ge=1)  # the engine's --max-n bounds it
     # The ranges SamplingParams enforces, stated here too so that the OpenAPI schema says them.
-    temperature: Optional[float] = Field(None, ge=0, le=_FLOAT32_MAX)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=-1, le=_INT32_MAX)
-    min_p: Optional[float] = Field(None, ge=0, le=1)
-    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    repetition_penalty: Optional[float] = Field(None, gt=0, le=_FLOAT32_MAX)
-    seed: Optional[int] = Field(None, ge=-_INT64, lt=_INT64)
-    stop: Optional[Union[NonEmptyStr, list[NonEmptyStr]]] = None
-    stop_token_ids: Optional[list[Annotated[StrictInt, Field(ge=0)]]] = None
+    temperature: float | None = Field(None, ge=0, le=_FLOAT32_MAX)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=_INT32_MAX)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=_FLOAT32_MAX)
+    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    logit_bias: Optional[dict[str, float]] = None
-    allowed_token_ids: Optional[list[Annotated[StrictInt, Field(ge=0)]]] = Field(None, min_length=1)
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(None, min_length=1)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    stream: Optional[bool] = False
-    stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
     priority: int = Field(0, ge=-_INT64, lt=_INT64)
-    cache_salt: Optional[str] = None
+    cache_salt: str | None = None
     # vLLM extensions: -1 truncates to max_model_len; tokens are dropped from the left.
-    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1, le=_INT32_MAX)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=_INT32_MAX)
     return_tokens_as_token_ids: bool = False
     # Structured outputs (server/structured_outputs.py maps them to one constraint).
-    response_format: Optional[ResponseFormat] = None
-    structured_outputs: Optional[StructuredOutputsBody] = None
-    guided_json: Optional[Union[dict[str, Any], StrictStr]] = None
-    guided_regex: Optional[StrictStr] = None
-    guided_choice: Optional[list[StrictStr]] = None
-    guided_grammar: Optional[StrictStr] = None
-    guided_whitespace_pattern: Optional[StrictStr] = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    guided_whitespace_pattern: StrictStr | None = None
     # vLLM extensions jaxserve knows but does not implement (400 when they would matter).
     use_beam_search: bool = False
-    bad_words: Optional[list[str]] = None
-    logits_processors: Optional[list[Any]] = None
+    bad_words: list[str] | None = None
+    logits_processors: list[Any] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -269,15 +269,15 @@ PromptInput = Union[NonEmptyStr, TokenIds, Annotated[list[NonEmptyStr], Field(mi
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
-    max_tokens: Optional[int] = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=0)
+    max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=0)
     echo: bool = False
-    logprobs: Optional[int] = Field(None, ge=0)
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
+    logprobs: int | None = Field(None, ge=0)
+    best_of: int | None = None
+    suffix: str | None = None
     add_special_tokens: bool = True
-    prompt_logprobs: Optional[int] = Field(None, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=0)
 
-    def prompts(self) -> list[Union[str, list[int]]]:
+    def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str):
             return [p]
@@ -305,9 +305,9 @@ class CompletionRequest(_SamplingFields):
 
 class CompletionLogProbs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
 class UsageInfo(BaseModel):
@@ -320,17 +320,17 @@ class PromptLogprob(BaseModel):
     """One token of a prompt position, as vLLM reports ``prompt_logprobs``."""
 
     logprob: float
-    rank: Optional[int] = None
-    decoded_token: Optional[str] = None
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class CompletionResponseChoice(BaseModel):
     index: int
     text: str
-    logprobs: Optional[CompletionLogProbs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
-    prompt_logprobs: Optional[list[Optional[dict[int, PromptLogprob]]]] = None
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -348,7 +348,7 @@ class CompletionStreamResponse(BaseModel):
     created: int
     model: str
     choices: list[CompletionResponseChoice]
-    usage: Optional[UsageInfo] = None
+    usage: UsageInfo | None = None
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------------
@@ -357,14 +357,14 @@ class CompletionStreamResponse(BaseModel):
 class ChatContentPart(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
-    text: Optional[str] = None
+    text: str | None = None
 
 
 class FunctionDefinition(_Request):
     name: StrictStr
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments object
-    strict: Optional[bool] = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
 
 
 class ChatCompletionToolsParam(_Request):
@@ -388,19 +388,19 @@ class ChatCompletionNamedToolChoiceParam(_Request):
 class MessageFunctionCall(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: StrictStr
-    arguments: Union[StrictStr, dict[str, Any]]  # JSON text, as OpenAI sends it; an object is accepted too
+    arguments: StrictStr | dict[str, Any]  # JSON text, as OpenAI sends it; an object is accepted too
 
 
 class MessageToolCall(BaseModel):
     """A call in an assistant message of the conversation."""
 
     model_config = ConfigDict(extra="allow")
-    id: Optional[str] = None
+    id: str | None = None
     type: Literal["function"] = "function"
     function: MessageFunctionCall
 
 
-def tool_dicts(tools: Optional[list[ChatCompletionToolsParam]]) -> Optional[list[dict[str, Any]]]:
+def tool_dicts(tools: list[ChatCompletionToolsParam] | None) -> list[dict[str, Any]] | None:
     """The tools as plain OpenAI tool objects (what the chat template and the schemas read)."""
     return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
@@ -408,11 +408,11 @@ def tool_dicts(tools: Optional[list[ChatCompletionToolsParam]]) -> Optional[list
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: StrictStr
-    content: Optional[Union[StrictStr, list[ChatContentPart]]] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[MessageToolCall]] = None  # assistant messages
-    tool_call_id: Optional[str] = None  # tool messages: the call they answer
-    reasoning_content: Optional[str] = None  # assistant messages, as vLLM returns them
+    content: StrictStr | list[ChatContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call they answer
+    reasoning_content: str | None = None  # assistant messages, as vLLM returns them
 
 
 class _ChatTemplateFields(_Body):
@@ -423,28 +423,28 @@ class _ChatTemplateFields(_Body):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-    tools: Optional[list[ChatCompletionToolsParam]] = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = Field(None, ge=0)
-    tool_choice: Optional[Union[Literal["none", "auto", "required"], ChatCompletionNamedToolChoiceParam]] = None
-    parallel_tool_calls: Optional[bool] = None  # false: at most one call with tool_choice required
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0)
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call with tool_choice required
     # OpenAI fields jaxserve does not implement; present so that the 400 can name them.
-    functions: Optional[list[Any]] = None
-    function_call: Optional[Any] = None
-    audio: Optional[Any] = None
-    modalities: Optional[list[str]] = None
-    prediction: Optional[Any] = None
-    reasoning_effort: Optional[str] = None
-    web_search_options: Optional[Any] = None
-    store: Optional[bool] = None
-    metadata: Optional[dict[str, Any]] = None
-    service_tier: Optional[str] = None
+    functions: list[Any] | None = None
+    function_call: Any | None = None
+    audio: Any | None = None
+    modalities: list[str] | None = None
+    prediction: Any | None = None
+    reasoning_effort: str | None = None
+    web_search_options: Any | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = self.common_unsupported()
@@ -471,14 +471,14 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
                         "continue_final_message and add_generation_prompt cannot both be true"))
         return out
 
-    def effective_max_tokens(self) -> Optional[int]:
+    def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 class ChatLogProbTop(BaseModel):
     token: str
     logprob: float
-    bytes: Optional[list[int]] = None
+    bytes: list[int] | None = None
 
 
 class ChatLogProbToken(ChatLogProbTop):
@@ -486,7 +486,7 @@ class ChatLogProbToken(ChatLogProbTop):
 
 
 class ChatLogProbs(BaseModel):
-    content: Optional[list[ChatLogProbToken]] = None
+    content: list[ChatLogProbToken] | None = None
 
 
 def _drop_none(model: BaseModel, handler) -> dict[str, Any]:
@@ -506,19 +506,19 @@ class ToolCall(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
-    content: Optional[str] = None
+    content: str | None = None
     # vLLM's names for the text inside <think>...</think> (--reasoning-parser): both are sent.
-    reasoning_content: Optional[str] = None
-    reasoning: Optional[str] = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: Optional[ChatLogProbs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -531,8 +531,8 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaFunctionCall(BaseModel):
-    name: Optional[str] = None
-    arguments: Optional[str] = None
+    name: str | None = None
+    arguments: str | None = None
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler):
@@ -543,9 +543,9 @@ class DeltaToolCall(BaseModel):
     """A piece of a streamed call: the first of each ``index`` has ``id``, ``type`` and the name."""
 
     index: int
-    id: Optional[str] = None
-    type: Optional[Literal["function"]] = None
-    function: Optional[DeltaFunctionCall] = None
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler):
@@ -553,11 +553,11 @@ class DeltaToolCall(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: Optional[str] = None
-    content: Optional[str] = None
-    reasoning_content: Optional[str] = None
-    reasoning: Optional[str] = None
-    tool_calls: Optional[list[DeltaToolCall]] = None
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler):
@@ -568,9 +568,9 @@ class DeltaMessage(BaseModel):
 class ChatCompletionStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: Optional[ChatLogProbs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -579,7 +579,7 @@ class ChatCompletionStreamResponse(BaseModel):
     created: int
     model: str
     choices: list[ChatCompletionStreamChoice]
-    usage: Optional[UsageInfo] = None
+    usage: UsageInfo | None = None
 
 
 # ---- models, tokenize, errors ----------------------------------------------------------------
@@ -590,8 +590,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "jaxserve"
-    root: Optional[str] = None
-    parent: Optional[str] = None
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int
 
 
@@ -608,14 +608,14 @@ class TokenizerInfoResponse(BaseModel):
 
 
 class TokenizeCompletionRequest(_Body):
-    model: Optional[str] = None
+    model: str | None = None
     prompt: StrictStr
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
 class TokenizeChatRequest(_ChatTemplateFields):
-    model: Optional[str] = None
+    model: str | None = None
     return_token_strs: bool = False
 
 
@@ -626,11 +626,11 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
-    token_strs: Optional[list[str]] = None
+    token_strs: list[str] | None = None
 
 
 class DetokenizeRequest(_Body):
-    model: Optional[str] = None
+    model: str | None = None
     tokens: list[StrictInt]
 
 
@@ -645,8 +645,8 @@ class VersionResponse(BaseModel):
 class ErrorInfo(BaseModel):
     message: str
     type: str
-    param: Optional[str] = None
-    code: Optional[Union[str, int]] = None
+    param: str | None = None
+    code: str | int | None = None
 
 
 class ErrorResponse(BaseModel):

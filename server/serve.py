@@ -22,7 +22,8 @@ import logging
 import os
 import socket
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from jaxserve import ConfigError, EngineConfig, envs
 
@@ -38,7 +39,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     FrontendArgs.add_cli_args(parser)
 
 
-def chat_parsers(frontend: FrontendArgs, reasoning_parser: Optional[str]):
+def chat_parsers(frontend: FrontendArgs, reasoning_parser: str | None):
     """The parser flags as ``ChatParsers``, checked: an unknown name is a start-up error.
     ``--reasoning-parser`` is the engine's flag (``EngineConfig.reasoning_parser``): the engine
     reads it for structured outputs, the server for the reasoning split."""
@@ -53,7 +54,7 @@ def chat_parsers(frontend: FrontendArgs, reasoning_parser: Optional[str]):
     return parsers
 
 
-def load_chat_template(value: Optional[str]) -> Optional[str]:
+def load_chat_template(value: str | None) -> str | None:
     """A file path, or an inline Jinja template; anything else is a start-up error."""
     if value is None:
         return None
@@ -79,7 +80,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_serve(args: argparse.Namespace, started: Optional[float] = None) -> int:
+def run_serve(args: argparse.Namespace, started: float | None = None) -> int:
     """Serve until interrupted; ``started`` (``time.monotonic()``) is when the command began."""
     started = time.monotonic() if started is None else started
     frontend = FrontendArgs.from_cli_args(args)
@@ -115,8 +116,8 @@ def run_headless_node(config: EngineConfig) -> int:
     return 0
 
 
-def _serve(args: FrontendArgs, config: EngineConfig, sock: socket.socket, chat_template: Optional[str],
-           api_key: Optional[str], parsers, started: float) -> None:
+def _serve(args: FrontendArgs, config: EngineConfig, sock: socket.socket, chat_template: str | None,
+           api_key: str | None, parsers, started: float) -> None:
     import uvicorn
 
     from jaxserve import AsyncLLM, DPAsyncLLM, pooling_task_of
@@ -157,7 +158,7 @@ def _serve(args: FrontendArgs, config: EngineConfig, sock: socket.socket, chat_t
         stop_engine()
 
 
-def _serve_pooling(args, config, task: str, sock: socket.socket, api_key: Optional[str], started: float) -> None:
+def _serve_pooling(args, config, task: str, sock: socket.socket, api_key: str | None, started: float) -> None:
     """A pooling model (issue 34): its own app (embeddings, classify, score, rerank), no generating engine."""
     import uvicorn
 

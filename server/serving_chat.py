@@ -10,7 +10,8 @@ them: that is what chat templates such as Qwen3's expect.
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncGenerator, Optional
+from collections.abc import AsyncGenerator
+from typing import Any
 
 import jaxserve
 from jaxserve import InvalidRequestError, RequestOutput, SamplingParams
@@ -79,8 +80,8 @@ def _arguments_object(arguments: Any) -> Any:
 
 def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generation_prompt: bool,
                 continue_final_message: bool, add_special_tokens: bool,
-                chat_template_kwargs: Optional[dict[str, Any]],
-                tools: Optional[list[dict[str, Any]]] = None) -> tuple[str, list[int]]:
+                chat_template_kwargs: dict[str, Any] | None,
+                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
     """Apply the chat template (the server's ``--chat-template``, else the tokenizer's); returns
     (prompt text, token ids)."""
     tok = state.tokenizer
@@ -129,7 +130,7 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
 
 
 def _constrained_calls(kw: dict[str, Any], req: ChatCompletionRequest, choice: ToolChoice,
-                       tools: Optional[list[dict[str, Any]]]) -> None:
+                       tools: list[dict[str, Any]] | None) -> None:
     """Add the structured output that makes ``required``/named answer with valid calls."""
     schema = tool_choice_schema(tools or [], choice, req.parallel_tool_calls)
     if schema is None:
@@ -144,13 +145,13 @@ def _constrained_calls(kw: dict[str, Any], req: ChatCompletionRequest, choice: T
 class OpenAIServingChat(OpenAIServing):
     id_prefix = "chatcmpl"
 
-    def __init__(self, state: ServerState, parsers: Optional[ChatParsers] = None):
+    def __init__(self, state: ServerState, parsers: ChatParsers | None = None):
         super().__init__(state)
         # Without explicit settings, the split follows the engine's reasoning parser, after whose
         # end its structured outputs start.
         self.parsers = parsers or ChatParsers(reasoning_parser=state.engine.config.reasoning_parser)
 
-    def tool_choice(self, req: ChatCompletionRequest, tools: Optional[list[dict]] = None) -> ToolChoice:
+    def tool_choice(self, req: ChatCompletionRequest, tools: list[dict] | None = None) -> ToolChoice:
         """The request's tool choice, resolved against its tools (``tools``: already as dicts)."""
         try:
             return resolve_tool_choice(tool_dicts(req.tools) if tools is None else tools, req.tool_choice,

@@ -10,7 +10,8 @@ already sent (vLLM's count).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, AsyncGenerator
+from collections.abc import AsyncGenerator
+from typing import Any
 
 from jaxserve import CompletionOutput, RequestOutput, SamplingParams
 

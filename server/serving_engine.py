@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator, AsyncIterator
+from typing import Any
 
 from pydantic import BaseModel
 from starlette.requests import Request

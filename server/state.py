@@ -6,7 +6,8 @@ import asyncio
 import concurrent.futures
 import contextvars
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import ENGINE_DEAD, APIError
 from .limits import DEFAULT_MAX_CHAT_MESSAGES
@@ -25,8 +26,8 @@ class ServerState:
     ``DPAsyncLLM``, or anything else with that interface.
     """
 
-    def __init__(self, engine: EngineClient, *, served_model_name: Optional[str] = None,
-                 chat_template: Optional[str] = None, model_root: Optional[str] = None,
+    def __init__(self, engine: EngineClient, *, served_model_name: str | None = None,
+                 chat_template: str | None = None, model_root: str | None = None,
                  max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES, split_special_tokens_in_content: bool = False):
         self.engine = engine
         self.split_special_tokens_in_content = split_special_tokens_in_content
@@ -57,12 +58,12 @@ class ServerState:
             raise APIError(400, f"{param}: {num_chars} characters exceed max_prompt_chars={self.max_prompt_chars}",
                            param=param)
 
-    def check_model(self, name: Optional[str]) -> None:
+    def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
-    def truncation(self, truncate_prompt_tokens: Optional[int]) -> Optional[int]:
+    def truncation(self, truncate_prompt_tokens: int | None) -> int | None:
         """How many prompt tokens to keep, from the end (vLLM's ``truncate_prompt_tokens``; -1
         means ``max_model_len``); None keeps the whole prompt."""
         if truncate_prompt_tokens is None:

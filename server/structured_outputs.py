@@ -11,7 +11,7 @@ accepted and has no further effect: the schema is always enforced.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from jaxserve import InvalidRequestError, StructuredOutputsParams
 
@@ -22,7 +22,7 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 _OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 
-def _from_response_format(req: Any) -> Optional[tuple[str, dict[str, Any]]]:
+def _from_response_format(req: Any) -> tuple[str, dict[str, Any]] | None:
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return None
@@ -36,7 +36,7 @@ def _from_response_format(req: Any) -> Optional[tuple[str, dict[str, Any]]]:
     return "response_format", {"json": schema}
 
 
-def _from_structured_outputs(req: Any) -> tuple[Optional[tuple[str, dict[str, Any]]], dict[str, Any]]:
+def _from_structured_outputs(req: Any) -> tuple[tuple[str, dict[str, Any]] | None, dict[str, Any]]:
     body = req.structured_outputs
     if body is None:
         return None, {}
@@ -47,7 +47,7 @@ def _from_structured_outputs(req: Any) -> tuple[Optional[tuple[str, dict[str, An
     return (("structured_outputs", fields) if fields else None), options
 
 
-def structured_outputs_from_request(req: Any) -> Optional[StructuredOutputsParams]:
+def structured_outputs_from_request(req: Any) -> StructuredOutputsParams | None:
     """The request's constraint, or None without one. Raises ``APIError`` (400) for two
     constraints or one that is malformed in itself; a schema, regex or grammar the engine cannot
     compile is refused when the request is added (also a 400)."""

@@ -7,7 +7,7 @@ Clients that tokenize through the server read it: lm-eval's ``local-completions`
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from .protocol import TokenizerInfoResponse
 
@@ -29,7 +29,7 @@ def _json_value(value: Any) -> Any:
     return str(value)
 
 
-def tokenizer_info(tokenizer, chat_template: Optional[str]) -> TokenizerInfoResponse:
+def tokenizer_info(tokenizer, chat_template: str | None) -> TokenizerInfoResponse:
     config = {k: v for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items() if k not in _FILE_FIELDS}
     info = _json_value(config)
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):

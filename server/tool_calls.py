@@ -12,7 +12,7 @@ out means ``auto`` when tools are given, ``none`` otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from jaxserve import InvalidRequestError
 
@@ -25,7 +25,7 @@ class ToolChoice:
     """A resolved ``tool_choice``: ``mode`` is none, auto, required or named (then ``function``)."""
 
     mode: str
-    function: Optional[str] = None
+    function: str | None = None
 
 
 def _function(tool: dict[str, Any]) -> dict[str, Any]:
@@ -37,7 +37,7 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def tool_choice_schema(tools: list[dict[str, Any]], choice: ToolChoice,
-                       parallel_tool_calls: Optional[bool] = None) -> Optional[dict[str, Any]]:
+                       parallel_tool_calls: bool | None = None) -> dict[str, Any] | None:
     """The JSON schema the output must follow: for ``required`` a non-empty array of
     ``{name, arguments}`` objects, each one of the tools (``name`` a ``const``, ``arguments`` its
     ``parameters``), at most one item when ``parallel_tool_calls`` is false; for a named function
@@ -62,7 +62,7 @@ def tool_choice_schema(tools: list[dict[str, Any]], choice: ToolChoice,
     return schema
 
 
-def resolve_tool_choice(tools: Optional[list[dict[str, Any]]], tool_choice: Any, *,
+def resolve_tool_choice(tools: list[dict[str, Any]] | None, tool_choice: Any, *,
                         auto_enabled: bool) -> ToolChoice:
     """The mode of a request; ``InvalidRequestError`` for a choice that cannot work (vLLM's
     messages). ``tool_choice`` is "none", "auto", "required", a named-function object

@@ -6,7 +6,6 @@ import queue
 import re
 import subprocess
 import time
-from typing import Optional
 
 _URL = re.compile(r"jaxserve: serving \S+ at (http://\S+)/v1")
 
@@ -30,7 +29,7 @@ def drain_lines(proc: subprocess.Popen, lines: queue.Queue) -> None:
     lines.put(None)
 
 
-def wait_for_url(lines: queue.Queue, log: list[str], deadline: float) -> Optional[str]:
+def wait_for_url(lines: queue.Queue, log: list[str], deadline: float) -> str | None:
     """The base URL a ``jaxserve serve`` child announces once it accepts connections, logging
     every line it printed until then; None if it ended or the deadline passed first."""
     while True:

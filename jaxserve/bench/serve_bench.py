@@ -21,7 +21,7 @@ import json
 import math
 import random
 import time
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -147,9 +147,9 @@ async def _resolve_model(client, base_url: str, headers: dict[str, str]) -> str:
     return resp.json()["data"][0]["id"]
 
 
-async def run_serve_bench(*, base_url: str, requests: list[BenchRequest], model: Optional[str] = None,
+async def run_serve_bench(*, base_url: str, requests: list[BenchRequest], model: str | None = None,
                           endpoint: str = "/v1/completions", request_rate: float = math.inf,
-                          max_concurrency: Optional[int] = None, seed: int = 0, api_key: Optional[str] = None,
+                          max_concurrency: int | None = None, seed: int = 0, api_key: str | None = None,
                           temperature: float = 0.0, timeout: float = 600.0) -> dict[str, Any]:
     import httpx
 

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from jaxserve.bench import prom
 from jaxserve.bench.processes import drain_lines, stop_process, wait_for_url
@@ -64,7 +64,7 @@ class ServerProcess:
                "--uvicorn-log-level", "warning"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        self.lines: queue.Queue[Optional[str]] = queue.Queue()
+        self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=drain_lines, args=(self.proc, self.lines), daemon=True).start()
         self.log: list[str] = []
         url = wait_for_url(self.lines, self.log, time.monotonic() + timeout)

@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from jaxserve import envs
 from jaxserve.bench import prom
@@ -69,7 +69,7 @@ def start_once(flags: list[str], cache_dir: Path, timeout: float) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{envs.JAXSERVE_CACHE_DIR: str(cache_dir)})
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: queue.Queue[Optional[str]] = queue.Queue()
+    lines: queue.Queue[str | None] = queue.Queue()
     reader = threading.Thread(target=drain_lines, args=(proc, lines), daemon=True)
     reader.start()
     log: list[str] = []

@@ -40,7 +40,7 @@ class SchedulerConfig(SubConfig):
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise self.bad("scheduling_policy", "must be 'fcfs' or 'priority'")
 
-    def for_scheduler(self, max_model_len: int) -> "CoreSchedulerConfig":
+    def for_scheduler(self, max_model_len: int) -> CoreSchedulerConfig:
         """The core scheduler's settings, once the model has fixed ``max_model_len``."""
         from jaxserve.core.scheduler import SchedulerConfig as CoreSchedulerConfig
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from jaxserve.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 
@@ -23,9 +23,9 @@ class KVCacheBlock:
     __slots__ = ("block_id", "ref_cnt", "_block_hash", "prev_free_block", "next_free_block",
                  "is_null")
 
-    def __init__(self, block_id: int, ref_cnt: int = 0, block_hash: Optional[BlockHash] = None,
-                 prev_free_block: Optional["KVCacheBlock"] = None,
-                 next_free_block: Optional["KVCacheBlock"] = None, is_null: bool = False) -> None:
+    def __init__(self, block_id: int, ref_cnt: int = 0, block_hash: BlockHash | None = None,
+                 prev_free_block: KVCacheBlock | None = None,
+                 next_free_block: KVCacheBlock | None = None, is_null: bool = False) -> None:
         self.block_id = block_id
         self.ref_cnt = ref_cnt
         self._block_hash = block_hash
@@ -34,7 +34,7 @@ class KVCacheBlock:
         self.is_null = is_null
 
     @property
-    def block_hash(self) -> Optional[BlockHash]:
+    def block_hash(self) -> BlockHash | None:
         return self._block_hash
 
     @block_hash.setter
@@ -144,11 +144,11 @@ class BlockPool:
         assert self.null_block.block_id == 0
 
     def get_cached_block(self, block_hash: BlockHash,
-                         kv_cache_group_id: int = 0) -> Optional[KVCacheBlock]:
+                         kv_cache_group_id: int = 0) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(
             make_block_hash_with_group_id(block_hash, kv_cache_group_id))
 
-    def cache_full_blocks(self, request: "Request", blocks: list[KVCacheBlock],
+    def cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
                           num_cached_blocks: int, num_full_blocks: int,
                           kv_cache_group_id: int = 0) -> None:
         """Publish ``blocks[num_cached_blocks:num_full_blocks]`` under the request's block hashes

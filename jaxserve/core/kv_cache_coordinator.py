@@ -72,7 +72,7 @@ class HybridKVCacheCoordinator:
         return tuple(mgr.allocate_new_blocks(request_id, num_tokens)
                      for mgr in self.single_type_managers)
 
-    def cache_blocks(self, request: "Request", num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
         for mgr in self.single_type_managers:
             mgr.cache_blocks(request, num_tokens)
 

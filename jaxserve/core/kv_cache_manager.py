@@ -5,7 +5,7 @@ groups (sliding windows, several attention types), the same interface."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 from jaxserve.core.block_pool import BlockPool, KVCacheBlock
 from jaxserve.core.kv_cache_coordinator import GroupBlocks, HybridKVCacheCoordinator
@@ -127,9 +127,9 @@ class KVCacheManager(_BlockPoolViews):
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
-                       new_computed_blocks: Optional[list[KVCacheBlock]] = None,
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
                        num_lookahead_tokens: int = 0,
-                       ) -> Optional[list[KVCacheBlock]]:
+                       ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` after the request's computed (and prefix-hit) tokens.
 
         Returns the newly allocated blocks (possibly empty), or ``None`` with no state changed if
@@ -256,9 +256,9 @@ class HybridKVCacheManager(_BlockPoolViews):
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
-                       new_computed_blocks: Optional[GroupBlocks] = None,
+                       new_computed_blocks: GroupBlocks | None = None,
                        num_lookahead_tokens: int = 0,
-                       ) -> Optional[GroupBlocks]:
+                       ) -> GroupBlocks | None:
         """As ``KVCacheManager.allocate_slots``, per group; all or nothing over all groups."""
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")

@@ -13,7 +13,7 @@ import hashlib
 import os
 import struct
 from collections.abc import Sequence
-from typing import Optional, Protocol
+from typing import Protocol
 
 from jaxserve import envs
 from jaxserve.core.multimodal import MultiModalFeatureSpec, mm_extra_keys
@@ -25,16 +25,16 @@ class HashedTokens(Protocol):
     """What hashing reads of a request (``Request`` is one): its tokens and its extra keys."""
 
     all_token_ids: list[int]
-    block_size: Optional[int]
+    block_size: int | None
     block_hashes: list[BlockHash]
-    lora_name: Optional[str]
-    cache_salt: Optional[str]
+    lora_name: str | None
+    cache_salt: str | None
     mm_features: list[MultiModalFeatureSpec]
 
 NONE_HASH: BlockHash = b""
 
 
-def set_seed(seed: Optional[object] = None) -> BlockHash:
+def set_seed(seed: object | None = None) -> BlockHash:
     """(Re)derive ``NONE_HASH``. ``None`` → env ``JAXSERVE_HASH_SEED`` if set, else os.urandom.
 
     Hashes computed before the call become stale, so only call it before any request exists.
@@ -68,8 +68,8 @@ def _encode(obj: object) -> bytes:
     raise TypeError(f"cannot hash extra key of type {type(obj).__name__}")
 
 
-def hash_block_tokens(parent_hash: Optional[BlockHash], token_ids: Sequence[int],
-                      extra_keys: Optional[tuple] = None) -> BlockHash:
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
+                      extra_keys: tuple | None = None) -> BlockHash:
     """Hash of one full block given its parent's hash (``None`` for the first block)."""
     if parent_hash is None:
         parent_hash = NONE_HASH
@@ -81,7 +81,7 @@ def hash_block_tokens(parent_hash: Optional[BlockHash], token_ids: Sequence[int]
     return h.digest()
 
 
-def generate_block_hash_extra_keys(request: HashedTokens, start: int, end: int) -> Optional[tuple]:
+def generate_block_hash_extra_keys(request: HashedTokens, start: int, end: int) -> tuple | None:
     """Keys besides the tokens that decide whether a block's KV can be shared.
 
     The LoRA adapter changes every block's KV, so it keys every block. ``cache_salt`` keys only the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Generic, Optional, TypeVar
+from typing import Generic, TypeVar
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -19,7 +19,7 @@ class LockedLRU(Generic[K, V]):
         self._items: collections.OrderedDict[K, V] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: K) -> Optional[V]:
+    def get(self, key: K) -> V | None:
         """The entry, now the most recently used; None when absent."""
         with self._lock:
             value = self._items.get(key)
@@ -27,7 +27,7 @@ class LockedLRU(Generic[K, V]):
                 self._items.move_to_end(key)
             return value
 
-    def peek(self, key: K) -> Optional[V]:
+    def peek(self, key: K) -> V | None:
         """The entry without refreshing it; None when absent."""
         with self._lock:
             return self._items.get(key)

@@ -8,7 +8,6 @@ weights under the same name never reuses the KV blocks computed with the old one
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -16,7 +15,7 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
-    base_model_name: Optional[str] = field(default=None, compare=False)
+    base_model_name: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.lora_name:

@@ -9,7 +9,6 @@ by this step's adapters the request waits (reason :data:`WAITING_FOR_LORA_SLOT`)
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional
 
 WAITING_FOR_LORA_SLOT = "lora_slots_full"
 
@@ -24,7 +23,7 @@ class LoRASlotAssigner:
     def begin_step(self) -> None:
         self._step.clear()
 
-    def admit(self, key: str) -> Optional[int]:
+    def admit(self, key: str) -> int | None:
         """The slot of adapter ``key`` for this step, or None when it must wait."""
         if key in self._slots:
             self._slots.move_to_end(key)
@@ -42,7 +41,7 @@ class LoRASlotAssigner:
         self.pending_writes.append((slot, key))
         return slot
 
-    def slot_of(self, key: str) -> Optional[int]:
+    def slot_of(self, key: str) -> int | None:
         return self._slots.get(key)
 
     def forget(self, key: str) -> None:

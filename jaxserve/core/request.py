@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Optional, Union
 
 from jaxserve.core import kv_cache_utils
 from jaxserve.core.kv_cache_utils import BlockHash
@@ -30,11 +29,11 @@ class RequestStatus(enum.IntEnum):
         return self.name
 
     @staticmethod
-    def is_finished(status: "RequestStatus") -> bool:
+    def is_finished(status: RequestStatus) -> bool:
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
-    def get_finished_reason(status: "RequestStatus") -> Optional[str]:
+    def get_finished_reason(status: RequestStatus) -> str | None:
         return _FINISHED_REASONS.get(status)
 
 
@@ -65,13 +64,13 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        eos_token_id: Optional[int],
-        arrival_time: Optional[float] = None,
+        eos_token_id: int | None,
+        arrival_time: float | None = None,
         priority: int = 0,
-        cache_salt: Optional[str] = None,
-        lora_name: Optional[str] = None,
-        block_size: Optional[int] = None,
-        mm_features: Optional[list[MultiModalFeatureSpec]] = None,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        block_size: int | None = None,
+        mm_features: list[MultiModalFeatureSpec] | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -84,9 +83,9 @@ class Request:
         self.mm_features: list[MultiModalFeatureSpec] = list(mm_features or ())
 
         self.status = RequestStatus.WAITING_FOR_FSM if self.use_structured_output else RequestStatus.WAITING
-        self.stop_reason: Union[int, str, None] = None
+        self.stop_reason: int | str | None = None
         # Resolved against max_model_len by the scheduler when None.
-        self.max_tokens: Optional[int] = sampling_params.max_tokens
+        self.max_tokens: int | None = sampling_params.max_tokens
 
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -102,13 +101,13 @@ class Request:
         self.num_preemptions = 0
 
         # Engine-side timestamps use the monotonic clock: only their differences matter.
-        self.queued_ts: Optional[float] = None
-        self.scheduled_ts: Optional[float] = None  # first schedule
-        self.first_token_ts: Optional[float] = None
-        self.preempted_ts: Optional[float] = None  # last preemption
-        self.finished_ts: Optional[float] = None
+        self.queued_ts: float | None = None
+        self.scheduled_ts: float | None = None  # first schedule
+        self.first_token_ts: float | None = None
+        self.preempted_ts: float | None = None  # last preemption
+        self.finished_ts: float | None = None
 
-        self.block_size: Optional[int] = None
+        self.block_size: int | None = None
         self.block_hashes: list[BlockHash] = []
         self._next_full_block_end = float("inf")  # no hashing until a block size is known
         if block_size is not None:
@@ -144,7 +143,7 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    def append_output_token_ids(self, token_ids: Union[int, list[int]]) -> None:
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
             token_ids = [token_ids]
         self.output_token_ids.extend(token_ids)
@@ -163,7 +162,7 @@ class Request:
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
 
-    def get_finished_reason(self) -> Optional[str]:
+    def get_finished_reason(self) -> str | None:
         return RequestStatus.get_finished_reason(self.status)
 
     def sort_key(self) -> tuple:
@@ -171,7 +170,7 @@ class Request:
         The request id makes it a total order, so ties never depend on container internals."""
         return (self.priority, self.arrival_time, self.request_id)
 
-    def __lt__(self, other: "Request") -> bool:
+    def __lt__(self, other: Request) -> bool:
         return self.sort_key() < other.sort_key()
 
     def __repr__(self) -> str:

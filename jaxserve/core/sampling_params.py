@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import enum
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 from jaxserve.core.structured_outputs import StructuredOutputsParams
 from jaxserve.exceptions import InvalidRequestError
@@ -53,21 +52,21 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    max_tokens: Optional[int] = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
-    logprobs: Optional[int] = None
-    prompt_logprobs: Optional[int] = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: Optional[dict[int, float]] = None
-    allowed_token_ids: Optional[list[int]] = None
-    structured_outputs: Optional[StructuredOutputsParams] = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     _eos_token_ids: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -172,5 +171,5 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.sampling_type == SamplingType.GREEDY
 
-    def clone(self) -> "SamplingParams":
+    def clone(self) -> SamplingParams:
         return copy.deepcopy(self)

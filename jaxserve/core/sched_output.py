@@ -20,7 +20,6 @@ Runner contract:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 from jaxserve.core.multimodal import MultiModalFeatureSpec
 from jaxserve.core.sampling_params import SamplingParams
@@ -85,22 +84,22 @@ class ModelRunnerOutput:
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
-    logprobs: Optional[list[Optional[LogprobsRow]]] = None
+    logprobs: list[LogprobsRow | None] | None = None
     prompt_logprobs_dict: dict[str, list[LogprobsRow]] = field(default_factory=dict)
     # Speculative decoding: per request (indexed like ``sampled_token_ids``), the drafts proposed
     # for the next step. With drafts scheduled, ``sampled_token_ids`` holds the accepted drafts
     # then one token of the target's own (at most K+1 tokens).
-    spec_token_ids: Optional[list[list[int]]] = None
+    spec_token_ids: list[list[int]] | None = None
 
 
 @dataclass(slots=True)  # one per request per step: slots keep it small and cheap for the GC
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
-    finish_reason: Optional[str] = None   # "stop" | "length" | "abort" | "error"
-    stop_reason: Union[int, str, None] = None
-    new_logprobs: Optional[LogprobsRow] = None
-    new_prompt_logprobs: Optional[list[LogprobsRow]] = None
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    new_logprobs: LogprobsRow | None = None
+    new_prompt_logprobs: list[LogprobsRow] | None = None
     num_cached_tokens: int = 0
 
     @property

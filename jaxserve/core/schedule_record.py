@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from jaxserve.core.sched_output import SchedulerOutput
 
@@ -42,7 +42,7 @@ class ScheduleRecord:
     new_request_ids: list[str]  # admitted this step (first time, or resumed after preemption)
     waiting_ids: list[str]  # still waiting after this step was scheduled, in queue order
     num_waiting: int
-    waiting_reason: Optional[str]  # one of WAIT_REASONS
+    waiting_reason: str | None  # one of WAIT_REASONS
     preempted_ids: list[str]
     num_scheduled_tokens: int
     num_blocks_total: int

@@ -7,7 +7,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 from jaxserve.core.kv_cache_manager import KVCacheManager, KVCacheManagerInterface
 from jaxserve.core.multimodal import EncoderCacheManager, EncoderSchedule, schedule_encoder_inputs
@@ -114,8 +114,8 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig,
-                 kv_cache_manager: Optional[KVCacheManagerInterface] = None, *,
-                 num_blocks: Optional[int] = None, block_size: int = 16,
+                 kv_cache_manager: KVCacheManagerInterface | None = None, *,
+                 num_blocks: int | None = None, block_size: int = 16,
                  enable_caching: bool = True, log_stats: bool = True) -> None:
         cfg = scheduler_config
         if kv_cache_manager is None:
@@ -146,23 +146,23 @@ class Scheduler:
         # Finished since the last schedule(); shipped to the runner in the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
         # The grammar engine, set by the engine core when it serves structured outputs.
-        self.structured_outputs: Optional[StructuredOutputHooks] = None
+        self.structured_outputs: StructuredOutputHooks | None = None
 
         self.step_counter = 0
         self.num_preemptions = 0
         self.num_finished_reqs = 0
-        self.spec_decoding_stats: Optional[SpecDecodingStats] = (
+        self.spec_decoding_stats: SpecDecodingStats | None = (
             SpecDecodingStats(cfg.num_speculative_tokens) if cfg.num_speculative_tokens else None)
         self._last_num_scheduled_tokens = 0
         self._last_num_scheduled_reqs = 0
         self._last_num_preempted = 0
-        self.history: Optional[deque[SchedulerStats]] = (
+        self.history: deque[SchedulerStats] | None = (
             deque(maxlen=cfg.history_size) if cfg.history_size else None)
         # Why the last schedule() left waiting requests waiting (a schedule_record.WAIT_* value).
-        self.waiting_reason: Optional[str] = None
+        self.waiting_reason: str | None = None
         # Images: which encoder outputs the runner holds (None: a text-only model).
         cache_size = cfg.encoder_cache_size or cfg.max_num_encoder_input_tokens
-        self.encoder_cache_manager: Optional[EncoderCacheManager] = (
+        self.encoder_cache_manager: EncoderCacheManager | None = (
             EncoderCacheManager(cache_size) if cache_size else None)
 
     # ------------------------------------------------------------------ requests in
@@ -191,7 +191,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
 
-    def finish_requests(self, request_ids: Union[str, Iterable[str]],
+    def finish_requests(self, request_ids: str | Iterable[str],
                         finished_status: RequestStatus) -> None:
         """Finish (typically abort) requests in any state; unknown/finished ids are ignored.
         Blocks are released at once."""
@@ -326,7 +326,7 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step preempted.
         grammar_pending: list[Request] = []
-        blocked: Optional[str] = WAIT_PREEMPTION if preempted else None
+        blocked: str | None = WAIT_PREEMPTION if preempted else None
         if not preempted:
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting.peek_request()

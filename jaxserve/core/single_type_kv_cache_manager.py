@@ -64,7 +64,7 @@ class SingleTypeKVCacheManager:
         blocks.extend(new_blocks)
         return new_blocks
 
-    def cache_blocks(self, request: "Request", num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish the blocks made full by the first ``num_tokens`` (all known) tokens."""
         request_id = request.request_id
         num_full = num_tokens // self.block_size

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json as _json
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Protocol
 
 from jaxserve.exceptions import InvalidRequestError
 
@@ -30,14 +30,14 @@ class StructuredOutputsParams:
     Invariant after construction: exactly one constraint is set, with the right type.
     """
 
-    json: Optional[Union[str, dict[str, Any]]] = None
-    regex: Optional[str] = None
-    choice: Optional[list[str]] = None
-    grammar: Optional[str] = None
-    json_object: Optional[bool] = None
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
-    whitespace_pattern: Optional[str] = None
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         chosen = [k for k in CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]

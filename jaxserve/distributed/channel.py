@@ -15,7 +15,7 @@ holds at most a few messages.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 from jaxserve.distributed.messages import RunnerCall, decode_calls, encode_calls
 
@@ -50,7 +50,7 @@ class ControlChannel:
         if self.next_seq % PRUNE_EVERY == 0:
             self._prune()
 
-    def receive(self, timeout_s: float) -> Optional[list[RunnerCall]]:
+    def receive(self, timeout_s: float) -> list[RunnerCall] | None:
         """The next message, or None if it has not come within ``timeout_s``; raises when the
         coordination service (on rank 0) cannot be reached."""
         try:

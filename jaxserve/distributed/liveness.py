@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from jaxserve.distributed.channel import NAMESPACE
 from jaxserve.exceptions import NodeLostError
@@ -40,7 +41,7 @@ class Heartbeat:
     """A follower's proof of life: a daemon thread bumping its key until the store is gone."""
 
     def __init__(self, client: Any, rank: int, interval_s: float = HEARTBEAT_INTERVAL_S,
-                 namespace: str = NAMESPACE, progress: Optional[Callable[[], int]] = None):
+                 namespace: str = NAMESPACE, progress: Callable[[], int] | None = None):
         """``progress``: the control messages this follower has applied (read by the beat thread;
         may be set once the follower exists)."""
         self.client = client
@@ -50,7 +51,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jaxserve-heartbeat", daemon=True)
 
-    def start(self) -> "Heartbeat":
+    def start(self) -> Heartbeat:
         self._thread.start()
         return self
 
@@ -120,7 +121,7 @@ class NodeMonitor:
         """Rank 0 published one more control message: every follower must apply it."""
         self.published += 1
 
-    def _check_progress(self, rank: int, value: Optional[str], now: float) -> None:
+    def _check_progress(self, rank: int, value: str | None, now: float) -> None:
         progress = int(value.partition("/")[2] or 0) if value is not None else 0
         if progress != self._progress[rank] or progress >= self.published:
             self._progress[rank] = progress

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -50,7 +50,7 @@ class LockstepLeader:
         self._queued.append(Prepare(so))
         return self.runner.prepare(so)
 
-    def launch(self, prepared: PreparedStep, bitmask: Optional[np.ndarray]) -> InFlightStep:
+    def launch(self, prepared: PreparedStep, bitmask: np.ndarray | None) -> InFlightStep:
         self.monitor.check()  # no new step for a group that lost a host
         self._queued.append(Launch.of(bitmask))
         self._flush()

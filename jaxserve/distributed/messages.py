@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
-from typing import Optional, Union
+from typing import Union
 
 import numpy as np
 
@@ -33,18 +33,18 @@ class Prepare:
 class Launch:
     """``runner.launch`` of the oldest prepared step, with its bitmask (None: no constrained row)."""
 
-    bitmask: Optional[bytes] = None
+    bitmask: bytes | None = None
     bitmask_shape: tuple[int, int] = (0, 0)
 
     @classmethod
-    def of(cls, bitmask: Optional[np.ndarray]) -> "Launch":
+    def of(cls, bitmask: np.ndarray | None) -> Launch:
         if bitmask is None:
             return cls()
         array = np.ascontiguousarray(bitmask, dtype=np.int32)
         rows, width = array.shape
         return cls(array.tobytes(), (rows, width))
 
-    def bitmask_array(self) -> Optional[np.ndarray]:
+    def bitmask_array(self) -> np.ndarray | None:
         if self.bitmask is None:
             return None
         return np.frombuffer(self.bitmask, np.int32).reshape(self.bitmask_shape).copy()

@@ -20,7 +20,8 @@ import functools
 import logging
 import threading
 import time
-from typing import AsyncGenerator, Optional, Union
+from collections.abc import AsyncGenerator
+from typing import Union
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
@@ -45,7 +46,7 @@ class OutputTarget:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
-    def deliver(self, item: Union[RequestOutput, BaseException]) -> None:
+    def deliver(self, item: RequestOutput | BaseException) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:
@@ -82,7 +83,7 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
-        self._dead: Optional[BaseException] = None
+        self._dead: BaseException | None = None
         self._pending_adds = 0
         self._processing = 0  # requests being tokenized (touched on the callers' event loop only)
         # The one pool that tokenizes: prompts here, chat templates and tokenizing for the server.
@@ -91,8 +92,8 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, *, served_model_name: Optional[str] = None, max_waiting: int = 1024,
-                    show_progress: bool = True) -> "AsyncLLM":
+    def from_config(cls, config: EngineConfig, *, served_model_name: str | None = None, max_waiting: int = 1024,
+                    show_progress: bool = True) -> AsyncLLM:
         if config.data_parallel_size > 1:  # one engine here would silently ignore the other replicas
             raise ConfigError(f"data_parallel_size={config.data_parallel_size}: use DPAsyncLLM.from_config, "
                               "which starts that many engines")
@@ -106,7 +107,7 @@ class AsyncLLM:
         return self._dead is not None
 
     @property
-    def dead_reason(self) -> Optional[str]:
+    def dead_reason(self) -> str | None:
         """Why the engine loop failed (the error's message), or None while it runs."""
         return None if self._dead is None else f"{type(self._dead).__name__}: {self._dead}"
 
@@ -121,9 +122,9 @@ class AsyncLLM:
     # ---- requests ------------------------------------------------------------------------------
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
-                       priority: int = 0, cache_salt: Optional[str] = None,
+                       priority: int = 0, cache_salt: str | None = None,
                        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
-                       entry_times: Optional[EntryTimes] = None) -> AsyncGenerator[RequestOutput, None]:
+                       entry_times: EntryTimes | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Stream outputs of one request. Raises InvalidRequestError (bad input) before the first output,
         EngineOverloadedError when the waiting queue is full, EngineDeadError if the loop failed.
         Leaving the iteration early (client gone, cancellation) aborts the request; its timeline
@@ -235,16 +236,16 @@ class AsyncLLM:
 
     # Read from the caller's thread while the loop thread writes: a record or timeline may be
     # one step behind, never torn (the ring and the stores are copied under the GIL or a lock).
-    def get_request_timeline(self, request_id: str) -> Optional[RequestTimeline]:
+    def get_request_timeline(self, request_id: str) -> RequestTimeline | None:
         return self.engine.get_request_timeline(request_id)
 
     def recent_request_timelines(self, limit: int = 100) -> list[RequestTimeline]:
         return self.engine.recent_request_timelines(limit)
 
-    def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]:
+    def get_step_records(self, limit: int | None = None) -> list[StepRecord]:
         return self.engine.get_step_records(limit)
 
-    def build_trace(self, num_steps: Optional[int] = None, num_requests: int = 100) -> dict:
+    def build_trace(self, num_steps: int | None = None, num_requests: int = 100) -> dict:
         """A Chrome/Perfetto trace (JSON object) of the newest steps and requests."""
         return self.engine.build_trace(num_steps, num_requests)
 

@@ -22,7 +22,8 @@ import importlib.util
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
@@ -105,7 +106,7 @@ class EngineCore:
     lands there too."""
 
     def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False,
-                 model: Any = None, devices: Optional[Sequence[Any]] = None):
+                 model: Any = None, devices: Sequence[Any] | None = None):
         if config.enable_lora:
             # The adapters' reader, slot table and mixed-batch model path exist (jaxserve.models.lora_*);
             # the scheduler and runner do not route requests to them yet: refuse rather than ignore.
@@ -133,7 +134,7 @@ class EngineCore:
             with self.startup.phase("nodes"):
                 start_distributed_runtime(config)
         start_cpu_kernel_build(config)
-        self.model_source: Optional[ModelSource] = None
+        self.model_source: ModelSource | None = None
         if model is None:
             with self.startup.phase("model"):  # before this thread imports jax: a wrong name fails fast
                 self.model_source = resolve_model_source(config)
@@ -186,11 +187,11 @@ class EngineCore:
             enable_caching=config.enable_prefix_caching)
         # record_steps=True (notebooks, the bench's profile) keeps at least 10 000 records.
         ring = max(config.max_step_records, 10_000 if record_steps else 0)
-        self.step_records: Optional[collections.deque[StepRecord]] = collections.deque(maxlen=ring) if ring else None
+        self.step_records: collections.deque[StepRecord] | None = collections.deque(maxlen=ring) if ring else None
         self.last_stats: SchedulerStats = self.scheduler.make_stats()
-        self._in_flight: Optional[InFlightStep] = None  # async scheduling: dispatched, not yet collected
-        self.structured_outputs: Optional[StructuredOutputManager] = None  # set by enable_structured_outputs
-        self._in_flight_record: Optional[StepRecord] = None
+        self._in_flight: InFlightStep | None = None  # async scheduling: dispatched, not yet collected
+        self.structured_outputs: StructuredOutputManager | None = None  # set by enable_structured_outputs
+        self._in_flight_record: StepRecord | None = None
         self._last_step_end = time.monotonic()
         self._last_device_end = 0.0
         self.runner.warm_up(show_progress)
@@ -328,7 +329,7 @@ class EngineCore:
         self._last_step_end = time.monotonic()
         return outputs
 
-    def _collect(self, step: InFlightStep, record: Optional[StepRecord],
+    def _collect(self, step: InFlightStep, record: StepRecord | None,
                  collect_start: float) -> list[EngineCoreOutput]:
         """Wait for a dispatched step's tokens and apply them; ``collect_start``: when the host began
         waiting (in async mode, after dispatching the next step)."""
@@ -350,7 +351,7 @@ class EngineCore:
             backend=runner.attention_backend, compiled=not self.config.enforce_eager, start=start,
             idle_gap_s=max(0.0, start - self._last_step_end), schedule_s=scheduled - start)
 
-    def _close_record(self, record: StepRecord, ro: Optional[ModelRunnerOutput], outputs: list[EngineCoreOutput],
+    def _close_record(self, record: StepRecord, ro: ModelRunnerOutput | None, outputs: list[EngineCoreOutput],
                       collect_start: float, collected: float, end: float) -> None:
         """Finish a record once the step's tokens are applied. ``collect_start``: when the host
         began waiting for them (in async mode, after dispatching the next step)."""

@@ -6,7 +6,7 @@ engine sends each call on to the other hosts before it runs it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import numpy as np
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 class StepExecutor(Protocol):
     def prepare(self, so: SchedulerOutput) -> PreparedStep: ...
 
-    def launch(self, prepared: PreparedStep, bitmask: Optional[np.ndarray]) -> InFlightStep: ...
+    def launch(self, prepared: PreparedStep, bitmask: np.ndarray | None) -> InFlightStep: ...
 
     def collect(self, step: InFlightStep) -> ModelRunnerOutput: ...
 
@@ -38,7 +38,7 @@ class LocalExecutor:
     def prepare(self, so: SchedulerOutput) -> PreparedStep:
         return self.runner.prepare(so)
 
-    def launch(self, prepared: PreparedStep, bitmask: Optional[np.ndarray]) -> InFlightStep:
+    def launch(self, prepared: PreparedStep, bitmask: np.ndarray | None) -> InFlightStep:
         return self.runner.launch(prepared, bitmask)
 
     def collect(self, step: InFlightStep) -> ModelRunnerOutput:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from jaxserve.core import (
     HybridKVCacheManager,
     KVCacheConfig,
@@ -15,7 +13,7 @@ from jaxserve.models.config import ModelConfig
 
 def make_kv_cache_manager(model_config: ModelConfig, num_blocks: int, block_size: int,
                           kv_dtype: str, max_model_len: int, max_num_batched_tokens: int,
-                          enable_caching: bool) -> Optional[HybridKVCacheManager]:
+                          enable_caching: bool) -> HybridKVCacheManager | None:
     """A ``HybridKVCacheManager`` for a model whose layers all use one sliding window (Mistral's
     ``sliding_window``): one group, so the runner's one block table per request still holds, and
     the blocks out of the window go back to the pool. ``None`` (the scheduler's plain

@@ -6,8 +6,9 @@ import concurrent.futures
 import itertools
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -45,7 +46,7 @@ class LLM:
     router sends it, and the engines step concurrently, one thread each.
     """
 
-    def __init__(self, model: Union[str, os.PathLike, Any, None] = None, *, tokenizer: Any = None,
+    def __init__(self, model: str | os.PathLike | Any | None = None, *, tokenizer: Any = None,
                  show_progress: bool = True, record_steps: bool = False, **engine_args: Any):
         model_object = None if model is None or isinstance(model, (str, os.PathLike)) else model
         tokenizer_object = None if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)) else tokenizer
@@ -57,7 +58,7 @@ class LLM:
         self._profiler = Profiler()
         # A pooling model (issue 34) runs without the generating engine; generate() refuses it.
         task = pooling_task_of(self.config) if model_object is None else None
-        self.pooling: Optional[PoolingLLM] = None
+        self.pooling: PoolingLLM | None = None
         if task is not None:
             self.pooling = PoolingLLM(self.config, task, tokenizer_object)
             self.llm_engines = []
@@ -79,11 +80,11 @@ class LLM:
 
     def generate(
         self,
-        prompts: Union[PromptType, Sequence[PromptType]],
-        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
-        priority: Optional[Sequence[int]] = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of ``prompts``."""
         if self.pooling is not None:
@@ -111,26 +112,26 @@ class LLM:
                                       "or --convert embed|classify")
         return self.pooling
 
-    def embed(self, prompts: Union[str, list[int], Sequence[Union[str, list[int]]]], *,
-              truncate_prompt_tokens: Optional[int] = None, dimensions: Optional[int] = None,
+    def embed(self, prompts: str | list[int] | Sequence[str | list[int]], *,
+              truncate_prompt_tokens: int | None = None, dimensions: int | None = None,
               use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
         """vLLM's ``LLM.embed``: one embedding per prompt (text or token ids), in order."""
         return self._pooling_model().embed(_pooling_prompts(prompts), truncate_prompt_tokens, dimensions)
 
-    def classify(self, prompts: Union[str, list[int], Sequence[Union[str, list[int]]]], *,
-                 truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = False
+    def classify(self, prompts: str | list[int] | Sequence[str | list[int]], *,
+                 truncate_prompt_tokens: int | None = None, use_tqdm: bool = False
                  ) -> list[ClassificationRequestOutput]:
         """vLLM's ``LLM.classify``: class probabilities per prompt."""
         return self._pooling_model().classify(_pooling_prompts(prompts), truncate_prompt_tokens)
 
-    def score(self, data_1: str, data_2: Union[str, Sequence[str]], *, truncate_prompt_tokens: Optional[int] = None,
+    def score(self, data_1: str, data_2: str | Sequence[str], *, truncate_prompt_tokens: int | None = None,
               use_tqdm: bool = False) -> list[ScoringRequestOutput]:
         """vLLM's ``LLM.score``: the query ``data_1`` against each of ``data_2``."""
         docs = [data_2] if isinstance(data_2, str) else list(data_2)
         return self._pooling_model().score(data_1, docs, truncate_prompt_tokens)
 
     def _add_routed(self, rid: str, prompt: PromptType, params: SamplingParams, priority: int,
-                    cache_salt: Optional[str]) -> LLMEngine:
+                    cache_salt: str | None) -> LLMEngine:
         """Add the request to the engine the router picks (the only one without data parallelism)."""
         engines = self.llm_engines
         processed = engines[0].process_request(rid, prompt, params, priority=priority, cache_salt=cache_salt)
@@ -142,15 +143,15 @@ class LLM:
 
     def chat(
         self,
-        messages: Union[list[dict[str, Any]], list[list[dict[str, Any]]]],
-        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
-        chat_template: Optional[str] = None,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        tools: Optional[list[dict[str, Any]]] = None,
-        chat_template_kwargs: Optional[dict[str, Any]] = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (or ``chat_template``) to each conversation, then generate.
 
@@ -186,15 +187,15 @@ class LLM:
         bucket, timings); ``record_steps=True`` keeps it even with ``max_step_records=0``."""
         return self.llm_engine.step_records
 
-    def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]:
+    def get_step_records(self, limit: int | None = None) -> list[StepRecord]:
         """The newest ``limit`` step records (all kept with None) of all engines, oldest first."""
         return self.replica_set.get_step_records(limit)
 
-    def get_request_timeline(self, request_id: str) -> Optional[RequestTimeline]:
+    def get_request_timeline(self, request_id: str) -> RequestTimeline | None:
         """A request's timeline (``RequestOutput.request_id``), while the engine keeps it."""
         return self.replica_set.get_request_timeline(request_id)
 
-    def export_trace(self, path: Optional[str] = None, *, num_steps: Optional[int] = None,
+    def export_trace(self, path: str | None = None, *, num_steps: int | None = None,
                      num_requests: int = 100) -> dict:
         """A Chrome/Perfetto trace of the newest steps and requests; written to ``path`` if given."""
         trace = self.replica_set.build_trace(num_steps, num_requests)
@@ -225,7 +226,7 @@ class LLM:
         runner = self.llm_engine.core.runner
         return step_program(runner.steps, find_variant(runner.variants(), bucket, decode_only))
 
-    def get_last_step_inputs(self) -> Optional[StepInputs]:
+    def get_last_step_inputs(self) -> StepInputs | None:
         """The packed inputs of the last launched step, decoded into named arrays (None before
         the first step). With async scheduling that step may still be running."""
         from jaxserve.runner.inspection import decode_step
@@ -233,7 +234,7 @@ class LLM:
         packed = self.llm_engine.core.runner.last_packed
         return None if packed is None else decode_step(packed)
 
-    def start_profile(self, log_dir: Optional[str] = None) -> Path:
+    def start_profile(self, log_dir: str | None = None) -> Path:
         """Start a ``jax.profiler`` trace into ``log_dir`` (default ``$JAXSERVE_PROFILER_DIR``,
         else the cache's ``profiles`` folder); returns the folder."""
         return self._profiler.start(log_dir)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
@@ -60,8 +61,8 @@ class LLMEngine:
     ``config.tokenizer`` or the model's."""
 
     def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False,
-                 served_model_name: Optional[str] = None, model: Any = None, tokenizer: Any = None,
-                 devices: Optional[Sequence[Any]] = None, engine_index: int = 0):
+                 served_model_name: str | None = None, model: Any = None, tokenizer: Any = None,
+                 devices: Sequence[Any] | None = None, engine_index: int = 0):
         """``devices``: the jax devices the model runs on (default: the first
         ``tensor_parallel_size`` of ``jax.devices()``); ``engine_index``: its replica index under
         data parallelism (the metrics' ``engine`` label)."""
@@ -136,9 +137,9 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------------
 
     def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
-                        priority: int = 0, cache_salt: Optional[str] = None,
-                        arrival_time: Optional[float] = None,
-                        entry_times: Optional[EntryTimes] = None) -> ProcessedRequest:
+                        priority: int = 0, cache_salt: str | None = None,
+                        arrival_time: float | None = None,
+                        entry_times: EntryTimes | None = None) -> ProcessedRequest:
         """Tokenize and validate (raises InvalidRequestError naming the field); touches no engine state.
         ``entry_times``: the server's receive/template/tokenize times, for the request's timeline."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -172,13 +173,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY, priority: int = 0,
-                    cache_salt: Optional[str] = None, queue: Any = None,
-                    arrival_time: Optional[float] = None) -> ParentState:
+                    cache_salt: str | None = None, queue: Any = None,
+                    arrival_time: float | None = None) -> ParentState:
         processed = self.process_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
                                          arrival_time=arrival_time)
         return self.add_processed_request(processed, output_kind=output_kind, queue=queue)
 
-    def abort_request(self, request_ids: Union[str, Iterable[str]], cause: str = ABORT) -> None:
+    def abort_request(self, request_ids: str | Iterable[str], cause: str = ABORT) -> None:
         """Abort one request or several; ``cause`` (abort, client_disconnect, error) is kept in
         their timelines. Each one counts as an aborted request in the metrics."""
         core_ids, aborted = self.output_processor.abort_requests(as_request_ids(request_ids), cause)
@@ -257,7 +258,7 @@ class LLMEngine:
         """Scheduler, cache and compile counters in one dict (also the basis of /metrics)."""
         return self.core.stats()
 
-    def get_request_timeline(self, request_id: str) -> Optional[RequestTimeline]:
+    def get_request_timeline(self, request_id: str) -> RequestTimeline | None:
         """A request's timeline (live, or finished and still kept), or None."""
         return self.output_processor.get_timeline(request_id)
 
@@ -270,7 +271,7 @@ class LLMEngine:
         """The ring of per-step records (``max_step_records`` of them), None when that is 0."""
         return self.core.step_records
 
-    def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]:
+    def get_step_records(self, limit: int | None = None) -> list[StepRecord]:
         """The newest ``limit`` step records (all kept with None), oldest first, each carrying this
         engine's replica index (the core that writes them knows no replicas)."""
         ring = self.core.step_records
@@ -279,7 +280,7 @@ class LLMEngine:
             record.engine_index = self.engine_index
         return records
 
-    def build_trace(self, num_steps: Optional[int] = None, num_requests: int = 100) -> dict:
+    def build_trace(self, num_steps: int | None = None, num_requests: int = 100) -> dict:
         """A Chrome/Perfetto trace (JSON object) of the newest steps and requests."""
         return build_trace(self.get_step_records(num_steps), self.recent_request_timelines(num_requests))
 

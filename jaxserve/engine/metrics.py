@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -28,8 +28,8 @@ class Metric:
     name: str
     kind: str  # gauge | counter | histogram
     value: float  # gauge/counter value; histogram: sum
-    count: Optional[int] = None  # histogram sample count
-    labels: Optional[dict[str, str]] = None
+    count: int | None = None  # histogram sample count
+    labels: dict[str, str] | None = None
 
 
 class BatchedHistogram:
@@ -108,7 +108,7 @@ class EngineMetrics:
                             registry=r)
         self.dead = Gauge("jaxserve:engine_dead", "1 once the engine loop has failed (restart the server)", lbl,
                           registry=r)
-        self._last: Optional[SchedulerStats] = None
+        self._last: SchedulerStats | None = None
         self._l(self.backend, backend=attention_backend).set(1)
         self._l(self.dead).set(0)
 
@@ -166,7 +166,7 @@ class EngineMetrics:
         self.itl.observe(itls)
         self.ttft.observe(ttfts)
 
-    def record_finished(self, finish_reason: str, e2e: Optional[float]) -> None:
+    def record_finished(self, finish_reason: str, e2e: float | None) -> None:
         self._l(self.request_success, finished_reason=finish_reason).inc()
         if e2e is not None:
             self.e2e.observe([e2e])

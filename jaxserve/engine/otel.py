@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import urllib.parse
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 from jaxserve.engine.timeline import RequestTimeline, request_span, stage_spans
 from jaxserve.exceptions import ConfigError
@@ -81,8 +81,8 @@ class RequestTracer:
     def _ns(self, t: float) -> int:
         return int(t * 1e9) + self._offset_ns
 
-    def export(self, t: RequestTimeline, now: Optional[float] = None,
-               trace_headers: Optional[Mapping[str, str]] = None) -> None:
+    def export(self, t: RequestTimeline, now: float | None = None,
+               trace_headers: Mapping[str, str] | None = None) -> None:
         """``trace_headers``: the request's ``traceparent``/``tracestate``; without them (or with
         a malformed one) the span starts a trace of its own."""
         now = time.monotonic() if now is None else now

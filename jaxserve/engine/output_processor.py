@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.sched_output import EngineCoreOutput
@@ -42,44 +43,44 @@ class ChildState:
     index: int
     core_id: str
     params: SamplingParams
-    detok: Optional[IncrementalDetokenizer]
+    detok: IncrementalDetokenizer | None
     token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: Optional[list] = None
-    logprob_text: Optional[LogprobTokenText] = None  # None: logprobs carry no decoded text
+    logprobs: list | None = None
+    logprob_text: LogprobTokenText | None = None  # None: logprobs carry no decoded text
     cumulative_logprob: float = 0.0
     text: str = ""
     sent_text_len: int = 0
     sent_tokens: int = 0
     sent_logprobs: int = 0
-    finish_reason: Optional[str] = None
+    finish_reason: str | None = None
     stop_reason: Any = None
-    finish_cause: Optional[str] = None  # timeline.FINISH_CAUSES
-    stop_matcher: Optional[StopMatcher] = None  # None: no stop strings
+    finish_cause: str | None = None  # timeline.FINISH_CAUSES
+    stop_matcher: StopMatcher | None = None  # None: no stop strings
 
 
 @dataclasses.dataclass
 class ParentState:
     request_id: str
-    prompt: Optional[str]
+    prompt: str | None
     prompt_token_ids: list[int]
     output_kind: RequestOutputKind
     children: list[ChildState]
     metrics: RequestMetrics
     queue: Any = None  # per-request queue in AsyncLLM
     num_cached_tokens: int = 0
-    prompt_logprobs: Optional[list] = None
+    prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False  # DELTA: they go out once, in the first output after they arrive
     # The core's requests, read (never written) for their schedule times, preemptions, max_tokens;
     # dropped once the request ended (``release``), with what the timeline still needs kept.
     core_requests: list = dataclasses.field(default_factory=list)
-    max_tokens: Optional[int] = None  # resolved by the scheduler; kept when the core requests go
-    trace_headers: Optional[dict[str, str]] = None  # the caller's W3C trace context, for the span
+    max_tokens: int | None = None  # resolved by the scheduler; kept when the core requests go
+    trace_headers: dict[str, str] | None = None  # the caller's W3C trace context, for the span
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children)
 
-    def sync_core_times(self, m: Optional[RequestMetrics] = None) -> None:
+    def sync_core_times(self, m: RequestMetrics | None = None) -> None:
         """Copy the core's first-schedule time and preemption count into the metrics, or into
         ``m`` (a copy, when another thread reads a timeline). Done at the first token, at the end
         and when a timeline is read: not on every output."""
@@ -123,7 +124,7 @@ class OutputProcessor:
     """Also the home of request timelines: live ones are its parents, finished ones (the newest
     ``max_timelines``) stay in ``timelines``; token ids show in them only with ``keep_token_ids``."""
 
-    def __init__(self, tokenizer, on_finished: Optional[Callable[[ParentState], None]] = None, *,
+    def __init__(self, tokenizer, on_finished: Callable[[ParentState], None] | None = None, *,
                  max_timelines: int = 1024, keep_token_ids: bool = False):
         self.tokenizer = tokenizer
         self.token_decoder = None if tokenizer is None else TokenDecoder(tokenizer)
@@ -132,12 +133,12 @@ class OutputProcessor:
         self.on_finished = on_finished
         self.timelines = TimelineStore(max_timelines)
         self.keep_token_ids = keep_token_ids
-        self.on_ended: Optional[Callable[[ParentState], None]] = None  # finished, aborted or failed
+        self.on_ended: Callable[[ParentState], None] | None = None  # finished, aborted or failed
 
-    def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     child_ids: list[str], child_params: list[SamplingParams], output_kind: RequestOutputKind,
-                    arrival_time: float, queue: Any = None, *, core_requests: Optional[list] = None,
-                    entry: Optional[EntryTimes] = None, tokenized_time: Optional[float] = None) -> ParentState:
+                    arrival_time: float, queue: Any = None, *, core_requests: list | None = None,
+                    entry: EntryTimes | None = None, tokenized_time: float | None = None) -> ParentState:
         children = []
         for i, (core_id, params) in enumerate(zip(child_ids, child_params)):
             detok = (IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
@@ -204,7 +205,7 @@ class OutputProcessor:
         if self.on_ended is not None:
             self.on_ended(parent)
 
-    def get_timeline(self, request_id: str) -> Optional[RequestTimeline]:
+    def get_timeline(self, request_id: str) -> RequestTimeline | None:
         """A live request's timeline so far, or a finished one's while the store keeps it."""
         parent = self.parents.get(request_id) or self.timelines.get(request_id)
         return None if parent is None else parent.timeline(self.keep_token_ids)
@@ -269,7 +270,7 @@ class OutputProcessor:
         child.finish_reason, child.stop_reason, child.finish_cause = ERROR, None, ERROR
         return out.finish_reason is None
 
-    def _error_output(self, parent: ParentState, child: ChildState) -> Optional[RequestOutput]:
+    def _error_output(self, parent: ParentState, child: ChildState) -> RequestOutput | None:
         """The output that reports a failed child; a bare one if even building the usual fails."""
         try:
             return self._make_output(parent, child)
@@ -326,10 +327,10 @@ class OutputProcessor:
         return not already_finished
 
     @staticmethod
-    def _stop_matcher(params: SamplingParams) -> Optional[StopMatcher]:
+    def _stop_matcher(params: SamplingParams) -> StopMatcher | None:
         return StopMatcher(params.stop) if isinstance(params.stop, list) and params.stop else None
 
-    def _logprob_text(self, params: SamplingParams) -> Optional[LogprobTokenText]:
+    def _logprob_text(self, params: SamplingParams) -> LogprobTokenText | None:
         """Decoded texts for a sequence's logprobs; None without a tokenizer or with detokenize off."""
         if self.token_decoder is None or not params.detokenize:
             return None
@@ -337,9 +338,9 @@ class OutputProcessor:
 
     @staticmethod
     def _logprob_dict(ids: list[int], values: list[float], rank: int,
-                      texts: Optional[list[str]]) -> dict[int, Logprob]:
+                      texts: list[str] | None) -> dict[int, Logprob]:
         """One position: the chosen token (its rank) first, then the top-N by rank."""
-        shown: list[Optional[str]] = list(texts) if texts is not None else [None] * len(ids)
+        shown: list[str | None] = list(texts) if texts is not None else [None] * len(ids)
         entry = {ids[0]: Logprob(values[0], rank, shown[0])}
         for r, (tid, val, text) in enumerate(zip(ids[1:], values[1:], shown[1:]), start=1):
             entry.setdefault(tid, Logprob(val, r, text))
@@ -360,7 +361,7 @@ class OutputProcessor:
             return len(child.text)
         return len(child.text) - child.stop_matcher.partial_len(child.text)
 
-    def _make_output(self, parent: ParentState, child: ChildState) -> Optional[RequestOutput]:
+    def _make_output(self, parent: ParentState, child: ChildState) -> RequestOutput | None:
         kind = parent.output_kind
         if kind == RequestOutputKind.FINAL_ONLY:
             if not parent.finished:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional
 
 
 class RequestOutputKind(enum.Enum):
@@ -16,8 +15,8 @@ class RequestOutputKind(enum.Enum):
 @dataclasses.dataclass
 class Logprob:
     logprob: float
-    rank: Optional[int] = None
-    decoded_token: Optional[str] = None
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 # One dict per position: token id -> Logprob (the chosen token plus the top-N).
@@ -29,9 +28,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: Optional[float] = None
-    logprobs: Optional[SampleLogprobs] = None
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
 
     def finished(self) -> bool:
@@ -53,24 +52,24 @@ class RequestMetrics:
     """
 
     arrival_time: float
-    first_token_time: Optional[float] = None
-    last_token_time: Optional[float] = None
-    finished_time: Optional[float] = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
     num_generation_tokens: int = 0
-    received_time: Optional[float] = None
-    templated_time: Optional[float] = None
-    tokenized_time: Optional[float] = None
-    queued_time: Optional[float] = None
-    first_scheduled_time: Optional[float] = None
-    time_in_queue: Optional[float] = None  # first_scheduled_time - queued_time, as vLLM reports it
+    received_time: float | None = None
+    templated_time: float | None = None
+    tokenized_time: float | None = None
+    queued_time: float | None = None
+    first_scheduled_time: float | None = None
+    time_in_queue: float | None = None  # first_scheduled_time - queued_time, as vLLM reports it
     num_preemptions: int = 0
 
     @property
-    def time_to_first_token(self) -> Optional[float]:
+    def time_to_first_token(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
     @property
-    def e2e_latency(self) -> Optional[float]:
+    def e2e_latency(self) -> float | None:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
     def as_dict(self) -> dict:
@@ -83,10 +82,10 @@ class RequestMetrics:
 @dataclasses.dataclass
 class RequestOutput:
     request_id: str
-    prompt: Optional[str]
+    prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
-    metrics: Optional[RequestMetrics] = None
+    metrics: RequestMetrics | None = None

@@ -10,8 +10,9 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any, Union
 
 import numpy as np
 

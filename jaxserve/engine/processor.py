@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Union
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request
@@ -29,11 +30,11 @@ PromptType = Union[str, list[int], dict[str, Any]]
 @dataclasses.dataclass
 class ProcessedRequest:
     request_id: str
-    prompt: Optional[str]
+    prompt: str | None
     prompt_token_ids: list[int]
     core_requests: list[Request]
-    tokenized_time: Optional[float] = None  # monotonic: tokenized and validated
-    entry: Optional[EntryTimes] = None  # what the server measured before
+    tokenized_time: float | None = None  # monotonic: tokenized and validated
+    entry: EntryTimes | None = None  # what the server measured before
 
 
 def check_no_surrogates(field: str, text: str) -> None:
@@ -54,7 +55,7 @@ def check_request_id(request_id: object) -> str:
     return request_id
 
 
-def as_request_ids(request_ids: Union[str, Iterable[str]]) -> list[str]:
+def as_request_ids(request_ids: str | Iterable[str]) -> list[str]:
     """One id or several, as vLLM's ``abort_request`` takes them (a lone string is one id, not its
     characters), each checked."""
     ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -67,7 +68,7 @@ def child_request_id(index: int, request_id: str) -> str:
 
 class InputProcessor:
     def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, config: EngineConfig,
-                 grammar_backend: Optional[GrammarBackend] = None):
+                 grammar_backend: GrammarBackend | None = None):
         self.tokenizer = tokenizer
         self.grammar_backend = grammar_backend  # None: structured outputs are refused (no tokenizer)
         self.model_config = model_config
@@ -84,7 +85,7 @@ class InputProcessor:
         self.extra_eos_ids = [e for e in eos_ids if e != self.eos_token_id]
         self.all_eos_ids = ([] if self.eos_token_id is None else [self.eos_token_id]) + self.extra_eos_ids
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -108,7 +109,7 @@ class InputProcessor:
         check_no_surrogates(field, text)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 cache_salt: Optional[str] = None) -> None:
+                 cache_salt: str | None = None) -> None:
         """Raise ``InvalidRequestError`` if this engine cannot serve the request as given."""
         if params.n > self.limits.max_n:
             raise InvalidRequestError("n", f"{params.n} samples exceed max_n={self.limits.max_n}")
@@ -183,7 +184,7 @@ class InputProcessor:
             raise InvalidRequestError(field, f"{length} entries exceed the sampler's static width {width_name}={width}")
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float,
-                priority: int = 0, cache_salt: Optional[str] = None) -> ProcessedRequest:
+                priority: int = 0, cache_salt: str | None = None) -> ProcessedRequest:
         check_request_id(request_id)
         text, ids = self.tokenize_prompt(prompt)
         self.validate(ids, params, cache_salt)

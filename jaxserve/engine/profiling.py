@@ -17,7 +17,7 @@ import json
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from jaxserve import envs
 
@@ -30,8 +30,8 @@ class Profile:
 
     log_dir: Path  # what TensorBoard's --logdir takes
     run_dir: Path  # plugins/profile/<run>: this run's files
-    perfetto_trace: Optional[Path]  # opens in the Perfetto UI (None if JAX wrote none)
-    xplane: Optional[Path]  # opens in TensorBoard's profile plugin
+    perfetto_trace: Path | None  # opens in the Perfetto UI (None if JAX wrote none)
+    xplane: Path | None  # opens in TensorBoard's profile plugin
 
     def events(self) -> list[dict[str, Any]]:
         """The trace's complete events (``ph == "X"``) with their thread names added as ``thread``."""
@@ -67,7 +67,7 @@ class Profiler:
     """Starts and stops one ``jax.profiler`` trace."""
 
     def __init__(self) -> None:
-        self._log_dir: Optional[Path] = None
+        self._log_dir: Path | None = None
         self._before: set[Path] = set()
         self._started = 0.0
 
@@ -75,7 +75,7 @@ class Profiler:
     def running(self) -> bool:
         return self._log_dir is not None
 
-    def start(self, log_dir: Optional[str] = None) -> Path:
+    def start(self, log_dir: str | None = None) -> Path:
         """Begin tracing into ``log_dir`` (default :func:`jaxserve.envs.profiler_dir`); returns it."""
         import jax
 

@@ -5,7 +5,8 @@ both satisfy it; the server is typed against it and reaches for nothing else."""
 from __future__ import annotations
 
 import concurrent.futures
-from typing import TYPE_CHECKING, Any, AsyncGenerator, Optional, Protocol
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
@@ -23,7 +24,7 @@ class EngineClient(Protocol):
     model_config: ModelConfig
     max_model_len: int
     served_model_name: str
-    model_root: Optional[str]
+    model_root: str | None
     input_pool: concurrent.futures.ThreadPoolExecutor  # the one pool that tokenizes
 
     # ---- health
@@ -31,7 +32,7 @@ class EngineClient(Protocol):
     def is_dead(self) -> bool: ...
 
     @property
-    def dead_reason(self) -> Optional[str]: ...
+    def dead_reason(self) -> str | None: ...
 
     def check_health(self) -> None: ...
 
@@ -39,21 +40,21 @@ class EngineClient(Protocol):
 
     # ---- requests
     def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
-                 priority: int = 0, cache_salt: Optional[str] = None, output_kind: RequestOutputKind = ...,
-                 entry_times: Optional[EntryTimes] = None) -> AsyncGenerator[RequestOutput, None]: ...
+                 priority: int = 0, cache_salt: str | None = None, output_kind: RequestOutputKind = ...,
+                 entry_times: EntryTimes | None = None) -> AsyncGenerator[RequestOutput, None]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
     # ---- introspection / lifecycle
     def render_metrics(self) -> bytes: ...
 
-    def get_request_timeline(self, request_id: str) -> Optional[RequestTimeline]: ...
+    def get_request_timeline(self, request_id: str) -> RequestTimeline | None: ...
 
     def recent_request_timelines(self, limit: int = 100) -> list[RequestTimeline]: ...
 
-    def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]: ...
+    def get_step_records(self, limit: int | None = None) -> list[StepRecord]: ...
 
-    def build_trace(self, num_steps: Optional[int] = None, num_requests: int = 100) -> dict: ...
+    def build_trace(self, num_steps: int | None = None, num_requests: int = 100) -> dict: ...
 
     def stats(self) -> dict: ...
 

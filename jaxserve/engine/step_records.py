@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections.abc import Iterable
-from typing import Optional
 
 from jaxserve.core.schedule_record import ScheduleRecord
 
@@ -96,14 +95,14 @@ class StepRecord:
         }
 
 
-def last_records(records, limit: Optional[int]) -> list[StepRecord]:
+def last_records(records, limit: int | None) -> list[StepRecord]:
     """The newest ``limit`` records of a ring (all with None), oldest first; safe to call from
     another thread than the one appending (copying a deque holds the GIL throughout)."""
     items = list(records)
     return items if limit is None else items[-limit:] if limit > 0 else []
 
 
-def merged_records(sources: Iterable[list[StepRecord]], limit: Optional[int]) -> list[StepRecord]:
+def merged_records(sources: Iterable[list[StepRecord]], limit: int | None) -> list[StepRecord]:
     """Several engines' records (each oldest first) as one list by start time, then the newest
     ``limit`` as :func:`last_records` takes them."""
     return last_records(heapq.merge(*sources, key=lambda r: r.start), limit)

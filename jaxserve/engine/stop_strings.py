@@ -12,7 +12,6 @@ members as text arrives, each checked by one bisection over the sorted stops. ``
 from __future__ import annotations
 
 import bisect
-from typing import Optional
 
 
 def find_stop(text: str, stops: list[str], search_from: int) -> tuple[int, str] | None:
@@ -54,10 +53,10 @@ class StopMatcher:
         self._live: list[int] = []
         self._scanned = 0
 
-    def find(self, text: str, new_from: int) -> Optional[tuple[int, str]]:
+    def find(self, text: str, new_from: int) -> tuple[int, str] | None:
         """Earliest-starting stop string that ends in ``text[new_from:]``: text before
         ``new_from`` was searched already and is never matched on its own."""
-        best: Optional[tuple[int, str]] = None
+        best: tuple[int, str] | None = None
         by_last = self._by_last
         for end in range(max(0, new_from), len(text)):
             for stop in by_last.get(text[end], ()):

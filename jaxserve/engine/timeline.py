@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any
 
 from jaxserve.core.locked_lru import LockedLRU
 from jaxserve.core.sampling_params import SamplingParams
@@ -31,13 +31,13 @@ class EntryTimes:
     when it read the request, rendered the chat template, and had the prompt's token ids."""
 
     received: float
-    templated: Optional[float] = None
-    tokenized: Optional[float] = None
+    templated: float | None = None
+    tokenized: float | None = None
     # The request's W3C trace context (``traceparent``, ``tracestate``): its span continues that trace.
-    trace_headers: Optional[dict[str, str]] = None
+    trace_headers: dict[str, str] | None = None
 
 
-def finish_cause(finish_reason: Optional[str], stop_reason: Any) -> Optional[str]:
+def finish_cause(finish_reason: str | None, stop_reason: Any) -> str | None:
     """The cause behind a finish reason the core or the stop-string check reported."""
     if finish_reason is None:
         return None
@@ -84,10 +84,10 @@ class SampleTimeline:
 
     index: int
     num_output_tokens: int
-    finish_reason: Optional[str]
-    finish_cause: Optional[str]
+    finish_reason: str | None
+    finish_cause: str | None
     stop_reason: Any
-    output_token_ids: Optional[list[int]] = None  # only with record_token_ids
+    output_token_ids: list[int] | None = None  # only with record_token_ids
 
 
 @dataclasses.dataclass
@@ -105,9 +105,9 @@ class RequestTimeline:
     num_cached_tokens: int
     metrics: RequestMetrics
     sampling_params: SamplingParams
-    max_tokens: Optional[int]
+    max_tokens: int | None
     samples: list[SampleTimeline]
-    prompt_token_ids: Optional[list[int]] = None  # only with record_token_ids
+    prompt_token_ids: list[int] | None = None  # only with record_token_ids
 
     def as_dict(self) -> dict:
         params = {k: v for k, v in dataclasses.asdict(self.sampling_params).items() if not k.startswith("_")}

@@ -13,7 +13,7 @@ contains the other. Timestamps are microseconds from the earliest time in the tr
 from __future__ import annotations
 
 import time
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from jaxserve.engine.step_records import StepRecord
 from jaxserve.engine.timeline import RequestTimeline, request_span, stage_spans
@@ -32,16 +32,16 @@ class _Events:
     def us(self, t: float) -> float:
         return round((t - self.origin) * 1e6, 3)
 
-    def span(self, pid: int, tid: int, name: str, start: float, end: float, args: Optional[dict] = None) -> None:
+    def span(self, pid: int, tid: int, name: str, start: float, end: float, args: dict | None = None) -> None:
         ts = self.us(start)
         self.items.append({"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts,
                            "dur": max(0.0, round(self.us(end) - ts, 3)), "args": args or {}})
 
-    def instant(self, pid: int, tid: int, name: str, at: float, args: Optional[dict] = None) -> None:
+    def instant(self, pid: int, tid: int, name: str, at: float, args: dict | None = None) -> None:
         self.items.append({"ph": "i", "s": "t", "pid": pid, "tid": tid, "name": name, "ts": self.us(at),
                            "args": args or {}})
 
-    def name(self, pid: int, tid: Optional[int], name: str) -> None:
+    def name(self, pid: int, tid: int | None, name: str) -> None:
         kind = "process_name" if tid is None else "thread_name"
         event = {"ph": "M", "pid": pid, "name": kind, "args": {"name": name}}
         if tid is not None:
@@ -91,7 +91,7 @@ def _add_request(ev: _Events, tid: int, t: RequestTimeline, preemptions: list[fl
 
 
 def build_trace(steps: Iterable[StepRecord], timelines: Iterable[RequestTimeline],
-                now: Optional[float] = None) -> dict:
+                now: float | None = None) -> dict:
     """The trace of these steps and requests as a Chrome-trace JSON object."""
     steps, timelines = list(steps), list(timelines)
     now = time.monotonic() if now is None else now

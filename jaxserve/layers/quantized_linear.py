@@ -87,7 +87,7 @@ def default_int8_activations(platform: str | None = None) -> bool:
 
 
 def make_linear(in_features: int, out_features: int, *, use_bias: bool, param_dtype: jnp.dtype,
-                quantization: str | None, rngs: nnx.Rngs) -> "Linear | QuantizedLinear | BlockQuantLinear":
+                quantization: str | None, rngs: nnx.Rngs) -> Linear | QuantizedLinear | BlockQuantLinear:
     """A float :class:`Linear`, a :class:`QuantizedLinear` of ``quantization`` ("int8", "fp8"), or a
     :class:`BlockQuantLinear` for a GGUF block format ("gguf:Q4_1", ...)."""
     if quantization is None:

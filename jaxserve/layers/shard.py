@@ -6,7 +6,8 @@ carry no replication rules, and every function here states its own output specs.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax.sharding import Mesh

@@ -37,7 +37,7 @@ class BertConfig:
     architecture: str
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> "BertConfig":
+    def from_folder(cls, folder: str | Path) -> BertConfig:
         raw = json.loads((Path(folder) / "config.json").read_text())
         arch = next((a for a in raw.get("architectures") or [] if a in BERT_ARCHITECTURES), None)
         if arch is None:

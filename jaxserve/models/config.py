@@ -77,14 +77,14 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
         file = Path(path) / "config.json"
         if not file.is_file():
             raise FileNotFoundError(f"no config.json in checkpoint folder {path}")
         return cls.from_dict(json.loads(file.read_text()))
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         from jaxserve.models.registry import resolve_architecture
 
         arch = resolve_architecture(cfg.get("architectures"))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Optional
 
 from jaxserve import envs
 from jaxserve.exceptions import ConfigError
@@ -45,11 +44,11 @@ class ModelSource:
 
     path: Path
     root: str
-    revision: Optional[str] = None
-    served_name: Optional[str] = None  # the name served when the user named no model (a demo)
+    revision: str | None = None
+    served_name: str | None = None  # the name served when the user named no model (a demo)
 
 
-def resolve_model(name: str, *, revision: Optional[str] = None, download_dir: Optional[str] = None,
+def resolve_model(name: str, *, revision: str | None = None, download_dir: str | None = None,
                   weights: bool = True) -> ModelSource:
     """The folder to load ``name`` from: itself when it is a folder, else the hub snapshot of
     ``name`` at ``revision`` under ``download_dir`` (default: the hub cache). With ``weights``
@@ -86,7 +85,7 @@ def _is_repo_id(name: str) -> bool:
     return True
 
 
-def _snapshot(repo_id: str, revision: Optional[str], download_dir: Optional[str], weights: bool) -> ModelSource:
+def _snapshot(repo_id: str, revision: str | None, download_dir: str | None, weights: bool) -> ModelSource:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -118,7 +117,7 @@ def _snapshot(repo_id: str, revision: Optional[str], download_dir: Optional[str]
     return ModelSource(folder, repo_id, folder.name)
 
 
-def _not_cached_message(repo_id: str, revision: Optional[str], cache: Path, offline: bool,
+def _not_cached_message(repo_id: str, revision: str | None, cache: Path, offline: bool,
                         exc: Exception) -> str:
     from huggingface_hub import errors
 

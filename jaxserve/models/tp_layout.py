@@ -77,7 +77,7 @@ class TPLayout:
     vocab_size: int
 
     @classmethod
-    def of(cls, cfg: ModelConfig, size: int) -> "TPLayout":
+    def of(cls, cfg: ModelConfig, size: int) -> TPLayout:
         check_tensor_parallel_size(cfg, size)
         return cls(size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
                    cfg.vocab_size)

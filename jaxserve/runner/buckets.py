@@ -27,7 +27,7 @@ class BucketTable:
     midpoints: tuple[int, ...] = ()  # the decode midpoints among token_buckets
 
     @classmethod
-    def build(cls, max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 16) -> "BucketTable":
+    def build(cls, max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 16) -> BucketTable:
         buckets, midpoints, t = [], [], min_tokens
         while t < max_num_batched_tokens:
             buckets.append(t)

@@ -23,8 +23,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any
 
 import jax
 from tqdm.auto import tqdm
@@ -40,7 +41,7 @@ logger = logging.getLogger("jaxserve")
 _LOWERING_LOCK = threading.Lock()
 
 
-def enable_persistent_compilation_cache(cache_dir: Optional[str]) -> None:
+def enable_persistent_compilation_cache(cache_dir: str | None) -> None:
     """Point JAX's persistent compilation cache at ``cache_dir`` (process-wide setting).
 
     JAX opens its cache once per process; a later engine asking for another folder gets the
@@ -98,7 +99,7 @@ class CompiledSteps:
         self.warmed_up = False
         self.pending_buckets: set[int] = set()
         self._deferred: list[StepVariant] = []
-        self._background: Optional[threading.Thread] = None
+        self._background: threading.Thread | None = None
         self._stop = threading.Event()
         compile_stats.install_listener()
 
@@ -147,7 +148,7 @@ class CompiledSteps:
                      "read from the persistent cache" if cache_hit else "compiled", seconds)
 
     def warm_up(self, variants: list[StepVariant], run_padding: Callable[[StepVariant], None],
-                show_progress: bool, max_workers: Optional[int] = None,
+                show_progress: bool, max_workers: int | None = None,
                 deferred: list[StepVariant] | None = None) -> None:
         """Compile every variant (``max_workers`` at once, default :func:`default_compile_threads`),
         then run each once on padding: a program's first run pays one-time costs (its buffers'
@@ -215,7 +216,7 @@ class CompiledSteps:
             # a new set, so a step reading the old one never sees it change
             self.pending_buckets = self.pending_buckets - {bucket}
 
-    def wait_for_deferred(self, timeout: Optional[float] = None) -> bool:
+    def wait_for_deferred(self, timeout: float | None = None) -> bool:
         """Block until the background compiles are done; False if ``timeout`` ran out first."""
         if self._background is not None:
             self._background.join(timeout)

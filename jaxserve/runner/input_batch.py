@@ -187,7 +187,7 @@ def build_step_arrays(
     return arrays, samples
 
 
-def single_group_block_ids(block_ids: "list[int] | tuple[list[int], ...]") -> list[int]:
+def single_group_block_ids(block_ids: list[int] | tuple[list[int], ...]) -> list[int]:
     """A request's block ids as the one block table the runner keeps: a ``KVCacheManager``'s
     list, or a ``HybridKVCacheManager``'s tuple of one group (one sliding window over all layers;
     the ids it replaced by the null block stay in the table, never read: outside the window)."""

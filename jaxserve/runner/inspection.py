@@ -10,7 +10,8 @@ program is the one compiled at warm-up (compiled now only under ``enforce_eager`
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -111,7 +112,7 @@ def _cost_dict(cost: Any) -> dict[str, float]:
     return {k: float(v) for k, v in (cost or {}).items()}
 
 
-def _memory_dict(memory: Optional[Any]) -> dict[str, int]:
+def _memory_dict(memory: Any | None) -> dict[str, int]:
     return {f: int(getattr(memory, f)) for f in _MEMORY_FIELDS if memory is not None and hasattr(memory, f)}
 
 

@@ -14,7 +14,8 @@ With one device the mesh still exists, so a runner given a device puts everythin
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np

@@ -28,7 +28,8 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -10,7 +10,7 @@ into the same groups. ``decode`` does the same on the host, to look at a step's 
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +35,7 @@ class PackLayout:
     total: int
 
     @classmethod
-    def of(cls, groups: Groups) -> "PackLayout":
+    def of(cls, groups: Groups) -> PackLayout:
         fields, offset = [], 0
         for group, arrays in groups.items():
             for name, arr in arrays.items():

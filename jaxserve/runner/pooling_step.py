@@ -8,7 +8,8 @@ finished yet, or for padding). One jitted function per bucket: the shapes fix th
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from flax import nnx

@@ -10,7 +10,8 @@ prefill spreads them) and are handed over once, with its first sampled token.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np

@@ -36,11 +36,11 @@ class StepTarget:
     compute_capability: int | None = None  # an abstract GPU's, e.g. 90; kernels compiled outside XLA need it
 
     @classmethod
-    def local(cls) -> "StepTarget":
+    def local(cls) -> StepTarget:
         return cls(normalize_platform(jax.default_backend()))
 
     @classmethod
-    def abstract(cls, sharding: Any) -> "StepTarget":
+    def abstract(cls, sharding: Any) -> StepTarget:
         device = next(iter(sharding.device_set))
         capability = getattr(device, "compute_capability", None)
         return cls(normalize_platform(device.platform), sharding,

@@ -24,7 +24,8 @@ list of requests (tests, the sampler benchmark) through the same table.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -80,7 +81,7 @@ class SamplingMetadata:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def from_arrays(cls, arrays: dict[str, Any]) -> "SamplingMetadata":
+    def from_arrays(cls, arrays: dict[str, Any]) -> SamplingMetadata:
         """Wrap a table's dict (numpy, or the same dict after one device transfer)."""
         return cls(**{name: arrays[name] for name in cls.fields()})
 
@@ -107,7 +108,7 @@ def padding_arrays(num_rows: int, max_logit_bias: int, max_allowed_tokens: int) 
     }
 
 
-def _row_seed(params: SamplingParams, engine_seed: Optional[int]) -> int:
+def _row_seed(params: SamplingParams, engine_seed: int | None) -> int:
     """The request's own seed, else the one the engine drew for it; taken modulo 2**32.
 
     Greedy rows never draw, so they may have neither (they get 0).
@@ -135,7 +136,7 @@ class SamplingTable:
         self._blank = padding_arrays(1, max_logit_bias, max_allowed_tokens)
         self.arrays = padding_arrays(num_slots + 1, max_logit_bias, max_allowed_tokens)
 
-    def set_row(self, slot: int, params: SamplingParams, seed: Optional[int]) -> None:
+    def set_row(self, slot: int, params: SamplingParams, seed: int | None) -> None:
         """Slot ``slot`` now samples with ``params``; ``seed`` is used when ``params.seed`` is None.
 
         ``params`` must already be validated for this engine (widths, vocabulary)."""
@@ -178,11 +179,11 @@ class SamplingTable:
 
 
 def sampling_arrays(
-    params_list: Sequence[Optional[SamplingParams]],
+    params_list: Sequence[SamplingParams | None],
     num_rows: int,
     *,
     positions: Sequence[int],
-    seeds: Optional[Sequence[Optional[int]]] = None,
+    seeds: Sequence[int | None] | None = None,
     max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS,
     max_allowed_tokens: int = DEFAULT_MAX_ALLOWED_TOKENS,
 ) -> dict[str, np.ndarray]:

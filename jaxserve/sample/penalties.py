@@ -33,7 +33,7 @@ class PenaltyTables:
     prompt_mask: jax.Array  # bool[S + 1, V]
 
     @classmethod
-    def zeros(cls, num_slots: int, vocab_size: int) -> "PenaltyTables":
+    def zeros(cls, num_slots: int, vocab_size: int) -> PenaltyTables:
         shape = (num_slots + 1, vocab_size)
         return cls(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.bool_))
 

@@ -19,7 +19,8 @@ the random draw; None (only with conds) lets the device decide.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp

@@ -15,8 +15,6 @@ Every shape is static (K is fixed at compile time); randomness comes from one ke
 
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 
@@ -25,7 +23,7 @@ PLACEHOLDER_TOKEN_ID = -1  # the output's padding after the last emitted token
 
 def rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
                      num_draft_tokens: jax.Array, greedy: jax.Array, keys: jax.Array,
-                     draft_probs: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+                     draft_probs: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Verify the drafts of R rows.
 
     ``target_logits`` [R, K+1, V]: processed logits (temperature, truncation applied) at the K+1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 from jaxserve.exceptions import ConfigError
 
@@ -20,7 +20,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int
 
     @classmethod
-    def parse(cls, value: Union[None, str, dict[str, Any]]) -> Optional["SpeculativeConfig"]:
+    def parse(cls, value: None | str | dict[str, Any]) -> SpeculativeConfig | None:
         """From the flag's JSON text or a dict; None/empty means off. As vLLM: ``method``
         defaults to ngram when prompt_lookup_max is given, prompt_lookup_min to max and max to min."""
         if value is None or value == "" or value == {}:

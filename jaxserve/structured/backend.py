@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
@@ -73,15 +73,15 @@ class GrammarBackend:
     parse, no tokenizer work); ``compile`` may run on any thread (llguidance drops the GIL)."""
 
     def __init__(self, hf_tokenizer: Any, max_grammar_bytes: int, any_whitespace: bool = False,
-                 limits: Optional[llguidance.LLParserLimits] = None):
+                 limits: llguidance.LLParserLimits | None = None):
         self.hf_tokenizer = hf_tokenizer
         # llguidance's resource limits (its "fuel" bounds the work of building the lexer and of
         # each mask): checked at admission and at compile. None: llguidance's defaults.
         self.limits = limits
         self.max_grammar_bytes = max_grammar_bytes
         self.any_whitespace = any_whitespace
-        self._end_tokens: Optional[frozenset[int]] = None
-        self._ll_tokenizer: Optional[llguidance.LLTokenizer] = None
+        self._end_tokens: frozenset[int] | None = None
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
         self._compiled: LockedLRU[tuple, llguidance.LLMatcher] = LockedLRU(COMPILE_CACHE_SIZE)
         self._checked: LockedLRU[tuple, str] = LockedLRU(COMPILE_CACHE_SIZE)

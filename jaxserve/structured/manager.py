@@ -24,8 +24,8 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional, Sequence
 
 import llguidance
 import llguidance.numpy as llnp
@@ -57,17 +57,17 @@ class Advanced:
     token_ids: list[int]
     stop: bool
     consumed: int
-    thinking: Optional[list[int]]
+    thinking: list[int] | None
 
 
 @dataclasses.dataclass
 class GrammarState:
     """One request's grammar: compiling (``future``), ready (``matcher``) or failed (``error``)."""
 
-    future: Optional[Future]
+    future: Future | None
     submitted: float
-    matcher: Optional[llguidance.LLMatcher] = None
-    error: Optional[str] = None
+    matcher: llguidance.LLMatcher | None = None
+    error: str | None = None
 
 
 class StructuredOutputManager:
@@ -75,8 +75,8 @@ class StructuredOutputManager:
     step's bitmask. ``model_vocab_size`` is the width of the model's logits."""
 
     def __init__(self, backend: GrammarBackend, model_vocab_size: int, compile_timeout_s: float,
-                 compile_threads: int = 2, mask_threads: Optional[int] = None,
-                 reasoner: Optional[Reasoner] = None):
+                 compile_threads: int = 2, mask_threads: int | None = None,
+                 reasoner: Reasoner | None = None):
         self.backend = backend
         self.reasoner = reasoner
         self.model_vocab_size = model_vocab_size
@@ -86,7 +86,7 @@ class StructuredOutputManager:
         # Masks of up to PARALLEL_FILL_MIN_ROWS rows are filled on the engine thread; larger batches
         # in llguidance's pool of this many threads, made on first use (vLLM's sizes).
         self._mask_threads = mask_threads or max(1, min((os.cpu_count() or 2) // 2, 8))
-        self._executor: Optional[llguidance.LLExecutor] = None
+        self._executor: llguidance.LLExecutor | None = None
         self._states: dict[str, GrammarState] = {}
         self._matchers: dict[str, llguidance.LLMatcher] = {}  # the ready ones (the per-step lookups)
         # Requests still thinking -> their last tokens (an end tag of several tokens may straddle
@@ -262,7 +262,7 @@ class StructuredOutputManager:
     def _warn_rejected(request_id: str, token_id: int, why: str) -> None:
         logger.warning("request %s: the grammar rejected token %d (%s); the request stops", request_id, token_id, why)
 
-    def grammar_bitmask(self, req_ids: list[str], num_rows: int) -> Optional[np.ndarray]:
+    def grammar_bitmask(self, req_ids: list[str], num_rows: int) -> np.ndarray | None:
         """The step's bitmask [num_rows, width] for rows ``req_ids`` (then padding rows), or None
         when no row is constrained (the step then needs none)."""
         if not self._matchers:

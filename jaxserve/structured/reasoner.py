@@ -10,8 +10,9 @@ spells a tag with other tokens is then not seen ending its reasoning.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 # The think tags of each reasoning parser (the names of ``--reasoning-parser``); Qwen3 and
 # DeepSeek-R1 differ only in how the server splits an output that never opens <think>.
@@ -71,7 +72,7 @@ class Reasoner:
         end = find_last(token_ids, self.end)
         return end >= 0 and end > find_last(token_ids, self.start)
 
-    def end_in(self, tail: Sequence[int], new: Sequence[int]) -> Optional[int]:
+    def end_in(self, tail: Sequence[int], new: Sequence[int]) -> int | None:
         """Where the end tag completes in ``new`` (given ``tail``, the tokens just before it): the
         number of ``new``'s tokens up to and including the tag, or None if it does not end there."""
         n = len(self.end)

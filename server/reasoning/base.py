@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 
 @dataclass
@@ -37,7 +37,7 @@ class ReasoningParser(ABC):
         """The text has ended: release whatever was held back."""
 
 
-def extract_reasoning(parser: ReasoningParser, text: str) -> tuple[Optional[str], Optional[str]]:
+def extract_reasoning(parser: ReasoningParser, text: str) -> tuple[str | None, str | None]:
     """(reasoning, content) of a whole output; each None when empty, as vLLM reports them."""
     delta = parser.feed(text) + parser.finish()
     return delta.reasoning or None, delta.content or None

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, ClassVar
 
 
 def new_tool_call_id() -> str:
@@ -25,8 +26,8 @@ class ToolCallDelta:
     """One call's piece: the first carries ``id`` and ``name``, later ones only arguments."""
 
     index: int
-    id: Optional[str] = None
-    name: Optional[str] = None
+    id: str | None = None
+    name: str | None = None
     arguments: str = ""
 
 
@@ -48,7 +49,7 @@ class ToolCall:
 
 @dataclass
 class ExtractedToolCalls:
-    content: Optional[str]  # None when there is no content
+    content: str | None  # None when there is no content
     tool_calls: list[ToolCall]
 
 

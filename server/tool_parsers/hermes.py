@@ -10,7 +10,6 @@ no function, stays in the content as it was written, so a malformed call is neve
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 from ..stream_text import TrimmedText, take_until_tag
 from .base import ToolCallDelta, ToolParseDelta, ToolParser, arguments_json
@@ -19,7 +18,7 @@ CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
 
 
-def parse_call(body: str) -> Optional[tuple[str, str]]:
+def parse_call(body: str) -> tuple[str, str] | None:
     """(name, arguments JSON) of a block's text, or None when it is not a call."""
     try:
         obj = json.loads(body)

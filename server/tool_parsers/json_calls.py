@@ -11,7 +11,6 @@ Arguments are the text the model wrote (valid JSON, since the schema shaped it),
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 from .base import ToolCallDelta, ToolParseDelta, ToolParser
 
@@ -32,7 +31,7 @@ class _Element:
         self.key = ""
         self.value_kind = ""  # container | string | literal
         self.value_raw = ""  # the name's raw value (a JSON string)
-        self.name: Optional[str] = None
+        self.name: str | None = None
         self.arguments = ""  # raw text of the arguments value read so far
         self.has_arguments = False
 
@@ -133,7 +132,7 @@ class RequiredToolCallsParser(ToolParser):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._started = False  # the array's [ has been read
-        self._element: Optional[_Element] = None
+        self._element: _Element | None = None
         self._released = 0  # characters of the current element's arguments already sent
         self._index = -1  # index of the current element's call, once announced
 

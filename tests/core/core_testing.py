@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from jaxserve.core import (
     KVCacheManager,
@@ -20,8 +20,8 @@ from jaxserve.core.kv_cache_utils import cdiv
 _ids = itertools.count()
 
 
-def make_request(prompt, *, req_id: Optional[str] = None, eos: Optional[int] = None,
-                 arrival_time: Optional[float] = None, priority: int = 0, cache_salt=None,
+def make_request(prompt, *, req_id: str | None = None, eos: int | None = None,
+                 arrival_time: float | None = None, priority: int = 0, cache_salt=None,
                  lora_name=None, block_size=None, **params) -> Request:
     params.setdefault("max_tokens", 16)
     n = next(_ids)

@@ -101,7 +101,7 @@ def naive_attention(q, k_cache, v_cache, kv_lens, block_tables, qsl, num_seqs, *
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def jitted(backend: str, **options):
     """One jitted callable per (backend, static options); reused across tests and batches."""
     if backend == "xla":

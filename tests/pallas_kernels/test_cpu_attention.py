@@ -39,7 +39,7 @@ SHAPES = {  # (head_dim, block_size)
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_fn(**options):
     return jax.jit(functools.partial(pk.ragged_paged_attention_cpu, **options))
 

@@ -15,7 +15,7 @@ from .batches import SCENARIOS, Bucket, make_batch, naive_attention, poison
 SCALE = 0.25
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def xla_fn(**options):
     return jax.jit(functools.partial(pk.ragged_paged_attention_xla, **options))
 

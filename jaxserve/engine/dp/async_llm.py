@@ -16,8 +16,8 @@ import concurrent.futures
 import contextlib
 import functools
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, AsyncGenerator, Optional
+from collections.abc import AsyncGenerator, Sequence
+from typing import TYPE_CHECKING
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
@@ -58,8 +58,8 @@ class DPAsyncLLM:
         self.input_pool = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="jaxserve-input")
 
     @classmethod
-    def from_config(cls, config: EngineConfig, *, served_model_name: Optional[str] = None, max_waiting: int = 1024,
-                    show_progress: bool = True) -> "DPAsyncLLM":
+    def from_config(cls, config: EngineConfig, *, served_model_name: str | None = None, max_waiting: int = 1024,
+                    show_progress: bool = True) -> DPAsyncLLM:
         engines = start_replica_engines(config, served_model_name=served_model_name, show_progress=show_progress)
         # Each replica's own queue limit is the total (this object enforces it); prompts are
         # tokenized here, so a replica's own input pool stays idle: one thread.
@@ -77,7 +77,7 @@ class DPAsyncLLM:
         return any(r.is_dead for r in self.replicas)
 
     @property
-    def dead_reason(self) -> Optional[str]:
+    def dead_reason(self) -> str | None:
         """The first failed replica's cause (``AsyncLLM.dead_reason``), None while all run."""
         return next((f"engine replica {i}: {r.dead_reason}" for i, r in enumerate(self.replicas) if r.is_dead), None)
 
@@ -95,9 +95,9 @@ class DPAsyncLLM:
     # ---- requests ------------------------------------------------------------------------------
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
-                       priority: int = 0, cache_salt: Optional[str] = None,
+                       priority: int = 0, cache_salt: str | None = None,
                        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
-                       entry_times: Optional[EntryTimes] = None) -> AsyncGenerator[RequestOutput, None]:
+                       entry_times: EntryTimes | None = None) -> AsyncGenerator[RequestOutput, None]:
         """As ``AsyncLLM.generate``, on the replica the router picks."""
         check_request_id(request_id)
         self.check_health()
@@ -124,7 +124,7 @@ class DPAsyncLLM:
             self.replica_set.release(index, num_seqs)
 
     def _process(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
-                 cache_salt: Optional[str], arrival_time: float, entry_times: Optional[EntryTimes]) -> ProcessedRequest:
+                 cache_salt: str | None, arrival_time: float, entry_times: EntryTimes | None) -> ProcessedRequest:
         """Tokenize and validate (any replica's processor: they are identical), then hash the
         prompt's full blocks for routing; runs on an input thread."""
         processed = self.replicas[0].engine.process_request(request_id, prompt, params, priority=priority,
@@ -149,18 +149,18 @@ class DPAsyncLLM:
         """Every replica's samples (label ``engine``) and their totals (``engine="total"``)."""
         return self.replica_set.render_metrics()
 
-    def get_request_timeline(self, request_id: str) -> Optional[RequestTimeline]:
+    def get_request_timeline(self, request_id: str) -> RequestTimeline | None:
         return self.replica_set.get_request_timeline(request_id)
 
     def recent_request_timelines(self, limit: int = 100) -> list[RequestTimeline]:
         """The newest ``limit`` over all replicas, by arrival."""
         return self.replica_set.recent_request_timelines(limit)
 
-    def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]:
+    def get_step_records(self, limit: int | None = None) -> list[StepRecord]:
         """The newest ``limit`` step records of all replicas, oldest first (by start)."""
         return self.replica_set.get_step_records(limit)
 
-    def build_trace(self, num_steps: Optional[int] = None, num_requests: int = 100) -> dict:
+    def build_trace(self, num_steps: int | None = None, num_requests: int = 100) -> dict:
         """A Chrome/Perfetto trace of the newest steps (all replicas) and requests."""
         return self.replica_set.build_trace(num_steps, num_requests)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
@@ -16,7 +16,7 @@ from jaxserve.exceptions import ConfigError
 logger = logging.getLogger("jaxserve")
 
 
-def replica_device_groups(config: EngineConfig, devices: Optional[Sequence[Any]] = None) -> list[list[Any]]:
+def replica_device_groups(config: EngineConfig, devices: Sequence[Any] | None = None) -> list[list[Any]]:
     """``data_parallel_size`` groups of ``tensor_parallel_size`` devices (JAX's local devices by
     default). Raises ConfigError (a ValueError) naming both sizes when the devices are too few."""
     if devices is None:
@@ -31,7 +31,7 @@ def replica_device_groups(config: EngineConfig, devices: Optional[Sequence[Any]]
     return [list(devices[i * tp:(i + 1) * tp]) for i in range(dp)]
 
 
-def start_replica_engines(config: EngineConfig, *, served_model_name: Optional[str] = None,
+def start_replica_engines(config: EngineConfig, *, served_model_name: str | None = None,
                           show_progress: bool = True, record_steps: bool = False) -> list[LLMEngine]:
     """One ``LLMEngine`` per device group, replica ``i`` labelled ``engine="i"`` in the metrics.
     The device count is checked before any weight is loaded. Replica ``i`` seeds its RNG with

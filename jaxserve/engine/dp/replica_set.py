@@ -10,7 +10,7 @@ each; ``DPAsyncLLM`` streams from one ``AsyncLLM`` per replica.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from jaxserve.engine.dp.metrics import merge_stats, merged_snapshot, render_merged
 from jaxserve.engine.dp.router import hash_for_routing, pick_replica
@@ -67,18 +67,18 @@ class ReplicaSet:
 
     # ---- one view of all replicas --------------------------------------------------------------
 
-    def get_step_records(self, limit: Optional[int] = None) -> list[StepRecord]:
+    def get_step_records(self, limit: int | None = None) -> list[StepRecord]:
         """The newest ``limit`` step records of all replicas, oldest first (by start)."""
         return merged_records((e.get_step_records(limit) for e in self.engines), limit)
 
-    def get_request_timeline(self, request_id: str) -> Optional[RequestTimeline]:
+    def get_request_timeline(self, request_id: str) -> RequestTimeline | None:
         return next((t for e in self.engines if (t := e.get_request_timeline(request_id)) is not None), None)
 
     def recent_request_timelines(self, limit: int = 100) -> list[RequestTimeline]:
         """The newest ``limit`` over all replicas, by arrival."""
         return merged_timelines((e.recent_request_timelines(limit) for e in self.engines), limit)
 
-    def build_trace(self, num_steps: Optional[int] = None, num_requests: int = 100) -> dict:
+    def build_trace(self, num_steps: int | None = None, num_requests: int = 100) -> dict:
         """A Chrome/Perfetto trace of the newest steps (all replicas) and requests."""
         return build_trace(self.get_step_records(num_steps), self.recent_request_timelines(num_requests))
 
