@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.exceptions import ConfigError
 from jaxserve.models.config import ModelConfig
 
 # A parameter's path below its decoder layer (or at the top level) -> the axis split over the
@@ -57,8 +58,8 @@ def check_tensor_parallel_size(cfg: ModelConfig, size: int) -> None:
         raise ValueError(f"tensor_parallel_size {size} and the model's {kv_heads} key/value heads: one must "
                          "divide the other")
     if cfg.is_moe and size > 1:
-        raise ValueError(f"tensor_parallel_size {size}: a mixture-of-experts model ({cfg.architecture}) runs on "
-                         "one device only for now")
+        raise ConfigError(f"tensor_parallel_size {size}: a mixture-of-experts model ({cfg.architecture}) runs on "
+                          "one device only for now")
     if cfg.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's intermediate_size "
                          f"{cfg.intermediate_size}")

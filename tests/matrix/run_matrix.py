@@ -44,6 +44,7 @@ def build_models(root: Path) -> dict[str, dict[str, str]]:
         "sliding_window": {"model": str(build_tiny_checkpoint(root / "swa", "MistralForCausalLM", seed=3,
                                                               sliding_window=WINDOW))},
         "gguf": {"model": str(write_tiny_gguf(root / "tiny.gguf", "Q4_1", seed=3, vocab=512)), "tokenizer": dense},
+        "moe": {"model": str(build_tiny_checkpoint(root / "moe", "Qwen3MoeForCausalLM", seed=3))},
     }
 
 
@@ -147,7 +148,8 @@ def compare(features: tuple[str, ...], got: dict[str, Any], ref: dict[str, Any])
 
 
 def refusal(pair: frozenset[str]) -> bool:
-    """Whether a refused pair's configuration raises a ConfigError that names a setting of each."""
+    """Whether a refused pair's configuration raises a ConfigError that names a setting of each (a
+    feature that is a test model: the word "model")."""
     from jaxserve import LLM
     from jaxserve.exceptions import ConfigError
 
@@ -156,7 +158,9 @@ def refusal(pair: frozenset[str]) -> bool:
         LLM(**build_models(Path(tempfile.mkdtemp()))[sm.model_of(pair)], show_progress=False, **kwargs)
     except ConfigError as exc:
         message = str(exc).replace("-", "_")
-        return all(any(key in message for key in sm.FEATURES_BY_NAME[f].engine) for f in pair)
+        names = {f: [*sm.FEATURES_BY_NAME[f].engine, *(["model"] if sm.FEATURES_BY_NAME[f].model else [])]
+                 for f in pair}
+        return all(any(key in message for key in names[f]) for f in pair)
     return False
 
 
