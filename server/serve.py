@@ -88,8 +88,9 @@ def run_serve(args: argparse.Namespace, started: float | None = None) -> int:
         chat_template = load_chat_template(frontend.chat_template)
     except (OSError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
+    # The parser names first: their error names the flags (--reasoning-parser) as the user typed them.
+    parsers = chat_parsers(frontend, args.reasoning_parser)
     config = EngineConfig.from_cli_args(args, model=args.model)
-    parsers = chat_parsers(frontend, config.reasoning_parser)
     api_key = frontend.api_key or envs.api_key()
     if config.is_multi_node and config.node_rank > 0:
         return run_headless_node(config)

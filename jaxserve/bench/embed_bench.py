@@ -21,7 +21,7 @@ def add_embed_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=512, help="longest text, in tokens (default: 512)")
     p.add_argument("--batch-size", type=int, default=32, help="batch of both sides (default: 32)")
     p.add_argument("--turns", type=int, default=3, help="alternated turns of each side (default: 3)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random texts (default: 0)")
 
 
 def run_embed_bench_cli(args: argparse.Namespace) -> dict[str, Any]:

@@ -122,7 +122,7 @@ def test_jaxserve_llava_logits_equal_transformers(tiny_llava, split):
 
     def step(state, ids_, kv, md, e, m):
         mod = nnx.merge(seq.graphdef, state)
-        hidden, kv = mod(ids_, kv, md, pallas_kernels.ragged_paged_attention_reference, None, e, m)
+        hidden, kv = mod(ids_, kv, md, pallas_kernels.ragged_paged_attention_reference, mm_embeds=e, mm_mask=m)
         return mod.compute_logits(hidden), kv
 
     step = jax.jit(step)
