@@ -79,7 +79,9 @@ class Generations:
                 index, item = await self._queue.get()
                 if isinstance(item, BaseException):
                     raise engine_error(item)
-                check_not_failed(item)
+                # A short prompt may finish (its end marker queued) before another's first output.
+                if item is not _DONE:
+                    check_not_failed(item)
                 seen.add(index)
                 self._buffered.append((index, item))
         except BaseException:
