@@ -1,5 +1,5 @@
 """The ``jaxserve`` command: ``serve``, ``generate``, ``trace``, ``diagnose`` and
-``bench {throughput,startup,scheduler,sampler,kv-groups,serve,soak,roofline,embed,llama-cpp}``.
+``bench {throughput,startup,scheduler,sampler,kv-groups,serve,soak,roofline,embed,llama-cpp,accuracy}``.
 
 It lives with the server because ``serve`` needs it, and the server sits above the engine.
 Engine flags come from ``EngineConfig`` one-to-one (``--max-num-seqs`` ...), so every entry point
@@ -136,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
                                   description="a pooling model's texts/s against sentence-transformers")
     add_embed_bench_args(embed_bench)
     _add_common_args(embed_bench)
+    from jaxserve.bench.accuracy import add_accuracy_args
+
+    accuracy = bsub.add_parser("accuracy", help="each weight and KV-cache format against float32 on held-out "
+                               "texts: top-1 agreement, |delta logprob|, perplexity",
+                               description="each weight and KV-cache format against float32 on held-out texts: "
+                               "top-1 agreement, |delta logprob|, perplexity")
+    _add_model_arg(accuracy)
+    add_accuracy_args(accuracy)
+    _add_common_args(accuracy)
     from jaxserve.bench.roofline import add_roofline_args
 
     roofline = bsub.add_parser("roofline", help="the fastest each step bucket can run on a GPU (model)",
@@ -203,6 +212,10 @@ def _run(args: argparse.Namespace, started: float) -> int:
         from jaxserve.bench.embed_bench import run_embed_bench_cli
 
         result = run_embed_bench_cli(args)
+    elif args.bench_command == "accuracy":
+        from jaxserve.bench.accuracy import run_accuracy_cli
+
+        result = run_accuracy_cli(args)
     elif args.bench_command == "roofline":
         from jaxserve.bench.roofline import run_roofline_cli
 
