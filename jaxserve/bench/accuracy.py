@@ -27,11 +27,14 @@ import numpy as np
 
 from .held_texts import HELD_TEXTS
 
-# Each format as LLM keywords over the same engine; "f32" is the reference.
+# Each format as LLM keywords over the same engine; "f32" is the reference. "gguf-q8_0" and
+# "gguf-q4_0" serve the .gguf model re-encoded in that block format (gguf_requantize.py).
 FORMATS: dict[str, dict[str, Any]] = {
     "f32": {"dtype": "float32"},
     "bf16": {"dtype": "bfloat16"},
     "gguf": {"dtype": "float32", "quantization": "gguf"},
+    "gguf-q8_0": {"dtype": "float32", "quantization": "gguf"},
+    "gguf-q4_0": {"dtype": "float32", "quantization": "gguf"},
     "int8": {"dtype": "float32", "quantization": "int8"},
     "fp8": {"dtype": "float32", "quantization": "fp8"},
     "fp8-kv": {"dtype": "float32", "kv_cache_dtype": "fp8"},
@@ -96,7 +99,7 @@ def run_accuracy(model: str, formats: Sequence[str], engine: dict[str, Any] | No
     results: dict[str, Any] = {}
     for name in [REFERENCE, *(f for f in formats if f != REFERENCE)]:
         start = time.perf_counter()
-        llm = LLM(model, show_progress=False, **{**engine, **FORMATS[name]})
+        llm = LLM(_model_file(model, name), show_progress=False, **{**engine, **FORMATS[name]})
         if token_lists is None:
             token_lists = tokenize_texts(llm.get_tokenizer(), texts)
         scores = score_texts(llm, token_lists)
@@ -113,6 +116,17 @@ def run_accuracy(model: str, formats: Sequence[str], engine: dict[str, Any] | No
         log(f"{name}: top-1 {row['top1_agreement']:.4f}, mean |dlogprob| {row['mean_abs_dlogprob']:.4f}, "
             f"perplexity {row['perplexity']:.3f}")
     return {"model": model, "reference": REFERENCE, "texts": len(texts), "engine": engine, "formats": results}
+
+
+def _model_file(model: str, name: str) -> str:
+    if not name.startswith("gguf-"):
+        return model
+    from jaxserve.models.gguf_loader import is_gguf
+    from jaxserve.models.gguf_requantize import cached_requantized
+
+    if not is_gguf(model):
+        raise ValueError(f"formats: {name} re-encodes a .gguf model; {model} is not one")
+    return str(cached_requantized(model, name.split("-", 1)[1].upper()))
 
 
 def add_accuracy_args(p: argparse.ArgumentParser) -> None:
