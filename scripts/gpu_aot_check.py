@@ -39,12 +39,12 @@ import jax  # noqa: E402
 
 from jaxserve.bench import gpu_aot, gpu_targets  # noqa: E402
 from jaxserve.bench.hlo_collectives import count_collectives  # noqa: E402
-from jaxserve.bench.hlo_stats import analyze_hlo  # noqa: E402
+from jaxserve.bench.hlo_stats import analyze_hlo, dequantized_copies  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 
 SHARED_TARGET = REPO.parent / "shared" / "gpu" / "h200_target_config.txtpb"
 HLO_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int32": "s32", "bool": "pred",
-              "float8_e4m3fn": "f8e4m3fn"}
+              "float8_e4m3fn": "f8e4m3fn", "int8": "s8"}
 
 
 def default_target_config() -> Path:
@@ -57,7 +57,7 @@ def hlo_shape(x, per_device: bool = False) -> tuple[str, tuple[int, ...]]:
     return HLO_DTYPES.get(str(x.dtype), str(x.dtype)), tuple(shape)
 
 
-def check_variant(runner, variant, weight_shapes, pool_shapes, full_weight_shapes) -> dict:
+def check_variant(runner, variant, weight_shapes, pool_shapes, full_weight_shapes, dequantized_shapes) -> dict:
     start = time.perf_counter()
     lowered = runner.steps.lowered(variant)
     lowered_s = time.perf_counter() - start
@@ -75,6 +75,11 @@ def check_variant(runner, variant, weight_shapes, pool_shapes, full_weight_shape
         problems.append(f"{stats.conditionals} conditionals, {stats.data_dependent_whiles} data-dependent whiles")
     if stats.weight_copies:
         problems.append(f"{len(stats.weight_copies)} weight copies")
+    dequantized = dequantized_copies(text, dequantized_shapes)
+    if dequantized:
+        problems.append(f"{len(dequantized)} dequantized weight copies {dequantized[:4]}")
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
     if stats.pool_copies:
         problems.append(f"{len(stats.pool_copies)} KV pool copies")
     if not stats.pool_aliased:
@@ -82,7 +87,8 @@ def check_variant(runner, variant, weight_shapes, pool_shapes, full_weight_shape
     return {"variant": variant.name, "bucket": variant.bucket, "decode_only": variant.decode_only,
             "all_greedy": variant.all_greedy, "lower_s": round(lowered_s, 2), "compile_s": round(compile_s, 2),
             "temp_bytes": int(mem.temp_size_in_bytes), "argument_bytes": int(mem.argument_size_in_bytes),
-            "alias_bytes": int(mem.alias_size_in_bytes), **stats.as_dict(),
+            "alias_bytes": int(mem.alias_size_in_bytes), "bytes_accessed": int(cost.get("bytes accessed", 0)),
+            "dequantized_copies": dequantized, **stats.as_dict(),
             "collectives": collectives.counts, "collectives_per_layer": per_layer(collectives.counts, runner.mc),
             "problems": problems}
 
@@ -101,7 +107,8 @@ def per_layer(counts: dict[str, int], mc) -> dict[str, float]:
 def check_model(preset: str, backend: str, args, sharding, spec) -> list[dict]:
     scan = {"auto": None, "true": True, "false": False}[args.scan_layers]
     tp = sharding.mesh.size
-    model = gpu_aot.abstract_model(preset, False if scan is None else scan, tp)  # a GPU engine unrolls
+    model = gpu_aot.abstract_model(preset, False if scan is None else scan, tp,  # a GPU engine unrolls
+                                   quantization=args.quantization)
     max_model_len = args.max_model_len or model.config.max_position_embeddings
     base = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=2,
                         tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype)
@@ -116,10 +123,15 @@ def check_model(preset: str, backend: str, args, sharding, spec) -> list[dict]:
     pool_shapes = {hlo_shape(x, per_device=True) for x in jax.tree.leaves(runner.state.kv_cache)}
     # an fp8 pool dequantized whole (a bf16 copy of its shape) counts as a pool copy too
     pool_shapes |= {("bf16", shape) for dtype, shape in pool_shapes if dtype == "f8e4m3fn"}
-    variants = [v for v in runner.variants() if not args.buckets or v.bucket in args.buckets]
+    # a quantized weight's dims in a float dtype: a dequantized copy (the convert not fused into the dot)
+    dequantized_shapes = {(f, dims) for dtype, dims in weight_shapes if dtype in ("s8", "f8e4m3fn")
+                          for f in ("bf16", "f16", "f32")}
+    variants = [v for v in runner.variants() if (not args.buckets or v.bucket in args.buckets)
+                and (args.decode_only is None or v.decode_only == args.decode_only)]
     rows = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = {pool.submit(check_variant, runner, v, weight_shapes, pool_shapes, full_weight_shapes): v
+        futures = {pool.submit(check_variant, runner, v, weight_shapes, pool_shapes, full_weight_shapes,
+                               dequantized_shapes): v
                    for v in variants}
         for future in concurrent.futures.as_completed(futures):
             try:
@@ -169,10 +181,16 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's (40960)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                     help="fp8: e4m3 pools, read by the kernels as stored")
+    ap.add_argument("--quantization", choices=["fp8", "int8"], default=None,
+                    help="weights kept in fp8 / int8 (one scale per output column), converted inside the dot; "
+                         "a dequantized weight-shaped buffer fails the check")
+    ap.add_argument("--decode-only", choices=["true", "false"], default=None,
+                    help="only the decode-only variants (true) or only the mixed ones (false)")
     ap.add_argument("--jobs", type=int, default=1, help="variants compiled at once")
     ap.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1],
                     help="compile split over this many of 8 H200s on one host (default: 1)")
     args = ap.parse_args(argv)
+    args.decode_only = None if args.decode_only is None else args.decode_only == "true"
     target = args.target_config.read_text()
     spec = gpu_targets.gpu_spec("h200", args.target_config.read_text())
     print(json.dumps({"jax": jax.__version__, "target": spec.description, "target_config": str(args.target_config)}),

@@ -25,6 +25,9 @@ _COPY_OPS = ("copy", "copy-start", "dynamic-slice", "slice")
 # A fusion of only these moves data: with a copy or slice among them, it materialises a copy.
 _MOVE_OPS = _COPY_OPS + ("parameter", "constant", "bitcast", "reshape", "transpose", "broadcast")
 
+# Ops that name a buffer without writing one.
+_NOT_MATERIALISED = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant")
+
 Shape = tuple[str, tuple[int, ...]]  # (dtype, dims)
 
 
@@ -140,6 +143,25 @@ def analyze_hlo(text: str, weight_shapes: set[Shape], pool_shapes: set[Shape]) -
                     weight_copies.append(label)
     return HloStats(conditionals, whiles, data_dependent, weight_copies, pool_copies,
                     _pool_aliased(text, comps.get("ENTRY", []), pool_shapes), dict(custom_calls), dict(kernels))
+
+
+def dequantized_copies(text: str, float_shapes: set[Shape]) -> list[str]:
+    """Buffers materialised with a quantized weight's dims in a float dtype (``float_shapes``: the
+    weights' dims under bf16/f16/f32): a dequantized copy of the weight, where the convert should
+    have been fused into the dot's operand read instead."""
+    comps = _computations(text)
+    fused = {c for lines in comps.values() for line in lines if " fusion(" in line for c in _CALLS.findall(line)}
+    found = []
+    for comp, lines in comps.items():
+        if comp in fused:
+            continue
+        for line in lines:
+            ins = _instruction(line)
+            if ins is None or ins[1] is None or ins[0] in _NOT_MATERIALISED:
+                continue
+            if _matches(ins[1], float_shapes):
+                found.append(f"{ins[1][0]}[{','.join(map(str, ins[1][1]))}] ({ins[0]})")
+    return found
 
 
 def _pool_aliased(text: str, entry: list[str], pool_shapes: set[Shape]) -> bool:

@@ -68,3 +68,21 @@ def test_compile_only_devices_need_the_cuda_plugin():
             gpu_aot.compile_only_sharding(gpu_targets.target_config_path("h200").read_text())
     else:
         pytest.skip("the CUDA plugin is installed here: scripts/gpu_aot_check.py covers this path")
+
+
+def test_a_dequantized_weight_copy_is_found_where_the_convert_is_not_fused():
+    """XLA:CPU converts an int8 weight to float before its dot (a weight-sized float buffer);
+    the int8 x int8 path reads the int8 weight as stored. (On a GPU the check runs on the H200
+    programs: scripts/gpu_aot_check.py --quantization.)"""
+    from jaxserve.bench.hlo_stats import dequantized_copies
+    from jaxserve.layers.quantized_linear import quantized_linear
+
+    x = jnp.ones((16, 256), jnp.float32)
+    kernel = jnp.ones((256, 512), jnp.int8)
+    scale = jnp.ones((512,), jnp.float32)
+    floats = {(f, (256, 512)) for f in ("bf16", "f32")}
+    w8a16 = jax.jit(lambda x, k, s: quantized_linear(x, k, s)).lower(x, kernel, scale).compile().as_text()
+    w8a8 = jax.jit(lambda x, k, s: quantized_linear(x, k, s, int8_activations=True)).lower(
+        x, kernel, scale).compile().as_text()
+    assert dequantized_copies(w8a16, floats)
+    assert dequantized_copies(w8a8, floats) == []
