@@ -69,14 +69,14 @@ FEATURES: tuple[Feature, ...] = (
     Feature("tp2", "tensor parallel 2", _kw(tensor_parallel_size=2), group="parallel"),
     Feature("dp2", "data parallel 2", _kw(data_parallel_size=2), group="parallel"),
     Feature("sliding_window", "sliding-window model", _kw(), group="model", numerics=True, model="sliding_window"),
-    Feature("moe", "mixture-of-experts model", _kw(), group="model", numerics=True, model="moe"),
+    # expert parallelism is how a MoE model splits over devices (a no-op on one device)
+    Feature("moe", "mixture-of-experts model", _kw(enable_expert_parallel=True), group="model", numerics=True,
+            model="moe"),
 )
 FEATURES_BY_NAME = MappingProxyType({f.name: f for f in FEATURES})
 
 # Pairs refused by design, with why; the configuration raises a ConfigError naming both.
 REFUSED_PAIRS: Mapping[frozenset[str], str] = MappingProxyType({
-    frozenset(("moe", "tp2")): "a mixture-of-experts model runs on one device for now (no expert or tensor "
-                               "parallelism of the experts yet)",
     frozenset(("gguf", "tp2")): "a GGUF file's kept blocks are served on one device (serve the file dequantized "
                                 "to split it)",
 })

@@ -39,8 +39,9 @@ class ParallelConfig(SubConfig):
     lost: rank 0 then fails its requests and /health answers 503."""
 
     enable_expert_parallel: bool = False
-    """Split a mixture-of-experts model's experts over the devices (vLLM's flag). Not supported
-    yet: a MoE model runs on one device with every expert."""
+    """Split a mixture-of-experts model's experts whole over the tensor-parallel devices (vLLM's
+    flag): each holds num_experts / tensor_parallel_size of them, attention stays split by heads.
+    A MoE model needs it for tensor_parallel_size > 1; a dense model ignores it."""
 
     def validate(self) -> None:
         if self.data_parallel_size < 1:
@@ -61,9 +62,6 @@ class ParallelConfig(SubConfig):
                            "holds an equal share of the mesh")
         if self.node_heartbeat_timeout_s < 1:
             raise self.bad("node_heartbeat_timeout_s", "must be >= 1")
-        if self.enable_expert_parallel:
-            raise self.bad("enable_expert_parallel", "expert parallelism is not supported yet (MoE models run "
-                           "on one device)")
 
     @property
     def is_multi_node(self) -> bool:

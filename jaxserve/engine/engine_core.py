@@ -142,6 +142,8 @@ class EngineCore:
         from jaxserve.engine.kv_cache_setup import make_kv_cache_manager
         from jaxserve.models import load_model
         from jaxserve.models.contract import check_model_object
+        from jaxserve.models.loader import checkpoint_config
+        from jaxserve.models.tp_layout import check_tensor_parallel_size
         from jaxserve.runner.compilation import enable_persistent_compilation_cache
         from jaxserve.runner.kv_cache import configure_xla_allocator
         from jaxserve.runner.mesh import make_mesh, param_sharding, select_devices
@@ -151,6 +153,11 @@ class EngineCore:
         if not config.enforce_eager:  # eager mode's per-op programs are not worth caching on disk
             enable_persistent_compilation_cache(config.resolved_compilation_cache_dir())
         tp = config.tensor_parallel_size
+        if model is None and self.model_source is not None:
+            # before devices are taken and weights read: a split the model cannot take (MoE without
+            # expert parallelism among them) is refused naming why
+            check_tensor_parallel_size(checkpoint_config(str(self.model_source.path)), tp,
+                                       config.enable_expert_parallel)
         devices = self.devices
         if config.is_multi_node and devices is None:
             from jaxserve.distributed.runtime import node_devices

@@ -155,7 +155,7 @@ class LlamaDecoderLayer(nnx.Module):
         hidden = hidden + attn
         normed = self.post_attention_layernorm(hidden)
         if isinstance(self.mlp, SparseMoeBlock):
-            hidden = hidden + self.mlp(normed)  # no LoRA on the experts (adapters target the dense MLP)
+            hidden = hidden + self.mlp(normed, ctx.mesh)  # no LoRA on the experts (adapters target the dense MLP)
         else:
             hidden = hidden + self.mlp(normed, ctx.lora, layer)
         return hidden, kv

@@ -274,7 +274,7 @@ def state_from_tensors(get: Callable[[str], np.ndarray], cfg: ModelConfig, shape
     elif quantization is not None:
         per_layer = _quantized_readers(per_layer, layout, quantization)
     if cfg.is_moe:  # the experts stay float under every --quantization
-        per_layer.update(_moe_readers(get, cfg))
+        per_layer.update(_moe_readers(get, cfg, layout))
     prefixes = [f"model.layers.{i}." for i in range(cfg.num_hidden_layers)]
 
     def reader(path: ParamPath) -> ShardReader:
@@ -399,22 +399,26 @@ def _layer_readers(get: Callable[[str], np.ndarray],
     }
 
 
-def _moe_readers(get: Callable[[str], np.ndarray],
-                 cfg: ModelConfig) -> dict[ParamPath, Callable[[str, int], np.ndarray]]:
-    """The router as a ``[hidden, E]`` kernel and the experts stacked: ``gate_up_proj [E, hidden,
-    2 * inter]`` (``[gate | up]`` columns) and ``down_proj [E, inter, hidden]`` (replicated)."""
+def _moe_readers(get: Callable[[str], np.ndarray], cfg: ModelConfig,
+                 layout: TPLayout) -> dict[ParamPath, Callable[[str, int], np.ndarray]]:
+    """The router as a ``[hidden, E]`` kernel (replicated) and the experts stacked: ``gate_up_proj
+    [E, hidden, 2 * inter]`` (``[gate | up]`` columns) and ``down_proj [E, inter, hidden]``; shard
+    ``s`` reads only its own whole experts (expert parallelism, :mod:`.tp_layout`)."""
     block, gate, up, down = moe_names(cfg)
-    experts = range(cfg.num_experts)
+    per = cfg.num_experts // layout.size
 
-    def gate_up(p: str) -> np.ndarray:
+    def experts(s: int) -> range:
+        return range(s * per, (s + 1) * per)
+
+    def gate_up(p: str, s: int) -> np.ndarray:
         return np.stack([np.concatenate([get(f"{p}{block}experts.{e}.{gate}.weight"),
-                                         get(f"{p}{block}experts.{e}.{up}.weight")]).T for e in experts])
+                                         get(f"{p}{block}experts.{e}.{up}.weight")]).T for e in experts(s)])
 
     return {
         ("mlp", "gate", "kernel"): lambda p, s: get(p + block + "gate.weight").T,
-        ("mlp", "experts", "gate_up_proj"): lambda p, s: gate_up(p),
+        ("mlp", "experts", "gate_up_proj"): gate_up,
         ("mlp", "experts", "down_proj"): lambda p, s: np.stack(
-            [get(f"{p}{block}experts.{e}.{down}.weight").T for e in experts]),
+            [get(f"{p}{block}experts.{e}.{down}.weight").T for e in experts(s)]),
     }
 
 

@@ -9,6 +9,12 @@ multiplies each expert's contiguous rows by its own weight, so the work is that 
 experts only. :func:`dense_moe` runs every expert on every token, weighted by a one-hot mix: on
 XLA:CPU it is the faster of the two (``ragged_dot`` lowers to a slow loop there; figures in
 docs/benchmarks.md), so :func:`default_grouped` picks it on a CPU and ``ragged_dot`` elsewhere.
+
+Expert parallelism (a mesh of N devices): each device holds E / N whole experts. Tokens are
+already on every device (the attention's all-reduce leaves them replicated), so there is no
+dispatch collective: every device routes all tokens, runs the pairs of its own experts (the
+others weighted 0) and one ``psum`` per layer adds the devices' partial outputs: an all-reduce in
+the step's HLO, as the dense MLP's down projection has.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxserve.layers.linear import Linear
+from jaxserve.layers.shard import shard_map
 
 
 def default_grouped(platform: str | None = None) -> bool:
@@ -82,7 +90,27 @@ class SparseMoeBlock(nnx.Module):
         self.gate = Linear(hidden, num_experts, param_dtype=param_dtype, rngs=rngs)
         self.experts = MoEExperts(num_experts, hidden, inter, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, mesh: Mesh | None = None) -> jax.Array:
         weights, ids = route(self.gate(x), self.top_k, self.normalize)
         fn = grouped_moe if self.grouped else dense_moe
-        return fn(x, weights, ids, self.experts.gate_up_proj[...], self.experts.down_proj[...]).astype(x.dtype)
+        gate_up, down = self.experts.gate_up_proj[...], self.experts.down_proj[...]
+        if mesh is not None and mesh.size > 1:
+            return expert_parallel_moe(fn, mesh, x, weights, ids, gate_up, down).astype(x.dtype)
+        return fn(x, weights, ids, gate_up, down).astype(x.dtype)
+
+
+def expert_parallel_moe(fn, mesh: Mesh, x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
+                        down: jax.Array) -> jax.Array:
+    """``fn`` (grouped or dense) with the experts split whole over ``mesh`` (module docstring)."""
+    axes = mesh.axis_names
+    experts_spec = PartitionSpec(axes, None, None)
+
+    def local(x, weights, ids, gate_up, down):
+        num_local = gate_up.shape[0]
+        first = jax.lax.axis_index(axes) * num_local
+        mine = (ids >= first) & (ids < first + num_local)
+        out = fn(x, jnp.where(mine, weights, 0.0), jnp.where(mine, ids - first, 0), gate_up, down)
+        return jax.lax.psum(out, axes)
+
+    return shard_map(local, mesh, in_specs=(PartitionSpec(),) * 3 + (experts_spec,) * 2,
+                     out_specs=PartitionSpec())(x, weights, ids, gate_up, down)

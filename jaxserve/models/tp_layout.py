@@ -37,6 +37,10 @@ SPLIT_AXES: dict[tuple[str, ...], int] = {
     ("mlp", "gate_up_proj", "bias"): 0,
     ("mlp", "gate_up_proj", "kernel_scale"): 0,
     ("mlp", "down_proj", "kernel"): 0,
+    # A mixture-of-experts layer's experts are split whole (expert parallelism): shard s holds
+    # experts [s * E / size, (s + 1) * E / size); the router stays replicated.
+    ("mlp", "experts", "gate_up_proj"): 0,
+    ("mlp", "experts", "down_proj"): 0,
 }
 
 
@@ -47,8 +51,12 @@ def split_axis(path: tuple) -> int | None:
     return SPLIT_AXES.get(names)
 
 
-def check_tensor_parallel_size(cfg: ModelConfig, size: int) -> None:
-    """A ValueError naming the head count (or the width) that ``size`` does not divide."""
+def check_tensor_parallel_size(cfg: ModelConfig, size: int, expert_parallel: bool | None = None) -> None:
+    """A ValueError naming the head count (or the width) that ``size`` does not divide.
+
+    A mixture-of-experts model splits its experts whole over the devices (vLLM's expert
+    parallelism), so ``size`` must divide the expert count; ``expert_parallel`` is the engine's
+    ``enable_expert_parallel``, which such a split needs (None: not checked, the model is built)."""
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
@@ -58,8 +66,13 @@ def check_tensor_parallel_size(cfg: ModelConfig, size: int) -> None:
         raise ValueError(f"tensor_parallel_size {size} and the model's {kv_heads} key/value heads: one must "
                          "divide the other")
     if cfg.is_moe and size > 1:
-        raise ConfigError(f"tensor_parallel_size {size}: a mixture-of-experts model ({cfg.architecture}) runs on "
-                          "one device only for now")
+        if expert_parallel is False:
+            raise ConfigError(f"tensor_parallel_size {size} with a mixture-of-experts model ({cfg.architecture}): "
+                              "its experts are split whole over the devices; pass enable_expert_parallel "
+                              "(--enable-expert-parallel)")
+        if cfg.num_experts % size:
+            raise ValueError(f"tensor_parallel_size {size} does not divide the model's {cfg.num_experts} experts "
+                             "(expert parallelism splits them whole)")
     if cfg.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's intermediate_size "
                          f"{cfg.intermediate_size}")

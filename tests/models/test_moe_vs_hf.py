@@ -12,6 +12,7 @@ import pytest
 from jaxserve.exceptions import ConfigError
 from jaxserve.models import ModelConfig, load_model
 from jaxserve.models.moe import dense_moe, grouped_moe, route
+from jaxserve.models.tp_layout import check_tensor_parallel_size
 from tests.models.paged_sequence import PagedSequence, prompt
 from tests.models.test_model_vs_hf import hf_greedy, hf_logits
 from tests.tiny_models import TINY_MOE_CONFIGS, build_tiny_checkpoint
@@ -93,15 +94,23 @@ def test_unsupported_moe_configs(checkpoints):
            "moe_intermediate_size": 4, "mlp_only_layers": [1]}
     with pytest.raises(ConfigError, match="mlp_only_layers"):
         ModelConfig.from_dict(cfg)
-    with pytest.raises(ValueError, match="one device"):
-        load_model(checkpoints["MixtralForCausalLM"], tensor_parallel_size=2)
+    split = ModelConfig.from_dict({**cfg, "mlp_only_layers": [], "num_attention_heads": 4,
+                                   "num_key_value_heads": 2, "num_experts": 6})
+    with pytest.raises(ValueError, match="does not divide the model's 6 experts"):
+        check_tensor_parallel_size(split, 4)
 
 
-def test_expert_parallel_flag_refused():
+def test_tensor_parallel_moe_needs_expert_parallelism(checkpoints):
+    """Expert parallelism is how a MoE model is split; without the flag the engine refuses before
+    reading a weight, naming it. (Split runs: tests/parallel/test_tp_engine.py.)"""
+    from jaxserve import LLM
     from jaxserve.config import EngineConfig
 
+    assert EngineConfig(enable_expert_parallel=True).enable_expert_parallel  # a dense model ignores it
     with pytest.raises(ConfigError, match="enable_expert_parallel"):
-        EngineConfig(enable_expert_parallel=True)
+        LLM(checkpoints["MixtralForCausalLM"], tensor_parallel_size=2)
+    model = load_model(checkpoints["MixtralForCausalLM"], tensor_parallel_size=2)  # the layout only
+    assert model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8
 
 
 def test_gemma3_refused_with_its_reason():

@@ -28,12 +28,15 @@ HEADS = 8  # every tensor-parallel size up to DEVICES divides them
 # (architecture, tensor_parallel_size, attention backend): TP=1 is each architecture's reference.
 # Qwen3 (q/k norms, tied embeddings, head_dim apart from hidden) runs every size; Mistral's single
 # key/value head is replicated on 8 shards, through the C++ cpu kernel; Qwen2 brings the q|k|v
-# biases (otherwise it is Llama). --full runs every size on every architecture.
+# biases (otherwise it is Llama); Qwen3-MoE runs with enable_expert_parallel. --full runs every
+# size on every dense architecture.
 CASES = [
     ("Qwen3ForCausalLM", 1, "xla"), ("Qwen3ForCausalLM", 2, "xla"), ("Qwen3ForCausalLM", 4, "xla"),
     ("Qwen3ForCausalLM", 8, "xla"),
     ("MistralForCausalLM", 1, "xla"), ("MistralForCausalLM", 8, "cpu"),
     ("Qwen2ForCausalLM", 1, "xla"), ("Qwen2ForCausalLM", 4, "xla"),
+    # a mixture-of-experts model: attention split by heads, its 8 experts split whole (2 a device)
+    ("Qwen3MoeForCausalLM", 1, "xla"), ("Qwen3MoeForCausalLM", 4, "xla"),
 ]
 FULL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
@@ -50,9 +53,10 @@ def prompts() -> tuple[list[list[int]], list[int]]:
 
 def build_checkpoint(root: Path, arch: str) -> str:
     from jaxserve.models.demo import build_checkpoint
-    from tests.tiny_models import TINY_CONFIGS
+    from tests.tiny_models import TINY_CONFIGS, TINY_MOE_CONFIGS
 
-    return str(build_checkpoint(root / arch, arch, {**TINY_CONFIGS[arch], "num_attention_heads": HEADS}, seed=1))
+    config = {**TINY_CONFIGS, **TINY_MOE_CONFIGS}[arch]
+    return str(build_checkpoint(root / arch, arch, {**config, "num_attention_heads": HEADS}, seed=1))
 
 
 def run_case(path: str, tp: int, backend: str) -> dict:
@@ -61,7 +65,8 @@ def run_case(path: str, tp: int, backend: str) -> dict:
     from jaxserve.models.tp_layout import TPLayout
     from jaxserve.runner.mesh import bytes_per_device
 
-    llm = LLM(path, tensor_parallel_size=tp, attention_backend=backend, show_progress=False, **ENGINE)
+    llm = LLM(path, tensor_parallel_size=tp, attention_backend=backend, show_progress=False,
+              enable_expert_parallel="Moe" in Path(path).name, **ENGINE)
     core = llm.llm_engine.core
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=LOGPROBS)
     first, extended = prompts()
