@@ -19,7 +19,8 @@ def add_embed_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-texts", type=int, default=256, help="texts per turn (default: 256)")
     p.add_argument("--min-len", type=int, default=16, help="shortest text, in tokens (default: 16)")
     p.add_argument("--max-len", type=int, default=512, help="longest text, in tokens (default: 512)")
-    p.add_argument("--batch-size", type=int, default=32, help="batch of both sides (default: 32)")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="sentence-transformers' batch (default: 32); ours is the token budget")
     p.add_argument("--turns", type=int, default=3, help="alternated turns of each side (default: 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random texts (default: 0)")
 
@@ -40,8 +41,8 @@ def run_embed_bench_cli(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [rng.integers(5, vocab, n).tolist() for n in lengths]
     tokens = int(lengths.sum())
 
-    def ours() -> np.ndarray:
-        return pooling.runner.run(prompts, max_batch=args.batch_size)
+    def ours() -> np.ndarray:  # every text a request: the scheduler batches them by its token budget
+        return pooling.run(prompts)
 
     def theirs() -> np.ndarray:
         out = []
