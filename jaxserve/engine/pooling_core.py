@@ -53,6 +53,8 @@ def build_pooling_parts(config: EngineConfig, path: str, task: str, max_model_le
 
     if config.is_multi_node or config.tensor_parallel_size > 1:
         raise ConfigError("tensor_parallel_size: a pooling model runs on one device")
+    if config.data_parallel_size > 1:
+        raise ConfigError("data_parallel_size: a pooling model runs one engine (no replicas yet)")
     pooler = resolve_pooler_config(task, path, config.pooler_config)
     encoder = is_encoder_folder(path)
     caching = config.enable_prefix_caching and not encoder and pooler.pooling_type == "LAST"

@@ -94,6 +94,7 @@ class PoolingModelRunner:
         self.is_encoder = is_encoder_folder(folder)
         self.stats = CompileStats()
         self.requests: dict[str, _PoolingRequest] = {}
+        self.num_partial_chunks = 0  # chunks that did not end their prompt (chunked prefill at work)
         self.mc: Any = None
         if self.is_encoder:
             bert_cfg, self.weights = load_bert(folder, dtype)
@@ -113,7 +114,7 @@ class PoolingModelRunner:
         from jaxserve.models.safetensors_io import open_checkpoint_files
         from jaxserve.runner.model_runner import resolve_attention_backend
 
-        model = load_model(folder, dtype=dtype)
+        model = load_model(folder, dtype=dtype, quantization=self.config.quantization)
         self.mc = model.config
         self.hidden_size = self.mc.hidden_size
         cfg = self.config
@@ -148,7 +149,7 @@ class PoolingModelRunner:
     def describe(self) -> dict:
         return {"num_gpu_blocks": self.num_blocks, "attention_backend": self.attention_backend,
                 "token_buckets": list(self.buckets), "pooling_task": self.task,
-                "pooling_type": self.pooler.pooling_type}
+                "pooling_type": self.pooler.pooling_type, "pooling_partial_chunks": self.num_partial_chunks}
 
     def warm_up(self, show_progress: bool = True) -> None:
         """Compile and run every bucket once on padding, so no request waits for a compile."""
@@ -255,6 +256,7 @@ class PoolingModelRunner:
                 pooled[req_id] = np.array(out[i])
             elif req_id in self.requests:
                 self.requests[req_id].carry = np.array(carry[i])
+                self.num_partial_chunks += 1
         req_ids = list(step.req_ids)
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=[[] for _ in req_ids], pooler_output=pooled)

@@ -125,3 +125,12 @@ def test_bad_input_is_a_clear_error_and_the_engine_goes_on(decoder, tmp_path):
     assert llm.embed([list(range(3, 67))], truncate_prompt_tokens=64)[0].prompt_token_ids[-1] == 66
     np.testing.assert_allclose(llm.embed(["hello"])[0].outputs.embedding, good, rtol=1e-5, atol=1e-6)
     assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("flag", ["tensor_parallel_size", "data_parallel_size"])
+def test_one_device_one_engine(decoder, tmp_path, flag):
+    from jaxserve.exceptions import ConfigError
+
+    folder = st_folder(decoder, tmp_path, "pooling_mode_lasttoken")
+    with pytest.raises(ConfigError, match=f"{flag}: a pooling model"):
+        LLM(str(folder), max_model_len=64, **{flag: 2})
