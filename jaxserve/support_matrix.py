@@ -41,6 +41,7 @@ class Feature:
     numerics: bool = False  # changes the numbers: the reference engine keeps it
     in_workload: bool = False  # a request-side feature: every engine's workload exercises it
     model: str | None = None  # a tiny checkpoint of its own (tests/matrix builds it by this name)
+    pools: bool = False  # a pooling model: its workload embeds, so request-side sampling features do not apply
 
 
 def _kw(**kwargs: Any) -> Mapping[str, Any]:
@@ -72,6 +73,7 @@ FEATURES: tuple[Feature, ...] = (
     # expert parallelism is how a MoE model splits over devices (a no-op on one device)
     Feature("moe", "mixture-of-experts model", _kw(enable_expert_parallel=True), group="model", numerics=True,
             model="moe"),
+    Feature("pooling", "pooling model (embed)", _kw(), group="model", numerics=True, model="pooling", pools=True),
 )
 FEATURES_BY_NAME = MappingProxyType({f.name: f for f in FEATURES})
 
@@ -79,6 +81,16 @@ FEATURES_BY_NAME = MappingProxyType({f.name: f for f in FEATURES})
 REFUSED_PAIRS: Mapping[frozenset[str], str] = MappingProxyType({
     frozenset(("gguf", "tp2")): "a GGUF file's kept blocks are served on one device (serve the file dequantized "
                                 "to split it)",
+    frozenset(("pooling", "tp2")): "a pooling model runs on one device for now",
+    frozenset(("pooling", "dp2")): "a pooling model runs one engine for now (no replicas)",
+})
+
+# Pairs that exist but that no engine of this matrix can show, with why; drawn as alternatives.
+UNREACHED_PAIRS: Mapping[frozenset[str], str] = MappingProxyType({
+    frozenset(("pooling", "preemption")): "a pooling request holds blocks only while its prompt runs and the oldest "
+                                          "takes the whole token budget, so the small pool never preempts one",
+    frozenset(("pooling", "async_scheduling")): "a pooling engine schedules synchronously, as vLLM's does: there is "
+                                                "no sampled token for a next step to overlap",
 })
 
 # Combinations users run together, each held whole by one combination engine.
@@ -100,6 +112,10 @@ def alternatives(a: str, b: str) -> bool:
     """Two settings of one thing (one weight format, one parallelism), or features of two different
     test models: no engine can hold both, by construction rather than by refusal."""
     fa, fb = FEATURES_BY_NAME[a], FEATURES_BY_NAME[b]
+    if (fa.pools and fb.in_workload) or (fb.pools and fa.in_workload):
+        return True  # a pooling model takes no sampling requests
+    if frozenset((a, b)) in UNREACHED_PAIRS:
+        return True
     return bool((fa.group and fa.group == fb.group) or (fa.model and fb.model and fa.model != fb.model))
 
 
@@ -166,8 +182,9 @@ def pair_statuses(results: Mapping[str, Any]) -> dict[frozenset[str], str]:
     statuses: dict[frozenset[str], str] = {}
     workload = [f.name for f in FEATURES if f.in_workload]
     for engine in results["engines"]:
-        held = pairs([*engine["features"], *workload])
-        held |= {frozenset((f,)) for f in [*engine["features"], *workload]}  # the diagonal: the feature at all
+        riding = [] if any(FEATURES_BY_NAME[f].pools for f in engine["features"]) else workload
+        held = pairs([*engine["features"], *riding])
+        held |= {frozenset((f,)) for f in [*engine["features"], *riding]}  # the diagonal: the feature at all
         for pair in held:
             if not engine["passed"]:
                 statuses[pair] = FAIL
@@ -197,7 +214,8 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         "disagrees with its run. What each status means is in `jaxserve/support_matrix.py`.",
         "",
         f"{PASS} tested and passing · {REFUSED} refused by design (reason below) · {FAIL} failing · "
-        f"{EXCLUSIVE} alternatives (one weight format, one parallelism, or two test models) · "
+        f"{EXCLUSIVE} alternatives (one weight format, one parallelism, two test models, sampling "
+        "features with a pooling model, or a pair not reached, below) · "
         f"{NOT_RUN} not in this run",
         "",
         "| feature | " + " | ".join(short[n] for n in names) + " |",
@@ -213,10 +231,15 @@ def render_markdown(results: Mapping[str, Any]) -> str:
             lines.append(f"- {FEATURES_BY_NAME[a].label} with {FEATURES_BY_NAME[b].label}: {why}")
     else:
         lines.append("- none")
+    lines += ["", "## Not reached by this matrix", ""]
+    for pair, why in sorted(UNREACHED_PAIRS.items(), key=lambda kv: sorted(kv[0])):
+        a, b = sorted(pair)
+        lines.append(f"- {FEATURES_BY_NAME[a].label} with {FEATURES_BY_NAME[b].label}: {why}")
     lines += ["", "## The combination engines of the last run", "",
               "Each is compared with its reference: the same model, weight and cache formats and attention",
               "kernel on one device, with chunked prefill, prefix caching, async scheduling and preemption",
-              "off. Every workload also asks for `n > 1` seeded samples and a regex-constrained output.", "",
+              "off. Every workload also asks for `n > 1` seeded samples and a regex-constrained output; a",
+              "pooling engine embeds the same prompts instead, compared with its reference's vectors.", "",
               "| engine | features | result |", "|---|---|---|"]
     for i, engine in enumerate(results["engines"]):
         labels = ", ".join(FEATURES_BY_NAME[f].label for f in engine["features"])

@@ -1,7 +1,9 @@
 """``jaxserve bench embed``: texts/s and tokens/s of a pooling model against sentence-transformers.
 
 Both embed the same token ids (random ids of random lengths), turn by turn, alternated, each warmed
-up once first; the JSON holds every turn and the median ratio with its spread.
+up once first; the JSON holds every turn and the median ratio with its spread. Ours sends every text
+as a request through the engine core (the scheduler packs them by its token budget);
+sentence-transformers runs its batches longest first, as its ``encode`` does.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ def add_embed_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-texts", type=int, default=256, help="texts per turn (default: 256)")
     p.add_argument("--min-len", type=int, default=16, help="shortest text, in tokens (default: 16)")
     p.add_argument("--max-len", type=int, default=512, help="longest text, in tokens (default: 512)")
-    p.add_argument("--batch-size", type=int, default=32, help="batch of both sides (default: 32)")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="sentence-transformers' batch (default: 32); ours is the token budget")
     p.add_argument("--turns", type=int, default=3, help="alternated turns of each side (default: 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random texts (default: 0)")
 
@@ -40,14 +43,17 @@ def run_embed_bench_cli(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [rng.integers(5, vocab, n).tolist() for n in lengths]
     tokens = int(lengths.sum())
 
-    def ours() -> np.ndarray:
-        return pooling.runner.run(prompts, max_batch=args.batch_size)
+    def ours() -> np.ndarray:  # every text a request: the scheduler batches them by its token budget
+        return pooling.run(prompts)
+
+    # Longest first, as SentenceTransformer.encode orders a batch (so each batch pads little).
+    by_length = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
 
     def theirs() -> np.ndarray:
         out = []
         with torch.inference_mode():
             for s in range(0, len(prompts), args.batch_size):
-                part = prompts[s:s + args.batch_size]
+                part = [prompts[i] for i in by_length[s:s + args.batch_size]]
                 width = max(len(p) for p in part)
                 ids = torch.zeros((len(part), width), dtype=torch.long)
                 mask = torch.zeros_like(ids)
@@ -55,7 +61,8 @@ def run_embed_bench_cli(args: argparse.Namespace) -> dict[str, Any]:
                     ids[i, :len(p)] = torch.tensor(p)
                     mask[i, :len(p)] = 1
                 out.append(st({"input_ids": ids, "attention_mask": mask})["sentence_embedding"].numpy())
-        return np.concatenate(out)
+        rows = np.concatenate(out)
+        return rows[np.argsort(by_length)]  # back in the prompts' order
 
     # Warm-up (compiles every bucket; fills torch's caches) and the agreement of the two sides.
     a, b = ours(), theirs()

@@ -8,6 +8,7 @@ import time
 from jaxserve.core import kv_cache_utils
 from jaxserve.core.kv_cache_utils import BlockHash
 from jaxserve.core.multimodal import MultiModalFeatureSpec
+from jaxserve.core.pooling_params import PoolingParams
 from jaxserve.core.sampling_params import SamplingParams
 
 
@@ -71,6 +72,7 @@ class Request:
         lora_name: str | None = None,
         block_size: int | None = None,
         mm_features: list[MultiModalFeatureSpec] | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -81,6 +83,8 @@ class Request:
         self.lora_name = lora_name
         # Images, in prompt order; their hashes key the blocks their placeholders overlap.
         self.mm_features: list[MultiModalFeatureSpec] = list(mm_features or ())
+        # A pooling request: finished by its prefill's pooled output, never sampled.
+        self.pooling_params = pooling_params
 
         self.status = RequestStatus.WAITING_FOR_FSM if self.use_structured_output else RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -20,8 +20,10 @@ Runner contract:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxserve.core.multimodal import MultiModalFeatureSpec
+from jaxserve.core.pooling_params import PoolingParams
 from jaxserve.core.sampling_params import SamplingParams
 
 # One position's logprobs: (token ids, logprobs, rank of the chosen token); index 0 is the chosen
@@ -40,6 +42,7 @@ class NewRequestData:
     num_computed_tokens: int      # tokens already in the KV cache (prefix hit or 0)
     output_token_ids: list[int]   # non-empty only when resumed after preemption (recompute)
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)  # images, prompt order
+    pooling_params: PoolingParams | None = None  # a pooling request: pooled after its prefill, never sampled
 
 
 @dataclass
@@ -90,6 +93,9 @@ class ModelRunnerOutput:
     # for the next step. With drafts scheduled, ``sampled_token_ids`` holds the accepted drafts
     # then one token of the target's own (at most K+1 tokens).
     spec_token_ids: list[list[int]] | None = None
+    # Pooling: request id -> its pooled vector (a float array), for each request whose prefill
+    # ended this step; a request whose prefill goes on (a chunk) is not in it.
+    pooler_output: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)  # one per request per step: slots keep it small and cheap for the GC
@@ -101,6 +107,7 @@ class EngineCoreOutput:
     new_logprobs: LogprobsRow | None = None
     new_prompt_logprobs: list[LogprobsRow] | None = None
     num_cached_tokens: int = 0
+    pooling_output: Any = None  # a pooling request's vector (it finishes with it)
 
     @property
     def finished(self) -> bool:

@@ -177,7 +177,9 @@ class Scheduler:
         n = request.num_prompt_tokens
         if request.request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
-        assert 0 < n < self.max_model_len, f"prompt of {n} tokens with max_model_len={self.max_model_len}"
+        # A pooling prompt may fill max_model_len: it needs no room for an output token.
+        room = 0 if request.pooling_params is not None else 1
+        assert 0 < n <= self.max_model_len - room, f"prompt of {n} tokens with max_model_len={self.max_model_len}"
         assert self.scheduler_config.enable_chunked_prefill or n <= self.max_num_batched_tokens, (
             f"prompt of {n} tokens over max_num_batched_tokens={self.max_num_batched_tokens} without chunking")
         if request.max_tokens is None:
@@ -397,7 +399,7 @@ class Scheduler:
                            block_ids=kv.get_block_ids(r.request_id),
                            num_computed_tokens=r.num_computed_tokens,
                            output_token_ids=list(r.output_token_ids),
-                           mm_features=r.mm_features)
+                           mm_features=r.mm_features, pooling_params=r.pooling_params)
             for r in scheduled_new]
         cached_reqs_data = CachedRequestData(
             req_ids=[r.request_id for r in scheduled_running],
@@ -513,6 +515,7 @@ class Scheduler:
         scheduled_spec = scheduler_output.scheduled_spec_decode_tokens
         new_drafts = model_runner_output.spec_token_ids
         spec_stats = self.spec_decoding_stats
+        pooled_of = model_runner_output.pooler_output or {}
         requests = self.requests
         running_status = RequestStatus.RUNNING
         check_stop = self._check_stop
@@ -541,6 +544,13 @@ class Scheduler:
                     continue
             if request.status is not running_status:
                 continue  # preempted after this step was scheduled
+            pooled = pooled_of.get(req_id)
+            if pooled is not None:  # a pooling request ends with its prefill (vLLM: stopped)
+                request.status = RequestStatus.FINISHED_STOPPED
+                stopped.append(request)
+                outputs.append(EngineCoreOutput(req_id, [], "stop", None, None, None,
+                                                max(request.num_cached_tokens, 0), pooled))
+                continue
             drafts = scheduled_spec.get(req_id) if scheduled_spec else None
             if drafts and tokens:
                 # K drafts, accepted a of them: a+1 tokens came back, K-a positions roll back.

@@ -35,7 +35,7 @@ from jaxserve.engine.executor import LocalExecutor, StepExecutor
 from jaxserve.engine.startup import StartupTimes
 from jaxserve.engine.step_clock import StepClock
 from jaxserve.engine.step_records import StepRecord
-from jaxserve.exceptions import ConfigError
+from jaxserve.exceptions import ConfigError, InvalidRequestError
 from jaxserve.models.hub import ModelSource, resolve_model
 
 if TYPE_CHECKING:
@@ -138,7 +138,44 @@ class EngineCore:
         if model is None:
             with self.startup.phase("model"):  # before this thread imports jax: a wrong name fails fast
                 self.model_source = resolve_model_source(config)
+        from jaxserve.engine.pooling_core import build_pooling_parts, max_position_embeddings, pooling_task_for
 
+        # A pooling model (an embedder, a classifier): the same scheduler, its own runner.
+        self.pooling_task = (pooling_task_for(config, str(self.model_source.path))
+                             if self.model_source is not None else None)
+        if self.pooling_task is not None:
+            assert self.model_source is not None
+            if not config.enforce_eager:
+                from jaxserve.runner.compilation import enable_persistent_compilation_cache
+
+                enable_persistent_compilation_cache(config.resolved_compilation_cache_dir())
+            with self.startup.phase("runner"):
+                path = str(self.model_source.path)
+                parts = build_pooling_parts(config, path, self.pooling_task,
+                                            resolve_max_model_len(config, max_position_embeddings(path)))
+            self.runner, self.scheduler, self.max_model_len = parts.runner, parts.scheduler, parts.max_model_len
+            self.model_config = parts.runner.mc
+        else:
+            self._start_generation(config, model)
+        # record_steps=True (notebooks, the bench's profile) keeps at least 10 000 records.
+        ring = max(config.max_step_records, 10_000 if record_steps else 0)
+        self.step_records: collections.deque[StepRecord] | None = collections.deque(maxlen=ring) if ring else None
+        self.last_stats: SchedulerStats = self.scheduler.make_stats()
+        self._in_flight: InFlightStep | None = None  # async scheduling: dispatched, not yet collected
+        self.structured_outputs: StructuredOutputManager | None = None  # set by enable_structured_outputs
+        self._in_flight_record: StepRecord | None = None
+        self._last_step_end = time.monotonic()
+        self._last_device_end = 0.0
+        self.runner.warm_up(show_progress)
+        self.startup.add("compile", self.runner.stats.warm_up_compile_seconds)
+        self.startup.add("first_runs", self.runner.stats.warm_up_run_seconds)
+        # Rank 0 of a multi-node engine sends its runner calls on; the others replay them (headless).
+        self.executor: StepExecutor = LocalExecutor(self.runner)
+        if config.is_multi_node and config.node_rank == 0:
+            self.executor = _start_leader(self)
+
+    def _start_generation(self, config: EngineConfig, model: Any) -> None:
+        """The generating model's weights, runner and scheduler."""
         from jaxserve.engine.kv_cache_setup import make_kv_cache_manager
         from jaxserve.models import load_model
         from jaxserve.models.contract import check_model_object
@@ -192,22 +229,6 @@ class EngineCore:
                                   config.enable_prefix_caching),
             num_blocks=self.runner.num_blocks, block_size=config.block_size,
             enable_caching=config.enable_prefix_caching)
-        # record_steps=True (notebooks, the bench's profile) keeps at least 10 000 records.
-        ring = max(config.max_step_records, 10_000 if record_steps else 0)
-        self.step_records: collections.deque[StepRecord] | None = collections.deque(maxlen=ring) if ring else None
-        self.last_stats: SchedulerStats = self.scheduler.make_stats()
-        self._in_flight: InFlightStep | None = None  # async scheduling: dispatched, not yet collected
-        self.structured_outputs: StructuredOutputManager | None = None  # set by enable_structured_outputs
-        self._in_flight_record: StepRecord | None = None
-        self._last_step_end = time.monotonic()
-        self._last_device_end = 0.0
-        self.runner.warm_up(show_progress)
-        self.startup.add("compile", self.runner.stats.warm_up_compile_seconds)
-        self.startup.add("first_runs", self.runner.stats.warm_up_run_seconds)
-        # Rank 0 of a multi-node engine sends its runner calls on; the others replay them (headless).
-        self.executor: StepExecutor = LocalExecutor(self.runner)
-        if config.is_multi_node and config.node_rank == 0:
-            self.executor = _start_leader(self)
 
     def _serving_dtype(self, path: str, platform: str) -> str:
         """``config.dtype`` made concrete for the checkpoint and the device, before any weight is read."""
@@ -241,6 +262,9 @@ class EngineCore:
         self.scheduler.structured_outputs = self.structured_outputs
 
     def add_request(self, request: Request) -> None:
+        if (request.pooling_params is not None) != (self.pooling_task is not None):
+            kind, other = ("a pooling", "generation") if self.pooling_task else ("a generating", "pooling")
+            raise InvalidRequestError("model", f"this is {kind} model: a {other} request cannot run on it")
         params = request.sampling_params.structured_outputs
         if params is not None:
             if self.structured_outputs is None:  # the input processor refuses these first
@@ -261,7 +285,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         failed = self._finish_failed_grammars() if self.structured_outputs is not None else []
         with self.on_devices():
-            outputs = self._step_async() if self.config.async_scheduling else self._step_sync()
+            outputs = self._step_async() if self.scheduler.scheduler_config.async_scheduling else self._step_sync()
         return failed + outputs if failed else outputs
 
     def _finish_failed_grammars(self) -> list[EngineCoreOutput]:

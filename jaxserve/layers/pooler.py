@@ -35,6 +35,32 @@ def pool(hidden: jax.Array, starts: jax.Array, lens: jax.Array, pooling_type: st
     return jnp.where(present, picked, 0.0)
 
 
+def pool_chunk(hidden: jax.Array, starts: jax.Array, lens: jax.Array, pooling_type: str,
+               carry: jax.Array, first: jax.Array) -> jax.Array:
+    """``[B, H]`` float32: the pooled state after this step's chunk of each request, from the state
+    ``carry`` its earlier chunks left. LAST: the chunk's last row; CLS: the row at position 0
+    (``first``: the chunk starts the prompt), else the carried one; MEAN: the running sum (divided
+    by the token count once, at the end: :func:`finish_pool`). Rows with ``lens == 0`` keep ``carry``."""
+    h = hidden.astype(jnp.float32)
+    if pooling_type == "LAST":
+        new = h[jnp.maximum(starts + lens - 1, 0)]
+    elif pooling_type == "CLS":
+        new = jnp.where(first[:, None], h[starts], carry)
+    elif pooling_type == "MEAN":
+        owner = token_owner(starts, lens, h.shape[0])
+        new = carry + jax.ops.segment_sum(h, owner, num_segments=starts.shape[0] + 1)[:-1]
+    else:
+        raise ValueError(f"pooling_type: must be LAST, MEAN or CLS, got {pooling_type!r}")
+    return jnp.where((lens > 0)[:, None], new, carry)
+
+
+def finish_pool(state: jax.Array, counts: jax.Array, pooling_type: str) -> jax.Array:
+    """The pooled vector from :func:`pool_chunk`'s state; ``counts``: tokens pooled so far."""
+    if pooling_type == "MEAN":
+        return state / jnp.maximum(counts, 1)[:, None].astype(jnp.float32)
+    return state
+
+
 def embed_head(pooled: jax.Array, *, normalize: bool, dimensions: int | None = None) -> jax.Array:
     """Matryoshka truncation first (then the unit norm holds for the kept prefix), then L2 norm."""
     if dimensions is not None:
@@ -52,6 +78,9 @@ def classify_head(pooled: jax.Array, weight: jax.Array, bias: jax.Array | None =
     logits = pooled @ weight.astype(jnp.float32).T
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
-    if not activation:
-        return logits
+    return activate(logits) if activation else logits
+
+
+def activate(logits: jax.Array) -> jax.Array:
+    """Label probabilities: softmax, or for one label sigmoid (vLLM's classify activation)."""
     return jax.nn.sigmoid(logits) if logits.shape[-1] == 1 else jax.nn.softmax(logits, axis=-1)

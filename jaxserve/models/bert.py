@@ -1,8 +1,9 @@
 """BERT-family encoder (``BertModel``, ``BertForSequenceClassification``): bidirectional, no KV cache.
 
 An encoder reads the whole prompt at once and keeps nothing for later tokens, so it needs neither
-the paged pools nor the scheduler's chunking: a batch is a padded ``[B, L]`` block with a mask,
-one compiled program per ``(B, L)`` bucket. Parameters are a plain dict of arrays named as in the
+the paged pools nor the scheduler's chunking. Served, a step is packed as the scheduler packs a
+decoder's (prompts end to end, a mask keeping each to itself: one program per token bucket);
+the padded ``[B, L]`` form is kept for the reference comparisons. Parameters are a plain dict of arrays named as in the
 checkpoint (without the ``bert.`` prefix), read straight from its safetensors files.
 """
 
@@ -83,13 +84,32 @@ def bert_encode(cfg: BertConfig, p: dict[str, jax.Array], ids: jax.Array, mask: 
     """``[B, L, H]``: the last hidden states of a right-padded batch (``mask`` 1 on real tokens)."""
     _, length = ids.shape
     types = jnp.zeros_like(ids) if token_type_ids is None else token_type_ids
-    x = (p["embeddings.word_embeddings.weight"][ids] + p["embeddings.position_embeddings.weight"][:length][None]
-         + p["embeddings.token_type_embeddings.weight"][types])
-    x = _layer_norm(x, p, "embeddings.LayerNorm", cfg.layer_norm_eps)
-    heads = cfg.num_attention_heads
-    dh = cfg.hidden_size // heads
+    x = _embed(cfg, p, ids, jnp.arange(length)[None], types)
     # Padding keys are masked out; every query attends to every real key (bidirectional).
     bias = jnp.where(mask[:, None, None, :] > 0, 0.0, jnp.finfo(x.dtype).min).astype(x.dtype)
+    return _layers(cfg, p, x, bias)
+
+
+def bert_encode_packed(cfg: BertConfig, p: dict[str, jax.Array], ids: jax.Array, positions: jax.Array,
+                       token_type_ids: jax.Array, segments: jax.Array) -> jax.Array:
+    """``[T, H]``: a packed step's prompts laid end to end (as the scheduler packs them), each token
+    attending to the tokens of its own prompt (``segments``: the prompt of each row; -1 padding)."""
+    x = _embed(cfg, p, ids[None], positions[None], token_type_ids[None])
+    same = (segments[:, None] == segments[None, :]) & (segments[None, :] >= 0)
+    bias = jnp.where(same, 0.0, jnp.finfo(x.dtype).min).astype(x.dtype)[None, None]
+    return _layers(cfg, p, x, bias)[0]
+
+
+def _embed(cfg: BertConfig, p: dict[str, jax.Array], ids: jax.Array, positions: jax.Array,
+           types: jax.Array) -> jax.Array:
+    x = (p["embeddings.word_embeddings.weight"][ids] + p["embeddings.position_embeddings.weight"][positions]
+         + p["embeddings.token_type_embeddings.weight"][types])
+    return _layer_norm(x, p, "embeddings.LayerNorm", cfg.layer_norm_eps)
+
+
+def _layers(cfg: BertConfig, p: dict[str, jax.Array], x: jax.Array, bias: jax.Array) -> jax.Array:
+    heads = cfg.num_attention_heads
+    dh = cfg.hidden_size // heads
     for i in range(cfg.num_hidden_layers):
         pre = f"encoder.layer.{i}."
 
@@ -110,8 +130,12 @@ def bert_encode(cfg: BertConfig, p: dict[str, jax.Array], ids: jax.Array, mask: 
 
 def bert_classify(cfg: BertConfig, p: dict[str, jax.Array], hidden: jax.Array) -> jax.Array:
     """``[B, num_labels]`` logits: BERT's pooler (dense + tanh on the first token) then the classifier."""
-    pooled = jnp.tanh(_dense(hidden[:, 0], p, "pooler.dense"))
-    return _dense(pooled, p, "classifier")
+    return bert_classify_first(p, hidden[:, 0])
+
+
+def bert_classify_first(p: dict[str, jax.Array], first: jax.Array) -> jax.Array:
+    """``[B, num_labels]`` logits from each prompt's first hidden row ``[B, H]``."""
+    return _dense(jnp.tanh(_dense(first, p, "pooler.dense")), p, "classifier")
 
 
 def bert_embed(cfg: BertConfig, p: dict[str, jax.Array], ids: jax.Array, mask: jax.Array, pooler: PoolerConfig,

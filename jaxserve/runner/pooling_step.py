@@ -1,9 +1,12 @@
-"""The compiled pooling step: the decoder's forward, its final norm, a pooler and a head; no sampler.
+"""The compiled pooling steps: a packed step's forward, a pooler carried across chunks, a head; no sampler.
 
-It takes a packed step exactly as the generating step does (ids, KV pools, attention metadata), so
-the scheduler's chunking and the prefix cache apply unchanged; the extra inputs name, per request,
-the rows this step pools (``starts``/``lens``; ``lens == 0`` for a request whose prompt is not
-finished yet, or for padding). One jitted function per bucket: the shapes fix the program.
+Both take a packed step as the scheduler lays it out (prompts' scheduled tokens end to end) and the
+same per-request inputs: ``starts``/``lens`` (the rows each request owns in this step; 0 for padding
+rows), ``carry`` (the pooled state its earlier chunks left), ``first`` (the chunk starts the prompt)
+and ``counts`` (tokens pooled once this chunk is in). They return ``(out, carry, kv)``: ``out`` is
+the head's output for every row, read for the requests whose prompt ends in this step; ``carry`` is
+kept for the others. The decoder writes and reads the paged KV pools (so chunks and prefix hits
+see earlier keys); the encoder keeps none. One jitted program per token bucket: shapes fix it.
 """
 
 from __future__ import annotations
@@ -14,14 +17,16 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxserve.layers.pooler import classify_head, embed_head, pool
+from jaxserve.layers.attention import AttentionMetadata
+from jaxserve.layers.pooler import activate, classify_head, embed_head, finish_pool, pool_chunk
+from jaxserve.models.bert import BertConfig, bert_classify_first, bert_encode_packed
 from jaxserve.models.pooling_config import PoolerConfig
 
+Score = tuple[jax.Array, jax.Array | None]
 
-def pooling_head(hidden: jax.Array, starts: jax.Array, lens: jax.Array, task: str, pooler: PoolerConfig,
-                 score: tuple[jax.Array, jax.Array | None] | None = None) -> jax.Array:
-    """``[B, D]`` float32: embeddings (embed) or label probabilities (classify) from normed hidden rows."""
-    pooled = pool(hidden, starts, lens, pooler.pooling_type)
+
+def pooling_head(pooled: jax.Array, task: str, pooler: PoolerConfig, score: Score | None = None) -> jax.Array:
+    """``[B, D]`` float32: embeddings (embed) or label probabilities (classify) from pooled rows."""
     if task == "embed":
         return embed_head(pooled, normalize=pooler.normalize, dimensions=pooler.dimensions)
     if score is None:
@@ -29,19 +34,42 @@ def pooling_head(hidden: jax.Array, starts: jax.Array, lens: jax.Array, task: st
     return classify_head(pooled, score[0], score[1], activation=pooler.activation)
 
 
-def make_pooling_step(model: nnx.Module, task: str, pooler: PoolerConfig, attn_fn: Callable[..., Any],
-                      score: tuple[jax.Array, jax.Array | None] | None = None):
-    """``(step, state)``: ``step(state, ids, kv, md, starts, lens) -> (out [B, D], kv)``, jitted.
+def _pool(hidden: jax.Array, x: dict[str, jax.Array], pooling_type: str) -> tuple[jax.Array, jax.Array]:
+    """(the state to carry, the pooled vector if the prompt ended here)."""
+    carry = pool_chunk(hidden, x["starts"], x["lens"], pooling_type, x["carry"], x["first"])
+    return carry, finish_pool(carry, x["counts"], pooling_type)
 
-    The KV pools come back updated, so a later chunk of the same prompt (or a prompt sharing its
-    prefix) attends to this one's keys; the pools are donated, as the generating step does."""
-    graphdef, state = nnx.split(model)
 
-    def step(state, ids, kv, md, starts, lens):
-        m: Any = nnx.merge(graphdef, state)
-        hidden, kv = m(ids, kv, md, attn_fn)
-        out = pooling_head(m.norm(hidden), starts, lens, task, pooler, score)
-        return out, kv
+def make_decoder_step(model: nnx.Module, task: str, pooler: PoolerConfig, attn_fn: Callable[..., Any],
+                      score: Score | None = None):
+    """``(step, weights)``: ``step(weights, kv, x) -> (out [R, D], carry [R, H], kv)``, jitted, the
+    pools donated (updated in place, as the generating step does)."""
+    graphdef, weights = nnx.split(model)
 
-    return jax.jit(step, donate_argnums=(2,)), state
+    def step(weights, kv, x):
+        m: Any = nnx.merge(graphdef, weights)
+        md = AttentionMetadata(positions=x["positions"], slot_mapping=x["slot_mapping"],
+                               block_tables=x["block_tables"], kv_lens=x["kv_lens"],
+                               query_start_loc=x["query_start_loc"], num_seqs=x["num_seqs"])
+        hidden, kv = m(x["input_ids"], kv, md, attn_fn)
+        carry, pooled = _pool(m.norm(hidden), x, pooler.pooling_type)
+        return pooling_head(pooled, task, pooler, score), carry, kv
 
+    return jax.jit(step, donate_argnums=(1,)), weights
+
+
+def make_encoder_step(cfg: BertConfig, task: str, pooler: PoolerConfig):
+    """The BERT encoder's step, the same signature; ``kv`` is an empty tuple, returned as it came.
+    A prompt is never chunked here (``first`` is always true): bidirectional attention needs it whole."""
+
+    def step(params, kv, x):
+        hidden = bert_encode_packed(cfg, params, x["input_ids"], x["positions"], x["token_type_ids"], x["segments"])
+        if task == "embed":
+            carry, pooled = _pool(hidden, x, pooler.pooling_type)
+            return embed_head(pooled, normalize=pooler.normalize, dimensions=pooler.dimensions), carry, kv
+        # A cross-encoder: BERT's own pooler (dense + tanh on the first token), then its classifier.
+        carry, first = _pool(hidden, x, "CLS")
+        logits = bert_classify_first(params, first)
+        return (activate(logits) if pooler.activation else logits), carry, kv
+
+    return jax.jit(step)

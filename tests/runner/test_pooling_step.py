@@ -1,4 +1,5 @@
-"""The compiled pooling step against sentence-transformers and transformers on a tiny random Qwen3."""
+"""The compiled decoder pooling step against sentence-transformers and transformers on a tiny random Qwen3
+(packed by hand here; the engine-level tests pack through the scheduler)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ import torch
 import transformers
 
 import pallas_kernels
-from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models import load_model
 from jaxserve.models.pooling_config import PoolerConfig, resolve_pooler_config
-from jaxserve.runner.pooling_step import make_pooling_step
+from jaxserve.runner.pooling_step import make_decoder_step
 from tests.models.test_pooling_config import write_st_folder
 from tests.tiny_models import build_tiny_checkpoint
 
@@ -27,9 +27,9 @@ def folder(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_embed"), seed=3)
 
 
-def packed_inputs(chunks: list[list[int]], computed: list[int]):
+def packed_inputs(chunks: list[list[int]], computed: list[int], hidden: int, carry=None):
     """One packed step: request ``i`` feeds ``chunks[i]`` after ``computed[i]`` cached tokens, in blocks
-    ``1 + i * MAX_BLOCKS ...`` of its own."""
+    ``1 + i * MAX_BLOCKS ...`` of its own; ``carry``: the pooled state its earlier chunks left."""
     ids, positions, slots, qsl = [], [], [], [0]
     for i, (chunk, start) in enumerate(zip(chunks, computed)):
         pos = np.arange(start, start + len(chunk))
@@ -38,12 +38,15 @@ def packed_inputs(chunks: list[list[int]], computed: list[int]):
         slots += ((1 + i * MAX_BLOCKS + pos // BLOCK) * BLOCK + pos % BLOCK).tolist()
         qsl.append(qsl[-1] + len(chunk))
     tables = np.stack([1 + i * MAX_BLOCKS + np.arange(MAX_BLOCKS) for i in range(len(chunks))]).astype(np.int32)
-    md = AttentionMetadata(
-        positions=jnp.asarray(positions, jnp.int32), slot_mapping=jnp.asarray(slots, jnp.int32),
-        block_tables=jnp.asarray(tables),
-        kv_lens=jnp.asarray([s + len(c) for c, s in zip(chunks, computed)], jnp.int32),
-        query_start_loc=jnp.asarray(qsl, jnp.int32), num_seqs=jnp.asarray([len(chunks)], jnp.int32))
-    return jnp.asarray(ids, jnp.int32), md, jnp.asarray(qsl[:-1], jnp.int32)
+    n = len(chunks)
+    return {"input_ids": np.asarray(ids, np.int32), "positions": np.asarray(positions, np.int32),
+            "slot_mapping": np.asarray(slots, np.int32), "block_tables": tables,
+            "kv_lens": np.asarray([s + len(c) for c, s in zip(chunks, computed)], np.int32),
+            "query_start_loc": np.asarray(qsl, np.int32), "num_seqs": np.asarray([n], np.int32),
+            "starts": np.asarray(qsl[:-1], np.int32), "lens": np.asarray([len(c) for c in chunks], np.int32),
+            "carry": np.zeros((n, hidden), np.float32) if carry is None else carry,
+            "first": np.asarray([s == 0 for s in computed]),
+            "counts": np.asarray([s + len(c) for c, s in zip(chunks, computed)], np.int32)}
 
 
 def empty_kv(cfg):
@@ -58,18 +61,15 @@ def model(folder):
 
 def embed_all(model, pooler, ids_list, split: int | None = None):
     """Every prompt in one packed step, or (``split``) its first ``split`` tokens, then the rest."""
-    step, state = make_pooling_step(model, "embed", pooler, pallas_kernels.ragged_paged_attention_reference)
+    step, weights = make_decoder_step(model, "embed", pooler, pallas_kernels.ragged_paged_attention_reference)
     kv = empty_kv(model.config)
+    hidden = model.config.hidden_size
+    carry = None
     if split:
-        ids, md, starts = packed_inputs([p[:split] for p in ids_list], [0] * len(ids_list))
-        _, kv = step(state, ids, kv, md, starts, jnp.zeros(len(ids_list), jnp.int32))  # nothing finished
-        rest = [p[split:] for p in ids_list]
-        ids, md, starts = packed_inputs(rest, [split] * len(ids_list))
-        lens = jnp.asarray([len(r) for r in rest], jnp.int32)
-    else:
-        ids, md, starts = packed_inputs(ids_list, [0] * len(ids_list))
-        lens = jnp.asarray([len(p) for p in ids_list], jnp.int32)
-    out, _ = step(state, ids, kv, md, starts, lens)
+        _, carry, kv = step(weights, kv, packed_inputs([p[:split] for p in ids_list], [0] * len(ids_list), hidden))
+        ids_list = [p[split:] for p in ids_list]
+    out, _, _ = step(weights, kv, packed_inputs(ids_list, [split or 0] * len(ids_list), hidden,
+                                                None if carry is None else np.asarray(carry)))
     return np.asarray(out)
 
 
@@ -101,6 +101,14 @@ def hf_hidden(folder, ids):
         return model(torch.tensor([ids])).last_hidden_state[0].numpy()
 
 
+@pytest.mark.parametrize("kind", ["MEAN", "CLS"])
+def test_chunked_state_carried(model, kind):
+    ids_list = [list(range(5, 5 + n)) for n in (13, 21, 9)]
+    pooler = PoolerConfig(kind, normalize=True)
+    np.testing.assert_allclose(embed_all(model, pooler, ids_list, split=7), embed_all(model, pooler, ids_list),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_chunked_last_token_equals_one_pass_and_matryoshka(folder, model):
     ids_list = [list(range(5, 5 + n)) for n in (13, 21, 9)]
     pooler = PoolerConfig("LAST", normalize=True, dimensions=16)
@@ -122,8 +130,7 @@ def test_classify_equals_sequence_classification(folder, model):
     with torch.no_grad():
         want = [torch.softmax(hf(torch.tensor([p])).logits[0], -1).numpy() for p in ids_list]
     weight = jnp.asarray(hf.score.weight.detach().numpy())
-    step, state = make_pooling_step(model, "classify", PoolerConfig("LAST"),
-                                    pallas_kernels.ragged_paged_attention_reference, score=(weight, None))
-    ids, md, starts = packed_inputs(ids_list, [0, 0])
-    out, _ = step(state, ids, empty_kv(model.config), md, starts, jnp.asarray([11, 4], jnp.int32))
+    step, weights = make_decoder_step(model, "classify", PoolerConfig("LAST"),
+                                      pallas_kernels.ragged_paged_attention_reference, score=(weight, None))
+    out, _, _ = step(weights, empty_kv(model.config), packed_inputs(ids_list, [0, 0], model.config.hidden_size))
     np.testing.assert_allclose(np.asarray(out), np.stack(want), rtol=1e-4, atol=1e-5)

@@ -119,7 +119,8 @@ def test_jaxserve_serve_detects_a_pooling_folder(tmp_path):
     folder = tmp_path / "ce"
     folder.mkdir()
     tiny_bert(folder, "BertForSequenceClassification", seed=2)
-    handle = start_server([str(folder), "--served-model-name", "ce"], tmp_path / "log.txt")
+    # The tiny BERT has 64 positions: the suite's longer max_model_len is refused, as for any model.
+    handle = start_server([str(folder), "--served-model-name", "ce", "--max-model-len", "64"], tmp_path / "log.txt")
     try:
         r = httpx.post(handle.base + "/v1/rerank", json={"query": "q", "documents": ["hello world", "a cat"]})
         assert r.status_code == 200 and len(r.json()["results"]) == 2, r.text
