@@ -1,6 +1,6 @@
 """The model shapes the benchmarks name (``--random-model``, ``bench roofline --model``): Qwen3
-configurations as ``config.json`` dicts. Imports nothing of jax, so the command line can offer
-them without loading it."""
+configurations as ``config.json`` dicts (a Qwen3-MoE where ``architecture`` says so). Imports
+nothing of jax, so the command line can offer them without loading it."""
 
 from __future__ import annotations
 
@@ -14,12 +14,19 @@ PRESETS = {
     "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, intermediate_size=12288, tie_word_embeddings=False,
                      dtype="bfloat16", max_position_embeddings=40960),
+    # cpu-bench's shape with a mixture of 8 experts, 2 active: the active MLP width (2 x 384) is
+    # cpu-bench's dense 768, so the two compare at equal active parameters
+    "moe-bench": dict(architecture="Qwen3MoeForCausalLM", vocab_size=8192, hidden_size=256, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=32, intermediate_size=768,
+                      moe_intermediate_size=384, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                      tie_word_embeddings=True, dtype="float32", max_position_embeddings=2048),
 }
 
 
 def preset_config(preset: str) -> dict:
     """The ``config.json`` of a preset (a Qwen3 of that shape)."""
     shape = PRESETS[preset]
-    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rms_norm_eps": 1e-6,
+    arch = shape.get("architecture", "Qwen3ForCausalLM")
+    return {"architectures": [arch], "model_type": "qwen3_moe" if "Moe" in arch else "qwen3", "rms_norm_eps": 1e-6,
             "rope_theta": 1000000.0, "torch_dtype": shape["dtype"], "bos_token_id": 1, "eos_token_id": 2,
-            "hidden_act": "silu", **{k: v for k, v in shape.items() if k != "dtype"}}
+            "hidden_act": "silu", **{k: v for k, v in shape.items() if k not in ("dtype", "architecture")}}

@@ -159,7 +159,8 @@ def table(rows: list[dict]) -> str:
 
 
 def add_roofline_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="qwen3-0.6b", choices=sorted(PRESETS),
+    dense = sorted(k for k, v in PRESETS.items() if "Moe" not in str(v.get("architecture")))
+    p.add_argument("--model", default="qwen3-0.6b", choices=dense,
                    help="a model shape (random-model preset; default: qwen3-0.6b)")
     p.add_argument("--gpu", default="h200", choices=sorted(BF16_PEAK_FLOPS),
                    help="the GPU whose target description gives memory and bandwidth (default: h200)")

@@ -75,7 +75,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["jaxserve", "hf", "both"], default="jaxserve",
                    help="jaxserve, transformers (hf; needs torch), or both in one process, taking turns "
                         "(default: jaxserve)")
-    p.add_argument("--random-model", choices=["cpu-bench", "qwen3-0.6b"], default=None,
+    p.add_argument("--random-model", choices=["cpu-bench", "moe-bench", "qwen3-0.6b"], default=None,
                    help="benchmark a random-weight model of this shape (built once, cached)")
     p.add_argument("--num-prompts", type=int, default=64, help="requests in the workload (default: 64)")
     p.add_argument("--input-len-range", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
