@@ -40,6 +40,8 @@ class NewRequestData:
     num_computed_tokens: int      # tokens already in the KV cache (prefix hit or 0)
     output_token_ids: list[int]   # non-empty only when resumed after preemption (recompute)
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)  # images, prompt order
+    lora_name: str | None = None  # the adapter's key (name@sha256), None for the base model
+    lora_weights: object = None  # the loaded adapter the runner writes into a slot (opaque here)
 
 
 @dataclass

@@ -22,8 +22,9 @@ WAIT_KV_BLOCKS = "kv_blocks"  # not enough free KV blocks for the next prompt (c
 WAIT_PREEMPTION = "preemption"  # this step preempted: it admits no one
 WAIT_GRAMMAR = "grammar"  # structured outputs: the grammar is still compiling (WAITING_FOR_FSM)
 WAIT_ENCODER_BUDGET = "encoder_budget"  # images: the step's encoder budget (or cache) cannot take its next image
+WAIT_LORA_SLOTS = "lora_slots"  # LoRA: max_loras other adapters are in use by the running requests
 WAIT_REASONS = (WAIT_TOKEN_BUDGET, WAIT_MAX_NUM_SEQS, WAIT_KV_BLOCKS, WAIT_PREEMPTION, WAIT_GRAMMAR,
-                WAIT_ENCODER_BUDGET)
+                WAIT_ENCODER_BUDGET, WAIT_LORA_SLOTS)
 # Waiting ids kept per record (the head of the queue): a long queue would make every record, and
 # the ring of them, as long as the queue.
 MAX_WAITING_IDS = 256

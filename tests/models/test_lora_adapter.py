@@ -104,6 +104,8 @@ def test_host_cache_keeps_max_cpu_loras_and_reloads_new_weights(llama, tmp_path)
     cache.get("c", tmp_path / "c")
     assert cache.names() == ["b", "c"] and cache.loads == 3  # "a" evicted, least recently used
     make_peft_adapter(llama, tmp_path / "b", seed=9, targets=["q_proj"])
-    assert cache.get("b", tmp_path / "b").digest == old_b  # no reload asked: the loaded weights stay
-    assert cache.get("b", tmp_path / "b", reload=True).digest != old_b
+    new_b = cache.get("b", tmp_path / "b")  # the files were rewritten: read again
+    assert new_b.digest != old_b and cache.loads == 4
+    assert cache.get("b", tmp_path / "b") is new_b
+    assert cache.get("b", tmp_path / "b", reload=True).digest == new_b.digest
     assert cache.remove("b") and not cache.remove("b") and cache.names() == ["c"]
