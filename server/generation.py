@@ -46,7 +46,7 @@ class Generations:
 
     def __init__(self, engine: EngineClient, prompts: Sequence[Any], params: SamplingParams, request_id: str,
                  kind: RequestOutputKind, *, priority: int = 0, cache_salt: str | None = None,
-                 entry_times: EntryTimes | None = None):
+                 entry_times: EntryTimes | None = None, lora_request: Any = None):
         self.request_ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._buffered: list[tuple[int, Any]] = []
@@ -55,7 +55,8 @@ class Generations:
         self._tasks = [
             asyncio.create_task(self._pump(i, engine.generate(p, params, rid, priority=priority,
                                                               cache_salt=cache_salt, output_kind=kind,
-                                                              entry_times=entry_times)))
+                                                              entry_times=entry_times,
+                                                              lora_request=lora_request)))
             for i, (p, rid) in enumerate(zip(prompts, self.request_ids))
         ]
 

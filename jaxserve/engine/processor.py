@@ -95,6 +95,10 @@ class InputProcessor:
             self.lora_adapters = LoRAAdapterCache(model_config, lora.max_cpu_loras or lora.max_loras,
                                                   lora.max_lora_rank)
 
+    def forget_lora(self, lora_name: str) -> None:
+        if self.lora_adapters is not None:
+            self.lora_adapters.remove(lora_name)
+
     def resolve_lora(self, lora_request: LoRARequest | None) -> tuple[str | None, Any]:
         """The adapter's prefix-cache key (``name@sha256`` of the weights on disk now) and its
         weights, read from ``lora_path`` on first use (or when the files changed); (None, None)

@@ -7,6 +7,7 @@ follows the weights actually served: a reload under the same name never reuses s
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -31,8 +32,13 @@ class LoRAAdapterCache:
         self.cfg, self.max_cpu_loras, self.max_lora_rank = cfg, max_cpu_loras, max_lora_rank
         self._adapters: OrderedDict[str, tuple[tuple, LoRAAdapter]] = OrderedDict()
         self.loads = 0  # folders read (a hit reads nothing)
+        self._lock = threading.Lock()  # the server's input threads resolve adapters concurrently
 
     def get(self, name: str, path: str | Path, *, reload: bool = False) -> LoRAAdapter:
+        with self._lock:
+            return self._get(name, path, reload)
+
+    def _get(self, name: str, path: str | Path, reload: bool) -> LoRAAdapter:
         sig = _signature(Path(path))
         held = self._adapters.get(name)
         if held is None or reload or held[0] != sig:
@@ -47,7 +53,8 @@ class LoRAAdapterCache:
         return adapter
 
     def remove(self, name: str) -> bool:
-        return self._adapters.pop(name, None) is not None
+        with self._lock:
+            return self._adapters.pop(name, None) is not None
 
     def names(self) -> list[str]:
         return list(self._adapters)
