@@ -9,7 +9,7 @@ runner's side (bucket, timings) in its own step record.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.core.sched_output import SchedulerOutput
@@ -50,6 +50,8 @@ class ScheduleRecord:
     num_blocks_used: int
     num_blocks_cached_free: int  # free, but still holding a prefix-cache hash
     num_blocks_free: int  # includes the cached-free ones
+    # LoRA: each scheduled request's adapter key (name@sha256); requests on the base model are absent.
+    lora_adapters: dict[str, str] = field(default_factory=dict)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -87,4 +89,5 @@ def record_schedule(scheduler: Any, so: SchedulerOutput) -> ScheduleRecord:
         num_waiting=len(scheduler.waiting), waiting_reason=scheduler.waiting_reason,
         preempted_ids=sorted(so.preempted_req_ids), num_scheduled_tokens=so.total_num_scheduled_tokens,
         num_blocks_total=total, num_blocks_used=total - free,
-        num_blocks_cached_free=pool.num_cached_free_blocks, num_blocks_free=free)
+        num_blocks_cached_free=pool.num_cached_free_blocks, num_blocks_free=free,
+        lora_adapters={r: requests[r].lora_name for r in so.num_scheduled_tokens if requests[r].lora_name})

@@ -689,4 +689,18 @@ class Scheduler:
             prefix_cache_requests=pc.requests,
             prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits,
-            num_finished_reqs=self.num_finished_reqs)
+            num_finished_reqs=self.num_finished_reqs,
+            **(self._lora_stats() if self.scheduler_config.max_loras else {}))
+
+    def _lora_stats(self) -> dict:
+        """Requests per adapter name (the key's part before ``@sha256``), running and waiting."""
+        def count(requests: Iterable[Request]) -> dict[str, int]:
+            out: dict[str, int] = {}
+            for r in requests:
+                if r.lora_name is not None:
+                    name = r.lora_name.split("@", 1)[0]
+                    out[name] = out.get(name, 0) + 1
+            return out
+
+        return {"max_loras": self.scheduler_config.max_loras, "running_lora_adapters": count(self.running),
+                "waiting_lora_adapters": count(self.waiting)}

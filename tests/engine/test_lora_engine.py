@@ -119,10 +119,12 @@ def test_more_adapters_than_slots_wait_their_turn(setup):
         assert t == peft_greedy(pm, prompt)[0]
     records = list(llm.step_records)[start:]
     assert any(r.schedule.waiting_reason == "lora_slots" for r in records)
-    core = llm.llm_engine.core
-    for r in records:  # never more than max_loras adapters running in one step
-        keys = {core.runner.lora.key_of.get(q) for q in r.schedule.scheduled} - {None}
-        assert len(keys) <= 2
+    for r in records:  # never more than max_loras adapters in one step, and the record names them
+        assert len(set(r.schedule.lora_adapters.values())) <= 2
+        assert {k.split("@")[0] for k in r.schedule.lora_adapters.values()} <= {"a0", "a1", "a2"}
+    assert any(len(set(r.schedule.lora_adapters.values())) == 2 for r in records)
+    info = [m for m in llm.get_metrics() if m.name == "jaxserve:lora_requests_info"]
+    assert len(info) == 1 and info[0].labels["max_lora"] == "2" and info[0].value > 0
     assert_engine_clean(llm)
 
 

@@ -75,6 +75,8 @@ def test_a_mixed_batch_matches_peft(lora_server):
             want_t, want_lp = peft_greedy(pms[model], prompt)
         assert tokens == want_t, model
         np.testing.assert_allclose(logprobs, want_lp, atol=2e-4)
+    metrics = httpx.get(f"{lora_server[0].base}/metrics").text
+    assert 'jaxserve:lora_requests_info{' in metrics and 'max_lora="2"' in metrics
 
 
 def test_load_unload_and_reload_at_run_time(lora_server):
