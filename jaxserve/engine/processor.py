@@ -114,6 +114,11 @@ class InputProcessor:
             adapter = self.lora_adapters.get(lora_request.lora_name, lora_request.lora_path)
         except ConfigError as exc:
             raise InvalidRequestError("lora_request", str(exc)) from None
+        moe_targets = sorted({p for _, p in adapter.weights if p in ("gate_proj", "up_proj", "down_proj")})
+        if self.model_config.is_moe and moe_targets:  # the experts take no LoRA delta: refuse, never ignore
+            raise InvalidRequestError("lora_request", f"LoRA adapter {lora_request.lora_path}: "
+                                                      f"{', '.join(moe_targets)} target a mixture-of-experts MLP, "
+                                                      "which LoRA does not cover yet")
         return lora_cache_key(lora_request.lora_name, adapter.digest), adapter
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
