@@ -70,6 +70,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("dp2", "data parallel 2", _kw(data_parallel_size=2), group="parallel"),
     Feature("sliding_window", "sliding-window model", _kw(), group="model", numerics=True, model="sliding_window"),
     Feature("moe", "mixture-of-experts model", _kw(), group="model", numerics=True, model="moe"),
+    # The workload then spreads its requests over the base model and two random adapters.
+    Feature("lora", "LoRA adapters (2 slots)", _kw(enable_lora=True, max_loras=2, max_lora_rank=8), numerics=True),
 )
 FEATURES_BY_NAME = MappingProxyType({f.name: f for f in FEATURES})
 
@@ -79,6 +81,7 @@ REFUSED_PAIRS: Mapping[frozenset[str], str] = MappingProxyType({
                                "parallelism of the experts yet)",
     frozenset(("gguf", "tp2")): "a GGUF file's kept blocks are served on one device (serve the file dequantized "
                                 "to split it)",
+    frozenset(("lora", "tp2")): "LoRA slot tables are not sharded yet: adapters are served on one device",
 })
 
 # Combinations users run together, each held whole by one combination engine.

@@ -36,8 +36,8 @@ def add_lora_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the workload and adapters (default: 0)")
 
 
-def write_random_adapter(folder: Path, cfg: Any, rank: int, seed: int) -> Path:
-    """A random PEFT adapter over every projection of every layer (alpha = 2 r)."""
+def write_random_adapter(folder: Path, cfg: Any, rank: int, seed: int, projections: Any = None) -> Path:
+    """A random PEFT adapter over every projection (or ``projections``) of every layer (alpha = 2 r)."""
     from jaxserve.models.lora_adapter import PROJECTIONS, projection_shape
     from jaxserve.models.safetensors_io import save_file
 
@@ -46,13 +46,15 @@ def write_random_adapter(folder: Path, cfg: Any, rank: int, seed: int) -> Path:
     tensors = {}
     for layer in range(cfg.num_hidden_layers):
         for proj, module in PROJECTIONS.items():
+            if projections is not None and proj not in projections:
+                continue
             d_in, d_out = projection_shape(cfg, proj)
             key = f"base_model.model.model.layers.{layer}.{module}"
             tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((rank, d_in)) / np.sqrt(d_in)).astype(np.float32)
             tensors[f"{key}.lora_B.weight"] = (0.01 * rng.standard_normal((d_out, rank))).astype(np.float32)
     save_file(tensors, folder / "adapter_model.safetensors")
     (folder / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(PROJECTIONS),
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(projections or PROJECTIONS),
          "bias": "none"}))
     return folder
 
