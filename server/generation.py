@@ -52,11 +52,12 @@ class Generations:
         self._buffered: list[tuple[int, Any]] = []
         self._open = len(prompts)
         self._closed = False
+        # Passed only when an adapter is asked for: an engine client without LoRA keeps its signature.
+        lora = {"lora_request": lora_request} if lora_request is not None else {}
         self._tasks = [
             asyncio.create_task(self._pump(i, engine.generate(p, params, rid, priority=priority,
                                                               cache_salt=cache_salt, output_kind=kind,
-                                                              entry_times=entry_times,
-                                                              lora_request=lora_request)))
+                                                              entry_times=entry_times, **lora)))
             for i, (p, rid) in enumerate(zip(prompts, self.request_ids))
         ]
 
