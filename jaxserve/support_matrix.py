@@ -74,6 +74,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("moe", "mixture-of-experts model", _kw(enable_expert_parallel=True), group="model", numerics=True,
             model="moe"),
     Feature("pooling", "pooling model (embed)", _kw(), group="model", numerics=True, model="pooling", pools=True),
+    # The workload then spreads its requests over the base model and two random adapters.
+    Feature("lora", "LoRA adapters (2 slots)", _kw(enable_lora=True, max_loras=2, max_lora_rank=8), numerics=True),
 )
 FEATURES_BY_NAME = MappingProxyType({f.name: f for f in FEATURES})
 
@@ -81,7 +83,9 @@ FEATURES_BY_NAME = MappingProxyType({f.name: f for f in FEATURES})
 REFUSED_PAIRS: Mapping[frozenset[str], str] = MappingProxyType({
     frozenset(("gguf", "tp2")): "a GGUF file's kept blocks are served on one device (serve the file dequantized "
                                 "to split it)",
+    frozenset(("lora", "tp2")): "LoRA slot tables are not sharded yet: adapters are served on one device",
     frozenset(("pooling", "tp2")): "a pooling model runs on one device for now",
+    frozenset(("pooling", "lora")): "a pooling model serves no LoRA adapters yet",
     frozenset(("pooling", "dp2")): "a pooling model runs one engine for now (no replicas)",
 })
 

@@ -13,12 +13,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import jaxserve
+from jaxserve import ConfigError
 
 from .chat_output import ChatParsers
 from .debug_endpoints import add_debug_endpoints
 from .errors import ENGINE_DEAD, APIError, install_handlers
 from .ignored_fields import report_ignored_fields
 from .limits import DEFAULT_MAX_CHAT_MESSAGES, DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_REQUEST_BODY_TIMEOUT_S
+from .lora import ServedLoRAs, add_lora_endpoints, parse_lora_modules
 from .middleware import AuthMiddleware, BodyLimitMiddleware
 from .openapi import error_responses, install_openapi
 from .protocol import (
@@ -62,7 +64,8 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
               request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
               max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES, split_special_tokens_in_content: bool = False,
               model_root: str | None = None, enable_tokenizer_info_endpoint: bool = False,
-              chat_parsers: ChatParsers | None = None, enable_debug_endpoints: bool = False) -> FastAPI:
+              chat_parsers: ChatParsers | None = None, enable_debug_endpoints: bool = False,
+              lora_modules: list[str] | None = None) -> FastAPI:
     state = ServerState(engine, served_model_name=served_model_name, chat_template=chat_template,
                         model_root=model_root, max_chat_messages=max_chat_messages,
                         split_special_tokens_in_content=split_special_tokens_in_content)
@@ -73,17 +76,31 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
     completions = OpenAIServingCompletion(state)
     chat = OpenAIServingChat(state, chat_parsers)
 
-    def model_card() -> ModelCard:
+    if lora_modules and not engine.config.enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora")
+    if engine.config.enable_lora:
+        modules = parse_lora_modules(lora_modules, state.model_name)
+        for module in modules:  # read and checked now: a bad folder stops the start, naming it
+            engine.add_lora(module)
+        state.loras = ServedLoRAs(modules)
+        add_lora_endpoints(app, state)
+
+    def model_card(model_id: str | None = None) -> ModelCard:
+        lora = state.lora_for(model_id)
+        if lora is not None:  # an adapter: its folder, and the model it adapts
+            return ModelCard(id=lora.lora_name, root=lora.lora_path, parent=lora.base_model_name or state.model_name,
+                             max_model_len=state.max_model_len)
         return ModelCard(id=state.model_name, root=state.model_root, max_model_len=state.max_model_len)
 
     @app.get("/v1/models", responses={200: {"model": ModelList}})
     async def list_models():
-        return ModelList(data=[model_card()]).model_dump()
+        adapters = list(state.loras.by_name) if state.loras is not None else []
+        return ModelList(data=[model_card()] + [model_card(n) for n in adapters]).model_dump()
 
     @app.get("/v1/models/{model_id:path}", responses={200: {"model": ModelCard}, **error_responses(404)})
     async def retrieve_model(model_id: str):
         state.check_model(model_id)
-        return model_card().model_dump()
+        return model_card(model_id).model_dump()
 
     @app.post("/v1/completions", responses=generation_responses(CompletionResponse))
     async def create_completion(body: CompletionRequest, raw_request: Request):

@@ -130,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxserve.bench.llama_cpp import add_llama_cpp_args
 
     add_llama_cpp_args(llama)
+    lora_bench = _engine_parser(bsub, "lora", "offline throughput with 1 and N LoRA adapters, and base-only on a "
+                                "LoRA engine, each against a plain engine, alternated in rounds")
+    from jaxserve.bench.lora_bench import add_lora_bench_args
+
+    add_lora_bench_args(lora_bench)
     from jaxserve.bench.embed_bench import add_embed_bench_args
 
     embed_bench = bsub.add_parser("embed", help="a pooling model's texts/s against sentence-transformers",
@@ -208,6 +213,13 @@ def _run(args: argparse.Namespace, started: float) -> int:
         from jaxserve.bench.startup_bench import run_startup_bench_cli
 
         result = run_startup_bench_cli(args, EngineConfig.from_cli_args(args, model=args.model))
+    elif args.bench_command == "lora":
+        from jaxserve.bench.lora_bench import run_lora_bench
+        from jaxserve.bench.real_model import resolve_bench_model
+
+        config = EngineConfig.from_cli_args(args, model=resolve_bench_model(args.model) if args.model else None)
+        engine_args = {k: v for k, v in config.as_kwargs().items() if k != "model"}
+        result = run_lora_bench(args, config.model or "jaxserve-demo", engine_args)
     elif args.bench_command == "embed":
         from jaxserve.bench.embed_bench import run_embed_bench_cli
 

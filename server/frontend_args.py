@@ -61,6 +61,9 @@ class FrontendArgs:
     tool_call_parser: str | None = None
     """How tool calls are read from the model's text for tool_choice 'auto': 'hermes'
     (<tool_call>{...}</tool_call>, Qwen2.5/Qwen3/Hermes) (default: none)."""
+    lora_modules: list[str] | None = None
+    """LoRA adapters served from the start (needs --enable-lora), each 'name=path' or the JSON
+    '{"name": ..., "path": ..., "base_model_name": ...}'; a request picks one with its 'model' (default: none)."""
     enable_debug_endpoints: bool = False
     """Serve /debug/requests/{id} (a request's timeline), /debug/requests, /debug/steps (the newest
     step records) and /debug/trace (a Chrome/Perfetto trace) (default: off)."""

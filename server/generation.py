@@ -46,16 +46,18 @@ class Generations:
 
     def __init__(self, engine: EngineClient, prompts: Sequence[Any], params: SamplingParams, request_id: str,
                  kind: RequestOutputKind, *, priority: int = 0, cache_salt: str | None = None,
-                 entry_times: EntryTimes | None = None):
+                 entry_times: EntryTimes | None = None, lora_request: Any = None):
         self.request_ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._buffered: list[tuple[int, Any]] = []
         self._open = len(prompts)
         self._closed = False
+        # Passed only when an adapter is asked for: an engine client without LoRA keeps its signature.
+        lora = {"lora_request": lora_request} if lora_request is not None else {}
         self._tasks = [
             asyncio.create_task(self._pump(i, engine.generate(p, params, rid, priority=priority,
                                                               cache_salt=cache_salt, output_kind=kind,
-                                                              entry_times=entry_times)))
+                                                              entry_times=entry_times, **lora)))
             for i, (p, rid) in enumerate(zip(prompts, self.request_ids))
         ]
 

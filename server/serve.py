@@ -150,7 +150,7 @@ def _serve(args: FrontendArgs, config: EngineConfig, sock: socket.socket, chat_t
                         split_special_tokens_in_content=args.split_special_tokens_in_content,
                         model_root=engine.model_root,
                         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, chat_parsers=parsers,
-                        enable_debug_endpoints=args.enable_debug_endpoints)
+                        enable_debug_endpoints=args.enable_debug_endpoints, lora_modules=args.lora_modules)
         uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_keep_alive=args.timeout_keep_alive,
                                    lifespan="off", http=header_timeout_protocol(args.request_header_timeout))
         server = _make_server(uv_config, app.state.jaxserve.model_name, started, stop_engine)

@@ -132,10 +132,13 @@ class OpenAIServing(ABC):
         self.state.check_alive()
         times = entry_times.start(raw_request.headers)
         prompts, params = await self.state.off_loop(self.prepare, req)  # templates and tokenizers take time
-        ids = ResponseIds(random_id(self.id_prefix), int(time.time()), self.state.model_name)
+        lora = self.state.lora_for(req.model)  # None: the base model (the answer names what was asked)
+        ids = ResponseIds(random_id(self.id_prefix), int(time.time()),
+                          self.state.model_name if lora is None else lora.lora_name)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         generations = Generations(self.state.engine, prompts, params, ids.id, kind,
-                                  priority=req.priority, cache_salt=req.cache_salt, entry_times=times)
+                                  priority=req.priority, cache_salt=req.cache_salt, entry_times=times,
+                                  lora_request=lora)
         if req.stream:
             return await self._streaming_response(req, raw_request, generations, ids)
         return await self._full_response(req, raw_request, generations, ids)

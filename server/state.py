@@ -14,7 +14,10 @@ from .limits import DEFAULT_MAX_CHAT_MESSAGES
 from .logprobs import TokenIdText, TokenText
 
 if TYPE_CHECKING:
+    from jaxserve import LoRARequest
     from jaxserve.engine.protocol import EngineClient
+
+    from .lora import ServedLoRAs
 
 T = TypeVar("T")
 
@@ -44,6 +47,18 @@ class ServerState:
         self.chat_template = chat_template
         self.token_text = TokenText(self.tokenizer)
         self.token_id_text = TokenIdText(self.tokenizer)  # return_tokens_as_token_ids
+        self.loras: ServedLoRAs | None = None  # set by the app when the engine serves LoRA adapters
+
+    def require_loras(self) -> ServedLoRAs:
+        if self.loras is None:
+            raise APIError(400, "this server serves no LoRA adapters: start it with --enable-lora", param="lora_name")
+        return self.loras
+
+    def lora_for(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names, None for the base model."""
+        if name is None or name == self.model_name or self.loras is None:
+            return None
+        return self.loras.by_name.get(name)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the input pool (tokenizing, rendering a template): seconds of work for
@@ -59,7 +74,7 @@ class ServerState:
                            param=param)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name != self.model_name and self.lora_for(name) is None:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 

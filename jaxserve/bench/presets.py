@@ -14,6 +14,12 @@ PRESETS = {
     "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, intermediate_size=12288, tie_word_embeddings=False,
                      dtype="bfloat16", max_position_embeddings=40960),
+    # Qwen3-30B-A3B: 48 layers of 128 experts, 8 active (for the H200 compile check)
+    "qwen3-30b-a3b": dict(architecture="Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, tie_word_embeddings=False, dtype="bfloat16",
+                          max_position_embeddings=40960),
     # cpu-bench's shape with a mixture of 8 experts, 2 active: the active MLP width (2 x 384) is
     # cpu-bench's dense 768, so the two compare at equal active parameters
     "moe-bench": dict(architecture="Qwen3MoeForCausalLM", vocab_size=8192, hidden_size=256, num_hidden_layers=4,

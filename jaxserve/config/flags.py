@@ -64,6 +64,8 @@ def add_flags(parser: Any, flags: tuple[Flag, ...] | list[Flag], skip: tuple[str
                                 help=help_text)
         elif get_origin(kind) is Literal:
             parser.add_argument(*names, dest=flag.name, choices=get_args(kind), default=default, help=help_text)
+        elif list in (get_origin(kind), *map(get_origin, get_args(kind))):  # list[str]: one or more values
+            parser.add_argument(*names, dest=flag.name, nargs="+", default=default, help=help_text)
         else:
             base = next((t for t in (int, float, str) if t is kind or t in get_args(kind)), str)
             parser.add_argument(*names, dest=flag.name, type=base, default=default, help=help_text)
@@ -78,6 +80,8 @@ def flags_for(flags: tuple[Flag, ...] | list[Flag], values: dict[str, Any], skip
             continue
         if isinstance(value, bool):
             out.append(flag.option if value else "--no-" + flag.option[2:])
+        elif isinstance(value, list):
+            out += [flag.option, *map(str, value)]
         elif value is not None:
             out += [flag.option, str(value)]
     return out

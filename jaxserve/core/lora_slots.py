@@ -1,16 +1,16 @@
-"""Which adapters sit in the ``max_loras`` device slots, and which wait (pure Python).
+"""Which adapters sit in the ``max_loras`` device slots (pure Python).
 
-The scheduler asks :meth:`LoRASlotAssigner.admit` before it schedules a request with an adapter:
-an adapter already in a slot is admitted; otherwise a free slot is taken, or the least recently
-used slot whose adapter no request of the current step uses is reclaimed. When every slot is held
-by this step's adapters the request waits (reason :data:`WAITING_FOR_LORA_SLOT`).
+The runner asks :meth:`LoRASlotAssigner.admit` for each adapter of a step: an adapter already in
+a slot keeps it; otherwise a free slot is taken, or the least recently used slot whose adapter
+no request of the current step uses is reclaimed (``pending_writes`` then names the slot to
+load). The scheduler admits at most ``max_loras`` distinct adapters among the running requests
+(reason ``lora_slots`` in the step record), so a step never finds every slot taken; ``admit``
+still answers None if it did.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-
-WAITING_FOR_LORA_SLOT = "lora_slots_full"
 
 
 class LoRASlotAssigner:

@@ -71,6 +71,7 @@ class Request:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         block_size: int | None = None,
+        lora_weights: object = None,
         mm_features: list[MultiModalFeatureSpec] | None = None,
         pooling_params: PoolingParams | None = None,
     ) -> None:
@@ -80,7 +81,10 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # LoRA: ``lora_name`` is the adapter's prefix-cache key (``name@sha256``, see
+        # core.lora_request); ``lora_weights`` the loaded adapter, opaque here, for the runner.
         self.lora_name = lora_name
+        self.lora_weights = lora_weights
         # Images, in prompt order; their hashes key the blocks their placeholders overlap.
         self.mm_features: list[MultiModalFeatureSpec] = list(mm_features or ())
         # A pooling request: finished by its prefill's pooled output, never sampled.

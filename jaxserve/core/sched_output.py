@@ -43,6 +43,8 @@ class NewRequestData:
     output_token_ids: list[int]   # non-empty only when resumed after preemption (recompute)
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)  # images, prompt order
     pooling_params: PoolingParams | None = None  # a pooling request: pooled after its prefill, never sampled
+    lora_name: str | None = None  # the adapter's key (name@sha256), None for the base model
+    lora_weights: object = None  # the loaded adapter the runner writes into a slot (opaque here)
 
 
 @dataclass

@@ -9,7 +9,7 @@ runner's side (bucket, timings) in its own step record.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.core.sched_output import SchedulerOutput
@@ -22,8 +22,9 @@ WAIT_KV_BLOCKS = "kv_blocks"  # not enough free KV blocks for the next prompt (c
 WAIT_PREEMPTION = "preemption"  # this step preempted: it admits no one
 WAIT_GRAMMAR = "grammar"  # structured outputs: the grammar is still compiling (WAITING_FOR_FSM)
 WAIT_ENCODER_BUDGET = "encoder_budget"  # images: the step's encoder budget (or cache) cannot take its next image
+WAIT_LORA_SLOTS = "lora_slots"  # LoRA: max_loras other adapters are in use by the running requests
 WAIT_REASONS = (WAIT_TOKEN_BUDGET, WAIT_MAX_NUM_SEQS, WAIT_KV_BLOCKS, WAIT_PREEMPTION, WAIT_GRAMMAR,
-                WAIT_ENCODER_BUDGET)
+                WAIT_ENCODER_BUDGET, WAIT_LORA_SLOTS)
 # Waiting ids kept per record (the head of the queue): a long queue would make every record, and
 # the ring of them, as long as the queue.
 MAX_WAITING_IDS = 256
@@ -49,6 +50,8 @@ class ScheduleRecord:
     num_blocks_used: int
     num_blocks_cached_free: int  # free, but still holding a prefix-cache hash
     num_blocks_free: int  # includes the cached-free ones
+    # LoRA: each scheduled request's adapter key (name@sha256); requests on the base model are absent.
+    lora_adapters: dict[str, str] = field(default_factory=dict)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -86,4 +89,5 @@ def record_schedule(scheduler: Any, so: SchedulerOutput) -> ScheduleRecord:
         num_waiting=len(scheduler.waiting), waiting_reason=scheduler.waiting_reason,
         preempted_ids=sorted(so.preempted_req_ids), num_scheduled_tokens=so.total_num_scheduled_tokens,
         num_blocks_total=total, num_blocks_used=total - free,
-        num_blocks_cached_free=pool.num_cached_free_blocks, num_blocks_free=free)
+        num_blocks_cached_free=pool.num_cached_free_blocks, num_blocks_free=free,
+        lora_adapters={r: requests[r].lora_name for r in so.num_scheduled_tokens if requests[r].lora_name})

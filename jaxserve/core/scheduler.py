@@ -24,6 +24,7 @@ from jaxserve.core.schedule_record import (
     WAIT_ENCODER_BUDGET,
     WAIT_GRAMMAR,
     WAIT_KV_BLOCKS,
+    WAIT_LORA_SLOTS,
     WAIT_MAX_NUM_SEQS,
     WAIT_PREEMPTION,
     WAIT_TOKEN_BUDGET,
@@ -57,6 +58,9 @@ class SchedulerConfig:
     # Images: encoder tokens one step may encode, and the encoder cache's size (0: the budget).
     max_num_encoder_input_tokens: int = 0
     encoder_cache_size: int = 0
+    # LoRA: distinct adapters the running requests may use at once (the runner's device slots);
+    # 0: LoRA off.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
@@ -82,6 +86,8 @@ class SchedulerConfig:
             raise ValueError("max_num_encoder_input_tokens and encoder_cache_size must be non-negative")
         if 0 < self.encoder_cache_size < self.max_num_encoder_input_tokens:
             raise ValueError("encoder_cache_size must be at least max_num_encoder_input_tokens")
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be non-negative, got {self.max_loras}")
 
 
 class Scheduler:
@@ -328,6 +334,10 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step preempted.
         grammar_pending: list[Request] = []
+        lora_waits = False
+        # As in vLLM, the running requests' adapters all hold a device slot: a waiting request
+        # with another adapter waits while max_loras are in use (the ones behind it go on).
+        loras = {r.lora_name for r in self.running if r.lora_name is not None} if cfg.max_loras else set()
         blocked: str | None = WAIT_PREEMPTION if preempted else None
         if not preempted:
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
@@ -337,6 +347,11 @@ class Scheduler:
                         grammar_pending.append(self.waiting.pop_request())  # the ones behind it go on
                         continue
                     request.status = RequestStatus.WAITING
+                lora = request.lora_name
+                if lora is not None and lora not in loras and len(loras) >= cfg.max_loras:
+                    grammar_pending.append(self.waiting.pop_request())  # passed over, like a grammar
+                    lora_waits = True
+                    continue
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request, record_stats=False)
                 num_new = request.num_tokens - num_hit_tokens
                 if 0 < threshold < num_new:
@@ -369,6 +384,8 @@ class Scheduler:
                     # in vLLM, a lookup that never reads the cache (caching off) is no query.
                     kv.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
                 self.running.append(request)
+                if lora is not None:
+                    loras.add(lora)
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_hit_tokens
                 if request.num_cached_tokens < 0:
@@ -386,6 +403,8 @@ class Scheduler:
                 blocked = WAIT_TOKEN_BUDGET
             elif len(self.running) >= self.max_num_seqs:
                 blocked = WAIT_MAX_NUM_SEQS
+            elif lora_waits:
+                blocked = WAIT_LORA_SLOTS
             else:  # everyone left waits for a grammar
                 blocked = WAIT_GRAMMAR
         self.waiting_reason = blocked if self.waiting else None
@@ -399,7 +418,8 @@ class Scheduler:
                            block_ids=kv.get_block_ids(r.request_id),
                            num_computed_tokens=r.num_computed_tokens,
                            output_token_ids=list(r.output_token_ids),
-                           mm_features=r.mm_features, pooling_params=r.pooling_params)
+                           mm_features=r.mm_features, pooling_params=r.pooling_params, lora_name=r.lora_name,
+                           lora_weights=r.lora_weights)
             for r in scheduled_new]
         cached_reqs_data = CachedRequestData(
             req_ids=[r.request_id for r in scheduled_running],
@@ -679,4 +699,18 @@ class Scheduler:
             prefix_cache_requests=pc.requests,
             prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits,
-            num_finished_reqs=self.num_finished_reqs)
+            num_finished_reqs=self.num_finished_reqs,
+            **(self._lora_stats() if self.scheduler_config.max_loras else {}))
+
+    def _lora_stats(self) -> dict:
+        """Requests per adapter name (the key's part before ``@sha256``), running and waiting."""
+        def count(requests: Iterable[Request]) -> dict[str, int]:
+            out: dict[str, int] = {}
+            for r in requests:
+                if r.lora_name is not None:
+                    name = r.lora_name.split("@", 1)[0]
+                    out[name] = out.get(name, 0) + 1
+            return out
+
+        return {"max_loras": self.scheduler_config.max_loras, "running_lora_adapters": count(self.running),
+                "waiting_lora_adapters": count(self.waiting)}

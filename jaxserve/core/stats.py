@@ -46,6 +46,10 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_finished_reqs: int = 0
+    # LoRA (max_loras > 0): requests per adapter name, running and waiting (vLLM's LoRAStats).
+    max_loras: int = 0
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

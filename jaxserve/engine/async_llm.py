@@ -24,6 +24,7 @@ from collections.abc import AsyncGenerator
 from typing import Union
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.lora_request import LoRARequest
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
@@ -124,8 +125,10 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None,
                        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
-                       entry_times: EntryTimes | None = None) -> AsyncGenerator[RequestOutput, None]:
-        """Stream outputs of one request. Raises InvalidRequestError (bad input) before the first output,
+                       entry_times: EntryTimes | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """Stream outputs of one request (with the LoRA adapter ``lora_request``, if given).
+        Raises InvalidRequestError (bad input) before the first output,
         EngineOverloadedError when the waiting queue is full, EngineDeadError if the loop failed.
         Leaving the iteration early (client gone, cancellation) aborts the request; its timeline
         says ``client_disconnect``. ``entry_times``: what the server measured before the engine."""
@@ -139,7 +142,8 @@ class AsyncLLM:
             processed = await asyncio.get_running_loop().run_in_executor(
                 self.input_pool, functools.partial(self.engine.process_request, request_id, prompt,
                                                     sampling_params, priority=priority, cache_salt=cache_salt,
-                                                    arrival_time=time.monotonic(), entry_times=entry_times))
+                                                    arrival_time=time.monotonic(), entry_times=entry_times,
+                                                    lora_request=lora_request))
         finally:
             self._processing -= 1
         # aclosing: leaving early closes the inner stream now (its abort), not when it is collected.
@@ -167,6 +171,15 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._submit(AbortRequest(processed.request_id, CLIENT_DISCONNECT))
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter now (``InvalidRequestError`` naming ``lora_request``), as
+        vLLM's ``add_lora``; requests naming it later find it loaded. Safe from any thread."""
+        self.engine.input_processor.resolve_lora(lora_request)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Forget a loaded adapter's weights (running requests keep theirs to the end)."""
+        self.engine.input_processor.forget_lora(lora_name)
 
     async def abort(self, request_id: str) -> None:
         check_request_id(request_id)

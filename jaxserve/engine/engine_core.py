@@ -107,11 +107,6 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, *, show_progress: bool = True, record_steps: bool = False,
                  model: Any = None, devices: Sequence[Any] | None = None):
-        if config.enable_lora:
-            # The adapters' reader, slot table and mixed-batch model path exist (jaxserve.models.lora_*);
-            # the scheduler and runner do not route requests to them yet: refuse rather than ignore.
-            raise ConfigError("enable_lora: LoRA adapters are not served by the engine yet (the model-side "
-                              "pieces exist; the scheduler and runner do not route requests to them)")
         self.config = config
         self.devices = list(devices) if devices else None
         with self.on_devices():
@@ -222,8 +217,11 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(config, model.config.max_position_embeddings)
         with self.startup.phase("runner"):
             self.runner = ModelRunner(config, model, self.max_model_len, devices=devices)
+        scheduler_config = config.scheduler_config.for_scheduler(self.max_model_len)
+        if config.enable_lora:  # the running requests' adapters never outnumber the runner's slots
+            scheduler_config.max_loras = config.lora_config.max_loras
         self.scheduler = Scheduler(
-            config.scheduler_config.for_scheduler(self.max_model_len),
+            scheduler_config,
             make_kv_cache_manager(model.config, self.runner.num_blocks, config.block_size,
                                   model.config.dtype, self.max_model_len, config.max_num_batched_tokens,
                                   config.enable_prefix_caching),

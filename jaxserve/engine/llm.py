@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.lora_request import LoRARequest
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.dp.placement import start_replica_engines
 from jaxserve.engine.dp.replica_set import ReplicaSet
@@ -85,20 +86,24 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of ``prompts``."""
+        """Generate for every prompt; outputs come back in the order of ``prompts``.
+        ``lora_request``: the LoRA adapter of every prompt, or a list of one per prompt (None:
+        the base model), as in vLLM; the engine needs ``enable_lora=True``."""
         if self.pooling is not None:
             raise InvalidRequestError("model", f"a pooling model ({self.pooling.task}) does not generate; "
                                       "use embed, classify or score")
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
+        loras = _as_lora_list(lora_request, len(prompts))
         added: list[tuple[LLMEngine, str]] = []
         self.replica_set.reset_load()  # every earlier call ran to its end
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = str(next(self._counter))
                 salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-                engine = self._add_routed(rid, prompt, p, priority[i] if priority else 0, salt)
+                engine = self._add_routed(rid, prompt, p, priority[i] if priority else 0, salt, loras[i])
                 added.append((engine, rid))
         except Exception:
             for engine, rid in added:
@@ -131,10 +136,11 @@ class LLM:
         return self._pooling_model().score(data_1, docs, truncate_prompt_tokens)
 
     def _add_routed(self, rid: str, prompt: PromptType, params: SamplingParams, priority: int,
-                    cache_salt: str | None) -> LLMEngine:
+                    cache_salt: str | None, lora_request: LoRARequest | None = None) -> LLMEngine:
         """Add the request to the engine the router picks (the only one without data parallelism)."""
         engines = self.llm_engines
-        processed = engines[0].process_request(rid, prompt, params, priority=priority, cache_salt=cache_salt)
+        processed = engines[0].process_request(rid, prompt, params, priority=priority, cache_salt=cache_salt,
+                                               lora_request=lora_request)
         self.replica_set.prepare(processed)
         index = self.replica_set.route(processed)
         engines[index].add_processed_request(processed, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -152,6 +158,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (or ``chat_template``) to each conversation, then generate.
 
@@ -168,7 +175,7 @@ class LLM:
                    for conv in conversations]
         # The template already holds any special tokens; do not add a BOS twice.
         token_prompts = [{"prompt": p, "prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts]
-        return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
@@ -293,3 +300,13 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise InvalidRequestError("sampling_params", f"got {len(params)} for {n} prompts")
     return params
+
+
+def _as_lora_list(lora_request, n: int) -> list[LoRARequest | None]:
+    """One adapter for every prompt, or a list of one per prompt (vLLM's rule)."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise InvalidRequestError("lora_request", f"{len(loras)} adapters for {n} prompts: pass one, or one per prompt")
+    return loras

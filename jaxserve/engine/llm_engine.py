@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.lora_request import LoRARequest
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.engine_core import EngineCore
 from jaxserve.engine.metrics import EngineMetrics
@@ -139,11 +140,13 @@ class LLMEngine:
     def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                         priority: int = 0, cache_salt: str | None = None,
                         arrival_time: float | None = None,
-                        entry_times: EntryTimes | None = None) -> ProcessedRequest:
+                        entry_times: EntryTimes | None = None,
+                        lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Tokenize and validate (raises InvalidRequestError naming the field); touches no engine state.
         ``entry_times``: the server's receive/template/tokenize times, for the request's timeline."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        processed = self.input_processor.process(request_id, prompt, params, arrival, priority, cache_salt)
+        processed = self.input_processor.process(request_id, prompt, params, arrival, priority, cache_salt,
+                                                 lora_request)
         processed.entry = entry_times
         return processed
 
@@ -174,9 +177,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY, priority: int = 0,
                     cache_salt: str | None = None, queue: Any = None,
-                    arrival_time: float | None = None) -> ParentState:
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> ParentState:
         processed = self.process_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
-                                         arrival_time=arrival_time)
+                                         arrival_time=arrival_time, lora_request=lora_request)
         return self.add_processed_request(processed, output_kind=output_kind, queue=queue)
 
     def abort_request(self, request_ids: str | Iterable[str], cause: str = ABORT) -> None:

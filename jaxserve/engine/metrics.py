@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -108,6 +110,12 @@ class EngineMetrics:
                             registry=r)
         self.dead = Gauge("jaxserve:engine_dead", "1 once the engine loop has failed (restart the server)", lbl,
                           registry=r)
+        # vLLM's lora_requests_info: the adapters in use as labels, the value the time of the update.
+        self.lora_info = Gauge("jaxserve:lora_requests_info", "LoRA adapters of the running and waiting requests "
+                               "(labels; value: unix time of the update)",
+                               lbl + ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
+        self._lora_labels: tuple | None = None
+        self._lora_child: Any = None
         self._last: SchedulerStats | None = None
         self._l(self.backend, backend=attention_backend).set(1)
         self._l(self.dead).set(0)
@@ -142,10 +150,22 @@ class EngineMetrics:
         self._l(self.prefix_queries).inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
         self._l(self.prefix_hits).inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
         self._l(self.preemptions).inc(max(0, stats.num_preemptions - last.num_preemptions))
+        if stats.max_loras:
+            self._record_loras(stats)
         if runner_stats is not None:
             self._l(self.compiles).set(runner_stats.num_compiles)
             self._l(self.padding).set(runner_stats.padding_ratio)
         self._last = stats
+
+    def _record_loras(self, stats: SchedulerStats) -> None:
+        labels = (",".join(sorted(stats.running_lora_adapters)), ",".join(sorted(stats.waiting_lora_adapters)),
+                  str(stats.max_loras))
+        if labels != self._lora_labels:  # one sample, the current adapters (no stale label sets pile up)
+            self.lora_info.clear()
+            self._lora_labels = labels
+            self._lora_child = self.lora_info.labels(**self._labels, running_lora_adapters=labels[0],
+                                                     waiting_lora_adapters=labels[1], max_lora=labels[2])
+        self._lora_child.set(time.time())
 
     def record_dead(self) -> None:
         """The loop failed: every request was answered with an error and none runs any more; the

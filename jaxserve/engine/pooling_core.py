@@ -55,6 +55,8 @@ def build_pooling_parts(config: EngineConfig, path: str, task: str, max_model_le
         raise ConfigError("tensor_parallel_size: a pooling model runs on one device")
     if config.data_parallel_size > 1:
         raise ConfigError("data_parallel_size: a pooling model runs one engine (no replicas yet)")
+    if config.enable_lora:
+        raise ConfigError("enable_lora: a pooling model serves no LoRA adapters yet")
     pooler = resolve_pooler_config(task, path, config.pooler_config)
     encoder = is_encoder_folder(path)
     caching = config.enable_prefix_caching and not encoder and pooler.pooling_type == "LAST"

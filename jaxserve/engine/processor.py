@@ -14,14 +14,16 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.lora_request import LoRARequest, lora_cache_key
 from jaxserve.core.request import Request
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.timeline import EntryTimes
-from jaxserve.exceptions import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
+from jaxserve.exceptions import CONTEXT_LENGTH_EXCEEDED, ConfigError, InvalidRequestError
 from jaxserve.models.config import ModelConfig
 from jaxserve.sample.metadata import DEFAULT_MAX_ALLOWED_TOKENS, DEFAULT_MAX_LOGIT_BIAS, MAX_MIN_TOKENS_STOP_IDS
 
 if TYPE_CHECKING:
+    from jaxserve.models.lora_cache import LoRAAdapterCache
     from jaxserve.structured.backend import GrammarBackend
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -35,6 +37,7 @@ class ProcessedRequest:
     core_requests: list[Request]
     tokenized_time: float | None = None  # monotonic: tokenized and validated
     entry: EntryTimes | None = None  # what the server measured before
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 def check_no_surrogates(field: str, text: str) -> None:
@@ -84,6 +87,39 @@ class InputProcessor:
         # Models with several EOS ids (Llama 3) stop on all of them.
         self.extra_eos_ids = [e for e in eos_ids if e != self.eos_token_id]
         self.all_eos_ids = ([] if self.eos_token_id is None else [self.eos_token_id]) + self.extra_eos_ids
+        lora = config.lora_config
+        self.lora_adapters: LoRAAdapterCache | None = None  # LoRA off: a lora_request is refused
+        if lora.enable_lora:
+            from jaxserve.models.lora_cache import LoRAAdapterCache
+
+            self.lora_adapters = LoRAAdapterCache(model_config, lora.max_cpu_loras or lora.max_loras,
+                                                  lora.max_lora_rank)
+
+    def forget_lora(self, lora_name: str) -> None:
+        if self.lora_adapters is not None:
+            self.lora_adapters.remove(lora_name)
+
+    def resolve_lora(self, lora_request: LoRARequest | None) -> tuple[str | None, Any]:
+        """The adapter's prefix-cache key (``name@sha256`` of the weights on disk now) and its
+        weights, read from ``lora_path`` on first use (or when the files changed); (None, None)
+        for the base model."""
+        if lora_request is None:
+            return None, None
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError("lora_request", f"expected a LoRARequest, got {type(lora_request).__name__}")
+        if self.lora_adapters is None:
+            raise InvalidRequestError("lora_request", "this engine serves no LoRA adapters: start it with "
+                                                      "enable_lora=True (--enable-lora)")
+        try:
+            adapter = self.lora_adapters.get(lora_request.lora_name, lora_request.lora_path)
+        except ConfigError as exc:
+            raise InvalidRequestError("lora_request", str(exc)) from None
+        moe_targets = sorted({p for _, p in adapter.weights if p in ("gate_proj", "up_proj", "down_proj")})
+        if self.model_config.is_moe and moe_targets:  # the experts take no LoRA delta: refuse, never ignore
+            raise InvalidRequestError("lora_request", f"LoRA adapter {lora_request.lora_path}: "
+                                                      f"{', '.join(moe_targets)} target a mixture-of-experts MLP, "
+                                                      "which LoRA does not cover yet")
+        return lora_cache_key(lora_request.lora_name, adapter.digest), adapter
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -184,14 +220,18 @@ class InputProcessor:
             raise InvalidRequestError(field, f"{length} entries exceed the sampler's static width {width_name}={width}")
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float,
-                priority: int = 0, cache_salt: str | None = None) -> ProcessedRequest:
+                priority: int = 0, cache_salt: str | None = None,
+                lora_request: LoRARequest | None = None) -> ProcessedRequest:
         check_request_id(request_id)
         text, ids = self.tokenize_prompt(prompt)
         self.validate(ids, params, cache_salt)
+        lora_key, lora_weights = self.resolve_lora(lora_request)
         core = [self._core_request(child_request_id(i, request_id) if params.n > 1 else request_id,
-                                   ids, self._child_params(params, i), arrival_time, priority, cache_salt)
+                                   ids, self._child_params(params, i), arrival_time, priority, cache_salt,
+                                   lora_key, lora_weights)
                 for i in range(params.n)]
-        return ProcessedRequest(request_id, text, ids, core, tokenized_time=time.monotonic())
+        return ProcessedRequest(request_id, text, ids, core, tokenized_time=time.monotonic(),
+                                lora_request=lora_request)
 
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
         """The core request's own copy when it needs one (n > 1, extra EOS ids, min_tokens)."""
@@ -206,6 +246,7 @@ class InputProcessor:
         child.update_from_eos(self.all_eos_ids)
         return child
 
-    def _core_request(self, core_id, ids, params, arrival_time, priority, cache_salt) -> Request:
+    def _core_request(self, core_id, ids, params, arrival_time, priority, cache_salt,
+                      lora_key=None, lora_weights=None) -> Request:
         return Request(core_id, ids, params, self.eos_token_id, arrival_time=arrival_time,
-                       priority=priority, cache_salt=cache_salt)
+                       priority=priority, cache_salt=cache_salt, lora_name=lora_key, lora_weights=lora_weights)

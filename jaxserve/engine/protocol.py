@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
+    from jaxserve.core.lora_request import LoRARequest
     from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
     from jaxserve.engine.processor import PromptType
@@ -41,9 +42,14 @@ class EngineClient(Protocol):
     # ---- requests
     def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
                  priority: int = 0, cache_salt: str | None = None, output_kind: RequestOutputKind = ...,
-                 entry_times: EntryTimes | None = None) -> AsyncGenerator[RequestOutput, None]: ...
+                 entry_times: EntryTimes | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]: ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    def add_lora(self, lora_request: LoRARequest) -> None: ...
+
+    def remove_lora(self, lora_name: str) -> None: ...
 
     # ---- introspection / lifecycle
     def render_metrics(self) -> bytes: ...

@@ -71,11 +71,14 @@ class StepVariant:
     # The GPU step's sampler, chosen by the host: True = every row greedy, False = some row draws.
     # None: the sampler decides on the device (the CPU step, with conds).
     all_greedy: bool | None = None
+    # LoRA: the step applies the adapters' slot table (some token has an adapter); a LoRA-enabled
+    # engine's base-only steps run the variant without it, the plain engine's program.
+    lora: bool = False
 
     @property
     def name(self) -> str:
         sampler = {None: "", True: "-greedy", False: "-random"}[self.all_greedy]
-        return f"{self.bucket}{'-decode' if self.decode_only else ''}{sampler}"
+        return f"{self.bucket}{'-decode' if self.decode_only else ''}{sampler}{'-lora' if self.lora else ''}"
 
 
 # A variant's trace arguments: the positional arguments (abstract where possible) and the static

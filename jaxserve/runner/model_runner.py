@@ -43,6 +43,7 @@ from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.attention import AttentionMetadata
+from jaxserve.layers.lora import LoRABatch
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.runner.buckets import BucketTable
@@ -59,6 +60,7 @@ from jaxserve.runner.input_batch import (
 )
 from jaxserve.runner.inspection import PackedStep
 from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks, gpu_device_memory
+from jaxserve.runner.lora_state import RunnerLoRA
 from jaxserve.runner.mesh import kv_cache_sharding, make_mesh, replicated, select_devices, weight_shardings
 from jaxserve.runner.packing import PackLayout, pack, unpack
 from jaxserve.runner.prompt_logprobs import PromptLogprobsWorker
@@ -237,6 +239,9 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self._prev_row_of: dict[str, int] = {}  # each request's row in state.prev_sampled
         self._rng = np.random.default_rng(config.seed)
+        lora = config.lora_config
+        self.lora = (RunnerLoRA(self.mc, lora.max_loras, lora.max_lora_rank, self._replicated)
+                     if lora.enable_lora else None)
         self.prompt_logprobs = PromptLogprobsWorker(self.graphdef, self._split_args, self.num_logprobs,
                                                     self.target.sampler_policy(), self._replicated,
                                                     config.enforce_eager)
@@ -248,7 +253,7 @@ class ModelRunner:
         self.last_packed: PackedStep | None = None  # the last launched step's inputs, for inspection
         # The arguments carry their shardings (a fresh numpy input is replicated over the mesh of
         # the others); the outputs are pinned so that the donated state comes back as it went in.
-        self._jitted = jax.jit(self._step, static_argnames=("layout", "decode_only", "all_greedy"),
+        self._jitted = jax.jit(self._step, static_argnames=("layout", "decode_only", "all_greedy", "use_lora"),
                                donate_argnums=(1,), out_shardings=self._replicated_except_state())
         self.steps = CompiledSteps(self._jitted, self._trace_args, self.stats)
         self._write_penalty_row = jax.jit(write_penalty_row, donate_argnums=(0,))
@@ -336,7 +341,7 @@ class ModelRunner:
         largest bucket; read before the pool bounds it, since sizing the pool needs it), with the
         general attention (not decode-only) and, on a GPU, the random sampler (its full sort)."""
         return StepVariant(max_step_tokens(self.config, self.max_model_len),
-                           all_greedy=False if self.cond_free else None)
+                           all_greedy=False if self.cond_free else None, lora=self.lora is not None)
 
     def peak_temp_bytes(self, num_blocks: int) -> int:
         """The temporary memory of ``peak_temp_variant``, compiled (one program) against a pool
@@ -363,8 +368,8 @@ class ModelRunner:
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def _step(self, model_state, state: DeviceState, buf, bitmask, *, layout: PackLayout,
-              decode_only: bool = False, all_greedy: bool | None = None) -> StepOutput:
+    def _step(self, model_state, state: DeviceState, buf, bitmask, lora_tables=None, *, layout: PackLayout,
+              decode_only: bool = False, all_greedy: bool | None = None, use_lora: bool = False) -> StepOutput:
         groups = unpack(buf, layout)
         x = groups["model"]
         prev = x["prev_rows"]
@@ -375,7 +380,10 @@ class ModelRunner:
             positions=x["positions"], slot_mapping=x["slot_mapping"], block_tables=x["block_tables"],
             kv_lens=x["kv_lens"], query_start_loc=x["query_start_loc"], num_seqs=x["num_seqs"])
         model = nnx.merge(self.graphdef, model_state)
-        hidden, kv_cache = model(input_ids, state.kv_cache, md, attn_fn, *self._split_args)
+        lora: dict[str, Any] = {}
+        if use_lora:  # the slot tables and each token's slot (-1: the base model)
+            lora["lora"] = LoRABatch(slot_ids=x["lora_slot_ids"], a=lora_tables[0], b=lora_tables[1])
+        hidden, kv_cache = model(input_ids, state.kv_cache, md, attn_fn, *self._split_args, **lora)
         logits = model.compute_logits(hidden[x["logits_indices"]], *self._split_args)
         penalties = update_penalty_tables(state.penalties, token_slots=x["token_slots"], input_ids=input_ids,
                                           token_is_output=x["token_is_output"])
@@ -401,6 +409,8 @@ class ModelRunner:
                                       self.slots.padding_slot)
         arrays["need_logprobs"] = np.zeros(1, np.bool_)
         arrays["use_bitmask"] = np.zeros(1, np.bool_)
+        if self.lora is not None:
+            arrays["lora_slot_ids"] = np.full(bucket, -1, np.int32)
         return {"model": arrays, "sampling": self.sampling_table.padding(rows)}
 
     def variants(self) -> list[StepVariant]:
@@ -414,6 +424,8 @@ class ModelRunner:
             out += [StepVariant(b, True) for b in self.buckets.token_buckets if b <= top]
         if self.cond_free:
             out = [dataclasses.replace(v, all_greedy=g) for v in out for g in (True, False)]
+        if self.lora is not None:
+            out += [dataclasses.replace(v, lora=True) for v in out]
         return out
 
     def pick_bucket(self, num_tokens: int) -> int:
@@ -428,11 +440,14 @@ class ModelRunner:
         buf = jax.ShapeDtypeStruct((self._layout_for(variant.bucket).total,), jnp.int32)
         bitmask = jax.ShapeDtypeStruct((self._num_rows(variant.bucket), self.bitmask_width), jnp.int32)
         buf, bitmask = _with_shardings((buf, bitmask), (self._replicated, self._replicated))
-        return self.model_state, state, buf, bitmask
+        return self.model_state, state, buf, bitmask, *self._lora_args()
+
+    def _lora_args(self) -> tuple:
+        return () if self.lora is None else (self.lora.tables,)
 
     def _static_args(self, variant: StepVariant) -> dict:
         return {"layout": self._layout_for(variant.bucket), "decode_only": variant.decode_only,
-                "all_greedy": variant.all_greedy}
+                "all_greedy": variant.all_greedy, "use_lora": variant.lora}
 
     def _executable(self, variant: StepVariant):
         if self.config.enforce_eager:
@@ -478,7 +493,7 @@ class ModelRunner:
     def _launch(self, fn, buf, bitmask) -> StepOutput:
         """Run a step function on a packed input buffer; the donated state is replaced by its
         updated version."""
-        result = fn(self.model_state, self.state, buf, bitmask)
+        result = fn(self.model_state, self.state, buf, bitmask, *self._lora_args())
         self.state = result.state
         return result
 
@@ -499,6 +514,8 @@ class ModelRunner:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self.slots.release(state.slot)
+            if self.lora is not None:
+                self.lora.remove_request(req_id)
         for new in so.scheduled_new_reqs:
             old = self.requests.pop(new.req_id, None)
             if old is not None:
@@ -511,6 +528,8 @@ class ModelRunner:
                 output_token_ids=list(new.output_token_ids or []), sampling_params=params,
                 num_computed_tokens=new.num_computed_tokens, slot=slot)
             PromptLogprobsWorker.start_rows(self.requests[new.req_id])
+            if self.lora is not None:
+                self.lora.add_request(new.req_id, new.lora_name, new.lora_weights)
             self.batch.add_request(slot, new.prompt_token_ids, new.output_token_ids or [],
                                    single_group_block_ids(new.block_ids))
             self.sampling_table.set_row(slot, params, seed)
@@ -560,8 +579,9 @@ class ModelRunner:
         # device_put first costs several times as much host time per step).
         decode_only = self.decode_attn_fn is not None and plan.num_tokens == len(plan.req_ids)
         all_greedy = self.sampling_table.all_greedy(groups["model"]["row_slots"]) if self.cond_free else None
-        result = self._launch(self._executable(StepVariant(plan.token_bucket, decode_only, all_greedy)), buf,
-                              device_mask)
+        use_lora = self.lora is not None and bool((groups["model"]["lora_slot_ids"] >= 0).any())
+        result = self._launch(self._executable(StepVariant(plan.token_bucket, decode_only, all_greedy, use_lora)),
+                              buf, device_mask)
         self._prev_row_of = {r: i for i, r in enumerate(plan.req_ids)}
         self.stats.record_step(plan.num_tokens, plan.token_bucket)
         self.prompt_logprobs.accumulate(self.model_state, result.hidden, plan, states, so)
@@ -604,6 +624,8 @@ class ModelRunner:
         generated = [max(0, c + n - s.num_prompt_tokens) for s, c, n in zip(states, starts, counts)]
         want_logprobs = any(s.sampling_params.logprobs is not None for s, ok in zip(states, samples) if ok)
         arrays["need_logprobs"] = np.asarray([want_logprobs])
+        if self.lora is not None:  # each token's adapter slot, the new adapters written first
+            arrays["lora_slot_ids"] = self.lora.token_slots(req_ids, counts, bucket)
         groups = {"model": arrays, "sampling": self.sampling_table.gather(arrays["row_slots"], generated)}
         plan = StepPlan(req_ids, total, bucket, samples, want_logprobs)
         return groups, plan, states

@@ -7,6 +7,7 @@ import pytest
 from jaxserve.core.kv_cache_utils import hash_request_tokens
 from jaxserve.core.lora_request import LoRARequest, lora_cache_key
 from jaxserve.core.lora_slots import LoRASlotAssigner
+from jaxserve.core.request import RequestStatus
 
 
 def test_at_most_max_loras_adapters_per_step_and_lru_reuse():
@@ -45,3 +46,21 @@ def test_lora_request_fields():
         LoRARequest("sql", 0, "/x")
     with pytest.raises(ValueError, match="lora_name"):
         LoRARequest("", 1, "/x")
+
+
+def test_scheduler_admits_at_most_max_loras_adapters_and_the_others_wait():
+    from jaxserve.core.schedule_record import WAIT_LORA_SLOTS
+    from tests.core.core_testing import make_request, make_scheduler
+
+    sched = make_scheduler(max_loras=1, max_num_batched_tokens=64)
+    reqs = [make_request([1, 2, 3], req_id="a", lora_name="x@1"), make_request([4, 5], req_id="b", lora_name="y@1"),
+            make_request([6, 7], req_id="c"), make_request([8, 9], req_id="d", lora_name="x@1")]
+    for r in reqs:
+        sched.add_request(r)
+    out = sched.schedule()
+    assert set(out.num_scheduled_tokens) == {"a", "c", "d"}  # b's adapter waits; the ones behind it go on
+    assert [r.request_id for r in sched.waiting] == ["b"] and sched.waiting_reason == WAIT_LORA_SLOTS
+    assert {r.lora_name for r in out.scheduled_new_reqs} == {"x@1", None}
+    sched.finish_requests(["a", "d"], RequestStatus.FINISHED_ABORTED)
+    out = sched.schedule()
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["b"] and not sched.waiting  # x's slot is free now

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, AsyncLLM, SamplingParams
-from jaxserve.exceptions import ConfigError
-from tests.shapes import DEMO_MODEL, ENGINE_TESTS_SHAPE
+from tests.shapes import ENGINE_TESTS_SHAPE
 
 
 @pytest.fixture(scope="module")
@@ -321,10 +320,3 @@ def test_penalty_counts_of_a_reused_slot_start_from_zero(demo_model):
                  use_tqdm=False)
     assert llm.generate(target, params, use_tqdm=False)[0].outputs[0].token_ids == fresh
     assert_pool_empty(llm)
-
-
-def test_lora_serving_is_refused_until_the_engine_routes_adapters():
-    """The LoRA flags parse (tests/test_config.py), but an engine asked to serve adapters says it
-    cannot yet, before it loads anything, instead of serving the base model silently."""
-    with pytest.raises(ConfigError, match="enable_lora: LoRA adapters are not served by the engine yet"):
-        LLM(DEMO_MODEL, enable_lora=True)

@@ -64,6 +64,21 @@ def workload() -> tuple[list[list[int]], list[list[int]]]:
     return first, second
 
 
+def lora_requests(llm, root: Path, count: int) -> list[Any] | None:
+    """With LoRA on: request i runs on the base model, adapter a0 or a1 in turn (random rank-8
+    adapters of the served model; attention only on a mixture-of-experts model). None otherwise."""
+    if not llm.config.enable_lora:
+        return None
+    from jaxserve import LoRARequest
+    from jaxserve.bench.lora_bench import write_random_adapter
+
+    cfg = llm.llm_engine.model_config
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj") if cfg.is_moe else None
+    loras = [LoRARequest(f"a{i}", i + 1, str(write_random_adapter(root / f"a{i}", cfg, 8, seed=i, projections=targets)))
+             for i in range(2)]
+    return [([None] + loras)[i % 3] for i in range(count)]
+
+
 def wave_params(prompts: list[list[int]]) -> tuple[list[dict], list[Any]]:
     """Each prompt greedy, then one seeded n=2 request and one regex-constrained one."""
     from jaxserve import SamplingParams, StructuredOutputsParams
@@ -106,9 +121,11 @@ def run_engine(model: dict[str, str], kwargs: dict[str, Any]) -> dict[str, Any]:
     runners = [e.core.runner for e in engines]
     compiled_before = [r.stats.num_compiles - r.stats.background_compiles for r in runners]
     outputs = []
+    adapters_root = Path(tempfile.mkdtemp(prefix="jaxserve-matrix-loras-"))
     for prompts in workload():
         inputs, params = wave_params(prompts)
-        outputs += llm.generate(inputs, params, use_tqdm=False)
+        outputs += llm.generate(inputs, params, use_tqdm=False,
+                                lora_request=lora_requests(llm, adapters_root, len(inputs)))
     stats = [e.stats() for e in engines]
     records = [r for e in engines for r in e.get_step_records()]
     prefill_steps: dict[str, int] = {}
@@ -126,6 +143,7 @@ def run_engine(model: dict[str, str], kwargs: dict[str, Any]) -> dict[str, Any]:
         "devices_per_replica": [len(r.mesh.devices.flat) if getattr(r, "mesh", None) is not None else 1
                                 for r in runners],
         "backend": [s["attention_backend"] for s in stats],
+        "lora_steps": sum(1 for r in records if r.schedule.lora_adapters),
         "leaks": [f"replica {i}: {s['num_requests_running']} running, {s['num_requests_waiting']} waiting, "
                   f"{s['num_gpu_blocks'] - 1 - s['num_free_blocks']} blocks held, "
                   f"{e.core.structured_outputs.num_active} grammar matchers"
@@ -160,6 +178,7 @@ def compare(features: tuple[str, ...], got: dict[str, Any], ref: dict[str, Any])
         "preemption": got["preemptions"] > 0, "prefix_caching": got["prefix_hits"] > 0,
         "chunked_prefill": got["chunked_prefills"] > 0, "dp2": got["replicas_used"] == 2,
         "tp2": got["devices_per_replica"] == [2], "cpu_backend": set(got["backend"]) == {"cpu"},
+        "lora": got.get("lora_steps", 0) > 0,
     }
     failures += [f"{name} claimed but not seen" for name, seen in claims.items() if name in features and not seen]
     return failures

@@ -104,6 +104,18 @@ def test_host_cache_keeps_max_cpu_loras_and_reloads_new_weights(llama, tmp_path)
     cache.get("c", tmp_path / "c")
     assert cache.names() == ["b", "c"] and cache.loads == 3  # "a" evicted, least recently used
     make_peft_adapter(llama, tmp_path / "b", seed=9, targets=["q_proj"])
-    assert cache.get("b", tmp_path / "b").digest == old_b  # no reload asked: the loaded weights stay
-    assert cache.get("b", tmp_path / "b", reload=True).digest != old_b
+    new_b = cache.get("b", tmp_path / "b")  # the files were rewritten: read again
+    assert new_b.digest != old_b and cache.loads == 4
+    assert cache.get("b", tmp_path / "b") is new_b
+    assert cache.get("b", tmp_path / "b", reload=True).digest == new_b.digest
     assert cache.remove("b") and not cache.remove("b") and cache.names() == ["c"]
+
+
+def test_the_benchs_random_adapters_are_read_back_whole(llama, tmp_path):
+    from jaxserve.bench.lora_bench import write_random_adapter
+
+    cfg = ModelConfig.from_pretrained(llama)
+    adapter = load_lora_adapter(write_random_adapter(tmp_path / "r", cfg, rank=4, seed=0), cfg, max_lora_rank=4)
+    assert len(adapter.weights) == cfg.num_hidden_layers * len(ALL) and adapter.rank == 4
+    w = adapter.weights[(0, "q_proj")]
+    assert np.abs(w.b).max() > 0  # alpha / r = 2 folded into B: a delta that changes the output

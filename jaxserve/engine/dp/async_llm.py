@@ -20,6 +20,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.lora_request import LoRARequest
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.async_llm import DEFAULT_INPUT_WORKERS, AsyncLLM
 from jaxserve.engine.dp.placement import start_replica_engines
@@ -97,7 +98,8 @@ class DPAsyncLLM:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None,
                        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
-                       entry_times: EntryTimes | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       entry_times: EntryTimes | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
         """As ``AsyncLLM.generate``, on the replica the router picks."""
         check_request_id(request_id)
         self.check_health()
@@ -107,7 +109,7 @@ class DPAsyncLLM:
         try:
             processed = await asyncio.get_running_loop().run_in_executor(
                 self.input_pool, functools.partial(self._process, request_id, prompt, sampling_params, priority,
-                                                    cache_salt, time.monotonic(), entry_times))
+                                                    cache_salt, time.monotonic(), entry_times, lora_request))
         finally:
             self._processing -= 1
         if request_id in self._owner:
@@ -124,18 +126,26 @@ class DPAsyncLLM:
             self.replica_set.release(index, num_seqs)
 
     def _process(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
-                 cache_salt: str | None, arrival_time: float, entry_times: EntryTimes | None) -> ProcessedRequest:
+                 cache_salt: str | None, arrival_time: float, entry_times: EntryTimes | None,
+                 lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Tokenize and validate (any replica's processor: they are identical), then hash the
         prompt's full blocks for routing; runs on an input thread."""
         processed = self.replicas[0].engine.process_request(request_id, prompt, params, priority=priority,
                                                             cache_salt=cache_salt, arrival_time=arrival_time,
-                                                            entry_times=entry_times)
+                                                            entry_times=entry_times, lora_request=lora_request)
         self.replica_set.prepare(processed)
         return processed
 
     def route(self, processed: ProcessedRequest) -> int:
         """The replica index that takes ``processed`` (see ``router`` for the policy)."""
         return self.replica_set.route(processed)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """As ``AsyncLLM.add_lora``: the first replica's processor reads adapters for all."""
+        self.replicas[0].add_lora(lora_request)
+
+    def remove_lora(self, lora_name: str) -> None:
+        self.replicas[0].remove_lora(lora_name)
 
     async def abort(self, request_id: str) -> None:
         check_request_id(request_id)
