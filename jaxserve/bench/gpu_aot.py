@@ -55,10 +55,13 @@ def compile_only_sharding(target_config: str, tensor_parallel_size: int = 1,
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-def abstract_model(preset: str, scan_layers: bool | None, tensor_parallel_size: int = 1) -> LlamaForCausalLM:
+def abstract_model(preset: str, scan_layers: bool | None, tensor_parallel_size: int = 1,
+                   num_layers: int | None = None) -> LlamaForCausalLM:
     """The model of a benchmark preset, shapes only (no weights are made), laid out for
-    ``tensor_parallel_size`` shards."""
-    cfg = ModelConfig.from_dict(preset_config(preset))
+    ``tensor_parallel_size`` shards; ``num_layers`` replaces its depth (the attention kernel's
+    variants do not depend on it)."""
+    cfg = ModelConfig.from_dict(preset_config(preset, **({} if num_layers is None else
+                                                         {"num_hidden_layers": num_layers})))
     return nnx.eval_shape(lambda: LlamaForCausalLM(cfg, scan_layers=scan_layers,
                                                    tensor_parallel_size=tensor_parallel_size, rngs=nnx.Rngs(0)))
 

@@ -1,6 +1,6 @@
 """The model shapes the benchmarks name (``--random-model``, ``bench roofline --model``): Qwen3
-configurations as ``config.json`` dicts. Imports nothing of jax, so the command line can offer
-them without loading it."""
+configurations (and Mistral-7B's, the sliding-window shape) as ``config.json`` dicts. Imports
+nothing of jax, so the command line can offer them without loading it."""
 
 from __future__ import annotations
 
@@ -14,12 +14,19 @@ PRESETS = {
     "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, intermediate_size=12288, tie_word_embeddings=False,
                      dtype="bfloat16", max_position_embeddings=40960),
+    # Mistral-7B-v0.1: every layer windowed to 4096 positions, GQA 32/8, head_dim 128
+    "mistral-7b": dict(architecture="MistralForCausalLM", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
+                       tie_word_embeddings=False, dtype="bfloat16", max_position_embeddings=32768,
+                       sliding_window=4096, rope_theta=10000.0, rms_norm_eps=1e-5),
 }
 
 
-def preset_config(preset: str) -> dict:
-    """The ``config.json`` of a preset (a Qwen3 of that shape)."""
-    shape = PRESETS[preset]
-    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rms_norm_eps": 1e-6,
+def preset_config(preset: str, **overrides) -> dict:
+    """The ``config.json`` of a preset (a Qwen3 of that shape unless it names its architecture),
+    with ``overrides`` (e.g. ``num_hidden_layers``) applied."""
+    shape = {**PRESETS[preset], **overrides}
+    arch = shape.pop("architecture", "Qwen3ForCausalLM")
+    return {"architectures": [arch], "model_type": arch.removesuffix("ForCausalLM").lower(), "rms_norm_eps": 1e-6,
             "rope_theta": 1000000.0, "torch_dtype": shape["dtype"], "bos_token_id": 1, "eos_token_id": 2,
             "hidden_act": "silu", **{k: v for k, v in shape.items() if k != "dtype"}}
