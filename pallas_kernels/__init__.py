@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import functools
 
+import jax
+
 from .cpu_attention import cpu_attention_available, ragged_paged_attention_cpu
 from .mosaic_attention import (
     MosaicConfig,
@@ -126,7 +128,10 @@ def get_attention_fn(backend: str, interpret: bool = False, build_dir=None, **tu
             raise RuntimeError(f"the cpu attention backend is unavailable: {reason}")
         return functools.partial(ragged_paged_attention_cpu, **tuning)
     if backend == "mosaic":
-        return functools.partial(ragged_paged_attention_mosaic, interpret=interpret, **tuning)
+        # jitted: the layers' identical calls then share one lowering of the kernel (Mosaic GPU's
+        # lowering is seconds of Python per call) instead of one per layer
+        return jax.jit(functools.partial(ragged_paged_attention_mosaic, interpret=interpret, **tuning),
+                       static_argnames=("sm_scale", "sliding_window", "soft_cap"))
     registered = registered_attention_fn(backend)
     if registered is not None:
         return functools.partial(registered, **tuning)

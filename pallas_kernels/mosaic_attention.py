@@ -22,9 +22,11 @@ Work split (one CTA = one warpgroup per ``(q tile, kv head, kv split)``):
   ``num_stages - 1`` steps are in flight while one is computed. ``wgmma`` computes ``Q Kᵀ`` into
   an f32 accumulator, the online softmax runs in registers (base 2, ``log2 e`` folded into the
   scale), ``p`` is cast to the cache dtype and a second ``wgmma`` adds ``p V``.
-* Stale cache slots (the unused tail of a context's last page) may hold anything, NaN included:
-  scores are masked with a select, and the V rows past the context are zeroed in shared memory in
-  the last step before the ``p V`` product (0 * NaN would otherwise leak in).
+* Stale cache slots (the unused tail of a context's last page; with a window, the pages before
+  it, which the scheduler releases while the block table still names them) may hold anything, NaN
+  included: scores are masked with a select, and the V rows past the context (last step) or
+  before the tile's window (first step) are zeroed in shared memory before the ``p V`` product
+  (0 * NaN would otherwise leak in).
 * An fp8 (e4m3) pool is copied by TMA as stored (half the bytes of bf16) into an fp8 ring; each
   step casts its K and V slot in registers into one bf16 staging tile each, which the ``wgmma``
   reads (Hopper's fp8 ``wgmma`` wants a K-major B operand and fp8 P, which V is not and would lose).
@@ -248,10 +250,17 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_out, *, c: 
             l = l * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-            @pl.when(step * bkv + bkv > kv_end)
-            def _zero_stale_rows():  # the context's last step: its tail rows may hold NaN
-                v_rows = c.iota((bkv, c.d), 0)
-                v_tile[...] = jnp.where(v_rows + step * bkv < kv_end, v_tile[...], jnp.zeros((), v_tile.dtype))
+            # V rows no token of the tile may see can hold anything, NaN included, and 0 * NaN
+            # would leak into p V: the tail past the context (its last step) and, with a window,
+            # the rows before the first token's window (its first step), whose pages the
+            # scheduler may have released to another request.
+            win_lo = jnp.maximum(pos0 - (c.window - 1), 0) if c.window else 0
+
+            @pl.when((step * bkv + bkv > kv_end) | (step * bkv < win_lo))
+            def _zero_stale_rows():
+                v_pos = c.iota((bkv, c.d), 0) + step * bkv
+                keep = (v_pos < kv_end) & (v_pos >= win_lo)
+                v_tile[...] = jnp.where(keep, v_tile[...], jnp.zeros((), v_tile.dtype))
                 plgpu.commit_smem()
 
             # p goes through shared memory (not wgmma's register operand) and into a fresh
@@ -429,15 +438,19 @@ SELF_CHECK_SHAPE = CheckShape(num_q_heads=4, num_kv_heads=2, head_dim=64, block_
 SELF_CHECK_ATOL = 2e-2  # bf16 outputs of magnitude ~1: a few ulps
 
 
-def mosaic_self_check(interpret=False) -> tuple[bool, str]:
+def mosaic_self_check(interpret=False, kv_dtype=None) -> tuple[bool, str]:
     """Run the kernel (compiled on this GPU, or interpreted) on the registry's check batches
-    against the reference; (True, "") when it agrees, (False, why) when it fails or disagrees."""
+    against the reference, over a pool of ``kv_dtype`` (bf16 by default; fp8 e4m3 runs the fp8
+    ring and staging tiles, compared with the reference on the same fp8 values); (True, "") when
+    it agrees, (False, why) when it fails or disagrees."""
     fn = functools.partial(ragged_paged_attention_mosaic, interpret=interpret,
                            config=MosaicConfig(block_kv=64, num_stages=2, num_splits=2, min_split_steps=1))
     try:
-        result = check_against_reference(fn, atol=SELF_CHECK_ATOL, shape=SELF_CHECK_SHAPE, dtype=jnp.bfloat16)
+        result = check_against_reference(fn, atol=SELF_CHECK_ATOL, shape=SELF_CHECK_SHAPE, dtype=jnp.bfloat16,
+                                         kv_dtype=kv_dtype)
     except Exception as e:  # noqa: BLE001 - a kernel that cannot compile or run here is the answer
         return False, f"{type(e).__name__}: {e}"[:500]
     if not result.ok:
-        return False, f"max abs error per case {result.errors} > {result.atol}"
+        pool = "" if kv_dtype is None else f" ({jnp.dtype(kv_dtype).name} pool)"
+        return False, f"max abs error per case{pool} {result.errors} > {result.atol}"
     return True, ""

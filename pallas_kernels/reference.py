@@ -105,10 +105,11 @@ def ragged_paged_attention_reference(
         kpos = c * kv_chunk + jnp.arange(kv_chunk, dtype=jnp.int32)  # [C]
         kk = k_cache[blk].reshape(t, kv_chunk, hkv, d).astype(f32)
         vv = v_cache[blk].reshape(t, kv_chunk, hkv, d).astype(f32)
-        # Stale slots past the context may hold anything (even NaN); 0 * NaN would leak into acc.
-        vv = jnp.where((kpos[None, :] < kv_len_t[:, None])[:, :, None, None], vv, 0.0)
-        in_ctx = kpos[None, :] < kv_len_t[:, None]  # [T, C]; stale slots may hold anything
-        vv = jnp.where(in_ctx[:, :, None, None], vv, 0.0)
+        # Slots past the context, and before a window (pages the scheduler released while the
+        # block table still names them), may hold anything, even NaN: 0 * NaN would leak into acc.
+        in_ctx = kpos[None, :] < kv_len_t[:, None]  # [T, C]
+        seen = in_ctx if sliding_window is None else in_ctx & (kpos[None, :] >= first[:, None])
+        vv = jnp.where(seen[:, :, None, None], vv, 0.0)
         s = jnp.einsum("thgd,tchd->thgc", qf, kk, precision=jax.lax.Precision.HIGHEST)
         if soft_cap is not None:
             s = f32(soft_cap) * jnp.tanh(s / f32(soft_cap))

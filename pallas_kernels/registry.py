@@ -79,9 +79,11 @@ class BackendCheck:
         return self.max_abs_error <= self.atol
 
 
-def make_check_batch(case: CheckCase, shape: CheckShape = CheckShape(), *, seed: int = 0, dtype=jnp.float32):
+def make_check_batch(case: CheckCase, shape: CheckShape = CheckShape(), *, seed: int = 0, dtype=jnp.float32,
+                     kv_dtype=None):
     """The contract's positional arguments for ``case``: pages drawn at random from the pool
-    (block 0 stays the null block), random q and caches, ``num_seqs`` as an int32 [1]."""
+    (block 0 stays the null block), random q and caches (of ``kv_dtype``, default ``dtype``),
+    ``num_seqs`` as an int32 [1]."""
     rng = np.random.default_rng(seed)
     n, r, s = len(case.requests), case.num_reqs, shape
     q_lens = np.array([q for q, _ in case.requests], np.int32)
@@ -103,22 +105,26 @@ def make_check_batch(case: CheckCase, shape: CheckShape = CheckShape(), *, seed:
     q = rng.standard_normal((case.num_tokens, s.num_q_heads, s.head_dim))
     cache_shape = (s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
     k_cache, v_cache = rng.standard_normal(cache_shape), rng.standard_normal(cache_shape)
-    return (jnp.asarray(q, dtype), jnp.asarray(k_cache, dtype), jnp.asarray(v_cache, dtype), jnp.asarray(kv_lens),
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    return (jnp.asarray(q, dtype), jnp.asarray(k_cache, kv_dtype), jnp.asarray(v_cache, kv_dtype), jnp.asarray(kv_lens),
             jnp.asarray(tables), jnp.asarray(qsl), jnp.asarray(np.array([n], np.int32)))
 
 
 def check_against_reference(fn: AttentionFn, *, atol: float = 2e-3, sliding_window: int | None = None,
                             soft_cap: float | None = None, cases=CHECK_CASES,
-                            shape: CheckShape = CheckShape(), dtype=jnp.float32) -> BackendCheck:
+                            shape: CheckShape = CheckShape(), dtype=jnp.float32, kv_dtype=None) -> BackendCheck:
     """Run ``fn`` jitted on each case and compare it, padding tokens included, with the reference
-    (both given q and caches of ``dtype``)."""
+    (both given q of ``dtype`` and caches of ``kv_dtype``, default ``dtype``: an fp8 pool is
+    checked on the same fp8 values)."""
     options = dict(sm_scale=shape.head_dim ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
     candidate = jax.jit(functools.partial(fn, **options))
     errors = {}
     dtype = jnp.dtype(dtype)
+    kv_dtype = dtype if kv_dtype is None else jnp.dtype(kv_dtype)
     for i, case in enumerate(cases):
-        args = make_check_batch(case, shape, seed=i, dtype=dtype)
-        got, want = candidate(*args), _reference_output(case, shape, i, tuple(sorted(options.items())), dtype)
+        args = make_check_batch(case, shape, seed=i, dtype=dtype, kv_dtype=kv_dtype)
+        got = candidate(*args)
+        want = _reference_output(case, shape, i, tuple(sorted(options.items())), dtype, kv_dtype)
         if got.shape != want.shape:
             raise ValueError(f"case {case.name}: output shape {got.shape}, the contract's is {want.shape}")
         errors[case.name] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
@@ -126,9 +132,11 @@ def check_against_reference(fn: AttentionFn, *, atol: float = 2e-3, sliding_wind
 
 
 @functools.lru_cache(maxsize=64)
-def _reference_output(case: CheckCase, shape: CheckShape, seed: int, options: tuple, dtype=jnp.float32) -> jax.Array:
-    """The reference's answer on a check batch, computed once per batch, options and dtype."""
-    return ragged_paged_attention_reference(*make_check_batch(case, shape, seed=seed, dtype=dtype), **dict(options))
+def _reference_output(case: CheckCase, shape: CheckShape, seed: int, options: tuple, dtype=jnp.float32,
+                      kv_dtype=None) -> jax.Array:
+    """The reference's answer on a check batch, computed once per batch, options and dtypes."""
+    args = make_check_batch(case, shape, seed=seed, dtype=dtype, kv_dtype=kv_dtype)
+    return ragged_paged_attention_reference(*args, **dict(options))
 
 
 def register_attention_backend(name: str, fn: AttentionFn, *, check: bool = True, atol: float = 2e-3,

@@ -101,6 +101,8 @@ def _attend_tiles(tile, k_rows, v_rows, kv_lens, block_tables, *, chunk, pages, 
     live_rows = jnp.repeat(tile["live"], g, axis=1)
     hi = jnp.max(tile["hi"])
     lo = jnp.minimum(jnp.min(tile["lo"]), hi)
+    # the first position any row of a tile may see (its rows' positions ascend)
+    win_lo = jnp.zeros((n,), jnp.int32) if sliding_window is None else tile["pos"][:, 0] - int(sliding_window) + 1
 
     def body(carry):
         c, m, l, acc = carry
@@ -109,8 +111,10 @@ def _attend_tiles(tile, k_rows, v_rows, kv_lens, block_tables, *, chunk, pages, 
         kk = k_rows[blk].reshape(n, chunk, hkv, d).astype(f32)
         vv = v_rows[blk].reshape(n, chunk, hkv, d).astype(f32)
         kpos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        # Stale slots past the context may hold anything (even NaN); 0 * NaN would leak into acc.
-        vv = jnp.where((kpos[None, :] < ctx[:, None])[:, :, None, None], vv, 0.0)
+        # Slots past the context, and before the tile's first window (pages the scheduler released
+        # while the block table still names them), may hold anything, even NaN: 0 * NaN would leak.
+        vv = jnp.where(((kpos[None, :] < ctx[:, None]) & (kpos[None, :] >= win_lo[:, None]))[:, :, None, None],
+                       vv, 0.0)
         s = jnp.einsum("nhrd,nchd->nhrc", tile["q"], kk)
         if soft_cap is not None:
             s = f32(soft_cap) * jnp.tanh(s / f32(soft_cap))

@@ -40,6 +40,7 @@ import jax  # noqa: E402
 from jaxserve.bench import gpu_aot, gpu_targets  # noqa: E402
 from jaxserve.bench.hlo_collectives import count_collectives  # noqa: E402
 from jaxserve.bench.hlo_stats import analyze_hlo, dequantized_copies  # noqa: E402
+from jaxserve.bench.presets import PRESETS  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 
 SHARED_TARGET = REPO.parent / "shared" / "gpu" / "h200_target_config.txtpb"
@@ -55,6 +56,21 @@ def hlo_shape(x, per_device: bool = False) -> tuple[str, tuple[int, ...]]:
     """``x``'s HLO dtype and shape, or the shape of its block on one device."""
     shape = x.sharding.shard_shape(x.shape) if per_device else x.shape
     return HLO_DTYPES.get(str(x.dtype), str(x.dtype)), tuple(shape)
+
+
+def mosaic_tiles(runner, variant) -> dict:
+    """The mosaic kernel's tile schedule in this variant and the shared memory of one CTA (Mosaic
+    refuses at compile time a kernel over the SM's 227 KiB)."""
+    import pallas_kernels as pk
+    from pallas_kernels import mosaic_attention
+
+    mc, bs = runner.mc, runner.config.block_size
+    kv_itemsize = runner.state.kv_cache[0].dtype.itemsize
+    cfg = pk.default_mosaic_config(variant.bucket, min(variant.bucket, runner.config.max_num_seqs),
+                                   mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, bs,
+                                   runner.max_blocks_per_seq * bs, kv_itemsize)
+    return {"block_kv": cfg.block_kv, "stages": cfg.num_stages, "splits": cfg.num_splits,
+            "smem_bytes": mosaic_attention.smem_bytes(mc.head_dim, cfg, kv_itemsize=kv_itemsize)}
 
 
 def check_variant(runner, variant, weight_shapes, pool_shapes, full_weight_shapes, dequantized_shapes) -> dict:
@@ -90,6 +106,7 @@ def check_variant(runner, variant, weight_shapes, pool_shapes, full_weight_shape
             "alias_bytes": int(mem.alias_size_in_bytes), "bytes_accessed": int(cost.get("bytes accessed", 0)),
             "dequantized_copies": dequantized, **stats.as_dict(),
             "collectives": collectives.counts, "collectives_per_layer": per_layer(collectives.counts, runner.mc),
+            **({"mosaic": mosaic_tiles(runner, variant)} if runner.attention_backend == "mosaic" else {}),
             "problems": problems}
 
 
@@ -108,11 +125,12 @@ def check_model(preset: str, backend: str, args, sharding, spec) -> list[dict]:
     scan = {"auto": None, "true": True, "false": False}[args.scan_layers]
     tp = sharding.mesh.size
     model = gpu_aot.abstract_model(preset, False if scan is None else scan, tp,  # a GPU engine unrolls
-                                   quantization=args.quantization)
+                                   quantization=args.quantization, num_layers=args.num_layers)
     max_model_len = args.max_model_len or model.config.max_position_embeddings
     base = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=2,
                         tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype)
     blocks, _ = gpu_aot.kv_blocks_on(spec, model, base, max_model_len, peak_temp_bytes=0)
+    blocks = args.num_gpu_blocks or blocks
     config = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=blocks,
                           tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype)
     runner = gpu_aot.abstract_runner(model, config, sharding, max_model_len)
@@ -127,7 +145,8 @@ def check_model(preset: str, backend: str, args, sharding, spec) -> list[dict]:
     dequantized_shapes = {(f, dims) for dtype, dims in weight_shapes if dtype in ("s8", "f8e4m3fn")
                           for f in ("bf16", "f16", "f32")}
     variants = [v for v in runner.variants() if (not args.buckets or v.bucket in args.buckets)
-                and (args.decode_only is None or v.decode_only == args.decode_only)]
+                and (args.decode_only is None or v.decode_only == args.decode_only)
+                and (v.all_greedy or not args.greedy_only)]
     rows = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         futures = {pool.submit(check_variant, runner, v, weight_shapes, pool_shapes, full_weight_shapes,
@@ -159,6 +178,9 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{head}| failed: {r['problems'][0][:80]} |")
             continue
         calls = ", ".join(f"{k} x{v}" for k, v in sorted(r["custom_calls"].items()))
+        if "mosaic" in r:
+            t = r["mosaic"]
+            calls += f" (smem {t['smem_bytes'] / 1024:.0f} KiB: {t['stages']} x {t['block_kv']}, {t['splits']} splits)"
         per = ", ".join(f"{k} {v:g}" for k, v in r["collectives_per_layer"].items()) or "-"
         lines.append(
             f"{head}| {r['compile_s']:.1f} | {r['temp_bytes'] / 2**20:.0f} "
@@ -172,7 +194,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target-config", type=Path, default=default_target_config(),
                     help="GpuTargetConfig text proto (default: the shared H200 one, else the packaged copy)")
-    ap.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-8b"])
+    ap.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-8b"], choices=sorted(PRESETS))
     ap.add_argument("--backends", nargs="+", default=["pallas", "triton"],
                     choices=["pallas", "triton", "mosaic", "xla"])
     ap.add_argument("--buckets", type=int, nargs="*", default=None, help="only these token buckets")
@@ -186,6 +208,13 @@ def main(argv=None) -> int:
                          "a dequantized weight-shaped buffer fails the check")
     ap.add_argument("--decode-only", choices=["true", "false"], default=None,
                     help="only the decode-only variants (true) or only the mixed ones (false)")
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="replace the models' depth: the kernels' variants do not depend on it, and one "
+                         "layer lowers one attention kernel per step instead of one per layer")
+    ap.add_argument("--num-gpu-blocks", type=int, default=None,
+                    help="compile against a KV pool of this many blocks (default: sized for 0.9 of the H200)")
+    ap.add_argument("--greedy-only", action="store_true",
+                    help="skip the random-sampler variants (a bucket's attention kernel is the same in both)")
     ap.add_argument("--jobs", type=int, default=1, help="variants compiled at once")
     ap.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1],
                     help="compile split over this many of 8 H200s on one host (default: 1)")

@@ -56,10 +56,12 @@ def compile_only_sharding(target_config: str, tensor_parallel_size: int = 1,
 
 
 def abstract_model(preset: str, scan_layers: bool | None, tensor_parallel_size: int = 1,
-                   quantization: str | None = None) -> LlamaForCausalLM:
+                   quantization: str | None = None, num_layers: int | None = None) -> LlamaForCausalLM:
     """The model of a benchmark preset, shapes only (no weights are made), laid out for
-    ``tensor_parallel_size`` shards; ``quantization`` ("int8", "fp8") keeps the projections so."""
-    cfg = ModelConfig.from_dict(preset_config(preset))
+    ``tensor_parallel_size`` shards; ``quantization`` ("int8", "fp8") keeps the projections so;
+    ``num_layers`` replaces its depth (the attention kernel's variants do not depend on it)."""
+    cfg = ModelConfig.from_dict(preset_config(preset, **({} if num_layers is None else
+                                                         {"num_hidden_layers": num_layers})))
     return nnx.eval_shape(lambda: LlamaForCausalLM(cfg, scan_layers=scan_layers, quantization=quantization,
                                                    tensor_parallel_size=tensor_parallel_size, rngs=nnx.Rngs(0)))
 

@@ -59,7 +59,7 @@ from jaxserve.runner.input_batch import (
     single_group_block_ids,
 )
 from jaxserve.runner.inspection import PackedStep
-from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks, gpu_device_memory
+from jaxserve.runner.kv_cache import KV_CACHE_DTYPES, allocate_kv_cache, determine_num_blocks, gpu_device_memory
 from jaxserve.runner.lora_state import RunnerLoRA
 from jaxserve.runner.mesh import kv_cache_sharding, make_mesh, replicated, select_devices, weight_shardings
 from jaxserve.runner.packing import PackLayout, pack, unpack
@@ -98,11 +98,12 @@ InFlightStep = RunnerStep
 
 def resolve_attention_backend(requested: str, platform: str | None = None, dtype: str = "float32", *,
                               mc: ModelConfig | None = None, block_size: int = 16,
-                              compute_capability: int | None = None, abstract: bool = False) -> str:
+                              compute_capability: int | None = None, abstract: bool = False,
+                              kv_cache_dtype: str = "auto") -> str:
     """``auto`` made concrete for ``platform`` and the model's ``dtype``; any other name must be
     built in or registered. ``mosaic`` needs a model it supports (``mc``); ``auto`` picks it on an
-    sm_90 GPU when the model fits it and its self-check passes there (a compile-only target cannot
-    run it: unchecked)."""
+    sm_90 GPU when the model fits it and its self-check passes there over the pool's dtype
+    (``--kv-cache-dtype``; a compile-only target cannot run it: unchecked)."""
     if requested != "auto":
         if requested not in pallas_kernels.available_backends():
             raise ConfigError(f"attention_backend: not built in nor registered in this process (known: "
@@ -113,7 +114,7 @@ def resolve_attention_backend(requested: str, platform: str | None = None, dtype
                 raise ConfigError(f"attention_backend: mosaic cannot serve this model: {reason}")
         return requested
     if (platform or jax.default_backend()) == "gpu":
-        return _auto_gpu_backend(mc, block_size, compute_capability, abstract)
+        return _auto_gpu_backend(mc, block_size, compute_capability, abstract, kv_cache_dtype)
     ok, reason = pallas_kernels.cpu_attention_available(envs.kernel_build_dir())
     if ok and not backend_takes("cpu", dtype):
         ok, reason = False, f"it takes no {dtype}"
@@ -124,9 +125,10 @@ def resolve_attention_backend(requested: str, platform: str | None = None, dtype
 
 
 def _auto_gpu_backend(mc: ModelConfig | None, block_size: int, compute_capability: int | None,
-                      abstract: bool) -> str:
+                      abstract: bool, kv_cache_dtype: str = "auto") -> str:
     """mosaic on Hopper (wgmma is sm_90a only) when it can serve the model and passes its
-    self-check; pallas otherwise, with the reason logged."""
+    self-check over the pool's dtype (an fp8 pool runs other code: its ring and staging tiles);
+    pallas otherwise, with the reason logged."""
     if compute_capability is None and not abstract:
         compute_capability = round(float(getattr(jax.devices()[0], "compute_capability", 0) or 0) * 10)
     if compute_capability != 90:
@@ -137,7 +139,8 @@ def _auto_gpu_backend(mc: ModelConfig | None, block_size: int, compute_capabilit
         logger.info("attention backend auto: mosaic for a compile-only sm_90 target (self-check not run)")
         return "mosaic"
     if ok:
-        ok, reason = pallas_kernels.mosaic_self_check()
+        pool = KV_CACHE_DTYPES.get(kv_cache_dtype)  # None: the model's dtype, the check's bf16
+        ok, reason = pallas_kernels.mosaic_self_check(kv_dtype=pool)
     if ok:
         return "mosaic"
     logger.warning("attention backend auto: using pallas, since mosaic is unavailable here (%s)", reason)
@@ -213,7 +216,7 @@ class ModelRunner:
         self.attention_backend = resolve_attention_backend(
             config.attention_backend, self.target.platform, self.mc.dtype, mc=self.mc,
             block_size=config.block_size, compute_capability=self.target.compute_capability,
-            abstract=self.target.is_abstract)
+            abstract=self.target.is_abstract, kv_cache_dtype=config.kv_cache_dtype)
         interpret = config.interpret_kernels
         if interpret is None:
             interpret = self.target.platform != "gpu"

@@ -86,3 +86,12 @@ def test_a_dequantized_weight_copy_is_found_where_the_convert_is_not_fused():
         x, kernel, scale).compile().as_text()
     assert dequantized_copies(w8a16, floats)
     assert dequantized_copies(w8a8, floats) == []
+
+
+def test_mistral_preset_and_depth_override():
+    """The Mistral-7B preset is a windowed Mistral; ``num_layers`` changes the depth only."""
+    mistral = gpu_aot.abstract_model("mistral-7b", False, num_layers=1).config
+    assert (mistral.architecture, mistral.sliding_window, mistral.qk_norm) == ("MistralForCausalLM", 4096, False)
+    assert (mistral.num_hidden_layers, mistral.num_attention_heads, mistral.num_key_value_heads) == (1, 32, 8)
+    qwen = gpu_aot.abstract_model("qwen3-0.6b", False).config
+    assert qwen.num_hidden_layers == 28 and qwen.sliding_window is None and qwen.qk_norm

@@ -71,18 +71,62 @@ def test_triton_backend_unavailable_on_cpu_is_a_clear_error(demo_model):
             **BACKEND_COMPARISON_SHAPE)
 
 
+# Greedy decoding of a random tiny model meets near-ties: its next-token distribution is almost
+# flat, and the top two logits of a step may lie within a bf16 ulp of each other (the windowed
+# Mistral's 40-token prompt over an fp8 pool has one at its 5th token: 0.008 apart). Two correct
+# kernels that round differently (mosaic rounds p to bf16 before p V, as FlashAttention does; xla
+# keeps f32; each within about a bf16 ulp of the exact attention) may pick either token there,
+# and the sequences part. So each sequence is compared up to its first difference, which must
+# fall on a step where xla's top two are within NEAR_TIE; the agreed tokens' logprobs must be
+# within LOGPROB_TOL. (The two backends' top-two gaps differ by about 0.015 at most on these runs.)
+NEAR_TIE = 0.03
+LOGPROB_TOL = 0.03
+
+
+def _greedy_with_logprobs(model, **engine_args):
+    """Per sequence, per step: (the token chosen, its logprob, the gap to the runner-up)."""
+    rng = np.random.default_rng(2)
+    prompts = [{"prompt_token_ids": rng.integers(3, 1000, n).tolist()} for n in (1, 7, 40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    llm = LLM(model, show_progress=False, **BACKEND_COMPARISON_SHAPE, **engine_args)
+    assert llm.stats()["attention_backend"] == engine_args["attention_backend"]
+    out = []
+    for o in llm.generate(prompts, params, use_tqdm=False):
+        steps = []
+        for token, top in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True):
+            first, second = sorted((lp.logprob for lp in top.values()), reverse=True)[:2]
+            steps.append((token, top[token].logprob, first - second))
+        out.append(steps)
+    return out
+
+
+def _assert_same_greedy_up_to_near_ties(expected, got) -> int:
+    """Compare each sequence up to its first difference (a near-tie); returns the tokens agreed."""
+    agreed = 0
+    for exp_seq, got_seq in zip(expected, got, strict=True):
+        for (exp_tok, exp_lp, exp_gap), (got_tok, got_lp, _) in zip(exp_seq, got_seq, strict=True):
+            if got_tok != exp_tok:
+                assert exp_gap <= NEAR_TIE, ("not a near-tie", exp_seq, got_seq)
+                break  # the sequences part here: what follows has other contexts
+            assert abs(got_lp - exp_lp) <= LOGPROB_TOL, (exp_seq, got_seq)
+            agreed += 1
+    return agreed
+
+
 @pytest.mark.slow  # Mosaic GPU's interpreter simulates every TMA copy and barrier: about a minute
-# Windows are checked exactly against the oracle at the kernel level (test_mosaic_attention.py);
-# a windowed Mistral through the engine diverged from xla at a later greedy token, not yet explained.
-@pytest.mark.parametrize("arch, extra", [("LlamaForCausalLM", {})])
+@pytest.mark.parametrize("arch, extra", [("LlamaForCausalLM", {}),
+                                         ("MistralForCausalLM", {"sliding_window": 24})])
 def test_mosaic_interpreted_matches_xla(tmp_path, arch, extra):
     """The Mosaic GPU kernel inside the engine's step (interpreted) gives xla's greedy tokens on a
-    bf16 model of its smallest head (64), over an fp8 pool too."""
+    bf16 model of its smallest head (64), over an fp8 pool too; Mistral with a window shorter than
+    the longest prompt (pages of 16 leave it; decodes read a step holding a released page)."""
     from tests.tiny_models import build_tiny_checkpoint
 
     model = str(build_tiny_checkpoint(tmp_path / arch, arch, seed=3, dtype="bfloat16", vocab_size=1024, hidden_size=128,
                                       num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1, **extra))
     for kv_cache_dtype in ("auto", "fp8"):
-        expected = _greedy_tokens(model, attention_backend="xla", kv_cache_dtype=kv_cache_dtype)
-        assert _greedy_tokens(model, attention_backend="mosaic", interpret_kernels=True, enforce_eager=True,
-                              kv_cache_dtype=kv_cache_dtype) == expected
+        expected = _greedy_with_logprobs(model, attention_backend="xla", kv_cache_dtype=kv_cache_dtype)
+        got = _greedy_with_logprobs(model, attention_backend="mosaic", interpret_kernels=True, enforce_eager=True,
+                                    kv_cache_dtype=kv_cache_dtype)
+        # most of the 18 tokens agree: the seeded prompts meet few near-ties
+        assert _assert_same_greedy_up_to_near_ties(expected, got) >= 12

@@ -97,7 +97,8 @@ def naive_attention(q, k_cache, v_cache, kv_lens, block_tables, qsl, num_seqs, *
                     sc = soft_cap * np.tanh(sc / soft_cap)
                 sc = np.where(allowed, sc, -np.inf)
                 w = np.exp(sc - sc.max())
-                out[tok, h] = (w / w.sum()) @ vals[:, h // g]
+                # only the allowed keys' values: a slot outside them may hold NaN (see poison)
+                out[tok, h] = (w[allowed] / w.sum()) @ vals[allowed, h // g]
     return out
 
 
@@ -117,9 +118,12 @@ def call(backend: str, args, **options):
     return np.asarray(jitted(backend, **options)(*args).astype(jnp.float32))
 
 
-def poison(args):
+def poison(args, sliding_window=None):
     """NaN everywhere a correct kernel must not read: padding tokens of q, and every cache slot
-    outside the active requests' contexts (the null block, free blocks, the tails of last pages)."""
+    outside the active requests' contexts (the null block, free blocks, the tails of last pages).
+    With a ``sliding_window``, also the pages wholly before the window of a request's first query
+    token: the scheduler has freed them (``remove_skipped_blocks``) while the runner's block table
+    still names them, so another request may have written anything there (an fp8 overflow is NaN)."""
     q, kc, vc, kv_lens, block_tables, qsl, num_seqs = args
     ns = int(np.asarray(num_seqs).reshape(-1)[0])
     n_valid = int(np.asarray(qsl)[ns])
@@ -127,6 +131,9 @@ def poison(args):
     live = np.zeros(nb * bs, bool)
     for r in range(ns):
         pos = np.arange(int(kv_lens[r]))
+        if sliding_window is not None:
+            computed = int(kv_lens[r]) - int(np.asarray(qsl)[r + 1] - np.asarray(qsl)[r])
+            pos = pos[pos >= (computed - sliding_window + 1) // bs * bs]
         live[np.asarray(block_tables)[r, pos // bs] * bs + pos % bs] = True
     live = jnp.asarray(live.reshape(nb, bs, 1, 1))
     q = q.at[n_valid:].set(jnp.nan)

@@ -37,6 +37,10 @@ def test_smoke_run_prints_json(capsys):
     assert {e["backend"] for e in result2["timing"]} == {"xla", "pallas_mixed", "pallas_decode"} | (
         {"triton"} if has_triton else set())
     assert all(e["hbm_gb_s"] > 0 for e in result2["timing"])
+    # mosaic's comparison first, the jnp reference last: a budget cut drops the reference's timing
+    order = [e["backend"] for e in result2["timing"] if e["workload"] == "decode_heavy"]
+    assert order[-1] == "xla" and order.index("pallas_decode") < order.index("pallas_mixed")
+    assert "triton" not in order or order.index("triton") == 0
 
 
 def test_mosaic_summary_compares_it_with_each_backend():

@@ -61,6 +61,34 @@ def test_self_check_passes_interpreted():
     assert pk.mosaic_self_check(interpret=True) == (True, "")
 
 
+def test_self_check_refuses_a_kernel_whose_fp8_path_is_wrong(monkeypatch):
+    """A kernel right on bf16 pools but misreading fp8 ones (its bytes taken as int8) passes the
+    bf16 check and fails the fp8 one, naming the pool; the stand-in is the xla backend."""
+    xla = pk.get_attention_fn("xla")
+
+    def misreads_fp8(q, k, v, *rest, interpret=False, config=None, **options):
+        if k.dtype == jnp.float8_e4m3fn:
+            k, v = (jax.lax.bitcast_convert_type(x, jnp.int8).astype(q.dtype) for x in (k, v))
+        return xla(q, k, v, *rest, **options)
+
+    monkeypatch.setattr(ma, "ragged_paged_attention_mosaic", misreads_fp8)
+    assert ma.mosaic_self_check() == (True, "")
+    ok, reason = ma.mosaic_self_check(kv_dtype=jnp.float8_e4m3fn)
+    assert not ok and "float8_e4m3fn pool" in reason
+
+
+def test_the_layers_calls_share_one_lowered_kernel():
+    """The engine calls the backend once per layer with equal shapes: one lowered function, called
+    per layer (lowering Mosaic GPU's kernel is seconds of Python; XLA inlines the calls)."""
+    import re
+
+    args = make_batch(Bucket(num_q_heads=2, num_kv_heads=1, head_dim=64), SCENARIOS["mixed"], dtype=jnp.bfloat16)
+    fn = pk.get_attention_fn("mosaic", interpret=True)
+    text = jax.jit(lambda *a: [fn(*a, sm_scale=SCALE) for _ in range(3)]).lower(*args).as_text()
+    assert len(re.findall(r"func\.func private @ragged_paged_attention_mosaic\b", text)) == 1
+    assert len(re.findall(r"call @ragged_paged_attention_mosaic\(", text)) == 3
+
+
 def test_tile_plan_places_every_token_once():
     """Every valid token is one row of one tile, at its position; the static tile count suffices."""
     rng = np.random.default_rng(0)
@@ -183,5 +211,38 @@ def test_backend_choice(caplog):
         assert resolve("auto", "gpu", mc=QWEN3, compute_capability=90) == "pallas"
     assert "mosaic is unavailable here" in caplog.text
     assert resolve("mosaic", "cpu", mc=QWEN3) == "mosaic"
+    # An fp8 pool: auto's self-check runs the fp8 ring and staging tiles over it (interpreted
+    # here, where a GPU would compile it) and passes.
+    checked = []
+
+    def interpreted_check(kv_dtype=None):
+        checked.append(kv_dtype)
+        return ma.mosaic_self_check(interpret=True, kv_dtype=kv_dtype)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pk, "mosaic_self_check", interpreted_check)
+        assert resolve("auto", "gpu", mc=QWEN3, compute_capability=90, kv_cache_dtype="fp8") == "mosaic"
+    assert checked == [jnp.float8_e4m3fn]
     with pytest.raises(ConfigError, match="mosaic cannot serve this model: .*head_dim"):
         resolve("mosaic", "gpu", mc=_model(head_dim=80))
+
+
+# The engine's windowed-Mistral steps (window 24, pages of 16, steps of 64 positions): decodes at
+# contexts 41-45, whose first step holds a page wholly before the window, and the second chunk of
+# a 40-token prompt.
+ENGINE_WINDOW_STEP = [(1, 45), (16, 40), (1, 41), (3, 30), (1, 9)]
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_window_ignores_the_pages_the_scheduler_released(kv_dtype):
+    """Pages wholly before a request's window are freed by the scheduler while the runner's block
+    table still names them: another request may have written anything there, NaN included. The
+    first step of a window loads such a page beside live ones; its V rows must not reach ``p V``
+    (0 * NaN), or one request's overflow poisons another's output."""
+    bucket = Bucket(num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=16, max_blocks=4, num_blocks=24)
+    q, kc, vc, *rest = make_batch(bucket, ENGINE_WINDOW_STEP, dtype=jnp.bfloat16, seed=7)
+    args = poison((q, kc.astype(kv_dtype), vc.astype(kv_dtype), *rest), sliding_window=24)
+    fn = pk.get_attention_fn("mosaic", interpret=True, config=pk.MosaicConfig(block_kv=64, num_stages=2))
+    out = np.asarray(jax.jit(lambda *a: fn(*a, sm_scale=SCALE, sliding_window=24))(*args).astype(jnp.float32))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, naive_attention(*args, sm_scale=SCALE, sliding_window=24), **BF16_TOL)

@@ -9,7 +9,7 @@ import pytest
 
 import pallas_kernels as pk
 
-from .batches import SCENARIOS, Bucket, call, make_batch, naive_attention
+from .batches import SCENARIOS, Bucket, call, make_batch, naive_attention, poison
 
 SCALE = 0.25
 
@@ -30,6 +30,21 @@ def test_reference_window_and_softcap(scenario, window, cap):
     out = call("xla", args, sm_scale=SCALE, sliding_window=window, soft_cap=cap)
     ref = naive_attention(*args, sm_scale=SCALE, sliding_window=window, soft_cap=cap)
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "xla"])
+@pytest.mark.parametrize("window", [5, 12])
+def test_window_ignores_the_pages_the_scheduler_released(backend, window):
+    """NaN in the pages before each request's window (released by the scheduler, still named by
+    the block table) and everywhere else outside the contexts never reaches the output."""
+    args = poison(make_batch(Bucket(), SCENARIOS["prefix"], seed=4), sliding_window=window)
+    if backend == "reference":
+        out = call("xla", args, sm_scale=SCALE, sliding_window=window)
+    else:
+        fn = jax.jit(lambda *a: pk.get_attention_fn("xla")(*a, sm_scale=SCALE, sliding_window=window))
+        out = np.asarray(fn(*args))
+    np.testing.assert_allclose(out, naive_attention(*args, sm_scale=SCALE, sliding_window=window),
+                               rtol=2e-5, atol=2e-5)
 
 
 def test_reference_small_kv_chunk_and_scalar_num_seqs():
