@@ -3,9 +3,9 @@
 ``CachedRequestState`` mirrors what the scheduler told the runner (tokens, computed count) plus
 a persistent *slot*: the request's row in ``PersistentBatch`` (block table, tokens), in the
 sampling table (parameters, the seed its draws use) and in the device-resident penalty tables.
-``build_step_arrays`` turns one ``SchedulerOutput`` into fixed-shape arrays for a token bucket,
-gathering from the slot-indexed tables of ``PersistentBatch``; the caller packs them into one
-transfer.
+``build_step_arrays`` turns one ``SchedulerOutput`` into the step's fixed-shape ``ModelInputs``
+for a token bucket, gathering from the slot-indexed tables of ``PersistentBatch``; the caller
+packs them into one transfer.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+
+from jaxserve.runner.step_inputs import ModelInputs
 
 
 @dataclasses.dataclass
@@ -120,7 +122,7 @@ def build_step_arrays(
     num_rows: int,
     block_size: int,
     padding_slot: int,
-) -> tuple[dict[str, np.ndarray], list[bool]]:
+) -> tuple[ModelInputs[np.ndarray], list[bool]]:
     """Model and attention inputs for one step (sampling arrays are added by the caller).
 
     Row ``r`` is the request in slot ``slots[r]``, scheduled for ``num_scheduled[r]`` tokens from
@@ -170,20 +172,11 @@ def build_step_arrays(
     row_slots = np.full(r_pad, padding_slot, np.int32)
     row_slots[:r] = slot
     samples = (start + n >= batch.num_tokens[slot]).tolist()
-    arrays = {
-        "input_ids": input_ids,
-        "prev_rows": in_flight,
-        "positions": positions,
-        "slot_mapping": slot_mapping,
-        "token_slots": token_slots,
-        "token_is_output": token_is_output,
-        "block_tables": block_tables,
-        "kv_lens": kv_lens,
-        "query_start_loc": query_start_loc,
-        "num_seqs": np.asarray([r], np.int32),
-        "logits_indices": logits_indices,
-        "row_slots": row_slots,
-    }
+    arrays = ModelInputs(
+        input_ids=input_ids, prev_rows=in_flight, positions=positions, slot_mapping=slot_mapping,
+        token_slots=token_slots, token_is_output=token_is_output, block_tables=block_tables, kv_lens=kv_lens,
+        query_start_loc=query_start_loc, num_seqs=np.asarray([r], np.int32), logits_indices=logits_indices,
+        row_slots=row_slots)
     return arrays, samples
 
 

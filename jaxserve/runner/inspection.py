@@ -1,7 +1,8 @@
 """Read-only views of the runner's step for researchers: its inputs and its compiled program.
 
 ``StepInputs``: the packed host buffer of the last launched step, decoded with the very layout
-the step was compiled for (``packing.decode``), so what is shown is what the device received.
+the step was compiled for (``packing.decode``) into the typed ``StepArrays`` the step read, so
+what is shown is what the device received.
 ``StepProgram``: a step variant as text (jaxpr, StableHLO, XLA's optimized HLO) with XLA's cost
 and memory analyses of the executable the engine runs. Neither changes the runner's state: the
 program is the one compiled at warm-up (compiled now only under ``enforce_eager``).
@@ -17,6 +18,7 @@ import numpy as np
 
 from jaxserve.runner.compilation import StepVariant
 from jaxserve.runner.packing import PackLayout, decode
+from jaxserve.runner.step_inputs import ModelInputs, SamplingInputs, StepArrays
 
 # The fields of XLA's memory analysis, in bytes, under the names it gives them.
 _MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
@@ -43,35 +45,47 @@ class StepInputs:
     bucket: int  # padded token count (the compiled program's shape)
     num_tokens: int  # scheduled tokens
     req_ids: tuple[str, ...]
-    model: Mapping[str, np.ndarray]  # model and attention inputs: input_ids, positions, slot_mapping ...
-    sampling: Mapping[str, np.ndarray]  # per-row sampling parameters
+    arrays: StepArrays[np.ndarray]  # the step's typed inputs, numpy
     layout: PackLayout  # where each array lies in the one int32 buffer
     block_size: int  # tokens per KV page: slot = block_tables[row, pos // block_size] * block_size + pos % block_size
+
+    @property
+    def model(self) -> ModelInputs[np.ndarray]:
+        """Model and attention inputs: ``input_ids``, ``positions``, ``slot_mapping`` ..."""
+        return self.arrays.model
+
+    @property
+    def sampling(self) -> SamplingInputs:
+        """Per-row sampling parameters: ``temperature``, ``top_k``, ``seeds`` ..."""
+        return self.arrays.sampling
 
     @property
     def packed_words(self) -> int:
         return self.layout.total
 
     def __getitem__(self, name: str) -> np.ndarray:
-        """A model input by name (``inputs["positions"]``), else a sampling one."""
-        return self.model[name] if name in self.model else self.sampling[name]
+        """An input by name (``inputs["positions"]``): a model one, a sampling one or a step flag."""
+        for group in (self.model, self.sampling, self.arrays):
+            if name in {f.name for f in dataclasses.fields(group)}:
+                return getattr(group, name)
+        raise KeyError(name)
 
     def request_view(self, req_id: str) -> dict[str, Any]:
         """Request ``req_id``'s slice of the step: its tokens' positions, ids and KV slots, its
         context length and the pages its block table row uses."""
         i = self.req_ids.index(req_id)
-        qsl, kv_len = self.model["query_start_loc"], int(self.model["kv_lens"][i])
+        m = self.model
+        qsl, kv_len = m.query_start_loc, int(m.kv_lens[i])
         tokens = slice(int(qsl[i]), int(qsl[i + 1]))
         pages = -(-kv_len // self.block_size)
-        return {"row": i, "tokens": (tokens.start, tokens.stop), "positions": self.model["positions"][tokens],
-                "input_ids": self.model["input_ids"][tokens], "slot_mapping": self.model["slot_mapping"][tokens],
-                "kv_len": kv_len, "blocks": self.model["block_tables"][i, :pages]}
+        return {"row": i, "tokens": (tokens.start, tokens.stop), "positions": m.positions[tokens],
+                "input_ids": m.input_ids[tokens], "slot_mapping": m.slot_mapping[tokens],
+                "kv_len": kv_len, "blocks": m.block_tables[i, :pages]}
 
 
 def decode_step(packed: PackedStep) -> StepInputs:
-    groups = decode(packed.buffer, packed.layout)
-    return StepInputs(packed.bucket, packed.num_tokens, packed.req_ids, groups["model"], groups["sampling"],
-                      packed.layout, packed.block_size)
+    arrays = decode(packed.buffer, packed.layout)
+    return StepInputs(packed.bucket, packed.num_tokens, packed.req_ids, arrays, packed.layout, packed.block_size)
 
 
 @dataclasses.dataclass(frozen=True)

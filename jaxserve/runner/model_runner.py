@@ -42,7 +42,6 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.exceptions import ConfigError
-from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.layers.lora import LoRABatch
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import LlamaForCausalLM
@@ -65,6 +64,7 @@ from jaxserve.runner.mesh import kv_cache_sharding, make_mesh, replicated, selec
 from jaxserve.runner.packing import PackLayout, pack, unpack
 from jaxserve.runner.prompt_logprobs import PromptLogprobsWorker
 from jaxserve.runner.serving_dtype import backend_takes
+from jaxserve.runner.step_inputs import StepArrays, flag
 from jaxserve.runner.target import StepTarget
 from jaxserve.sample.metadata import SamplingMetadata, SamplingTable
 from jaxserve.sample.penalties import PenaltyTables, update_penalty_tables, uses_penalties, write_penalty_row
@@ -76,11 +76,11 @@ logger = logging.getLogger("jaxserve")
 @dataclasses.dataclass(frozen=True)
 class RunnerStep:
     """One step through the runner. ``prepare`` builds it (request states applied, host inputs in
-    ``groups``); ``launch`` returns a copy carrying the device's output ``out``, not yet read back;
-    ``collect`` reads it. ``groups`` None: nothing was scheduled; ``out`` None: not on the device."""
+    ``inputs``); ``launch`` returns a copy carrying the device's output ``out``, not yet read back;
+    ``collect`` reads it. ``inputs`` None: nothing was scheduled; ``out`` None: not on the device."""
 
     scheduler_output: SchedulerOutput
-    groups: dict | None = None
+    inputs: StepArrays[np.ndarray] | None = None
     plan: StepPlan | None = None
     states: list[CachedRequestState] = dataclasses.field(default_factory=list)
     out: SamplerOutput | None = None
@@ -88,7 +88,7 @@ class RunnerStep:
     @property
     def num_rows(self) -> int:
         """Rows of the step's padded batch (the bitmask's first dimension)."""
-        return 0 if self.groups is None else len(self.groups["model"]["row_slots"])
+        return 0 if self.inputs is None else self.inputs.num_rows
 
 
 # The two stages' names, kept for the engine, lockstep and their readers: one type.
@@ -373,26 +373,24 @@ class ModelRunner:
 
     def _step(self, model_state, state: DeviceState, buf, bitmask, lora_tables=None, *, layout: PackLayout,
               decode_only: bool = False, all_greedy: bool | None = None, use_lora: bool = False) -> StepOutput:
-        groups = unpack(buf, layout)
-        x = groups["model"]
-        prev = x["prev_rows"]
-        input_ids = jnp.where(prev >= 0, state.prev_sampled[jnp.maximum(prev, 0)], x["input_ids"])
+        inputs: StepArrays[jax.Array] = unpack(buf, layout)
+        x = inputs.model
+        input_ids = jnp.where(x.prev_rows >= 0, state.prev_sampled[jnp.maximum(x.prev_rows, 0)], x.input_ids)
         attn_fn = self.decode_attn_fn if decode_only else self.attn_fn
         assert attn_fn is not None  # a decode-only variant exists only with a decode kernel
-        md = AttentionMetadata(
-            positions=x["positions"], slot_mapping=x["slot_mapping"], block_tables=x["block_tables"],
-            kv_lens=x["kv_lens"], query_start_loc=x["query_start_loc"], num_seqs=x["num_seqs"])
         model = nnx.merge(self.graphdef, model_state)
         lora: dict[str, Any] = {}
         if use_lora:  # the slot tables and each token's slot (-1: the base model)
-            lora["lora"] = LoRABatch(slot_ids=x["lora_slot_ids"], a=lora_tables[0], b=lora_tables[1])
-        hidden, kv_cache = model(input_ids, state.kv_cache, md, attn_fn, *self._split_args, **lora)
-        logits = model.compute_logits(hidden[x["logits_indices"]], *self._split_args)
-        penalties = update_penalty_tables(state.penalties, token_slots=x["token_slots"], input_ids=input_ids,
-                                          token_is_output=x["token_is_output"])
-        out = sample(logits, SamplingMetadata.from_arrays(groups["sampling"]), penalties.output_counts,
-                     penalties.prompt_mask, max_num_logprobs=self.num_logprobs, row_slots=x["row_slots"],
-                     need_logprobs=x["need_logprobs"][0], token_bitmask=bitmask, use_bitmask=x["use_bitmask"][0],
+            assert inputs.lora_slot_ids is not None
+            lora["lora"] = LoRABatch(slot_ids=inputs.lora_slot_ids, a=lora_tables[0], b=lora_tables[1])
+        hidden, kv_cache = model(input_ids, state.kv_cache, x.attention_metadata(), attn_fn, *self._split_args,
+                                 **lora)
+        logits = model.compute_logits(hidden[x.logits_indices], *self._split_args)
+        penalties = update_penalty_tables(state.penalties, token_slots=x.token_slots, input_ids=input_ids,
+                                          token_is_output=x.token_is_output)
+        out = sample(logits, inputs.sampling, penalties.output_counts,
+                     penalties.prompt_mask, max_num_logprobs=self.num_logprobs, row_slots=x.row_slots,
+                     need_logprobs=inputs.need_logprobs[0], token_bitmask=bitmask, use_bitmask=inputs.use_bitmask[0],
                      policy=self.target.sampler_policy(all_greedy))
         prev_sampled = state.prev_sampled.at[: out.sampled_token_ids.shape[0]].set(out.sampled_token_ids)
         return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden)
@@ -406,15 +404,13 @@ class ModelRunner:
             self._layouts[bucket] = PackLayout.of(self._padding_inputs(bucket))
         return self._layouts[bucket]
 
-    def _padding_inputs(self, bucket: int) -> dict[str, dict[str, np.ndarray]]:
+    def _padding_inputs(self, bucket: int) -> StepArrays[np.ndarray]:
         rows = self._num_rows(bucket)
-        arrays, _ = build_step_arrays(self.batch, [], [], [], [], bucket, rows, self.block_size,
-                                      self.slots.padding_slot)
-        arrays["need_logprobs"] = np.zeros(1, np.bool_)
-        arrays["use_bitmask"] = np.zeros(1, np.bool_)
-        if self.lora is not None:
-            arrays["lora_slot_ids"] = np.full(bucket, -1, np.int32)
-        return {"model": arrays, "sampling": self.sampling_table.padding(rows)}
+        model, _ = build_step_arrays(self.batch, [], [], [], [], bucket, rows, self.block_size,
+                                     self.slots.padding_slot)
+        lora_slots = np.full(bucket, -1, np.int32) if self.lora is not None else None
+        return StepArrays(model, SamplingMetadata.from_arrays(self.sampling_table.padding(rows)),
+                          need_logprobs=flag(False), use_bitmask=flag(False), lora_slot_ids=lora_slots)
 
     def variants(self) -> list[StepVariant]:
         """Every step variant compiled at warm-up: per token bucket, a decode-only one for the
@@ -561,17 +557,17 @@ class ModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return RunnerStep(so)
-        groups, plan, states = self._prepare_inputs(so)
-        return RunnerStep(so, groups, plan, states)
+        inputs, plan, states = self._prepare_inputs(so)
+        return RunnerStep(so, inputs, plan, states)
 
     def launch(self, prepared: PreparedStep, bitmask: np.ndarray | None = None) -> InFlightStep:
         """Launch a prepared step without waiting for it. ``bitmask`` [num_rows, bitmask_width]:
         the structured-output masks of its rows (all ones for an unconstrained row), or None."""
-        so, groups, plan, states = prepared.scheduler_output, prepared.groups, prepared.plan, prepared.states
-        if groups is None or plan is None:
+        so, plan, states = prepared.scheduler_output, prepared.plan, prepared.states
+        if prepared.inputs is None or plan is None:
             return prepared
         # The prepared inputs stay as prepare built them: the bitmask flag joins a copy.
-        inputs = {**groups, "model": {**groups["model"], "use_bitmask": np.asarray([bitmask is not None])}}
+        inputs = dataclasses.replace(prepared.inputs, use_bitmask=flag(bitmask is not None))
         buf = pack(inputs, self._layout_for(plan.token_bucket))
         self.last_packed = PackedStep(buf, self._layout_for(plan.token_bucket), plan.token_bucket, plan.num_tokens,
                                       tuple(plan.req_ids), self.block_size)
@@ -581,8 +577,8 @@ class ModelRunner:
         # Compiled: the executable takes the fresh numpy buffer as its one transfer (an explicit
         # device_put first costs several times as much host time per step).
         decode_only = self.decode_attn_fn is not None and plan.num_tokens == len(plan.req_ids)
-        all_greedy = self.sampling_table.all_greedy(groups["model"]["row_slots"]) if self.cond_free else None
-        use_lora = self.lora is not None and bool((groups["model"]["lora_slot_ids"] >= 0).any())
+        all_greedy = self.sampling_table.all_greedy(inputs.model.row_slots) if self.cond_free else None
+        use_lora = inputs.lora_slot_ids is not None and bool(np.any(inputs.lora_slot_ids >= 0))
         result = self._launch(self._executable(StepVariant(plan.token_bucket, decode_only, all_greedy, use_lora)),
                               buf, device_mask)
         self._prev_row_of = {r: i for i, r in enumerate(plan.req_ids)}
@@ -607,7 +603,7 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         return self._collect(step.out, step.plan, step.states, step.scheduler_output)
 
-    def _prepare_inputs(self, so: SchedulerOutput):
+    def _prepare_inputs(self, so: SchedulerOutput) -> tuple[StepArrays[np.ndarray], StepPlan, list[CachedRequestState]]:
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         counts = [so.num_scheduled_tokens[r] for r in req_ids]
@@ -620,18 +616,20 @@ class ModelRunner:
             raise RuntimeError("runner state out of sync: a slot's token row disagrees with its request")
         starts = [s.num_computed_tokens for s in states]
         prev = [self._prev_row_of.get(r, -1) for r in req_ids]
-        arrays, samples = build_step_arrays(self.batch, slots, starts, counts, prev, bucket, rows,
-                                            self.block_size, self.slots.padding_slot)
+        model, samples = build_step_arrays(self.batch, slots, starts, counts, prev, bucket, rows,
+                                           self.block_size, self.slots.padding_slot)
         # A row's draw is keyed by how many tokens its request generated before it; with async
         # scheduling the host may not have the last of them yet, so count from the positions.
         generated = [max(0, c + n - s.num_prompt_tokens) for s, c, n in zip(states, starts, counts)]
         want_logprobs = any(s.sampling_params.logprobs is not None for s, ok in zip(states, samples) if ok)
-        arrays["need_logprobs"] = np.asarray([want_logprobs])
-        if self.lora is not None:  # each token's adapter slot, the new adapters written first
-            arrays["lora_slot_ids"] = self.lora.token_slots(req_ids, counts, bucket)
-        groups = {"model": arrays, "sampling": self.sampling_table.gather(arrays["row_slots"], generated)}
+        sampling = SamplingMetadata.from_arrays(self.sampling_table.gather(model.row_slots, generated))
+        # each token's adapter slot, the new adapters written first
+        lora_slots = self.lora.token_slots(req_ids, counts, bucket) if self.lora is not None else None
+        # use_bitmask stays off until launch knows whether a bitmask comes with the step.
+        inputs = StepArrays(model, sampling, need_logprobs=flag(want_logprobs), use_bitmask=flag(False),
+                            lora_slot_ids=lora_slots)
         plan = StepPlan(req_ids, total, bucket, samples, want_logprobs)
-        return groups, plan, states
+        return inputs, plan, states
 
     def _collect(self, out: SamplerOutput, plan: StepPlan, states: list[CachedRequestState],
                  so: SchedulerOutput) -> ModelRunnerOutput:

@@ -1,28 +1,27 @@
 """All per-step host arrays travel in ONE host-to-device transfer.
 
-The runner builds small numpy arrays in named groups (model inputs; sampling parameters). Each
-would be its own transfer, and on a GPU the fixed cost per copy dominates such small arrays.
-``pack`` lays them end to end in one int32 buffer (float32 and uint32 bit-cast, bool widened);
-inside the compiled step ``unpack`` slices them back out at static offsets, which XLA folds away,
-into the same groups. ``decode`` does the same on the host, to look at a step's inputs.
+The runner builds its step inputs as a registered pytree of small numpy arrays
+(:class:`.step_inputs.StepArrays`). Each leaf would be its own transfer, and on a GPU the fixed
+cost per copy dominates such small arrays. ``pack`` lays the leaves end to end, in the pytree's
+field order, in one int32 buffer (float32 and uint32 bit-cast, bool widened); inside the compiled
+step ``unpack`` slices them back out at static offsets, which XLA folds away, and rebuilds the
+same typed dataclasses. ``decode`` does the same on the host, to look at a step's inputs. The
+layout follows the pytree's fields: a field added to a dataclass is packed with no change here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-Groups = Mapping[str, Mapping[str, np.ndarray]]
-
 
 @dataclasses.dataclass(frozen=True)
 class Field:
-    group: str
-    name: str
+    name: str  # the leaf's path in the pytree: "model.positions"
     shape: tuple[int, ...]
     dtype: str
     offset: int
@@ -31,31 +30,39 @@ class Field:
 
 @dataclasses.dataclass(frozen=True)
 class PackLayout:
+    """Where each leaf of a pytree lies in the buffer. Hashable: it is the compiled step's static
+    argument, so a pytree of other fields or shapes is another program."""
+
     fields: tuple[Field, ...]
     total: int
+    treedef: Any  # the pytree's structure: unpack and decode rebuild the same dataclasses
 
     @classmethod
-    def of(cls, groups: Groups) -> PackLayout:
+    def of(cls, tree: Any) -> PackLayout:
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
         fields, offset = [], 0
-        for group, arrays in groups.items():
-            for name, arr in arrays.items():
-                f = Field(group, name, tuple(arr.shape), np.dtype(arr.dtype).name, offset, int(arr.size))
-                fields.append(f)
-                offset += f.size
-        return cls(tuple(fields), offset)
+        for path, arr in with_paths:
+            arr = np.asarray(arr)
+            name = jax.tree_util.keystr(path, simple=True, separator=".")
+            f = Field(name, tuple(arr.shape), np.dtype(arr.dtype).name, offset, int(arr.size))
+            fields.append(f)
+            offset += f.size
+        return cls(tuple(fields), offset, treedef)
 
 
 _WORD_DTYPES = (np.dtype(np.bool_), np.dtype(np.float32), np.dtype(np.uint32), np.dtype(np.int32))
 
 
-def pack(groups: Groups, layout: PackLayout) -> np.ndarray:
+def pack(tree: Any, layout: PackLayout) -> np.ndarray:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if treedef != layout.treedef:
+        raise ValueError(f"inputs of structure {treedef} do not match the layout's {layout.treedef}")
     buf = np.empty(layout.total, np.int32)
-    for f in layout.fields:
-        arr = groups[f.group][f.name]
+    for f, arr in zip(layout.fields, leaves):
         if arr.shape != f.shape:
-            raise ValueError(f"{f.group}.{f.name}: shape {arr.shape} does not match the layout's {f.shape}")
+            raise ValueError(f"{f.name}: shape {arr.shape} does not match the layout's {f.shape}")
         if arr.dtype not in _WORD_DTYPES:
-            raise TypeError(f"{f.group}.{f.name}: cannot pack dtype {arr.dtype}")
+            raise TypeError(f"{f.name}: cannot pack dtype {arr.dtype}")
         dst = buf[f.offset : f.offset + f.size].reshape(f.shape)
         if arr.dtype == np.bool_:
             dst[...] = arr  # widened to 0/1
@@ -64,27 +71,26 @@ def pack(groups: Groups, layout: PackLayout) -> np.ndarray:
     return buf
 
 
-def unpack(buf: jax.Array, layout: PackLayout) -> dict[str, dict[str, jax.Array]]:
-    out: dict[str, dict[str, jax.Array]] = {}
+def unpack(buf: jax.Array, layout: PackLayout) -> Any:
+    """The pytree ``pack`` was given, its leaves sliced out of ``buf`` (traced: static slices)."""
+    values = []
     for f in layout.fields:
         words = buf[f.offset : f.offset + f.size].reshape(f.shape)
         if f.dtype == "bool":
-            value = words != 0
+            values.append(words != 0)
         elif f.dtype == "int32":
-            value = words
+            values.append(words)
         else:
-            value = jax.lax.bitcast_convert_type(words, jnp.dtype(f.dtype))
-        out.setdefault(f.group, {})[f.name] = value
-    return out
+            values.append(jax.lax.bitcast_convert_type(words, jnp.dtype(f.dtype)))
+    return jax.tree_util.tree_unflatten(layout.treedef, values)
 
 
-def decode(buf: np.ndarray, layout: PackLayout) -> dict[str, dict[str, np.ndarray]]:
-    """``unpack`` on the host: the groups of a packed numpy buffer, as copies in their dtypes."""
+def decode(buf: np.ndarray, layout: PackLayout) -> Any:
+    """``unpack`` on the host: the pytree of a packed numpy buffer, as copies in their dtypes."""
     if buf.shape != (layout.total,):
         raise ValueError(f"buffer of shape {buf.shape} does not match the layout's {layout.total} words")
-    out: dict[str, dict[str, np.ndarray]] = {}
+    values = []
     for f in layout.fields:
         words = buf[f.offset : f.offset + f.size].reshape(f.shape)
-        value = words != 0 if f.dtype == "bool" else words.view(np.dtype(f.dtype)).copy()
-        out.setdefault(f.group, {})[f.name] = value
-    return out
+        values.append(words != 0 if f.dtype == "bool" else words.view(np.dtype(f.dtype)).copy())
+    return jax.tree_util.tree_unflatten(layout.treedef, values)

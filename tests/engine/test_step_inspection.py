@@ -40,7 +40,8 @@ def test_last_step_inputs_are_named_and_consistent(llm):
         expected = view["blocks"][pos // inputs.block_size] * inputs.block_size + pos % inputs.block_size
         assert (view["slot_mapping"] == expected).all()
     assert (inputs["slot_mapping"][23:] == -1).all()  # padding tokens write nowhere
-    assert inputs.sampling["temperature"].dtype == np.float32 and (inputs.sampling["temperature"][:2] == 0).all()
+    assert inputs.sampling.temperature.dtype == np.float32 and (inputs.sampling.temperature[:2] == 0).all()
+    assert inputs["need_logprobs"].tolist() == [False] and inputs.model.num_seqs.tolist() == [2]
     engine.step()  # both decode one token: a two-token step
     decode = llm.get_last_step_inputs()
     assert decode.num_tokens == 2 and list(decode["positions"][:2]) == [20, 3]

@@ -64,20 +64,20 @@ def test_step_arrays_match_a_per_request_oracle():
         [q["prev"] for q in reqs], bucket, rows, BS, PAD)
     want = oracle(reqs, bucket, rows)
     for name, value in want.items():
-        np.testing.assert_array_equal(arrays[name], value, err_msg=name)
+        np.testing.assert_array_equal(getattr(arrays, name), value, err_msg=name)
     assert samples == [True, False, True, True, True]
-    np.testing.assert_array_equal(arrays["row_slots"], [3, 0, 5, 1, 2, PAD])
-    np.testing.assert_array_equal(arrays["logits_indices"][:5], want["query_start_loc"][1:6] - 1)
-    assert arrays["num_seqs"].tolist() == [5]
+    np.testing.assert_array_equal(arrays.row_slots, [3, 0, 5, 1, 2, PAD])
+    np.testing.assert_array_equal(arrays.logits_indices[:5], want["query_start_loc"][1:6] - 1)
+    assert arrays.num_seqs.tolist() == [5]
     total = want["query_start_loc"][-1]
-    assert (arrays["token_slots"][total:] == PAD).all() and (arrays["slot_mapping"][total:] == -1).all()
+    assert (arrays.token_slots[total:] == PAD).all() and (arrays.slot_mapping[total:] == -1).all()
 
     # sampled tokens land in their requests' rows; the next decode reads them from the host
     before = batch.num_tokens.copy()
     batch.append_tokens([1, 3], [77, 78])
     assert (batch.num_tokens - before).tolist() == [0, 1, 0, 1] + [0] * (len(before) - 4)
     arrays, _ = build_step_arrays(batch, [1], [6], [1], [-1], 1, 1, BS, PAD)
-    assert arrays["input_ids"][0] == 77 and arrays["prev_rows"][0] == -1
+    assert arrays.input_ids[0] == 77 and arrays.prev_rows[0] == -1
     assert batch.token_ids[3, before[3]] == 78
 
 
@@ -91,8 +91,8 @@ def test_a_token_neither_known_nor_in_flight_is_an_error():
 def test_padding_only_step():
     batch = PersistentBatch(SLOTS, MAX_LEN, -(-MAX_LEN // BS))
     arrays, samples = build_step_arrays(batch, [], [], [], [], 8, 4, BS, PAD)
-    assert samples == [] and arrays["num_seqs"].tolist() == [0]
-    assert (arrays["slot_mapping"] == -1).all() and (arrays["query_start_loc"] == 0).all()
+    assert samples == [] and arrays.num_seqs.tolist() == [0]
+    assert (arrays.slot_mapping == -1).all() and (arrays.query_start_loc == 0).all()
 
 
 def test_sampling_table_gather_equals_a_fresh_build_and_leaves_nothing_stale():

@@ -1,12 +1,8 @@
-"""The bucket table and the one-transfer packing of step inputs."""
+"""The bucket table: token buckets, decode midpoints and the pick among those compiled."""
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from jaxserve.runner.buckets import BucketTable
-from jaxserve.runner.packing import PackLayout, pack, unpack
 
 
 def test_bucket_table_powers_of_two_up_to_budget():
@@ -31,29 +27,3 @@ def test_pick_skips_midpoints_still_compiling():
     assert table.midpoints == (24, 48)
     assert [table.pick(n, pending={24, 48}) for n in (17, 25, 33, 49)] == [32, 32, 64, 64]
     assert [table.pick(n, pending={48}) for n in (17, 33)] == [24, 64]
-
-
-def test_pack_roundtrip_all_dtypes():
-    arrays = {
-        "ids": np.arange(6, dtype=np.int32).reshape(2, 3),
-        "temp": np.asarray([0.5, -1.25, 3e-8], np.float32),
-        "seed": np.asarray([2**32 - 1, 7], np.uint32),
-        "flag": np.asarray([True, False, True]),
-    }
-    # two groups may use the same name: each comes back in its own group
-    groups = {"model": arrays, "sampling": {"ids": np.asarray([9, 8], np.int32)}}
-    layout = PackLayout.of(groups)
-    buf = pack(groups, layout)
-    assert buf.dtype == np.int32 and buf.shape == (6 + 3 + 2 + 3 + 2,)
-    out = jax.jit(lambda b: unpack(b, layout))(jnp.asarray(buf))
-    assert set(out) == {"model", "sampling"}
-    for group, members in groups.items():
-        for name, arr in members.items():
-            assert out[group][name].dtype == arr.dtype
-            np.testing.assert_array_equal(np.asarray(out[group][name]), arr)
-
-
-def test_pack_rejects_wrong_shape():
-    layout = PackLayout.of({"g": {"a": np.zeros(4, np.int32)}})
-    with pytest.raises(ValueError, match="g.a: shape"):
-        pack({"g": {"a": np.zeros(5, np.int32)}}, layout)
