@@ -9,6 +9,7 @@ from typing import Any
 from jaxserve import envs
 from jaxserve.config.base import SubConfig
 
+SMALL_DECODE_MIN_WEIGHT_BYTES = 64 << 20  # the smallest weights that get decode buckets below 16 by default
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton", "cpu", "mosaic")  # built in; more may be registered
 
 
@@ -29,11 +30,25 @@ class CompilationConfig(SubConfig):
     """Decoder layers under lax.scan over stacked weights (compile time flat in depth), or unrolled
     over per-layer weights (no weight slicing per step; longer compiles for deep models).
     Default: unrolled up to 8 layers, scanned above."""
+    min_decode_bucket: int | None = None
+    """Smallest token bucket of a decode step, a power of two up to 16: decode steps of fewer
+    requests run in buckets of 1, 2, 4, 8 tokens instead of padding to 16 rows (compiled in the
+    background once the engine is ready). Default: 1 on a CPU for weights of 64 MiB or more, where a
+    padded row costs its whole matmul; 16 on a GPU and for smaller models."""
 
     def validate(self) -> None:
         if not _is_backend_name(self.attention_backend):
             # Registered names are known only to the kernels' registry: the runner checks them.
             raise self.bad("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)} or a registered name")
+        m = self.min_decode_bucket
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m not in (1, 2, 4, 8, 16)):
+            raise self.bad("min_decode_bucket", f"must be 1, 2, 4, 8 or 16, got {m!r}")
+
+    def resolved_min_decode_bucket(self, platform: str, weight_bytes: int) -> int:
+        if self.min_decode_bucket is not None:
+            return self.min_decode_bucket
+        # A tiny model's step is overhead, not matmuls: its padded rows cost less than the variants.
+        return 1 if platform != "gpu" and weight_bytes >= SMALL_DECODE_MIN_WEIGHT_BYTES else 16
 
     def resolved_compilation_cache_dir(self) -> str | None:
         if self.compilation_cache_dir == "off":

@@ -107,6 +107,50 @@ class GGUFCache:
 
         return self._cached(target, read, build, write)
 
+    def arrays(self, key: str, build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """Name -> array, each in its own dtype (``--quantization gguf``'s kept blocks beside its
+        dequantized tensors), memory-mapped on a hit; else ``build()`` and kept under ``key``."""
+        target = self.entry / key
+
+        def read() -> dict[str, np.ndarray]:
+            manifest = json.loads((target / "manifest.json").read_text())
+            out: dict[str, np.ndarray] = {}
+            for name, (file, shape, stored) in manifest.items():
+                dt = np.dtype(stored)
+                data = target / file
+                expected = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+                if data.stat().st_size != expected:
+                    raise ValueError(f"{file}: {data.stat().st_size} bytes, {name} needs {expected}")
+                out[name] = np.memmap(data, dtype=dt, mode="r", shape=tuple(shape)) if expected else np.zeros(shape, dt)
+            return out
+
+        def write(folder: Path, value: dict[str, np.ndarray]) -> None:
+            sub = folder / target.name
+            sub.mkdir()
+            manifest = {}
+            for i, (name, array) in enumerate(value.items()):
+                array = np.ascontiguousarray(array)
+                array.tofile(sub / f"{i}.bin")
+                manifest[name] = [f"{i}.bin", list(array.shape), array.dtype.str]
+            (sub / "manifest.json").write_text(json.dumps(manifest))
+
+        return self._cached(target, read, build, write)
+
+    def metadata(self, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """A JSON object about the file's tensors (types, shapes), read without opening the file."""
+        target = self.entry / "tensors.json"
+
+        def read() -> dict[str, Any]:
+            value = json.loads(target.read_text())
+            if not isinstance(value, dict):
+                raise ValueError("tensors.json is not an object")
+            return value
+
+        def write(folder: Path, value: dict[str, Any]) -> None:
+            (folder / target.name).write_text(json.dumps(value))
+
+        return self._cached(target, read, build, write)
+
     def tensor_shapes(self, dtype: str) -> dict[str, tuple[int, ...]] | None:
         """The shapes of a kept ``dtype`` entry, or None when there is none (nothing is read)."""
         try:

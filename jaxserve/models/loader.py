@@ -159,16 +159,16 @@ GGUF_BLOCK_PROJECTIONS = tuple(f"{name}.weight" for name in (
 BLOCK_PARTS = ("qs", "d", "m")
 
 
-def _projection_block_format(checkpoint: GGUFCheckpoint, tensor_parallel_size: int) -> str:
+def _projection_block_format(tensor_types: dict[str, str], file_name: str, tensor_parallel_size: int) -> str:
     """The one GGUF block format every decoder projection of the file is stored in, or a
     ConfigError saying why its blocks cannot be kept."""
     if tensor_parallel_size > 1:
         raise ConfigError("quantization gguf keeps the file's blocks on one device; with tensor_parallel_size "
                           f"{tensor_parallel_size} serve the file dequantized (no --quantization)")
-    types = {qtype for name, qtype in checkpoint.tensor_types().items() if name.endswith(GGUF_BLOCK_PROJECTIONS)}
+    types = {qtype for name, qtype in tensor_types.items() if name.endswith(GGUF_BLOCK_PROJECTIONS)}
     if len(types) != 1 or not types <= set(BLOCK_FORMATS):
         raise ConfigError(f"quantization gguf keeps {', '.join(BLOCK_FORMATS)} blocks, one format for every "
-                          f"projection; {checkpoint.path.name} stores them as {', '.join(sorted(types))}: "
+                          f"projection; {file_name} stores them as {', '.join(sorted(types))}: "
                           "serve it dequantized (no --quantization)")
     return types.pop()
 
@@ -193,23 +193,39 @@ def _embedding_block_reader(get: Callable[[str], np.ndarray], part: str, layout:
 def _load_gguf_blocks(path: str | Path, dtype: str | None, scan_layers: bool | None, tensor_parallel_size: int,
                       place: Placement | None, policy: TensorPolicy) -> LlamaForCausalLM:
     """``--quantization gguf``: the projections (and a tied embedding in a block format) kept in the
-    file's blocks, the other tensors through ``policy``; read from the file, not the start-up cache
-    (which holds dequantized tensors)."""
-    checkpoint = GGUFCheckpoint(path)
-    cfg = _with_dtype(ModelConfig.from_dict(checkpoint.hf_config()), dtype)
-    quantization = GGUF_PREFIX + _projection_block_format(checkpoint, tensor_parallel_size)
-    embed_format = checkpoint.tensor_types().get("model.embed_tokens.weight")
+    file's blocks, the other tensors through ``policy``. With the default policy, the config, the
+    tensor table and the arrays are kept in the start-up cache (:mod:`.gguf_cache`) like a
+    dequantized load's, so a second start never parses the file."""
+    cache = GGUFCache(path)
+    opened: list[GGUFCheckpoint] = []
+
+    def checkpoint() -> GGUFCheckpoint:  # parsing the file costs seconds: only on a miss
+        if not opened:
+            opened.append(GGUFCheckpoint(path))
+        return opened[0]
+
+    cfg = _with_dtype(ModelConfig.from_dict(cache.config(lambda: checkpoint().hf_config())), dtype)
+    table = cache.metadata(lambda: {"types": checkpoint().tensor_types(),
+                                    "shapes": {n: list(s) for n, s in checkpoint().tensor_shapes().items()}})
+    quantization = GGUF_PREFIX + _projection_block_format(table["types"], Path(path).name, tensor_parallel_size)
+    embed_format = table["types"].get("model.embed_tokens.weight")
     if cfg.tie_word_embeddings and embed_format in BLOCK_FORMATS:  # the tied head reads it every step
         quantization += ":" + embed_format
     abstract, graphdef, shapes = _abstract_model(cfg, scan_layers, tensor_parallel_size, quantization)
-    check_tensors(cfg, checkpoint.tensor_shapes())  # before any tensor is decoded
-    weights: dict[str, np.ndarray] = {}
-    for t in checkpoint.tensors():
-        if t.name.endswith(GGUF_BLOCK_PROJECTIONS) or (
-                t.name == "model.embed_tokens.weight" and embedding_block_format_of(quantization)):
-            weights.update(zip((f"{t.name}.{part}" for part in BLOCK_PARTS), split_gguf_blocks(t.data, t.qtype)))
-        else:
-            weights[t.name] = policy(t, cfg.dtype)
+    check_tensors(cfg, {n: tuple(s) for n, s in table["shapes"].items()})  # before any tensor is decoded
+
+    def decode() -> dict[str, np.ndarray]:
+        weights: dict[str, np.ndarray] = {}
+        for t in checkpoint().tensors():
+            if t.name.endswith(GGUF_BLOCK_PROJECTIONS) or (
+                    t.name == "model.embed_tokens.weight" and embedding_block_format_of(quantization)):
+                weights.update(zip((f"{t.name}.{part}" for part in BLOCK_PARTS),
+                                   split_gguf_blocks(t.data, t.qtype)))
+            else:
+                weights[t.name] = policy(t, cfg.dtype)
+        return weights
+
+    weights = cache.arrays(f"blocks-{cfg.dtype}", decode) if policy is dequantize else decode()
     state = state_from_tensors(weights.__getitem__, cfg, shapes, scanned=abstract.scan_layers,
                                layout=abstract.layout, place=place, quantization=quantization)
     return nnx.merge(graphdef, state)

@@ -11,6 +11,11 @@ Decode steps (``T <= max_num_seqs``: one token per running request) also get the
 two alone a batch of 33 pays for 64 rows. The midpoints bound that padding at 33% instead of 50%,
 for two or three more variants (``docs/benchmarks.md`` has the figures). They only save padding, so
 the engine becomes ready without them and compiles them in the background.
+
+Below ``min_tokens``, decode steps of a few requests may get their own buckets, the powers of two
+from ``min_decode_tokens`` (``small_decode``): on a CPU a padded row costs its whole matmul, so one
+stream in a 16-row bucket does 16 rows of work for one token. Like the midpoints they only save
+padding and are compiled in the background (``deferred``).
 """
 
 from __future__ import annotations
@@ -25,17 +30,28 @@ class BucketTable:
     token_buckets: tuple[int, ...]
     max_num_seqs: int
     midpoints: tuple[int, ...] = ()  # the decode midpoints among token_buckets
+    small_decode: tuple[int, ...] = ()  # the decode buckets below min_tokens among token_buckets
 
     @classmethod
-    def build(cls, max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 16) -> BucketTable:
-        buckets, midpoints, t = [], [], min_tokens
+    def build(cls, max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 16,
+              min_decode_tokens: int | None = None) -> BucketTable:
+        small, t = [], min_decode_tokens or min_tokens
+        while t < min(min_tokens, max_num_batched_tokens) and t <= max_num_seqs:
+            small.append(t)
+            t *= 2
+        buckets, midpoints, t = list(small), [], min_tokens
         while t < max_num_batched_tokens:
             buckets.append(t)
             if t * 3 // 2 <= min(max_num_seqs, max_num_batched_tokens - 1):
                 midpoints.append(t * 3 // 2)
             t *= 2
         buckets.append(max_num_batched_tokens)
-        return cls(tuple(sorted(set(buckets + midpoints))), max_num_seqs, tuple(midpoints))
+        return cls(tuple(sorted(set(buckets + midpoints))), max_num_seqs, tuple(midpoints), tuple(small))
+
+    @property
+    def deferred(self) -> tuple[int, ...]:
+        """The buckets that only save padding: compiled after the engine is ready."""
+        return self.small_decode + self.midpoints
 
     def num_rows(self, num_tokens_bucket: int) -> int:
         return self.rows_of(num_tokens_bucket, self.max_num_seqs)

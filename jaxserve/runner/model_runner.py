@@ -155,6 +155,11 @@ def max_step_tokens(config: EngineConfig, max_model_len: int, num_blocks: int | 
     return min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len, pool_tokens)
 
 
+def _nbytes(x) -> int:
+    """Bytes of an array or of an array's shape."""
+    return int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+
+
 def _with_shardings(tree, shardings):
     """Shapes of ``tree``'s arrays carrying ``shardings`` (a prefix of ``tree``); no memory."""
     return jax.tree.map(lambda s, sub: jax.tree.map(
@@ -265,8 +270,10 @@ class ModelRunner:
         """The pool sized (on a local GPU by compiling the largest step first), the bucket table
         up to what a step can then schedule, and the device state allocated."""
         self.num_blocks = self._size_kv_cache()
-        self.buckets = BucketTable.build(max_step_tokens(self.config, self.max_model_len, self.num_blocks),
-                                         self.config.max_num_seqs)
+        self.buckets = BucketTable.build(
+            max_step_tokens(self.config, self.max_model_len, self.num_blocks), self.config.max_num_seqs,
+            min_decode_tokens=self.config.compilation_config.resolved_min_decode_bucket(
+                self.target.platform, self.memory_weight_bytes()))
         abstract = self.target.is_abstract
         self.state = self._state_shapes(self.num_blocks) if abstract else self._allocate_state(self.num_blocks)
         # What a step is traced with: the state's shapes and placement, never its arrays, which
@@ -361,11 +368,13 @@ class ModelRunner:
                 "scan_layers": self.scan_layers, "token_buckets": list(self.buckets.token_buckets),
                 **self.memory()}
 
+    def memory_weight_bytes(self) -> int:
+        return sum(_nbytes(x) for x in jax.tree.leaves(self.model_state))
+
     def memory(self) -> dict:
         """Weight and KV cache bytes, and the formats they are stored in."""
-        nbytes = lambda x: int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize  # noqa: E731  (arrays or shapes)
-        return {"weight_bytes": sum(nbytes(x) for x in jax.tree.leaves(self.model_state)),
-                "kv_cache_bytes": sum(nbytes(x) for x in self._state_spec.kv_cache),
+        return {"weight_bytes": self.memory_weight_bytes(),
+                "kv_cache_bytes": sum(_nbytes(x) for x in self._state_spec.kv_cache),
                 "quantization": self.weight_format,
                 "kv_cache_dtype": str(self._state_spec.kv_cache[0].dtype)}
 
@@ -419,7 +428,7 @@ class ModelRunner:
         if self.decode_attn_fn is not None:
             # A decode step has at most max_num_seqs tokens, padded to that bucket or, while the
             # midpoints compile, to the next power of two.
-            top = self.buckets.pick(self.buckets.max_num_seqs, pending=self.buckets.midpoints)
+            top = self.buckets.pick(self.buckets.max_num_seqs, pending=self.buckets.deferred)
             out += [StepVariant(b, True) for b in self.buckets.token_buckets if b <= top]
         if self.cond_free:
             out = [dataclasses.replace(v, all_greedy=g) for v in out for g in (True, False)]
@@ -458,7 +467,7 @@ class ModelRunner:
         if self.config.enforce_eager:
             return
         # Every host of a multi-node group must run the same program each step, so none defers.
-        later = () if self.config.is_multi_node else self.buckets.midpoints
+        later = () if self.config.is_multi_node else self.buckets.deferred
         variants = [v for v in self.variants() if v.bucket not in later]
         deferred = [v for v in self.variants() if v.bucket in later]
         self.steps.warm_up(variants, self._run_padding_step, show_progress, deferred=deferred)
@@ -472,7 +481,7 @@ class ModelRunner:
                     s.warm_up_run_seconds, self.attention_backend, "scanned" if self.scan_layers else "unrolled")
 
     def start_deferred_compiles(self) -> None:
-        """Compile the decode midpoints in the background (see :mod:`.compilation`)."""
+        """Compile the small decode buckets and the midpoints in the background (see :mod:`.compilation`)."""
         self.steps.start_deferred()
 
     def _run_padding_step(self, variant: StepVariant) -> None:

@@ -4,6 +4,7 @@ that cannot keep them refused, naming why."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -54,3 +55,24 @@ def test_settings_that_cannot_keep_blocks_are_refused_naming_why(tmp_path, qwen3
         load_gguf_model(write_tiny_gguf(tmp_path / "q8.gguf", "Q8_0"), quantization="gguf", tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="not a .gguf"):
         load_model(qwen3_checkpoint, quantization="gguf")
+
+
+def test_kept_blocks_come_from_the_start_up_cache_without_parsing_the_file(tmp_path, monkeypatch):
+    from flax import nnx
+
+    from jaxserve.models import loader
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "m.gguf", "Q4_1")
+    first = nnx.state(load_gguf_model(path, quantization="gguf"))
+    assert list((tmp_path / "cache" / "gguf").glob("*/blocks-float32/manifest.json"))
+
+    def no_parse(*_args, **_kwargs):
+        raise AssertionError("a cache hit parsed the .gguf file")
+
+    monkeypatch.setattr(loader, "GGUFCheckpoint", no_parse)
+    again = load_gguf_model(path, quantization="gguf")
+    assert isinstance(again.layers[0].mlp.gate_up_proj, BlockQuantLinear)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(nnx.state(again)), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

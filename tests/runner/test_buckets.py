@@ -27,3 +27,20 @@ def test_pick_skips_midpoints_still_compiling():
     assert table.midpoints == (24, 48)
     assert [table.pick(n, pending={24, 48}) for n in (17, 25, 33, 49)] == [32, 32, 64, 64]
     assert [table.pick(n, pending={48}) for n in (17, 33)] == [24, 64]
+
+
+def test_small_decode_buckets_below_16_up_to_max_num_seqs_and_deferred():
+    table = BucketTable.build(max_num_batched_tokens=256, max_num_seqs=64, min_decode_tokens=1)
+    assert table.small_decode == (1, 2, 4, 8) and table.midpoints == (24, 48)
+    assert table.token_buckets == (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)
+    assert table.deferred == (1, 2, 4, 8, 24, 48)
+    assert [table.pick(n) for n in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 16]
+    # while they compile, steps pad to 16 as before
+    assert [table.pick(n, pending=table.deferred) for n in (1, 3, 9)] == [16, 16, 16]
+    assert table.num_rows(1) == 1 and table.num_rows(4) == 4
+    # never above max_num_seqs (no decode step has more rows), never from 16 up
+    assert BucketTable.build(256, max_num_seqs=3, min_decode_tokens=1).small_decode == (1, 2)
+    assert BucketTable.build(256, max_num_seqs=64, min_decode_tokens=4).small_decode == (4, 8)
+    assert BucketTable.build(256, max_num_seqs=64, min_decode_tokens=16).small_decode == ()
+    assert BucketTable.build(256, max_num_seqs=64).token_buckets[0] == 16
+

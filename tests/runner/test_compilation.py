@@ -207,3 +207,41 @@ def test_pallas_decode_variants_cover_every_bucket_a_decode_step_can_use(demo_mo
                           attention_backend="pallas", interpret_kernels=True)
     runner = ModelRunner(config, load_model(demo_model), 64)
     assert sorted(v.bucket for v in runner.variants() if v.decode_only) == decode_buckets
+
+
+def test_small_decode_buckets_run_few_requests_unpadded_with_the_same_greedy_tokens(demo_model):
+    from jaxserve import LLM, SamplingParams
+
+    shape = dict(show_progress=False, record_steps=True, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
+                 num_gpu_blocks_override=40)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [7 + i, 30, 41, 52 + i]} for i in range(3)]
+    small = LLM(demo_model, min_decode_bucket=1, **shape)
+    runner = small.llm_engine.core.runner
+    assert small.stats()["token_buckets"] == [1, 2, 4, 16, 32, 64] and runner.buckets.deferred == (1, 2, 4)
+    assert runner.steps.wait_for_deferred(timeout=300) and not runner.steps.pending_buckets
+    compiles = small.stats()["compile_num_compiles"]
+    outs = [small.generate(prompts[:n], params, use_tqdm=False) for n in (1, 2, 3)]
+    decode = [r for r in small.get_step_records() if r.schedule.num_prefill_tokens == 0 and r.num_tokens]
+    assert {(r.num_tokens, r.token_bucket) for r in decode} == {(1, 1), (2, 2), (3, 4)}
+    assert small.stats()["compile_num_compiles"] == compiles and small.stats()["compile_unexpected_compiles"] == 0
+
+    padded = LLM(demo_model, min_decode_bucket=16, **shape)
+    assert padded.stats()["token_buckets"] == [16, 32, 64]
+    for n, out in zip((1, 2, 3), outs):
+        ref = padded.generate(prompts[:n], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_min_decode_bucket_default_and_validation():
+    from jaxserve.config import CompilationConfig
+    from jaxserve.exceptions import ConfigError
+
+    default = CompilationConfig()
+    assert default.resolved_min_decode_bucket("cpu", 538 << 20) == 1  # SmolLM2-135M in float32
+    assert default.resolved_min_decode_bucket("cpu", 1 << 20) == 16  # a tiny test model
+    assert default.resolved_min_decode_bucket("gpu", 538 << 20) == 16
+    assert CompilationConfig(min_decode_bucket=4).resolved_min_decode_bucket("gpu", 0) == 4
+    for bad in (3, 32, 0, True, "1"):
+        with pytest.raises(ConfigError, match="min_decode_bucket"):
+            EngineConfig(min_decode_bucket=bad)
