@@ -61,16 +61,20 @@ class GGUFCache:
 
     def config(self, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """The file's HF config dict: read back, else ``build()`` and kept."""
-        target = self.entry / "config.json"
+        return self._json_object("config.json", build, indent=1, sort_keys=True)
+
+    def _json_object(self, name: str, build: Callable[[], dict[str, Any]], **dump_args: Any) -> dict[str, Any]:
+        """A JSON object kept as ``name`` in the entry: read back, else ``build()`` and kept."""
+        target = self.entry / name
 
         def read() -> dict[str, Any]:
             value = json.loads(target.read_text())
             if not isinstance(value, dict):
-                raise ValueError("config.json is not an object")
+                raise ValueError(f"{name} is not an object")
             return value
 
         def write(folder: Path, value: dict[str, Any]) -> None:
-            (folder / "config.json").write_text(json.dumps(value, indent=1, sort_keys=True))
+            (folder / name).write_text(json.dumps(value, **dump_args))
 
         return self._cached(target, read, build, write)
 
@@ -138,18 +142,7 @@ class GGUFCache:
 
     def metadata(self, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """A JSON object about the file's tensors (types, shapes), read without opening the file."""
-        target = self.entry / "tensors.json"
-
-        def read() -> dict[str, Any]:
-            value = json.loads(target.read_text())
-            if not isinstance(value, dict):
-                raise ValueError("tensors.json is not an object")
-            return value
-
-        def write(folder: Path, value: dict[str, Any]) -> None:
-            (folder / target.name).write_text(json.dumps(value))
-
-        return self._cached(target, read, build, write)
+        return self._json_object("tensors.json", build)
 
     def tensor_shapes(self, dtype: str) -> dict[str, tuple[int, ...]] | None:
         """The shapes of a kept ``dtype`` entry, or None when there is none (nothing is read)."""

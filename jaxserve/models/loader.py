@@ -132,12 +132,7 @@ def load_gguf_model(path: str | Path, dtype: str | None = None, scan_layers: boo
     if quantization == "gguf":
         return _load_gguf_blocks(path, dtype, scan_layers, tensor_parallel_size, place, policy)
     cache = GGUFCache(path)
-    opened: list[GGUFCheckpoint] = []
-
-    def checkpoint() -> GGUFCheckpoint:  # parsing the file costs seconds: only on a miss
-        if not opened:
-            opened.append(GGUFCheckpoint(path))
-        return opened[0]
+    checkpoint = _lazy_checkpoint(path)
 
     cfg = _with_dtype(ModelConfig.from_dict(cache.config(lambda: checkpoint().hf_config())), dtype)
     abstract, graphdef, shapes = _abstract_model(cfg, scan_layers, tensor_parallel_size, quantization)
@@ -197,12 +192,7 @@ def _load_gguf_blocks(path: str | Path, dtype: str | None, scan_layers: bool | N
     tensor table and the arrays are kept in the start-up cache (:mod:`.gguf_cache`) like a
     dequantized load's, so a second start never parses the file."""
     cache = GGUFCache(path)
-    opened: list[GGUFCheckpoint] = []
-
-    def checkpoint() -> GGUFCheckpoint:  # parsing the file costs seconds: only on a miss
-        if not opened:
-            opened.append(GGUFCheckpoint(path))
-        return opened[0]
+    checkpoint = _lazy_checkpoint(path)
 
     cfg = _with_dtype(ModelConfig.from_dict(cache.config(lambda: checkpoint().hf_config())), dtype)
     table = cache.metadata(lambda: {"types": checkpoint().tensor_types(),
@@ -229,6 +219,12 @@ def _load_gguf_blocks(path: str | Path, dtype: str | None, scan_layers: bool | N
     state = state_from_tensors(weights.__getitem__, cfg, shapes, scanned=abstract.scan_layers,
                                layout=abstract.layout, place=place, quantization=quantization)
     return nnx.merge(graphdef, state)
+
+
+def _lazy_checkpoint(path: str | Path) -> Callable[[], GGUFCheckpoint]:
+    """The file's parsed checkpoint, parsed on the first call only (it costs seconds: a start-up
+    cache hit never needs it)."""
+    return functools.cache(lambda: GGUFCheckpoint(path))
 
 
 def _with_dtype(cfg: ModelConfig, dtype: str | None) -> ModelConfig:
