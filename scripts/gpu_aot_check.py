@@ -36,6 +36,7 @@ from jaxserve import envs  # noqa: E402
 envs.allow_cuda_plugin_without_gpu()
 
 import jax  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from jaxserve.bench import gpu_aot, gpu_targets  # noqa: E402
 from jaxserve.bench.hlo_collectives import count_collectives  # noqa: E402
@@ -108,6 +109,34 @@ def check_variant(runner, variant, weight_shapes, pool_shapes, full_weight_shape
             "collectives": collectives.counts, "collectives_per_layer": per_layer(collectives.counts, runner.mc),
             **({"mosaic": mosaic_tiles(runner, variant)} if runner.attention_backend == "mosaic" else {}),
             "problems": problems}
+
+
+def check_pooling(preset: str, backend: str, args, sharding) -> list[dict]:
+    """The pooling engine's decoder step (embed, last-token pooling) per token bucket of its table:
+    host round trips, weight or pool copies, the pool aliased."""
+    from jaxserve.runner.pooling_model_runner import token_buckets
+
+    model = gpu_aot.abstract_model(preset, False, 1, num_layers=args.num_layers)
+    weight_shapes = {hlo_shape(x) for x in jax.tree.leaves(nnx.state(model))}
+    rows = []
+    for bucket in token_buckets(args.pooling_budget):
+        if args.buckets and bucket not in args.buckets:
+            continue
+        start = time.perf_counter()
+        lowered, kv = gpu_aot.lower_pooling_step(model, sharding, bucket, backend=backend)
+        compiled = lowered.compile()
+        text = compiled.as_text()
+        stats = analyze_hlo(text, weight_shapes, {hlo_shape(x) for x in jax.tree.leaves(kv)})
+        checks = {"host round trips": stats.host_round_trips, "weight copies": stats.weight_copies,
+                  "KV pool copies": stats.pool_copies, "KV pool not aliased": not stats.pool_aliased}
+        row = {"model": preset, "backend": backend, "tp": 1, "variant": f"pooling-{bucket}", "bucket": bucket,
+               "compile_s": round(time.perf_counter() - start, 2),
+               "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes), **stats.as_dict(),
+               "collectives": count_collectives(text).counts, "collectives_per_layer": {},
+               "problems": [name for name, bad in checks.items() if bad]}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
 
 
 def per_layer(counts: dict[str, int], mc) -> dict[str, float]:
@@ -215,6 +244,9 @@ def main(argv=None) -> int:
                     help="compile against a KV pool of this many blocks (default: sized for 0.9 of the H200)")
     ap.add_argument("--greedy-only", action="store_true",
                     help="skip the random-sampler variants (a bucket's attention kernel is the same in both)")
+    ap.add_argument("--pooling-budget", type=int, default=None,
+                    help="compile the pooling engine's step (embed, last-token pooling) for each token bucket up "
+                         "to this budget instead of the generating step")
     ap.add_argument("--jobs", type=int, default=1, help="variants compiled at once")
     ap.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1],
                     help="compile split over this many of 8 H200s on one host (default: 1)")
@@ -230,7 +262,10 @@ def main(argv=None) -> int:
         sharding = gpu_aot.compile_only_sharding(target, tp, num_devices=max(8, tp) if tp > 1 else 1)
         for preset in args.models:
             for backend in args.backends:
-                rows += check_model(preset, backend, args, sharding, spec)
+                if args.pooling_budget:
+                    rows += check_pooling(preset, backend, args, sharding)
+                else:
+                    rows += check_model(preset, backend, args, sharding, spec)
     print(table(rows))
     failures = [f"{r['model']}/{r['backend']}/tp{r['tp']}/{r['variant']}: {'; '.join(r['problems'])}"
                 for r in rows if r["problems"]]

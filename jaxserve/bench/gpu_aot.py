@@ -92,3 +92,30 @@ def abstract_runner(model: LlamaForCausalLM, config: EngineConfig, sharding: Any
     """A runner whose step lowers and compiles for ``sharding``'s device; it cannot run."""
     max_model_len = max_model_len or model.config.max_position_embeddings
     return ModelRunner(config, model, max_model_len, target=StepTarget.abstract(sharding))
+
+
+def lower_pooling_step(model: LlamaForCausalLM, sharding: Any, bucket: int, *, backend: str = "pallas",
+                       task: str = "embed", pooling_type: str = "LAST", max_num_seqs: int = 256,
+                       max_model_len: int = 8192, block_size: int = 16, num_blocks: int = 4096):
+    """The pooling engine's step for one token bucket (:mod:`jaxserve.runner.pooling_step`), lowered
+    for ``sharding``'s device with every argument a shape: the abstract weights, a KV pool of
+    ``num_blocks`` (donated) and the packed inputs the pooling runner builds. Returns the lowered
+    program and the pool's shapes."""
+    import pallas_kernels
+    from jaxserve.models.pooling_config import PoolerConfig
+    from jaxserve.runner.kv_cache import allocate_kv_cache
+    from jaxserve.runner.pooling_step import make_decoder_step
+
+    attn_fn = pallas_kernels.get_attention_fn(backend, interpret=False)
+    step, weights = make_decoder_step(model, task, PoolerConfig(pooling_type=pooling_type), attn_fn)
+    placed = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)  # noqa: E731
+    weights = jax.tree.map(placed, weights)
+    kv = jax.tree.map(placed, jax.eval_shape(lambda: allocate_kv_cache(model.config, num_blocks, block_size)))
+    rows, width = min(bucket, max_num_seqs), -(-max_model_len // block_size)
+    i32, spec = "int32", {"input_ids": (bucket,), "positions": (bucket,), "slot_mapping": (bucket,),
+                          "block_tables": (rows, width), "kv_lens": (rows,), "query_start_loc": (rows + 1,),
+                          "num_seqs": (1,), "starts": (rows,), "lens": (rows,), "counts": (rows,)}
+    x = {name: jax.ShapeDtypeStruct(shape, i32, sharding=sharding) for name, shape in spec.items()}
+    x["carry"] = jax.ShapeDtypeStruct((rows, model.config.hidden_size), "float32", sharding=sharding)
+    x["first"] = jax.ShapeDtypeStruct((rows,), "bool", sharding=sharding)
+    return step.lower(weights, kv, x), kv

@@ -95,3 +95,20 @@ def test_mistral_preset_and_depth_override():
     assert (mistral.num_hidden_layers, mistral.num_attention_heads, mistral.num_key_value_heads) == (1, 32, 8)
     qwen = gpu_aot.abstract_model("qwen3-0.6b", False).config
     assert qwen.num_hidden_layers == 28 and qwen.sliding_window is None and qwen.qk_norm
+
+
+def test_pooling_step_lowers_from_shapes_alone_with_its_pool_aliased():
+    """The pooling engine's step as scripts/gpu_aot_check.py --pooling-budget compiles it for an
+    H200, here for the CPU (xla attention, whose loops are the CPU's own: host round trips are
+    checked on the H200 programs): weights, pool and inputs are shapes only, and the donated pool
+    is updated in place."""
+    from jaxserve.runner.pooling_model_runner import token_buckets
+
+    model = gpu_aot.abstract_model("cpu-bench", False)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    for bucket in token_buckets(32):
+        lowered, kv = gpu_aot.lower_pooling_step(model, sharding, bucket, backend="xla", max_num_seqs=8,
+                                                 max_model_len=128, num_blocks=16)
+        pools = {("f32", tuple(x.shape)) for x in jax.tree.leaves(kv)}
+        stats = analyze_hlo(lowered.compile().as_text(), set(), pools)
+        assert stats.pool_aliased and not stats.pool_copies
