@@ -79,12 +79,15 @@ def test_self_check_refuses_a_kernel_whose_fp8_path_is_wrong(monkeypatch):
 
 def test_the_layers_calls_share_one_lowered_kernel():
     """The engine calls the backend once per layer with equal shapes: one lowered function, called
-    per layer (lowering Mosaic GPU's kernel is seconds of Python; XLA inlines the calls)."""
+    per layer (lowering Mosaic GPU's kernel is seconds of Python; XLA inlines the calls). Lowered
+    for CUDA, as on a GPU: interpret mode is not wrapped (its callbacks under a nested jit hung a
+    full CPU run)."""
     import re
 
     args = make_batch(Bucket(num_q_heads=2, num_kv_heads=1, head_dim=64), SCENARIOS["mixed"], dtype=jnp.bfloat16)
-    fn = pk.get_attention_fn("mosaic", interpret=True)
-    text = jax.jit(lambda *a: [fn(*a, sm_scale=SCALE) for _ in range(3)]).lower(*args).as_text()
+    fn = pk.get_attention_fn("mosaic", interpret=False)
+    step = jax.jit(lambda *a: [fn(*a, sm_scale=SCALE) for _ in range(3)])
+    text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert len(re.findall(r"func\.func private @ragged_paged_attention_mosaic\b", text)) == 1
     assert len(re.findall(r"call @ragged_paged_attention_mosaic\(", text)) == 3
 
