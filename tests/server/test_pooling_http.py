@@ -128,3 +128,33 @@ def test_jaxserve_serve_detects_a_pooling_folder(tmp_path):
         assert r.status_code == 400 and "does not generate" in r.json()["error"]["message"]
     finally:
         stop_server(handle)
+
+
+def test_decoder_embedder_over_http_chunked_with_prefix_hits_equals_sentence_transformers(tmp_path):
+    """A causal embedder (last-token pooling) over the openai client: prompts longer than the
+    16-token budget (chunked prefill), sent twice (the second time from the prefix cache), each
+    batch equal to sentence-transformers."""
+    from sentence_transformers import SentenceTransformer
+
+    from tests.tiny_models import build_tiny_checkpoint
+
+    folder = write_st_folder(build_tiny_checkpoint(tmp_path / "qwen3_emb", seed=7), "pooling_mode_lasttoken",
+                             normalize=True)
+    texts = ["a shared preamble long enough to span several cache blocks, then " + t
+             for t in ("the first question", "another one", "and a third, a little longer than the rest")]
+    want = SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_numpy=True)
+    llm = LLM(str(folder), max_model_len=128, max_num_batched_tokens=16, block_size=16)
+    server, thread, url = serve(llm, "qwen-emb")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+        for _ in range(2):
+            got = np.asarray([d.embedding for d in client.embeddings.create(model="qwen-emb", input=texts,
+                                                                            encoding_format="float").data])
+            cos = np.sum(got * want, -1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
+            assert cos.min() > 0.9999
+        stats = llm.pooling.core.scheduler.make_stats()
+        assert stats.prefix_cache_hits > 0
+        assert llm.pooling.runner.num_partial_chunks > 0  # some prompt ran in more than one chunk
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
