@@ -84,43 +84,26 @@ class GGUFCache:
         """HF name -> array in ``dtype`` (read-only, memory-mapped on a hit), else ``build()`` and kept."""
         from jaxserve.models.gguf_loader import np_dtype
 
-        target = self.entry / f"tensors-{dtype}"
-
-        def read() -> dict[str, np.ndarray]:
-            manifest = json.loads((target / "manifest.json").read_text())
-            out: dict[str, np.ndarray] = {}
-            for name, (file, shape, stored) in manifest.items():
-                if stored != dtype:
-                    raise ValueError(f"{name}: stored as {stored}, the entry is {dtype}")
-                data = target / file
-                expected = int(np.prod(shape, dtype=np.int64)) * np_dtype(dtype).itemsize
-                if data.stat().st_size != expected:
-                    raise ValueError(f"{file}: {data.stat().st_size} bytes, {name} needs {expected}")
-                out[name] = np.memmap(data, dtype=np_dtype(dtype), mode="r", shape=tuple(shape))
-            return out
-
-        def write(folder: Path, value: dict[str, np.ndarray]) -> None:
-            sub = folder / target.name
-            sub.mkdir()
-            manifest = {}
-            for i, (name, array) in enumerate(value.items()):
-                array = np.ascontiguousarray(np.asarray(array).astype(np_dtype(dtype), copy=False))
-                array.tofile(sub / f"{i}.bin")
-                manifest[name] = [f"{i}.bin", list(array.shape), dtype]
-            (sub / "manifest.json").write_text(json.dumps(manifest))
-
-        return self._cached(target, read, build, write)
+        return self._array_dir(self.entry / f"tensors-{dtype}", build, np_dtype(dtype))
 
     def arrays(self, key: str, build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """Name -> array, each in its own dtype (``--quantization gguf``'s kept blocks beside its
         dequantized tensors), memory-mapped on a hit; else ``build()`` and kept under ``key``."""
-        target = self.entry / key
+        return self._array_dir(self.entry / key, build)
+
+    def _array_dir(self, target: Path, build: Callable[[], dict[str, np.ndarray]],
+                   dtype: np.dtype | None = None) -> dict[str, np.ndarray]:
+        """Arrays kept one raw file each under ``target`` with a manifest (file, shape, dtype name);
+        ``dtype``: every array is stored in it, and a manifest naming another is unreadable."""
+        from jaxserve.models.gguf_loader import np_dtype
 
         def read() -> dict[str, np.ndarray]:
             manifest = json.loads((target / "manifest.json").read_text())
             out: dict[str, np.ndarray] = {}
             for name, (file, shape, stored) in manifest.items():
-                dt = np.dtype(stored)
+                dt = np_dtype(stored)
+                if dtype is not None and dt != dtype:
+                    raise ValueError(f"{name}: stored as {stored}, the entry is {dtype.name}")
                 data = target / file
                 expected = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
                 if data.stat().st_size != expected:
@@ -133,9 +116,10 @@ class GGUFCache:
             sub.mkdir()
             manifest = {}
             for i, (name, array) in enumerate(value.items()):
-                array = np.ascontiguousarray(array)
+                array = np.asarray(array)
+                array = np.ascontiguousarray(array if dtype is None else array.astype(dtype, copy=False))
                 array.tofile(sub / f"{i}.bin")
-                manifest[name] = [f"{i}.bin", list(array.shape), array.dtype.str]
+                manifest[name] = [f"{i}.bin", list(array.shape), array.dtype.name]
             (sub / "manifest.json").write_text(json.dumps(manifest))
 
         return self._cached(target, read, build, write)
