@@ -73,8 +73,38 @@ def demo_check(dtype: str, prompts, params, result: Report) -> None:
         result.save()
 
 
+def record_step_args(result: Report, key: str) -> None:
+    """When a warm-up step fails, record the step's arguments in flattened order (path, shape,
+    dtype, device address modulo 256): a GPU program may demand aligned inputs."""
+    import jax
+
+    from jaxserve.runner.model_runner import ModelRunner
+
+    original = ModelRunner._run_padding_step
+
+    def run(self, variant):
+        leaves = jax.tree_util.tree_flatten_with_path((self.model_state, self.state))[0]
+        rows = []
+        for path, leaf in leaves:
+            try:
+                address = leaf.unsafe_buffer_pointer() % 256
+            except Exception:  # noqa: BLE001 - not a single-device array
+                address = None
+            rows.append([jax.tree_util.keystr(path), list(getattr(leaf, "shape", ())), str(getattr(leaf, "dtype", "")),
+                         address])
+        try:
+            return original(self, variant)
+        except Exception:
+            result[key] = {"first": rows[:8], "unaligned": [r for r in rows if r[3]][:20], "num_leaves": len(rows)}
+            result.save()
+            raise
+
+    ModelRunner._run_padding_step = run
+
+
 def mosaic_check(prompts, params, result: Report) -> None:
     """mosaic against xla and pallas on a head_dim-64 variant of the demo model, in bf16."""
+    record_step_args(result, "mosaic-d64/failed_step_args")
     try:
         folder = build_checkpoint("/tmp/jaxserve-demo-d64", DEMO_ARCH, {**DEMO_SHAPE, "head_dim": 64}, seed=0,
                                   vocab_size=1024, max_position_embeddings=2048)
