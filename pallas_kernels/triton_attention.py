@@ -294,6 +294,8 @@ def _launch_with_torch(kernel, plan: TritonLaunchPlan, operands, device: str) ->
         x = np.asarray(x)
         if x.dtype == jnp.bfloat16:  # numpy's bfloat16 (ml_dtypes) has no torch twin: go by bits
             return torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16).to(device)
+        if x.dtype == jnp.float8_e4m3fn:  # an fp8 pool, likewise
+            return torch.from_numpy(x.view(np.uint8).copy()).view(torch.float8_e4m3fn).to(device)
         return torch.from_numpy(np.array(x, copy=True)).to(device)
 
     tensors = [to_torch(x) for x in operands]

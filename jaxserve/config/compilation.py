@@ -19,9 +19,9 @@ class CompilationConfig(SubConfig):
     """Run the step without jax.jit (for comparison with the compiled path)."""
     attention_backend: str = "auto"
     """auto, xla, pallas, triton, cpu, mosaic, or a name registered with
-    pallas_kernels.register_attention_backend in this process. auto = mosaic on an sm_90 GPU when
-    it passes its start-up self-check, else pallas on GPU; on a CPU, cpu (the C++ kernel) when it
-    builds here, else xla (mosaic on a CPU runs interpreted: tests only)."""
+    pallas_kernels.register_attention_backend in this process. auto = pallas on a GPU (mosaic is
+    opt-in: Hopper only, and it must pass a start-up self-check); on a CPU, cpu (the C++ kernel)
+    when it builds here, else xla (mosaic on a CPU runs interpreted: tests only)."""
     compilation_cache_dir: str | None = None
     """JAX persistent compilation cache folder; default is under the user cache; 'off' disables it."""
     interpret_kernels: bool | None = None

@@ -5,8 +5,11 @@ The runner builds its step inputs as a registered pytree of small numpy arrays
 cost per copy dominates such small arrays. ``pack`` lays the leaves end to end, in the pytree's
 field order, in one int32 buffer (float32 and uint32 bit-cast, bool widened); inside the compiled
 step ``unpack`` slices them back out at static offsets, which XLA folds away, and rebuilds the
-same typed dataclasses. ``decode`` does the same on the host, to look at a step's inputs. The
-layout follows the pytree's fields: a field added to a dataclass is packed with no change here.
+same typed dataclasses. Each leaf starts on a 256-byte boundary: XLA:GPU hands a slice of a
+parameter to a custom call as an address inside it, and a Mosaic GPU kernel refuses an operand
+that is not 256-byte aligned (an H200 refused the mosaic step for its block tables). ``decode``
+does the same on the host, to look at a step's inputs. The layout follows the pytree's fields: a
+field added to a dataclass is packed with no change here.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# Leaves start at multiples of this many int32 words (256 bytes; see the module docstring).
+ALIGN_WORDS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +52,12 @@ class PackLayout:
             name = jax.tree_util.keystr(path, simple=True, separator=".")
             f = Field(name, tuple(arr.shape), np.dtype(arr.dtype).name, offset, int(arr.size))
             fields.append(f)
-            offset += f.size
+            offset = _aligned(offset + f.size)
         return cls(tuple(fields), offset, treedef)
+
+
+def _aligned(words: int) -> int:
+    return -(-words // ALIGN_WORDS) * ALIGN_WORDS
 
 
 _WORD_DTYPES = (np.dtype(np.bool_), np.dtype(np.float32), np.dtype(np.uint32), np.dtype(np.int32))
@@ -57,7 +67,7 @@ def pack(tree: Any, layout: PackLayout) -> np.ndarray:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if treedef != layout.treedef:
         raise ValueError(f"inputs of structure {treedef} do not match the layout's {layout.treedef}")
-    buf = np.empty(layout.total, np.int32)
+    buf = np.zeros(layout.total, np.int32)  # the gaps between leaves are zeros
     for f, arr in zip(layout.fields, leaves):
         if arr.shape != f.shape:
             raise ValueError(f"{f.name}: shape {arr.shape} does not match the layout's {f.shape}")

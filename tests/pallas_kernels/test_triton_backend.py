@@ -169,3 +169,14 @@ def test_triton_launched_through_torch_on_cpu_matches_naive(dtype):
                                                                    block_q=8, block_kv=16)
     np.testing.assert_allclose(out.astype(np.float32), naive_attention(*args, sm_scale=0.25),
                                rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@needs_interpreter
+def test_triton_launched_through_torch_reads_fp8_pools():
+    """fp8 pools through the torch launch path (ml_dtypes' e4m3 has no torch twin: it goes by its
+    bits; an H200 run failed there before), against the oracle on the same fp8 values."""
+    q, kc, vc, *rest = make_batch(Bucket(), SCENARIOS["mixed"], seed=13, dtype=jnp.float16)
+    args = (q, kc.astype(jnp.float8_e4m3fn), vc.astype(jnp.float8_e4m3fn), *rest)
+    out = pk.triton_attention.ragged_paged_attention_triton_torch(*args, sm_scale=0.25, device="cpu",
+                                                                   block_q=8, block_kv=16)
+    np.testing.assert_allclose(out.astype(np.float32), naive_attention(*args, sm_scale=0.25), rtol=2e-2, atol=2e-2)

@@ -48,7 +48,13 @@ def test_the_layout_names_every_field_in_order_and_sizes_one_buffer():
     assert names[:3] == ["model.input_ids", "model.prev_rows", "model.positions"]
     assert names[-2:] == ["need_logprobs", "use_bitmask"]
     assert "sampling.temperature" in names and "model.block_tables" in names
-    assert layout.total == sum(np.asarray(x).size for x in jax.tree_util.tree_leaves(inputs))
+    # Every leaf starts on a 256-byte boundary (a Mosaic GPU kernel refuses an operand that does
+    # not), the leaves do not overlap, and the buffer ends on a boundary too.
+    assert all(f.offset * 4 % 256 == 0 for f in layout.fields)
+    assert all(a.offset + a.size <= b.offset for a, b in zip(layout.fields, layout.fields[1:]))
+    last = layout.fields[-1]
+    assert layout.total * 4 % 256 == 0 and last.offset + last.size <= layout.total < last.offset + last.size + 64
+    assert layout.total >= sum(np.asarray(x).size for x in jax.tree_util.tree_leaves(inputs))
     assert hash(layout) == hash(PackLayout.of(_step_arrays(1)))  # a static argument: same shapes, same program
 
 
