@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import sys
 import time
 from typing import Any
 
@@ -139,7 +140,11 @@ class JaxserveBench:
         # Timed runs measure the steady state: the buckets compiled in the background (decode
         # midpoints, small decode buckets) are in before the first one.
         for engine in getattr(self.llm, "llm_engines", []):
-            engine.core.runner.steps.wait_for_deferred()
+            steps = engine.core.runner.steps
+            if steps.pending_buckets:  # minutes on a GPU host with a cold cache: say why nothing moves
+                print(f"bench: waiting for the background compiles of buckets {sorted(steps.pending_buckets)} "
+                      "before timing", file=sys.stderr, flush=True)
+            steps.wait_for_deferred()
         self.background_compile_s = time.perf_counter() - start - self.startup_s
         # The bench process keeps this engine to its end, as a server does: its start-up heap is
         # frozen so that full collections skip it.

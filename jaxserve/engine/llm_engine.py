@@ -42,16 +42,17 @@ def has_tokenizer_files(path: str) -> bool:
 
 
 def load_tokenizer(path: str):
-    """The checkpoint's tokenizer, or None for a weights-only folder (token-id prompts only)."""
+    """The checkpoint's tokenizer, or None for a weights-only folder (token-id prompts only; then
+    transformers, which imports torch where torch is installed, is not imported at all)."""
+    if not is_gguf(path) and not has_tokenizer_files(path):
+        logger.warning("no tokenizer files in %s: only token-id prompts, no detokenization", path)
+        return None
     from transformers import AutoTokenizer
 
     if is_gguf(path):  # transformers rebuilds the tokenizer and chat template from the metadata (seconds):
         file = Path(path)  # kept in the start-up cache, read back as a plain tokenizer folder
         return GGUFCache(file).tokenizer(lambda: AutoTokenizer.from_pretrained(
             str(file.parent), gguf_file=file.name, trust_remote_code=False))
-    if not has_tokenizer_files(path):
-        logger.warning("no tokenizer files in %s: only token-id prompts, no detokenization", path)
-        return None
     # trust_remote_code stays off: nothing from a checkpoint is executed.
     return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
