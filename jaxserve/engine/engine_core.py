@@ -376,6 +376,8 @@ class EngineCore:
                   if self.step_records is not None else None)
         with clock.phase("prepare"):
             prepared = self.executor.prepare(scheduler_output)  # an empty one only updates request states
+        if scheduler_output.scheduled_encoder_inputs:
+            self._book_encoder_work(record)
         previous, previous_record = self._in_flight, self._in_flight_record
         self._in_flight, self._in_flight_record = None, None
         ahead = previous is not None and self._needs_previous_tokens(prepared, previous)
@@ -403,6 +405,19 @@ class EngineCore:
             self._close_record(record, None, [], dispatched_at, dispatched_at, dispatched_at)
         self._last_step_end = time.monotonic()
         return outputs
+
+    def _book_encoder_work(self, record: StepRecord | None) -> None:
+        """The images just encoded: into the step record, and each request's share of the seconds
+        (by its images) into its timeline."""
+        images, seconds = self.runner.last_encoder_images, self.runner.last_encoder_seconds
+        total = sum(images.values())
+        if record is not None:
+            record.encoder_images, record.encoder_s = total, seconds
+        for req_id, n in images.items():
+            request = self.scheduler.requests.get(req_id)
+            if request is not None and total:
+                request.num_encoded_images += n
+                request.encoder_seconds += seconds * n / total
 
     def _collect(self, step: InFlightStep, record: StepRecord | None,
                  collect_start: float) -> list[EngineCoreOutput]:

@@ -185,6 +185,9 @@ class ModelRunner:
         # step's embeddings at the image placeholder tokens.
         self.encoder = encoder
         self._mm_features: dict[str, list[MultiModalFeatureSpec]] = {}
+        # The last prepare's encoder work: seconds, and images per request (step records, timelines).
+        self.last_encoder_seconds = 0.0
+        self.last_encoder_images: dict[str, int] = {}
         self.target = target or StepTarget.local()
         # Read at trace time by the sampler and the penalty update: no conditional, no
         # data-dependent loop in the compiled step.
@@ -615,8 +618,11 @@ class ModelRunner:
         for req_id, indices in so.scheduled_encoder_inputs.items():
             features = self._mm_features[req_id]
             items += [(features[i].identifier, features[i].data) for i in indices]
+        self.last_encoder_images = {r: len(i) for r, i in so.scheduled_encoder_inputs.items() if i}
+        before = self.encoder.encoder_seconds
         if items:
             self.encoder.encode(items)
+        self.last_encoder_seconds = self.encoder.encoder_seconds - before
 
     def _gather_mm(self, so: SchedulerOutput, plan: StepPlan,
                    states: list[CachedRequestState]) -> tuple[np.ndarray, np.ndarray] | None:

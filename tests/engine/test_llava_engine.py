@@ -109,9 +109,16 @@ def test_greedy_equals_transformers_with_prefix_hits(llava_folder, budget):
     assert first[0].prompt_token_ids.count(image_id) == 16  # (28 / 7) ** 2 patches
     check_against_hf(llava_folder, first, images)
     assert runner.encoder.num_images_encoded == 2
-    first_chunk = next(r.scheduled[first[0].request_id] for r in llm.get_step_records()
-                       if first[0].request_id in r.scheduled)
+    records = llm.get_step_records()
+    first_chunk = next(r.scheduled[first[0].request_id] for r in records if first[0].request_id in r.scheduled)
     assert first_chunk == min(budget, len(first[0].prompt_token_ids))  # 8: the chunk ends inside the image
+    # Encoder work: in the step records (the two images) and in each image request's timeline.
+    assert sum(r.encoder_images for r in records) == 2 and sum(r.encoder_s for r in records) > 0
+    assert all(r.encoder_s <= r.prepare_s for r in records)
+    for out, n in zip(first, (1, 1, 0)):
+        assert out.metrics.num_encoded_images == n and (out.metrics.encoder_time > 0) == (n > 0)
+        timeline = llm.get_request_timeline(out.request_id)
+        assert timeline is not None and timeline.as_dict()["metrics"]["num_encoded_images"] == n
 
     # The same image and text again: a prefix hit through the image's blocks, the same tokens.
     again = llm.generate([prompt("what is it", images[0])], PARAMS, use_tqdm=False)[0]
