@@ -89,7 +89,7 @@ def engine(folder: str, budget: int) -> LLM:
     if budget not in _ENGINES:
         _ENGINES[budget] = LLM(folder, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=budget,
                                max_num_encoder_input_tokens=32, enable_prefix_caching=True,
-                               async_scheduling=False, record_steps=True)
+                               async_scheduling=budget != 8, record_steps=True)  # both step loops
     return _ENGINES[budget]
 
 
@@ -188,6 +188,7 @@ def test_chat_with_image_parts_equals_generate(llava_folder):
     assert e.value.param == "messages[0].content[1].image_url"
 
 
+@pytest.mark.slow  # two engines of their own (~10 s each at load 6)
 @pytest.mark.parametrize("cache_tokens", [64, 16], ids=["outputs-kept", "outputs-evicted"])
 def test_preempted_requests_keep_or_recompute_encoder_outputs(llava_folder, cache_tokens):
     """Preemption recomputes a request's KV; its images' encoder outputs stay in the encoder cache
@@ -217,3 +218,19 @@ def test_preempted_requests_keep_or_recompute_encoder_outputs(llava_folder, cach
     finally:
         MAX_TOKENS = saved
     assert llm.llm_engine.core.kv_cache_usage() == 0
+
+
+@pytest.mark.slow  # its own engine (~10 s at load 6)
+def test_mm_bench_reports_every_mode(llava_folder):
+    import argparse
+
+    from jaxserve.bench.mm_bench import MODES, run_mm_bench
+
+    args = argparse.Namespace(num_prompts=2, output_len=2, image_size=30, num_iters=1, bench_seed=0)
+    out = run_mm_bench(args, llava_folder[0], dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32))
+    assert set(out["modes"]) == set(MODES) and out["unexpected_compiles"] == 0
+    # Warm-up's two, then the distinct images; the one-image mode reuses the first of them, which
+    # the encoder cache still holds.
+    assert out["images_encoded"] == 2 + 2
+    assert out["modes"]["text_only"]["encoder_share"]["median"] == 0
+    assert all(r["requests_per_s"]["median"] > 0 for r in out["modes"].values())
