@@ -84,6 +84,14 @@ PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, igno
 _ENGINES: dict[int, LLM] = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_engines():
+    yield
+    for llm in _ENGINES.values():
+        llm.llm_engine.shutdown()
+    _ENGINES.clear()
+
+
 def engine(folder: str, budget: int) -> LLM:
     """One engine per token budget for the module (each compiles its variants once)."""
     if budget not in _ENGINES:
