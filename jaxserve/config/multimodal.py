@@ -19,6 +19,12 @@ class MultiModalConfig(SubConfig):
     """Image tokens whose encoder outputs are kept between steps; 0: the encoder budget."""
 
     def validate(self) -> None:
+        limit: object = self.limit_mm_per_prompt
+        if isinstance(limit, dict):  # vLLM's offline form, {"image": N}
+            other = sorted(set(limit) - {"image"})
+            if other:
+                raise self.bad("limit_mm_per_prompt", f"modalities {other} are not served; only 'image'")
+            self.limit_mm_per_prompt = int(limit.get("image", 0))
         if self.limit_mm_per_prompt < 0:
             raise self.bad("limit_mm_per_prompt", "must be >= 0")
         for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
