@@ -132,6 +132,14 @@ def test_greedy_equals_transformers_with_prefix_hits(llava_folder, budget):
     again = llm.generate([prompt("what is it", images[0])], PARAMS, use_tqdm=False)[0]
     assert again.num_cached_tokens >= 16
     assert again.outputs[0].token_ids == first[0].outputs[0].token_ids
+    # An image after some text, sent twice: the hit ends inside the image, whose rows after it are
+    # read from its (re-referenced or re-encoded) output.
+    mid = {"prompt": "see <image>\nwhat is it", "multi_modal_data": {"image": images[1]}}
+    once, twice = (llm.generate([mid], PARAMS, use_tqdm=False)[0] for _ in range(2))
+    start = twice.prompt_token_ids.index(image_id)
+    assert start < twice.num_cached_tokens < start + 16  # full blocks up to a point inside the image
+    assert twice.outputs[0].token_ids == once.outputs[0].token_ids
+    check_against_hf(llava_folder, [twice], [images[1]])
     # The same text with another image: no block shared (the image starts the prompt).
     other = make_image(3)
     diff = llm.generate([prompt("what is it", other)], PARAMS, use_tqdm=False)[0]
