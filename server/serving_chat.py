@@ -102,7 +102,8 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
         raise APIError(400, f"messages: {len(messages)} messages exceed max_chat_messages={state.max_chat_messages}",
                        param="messages")
     try:
-        conversation, images = chat_images([_message_dict(m) for m in messages], state.allowed_local_media_path)
+        conversation, images = chat_images([_message_dict(m) for m in messages], state.allowed_local_media_path,
+                                           limit=state.limit_mm_per_prompt)
     except InvalidRequestError as exc:
         raise invalid_request(exc) from None
     state.check_prompt_chars("messages", sum(len(str(m.get("content", ""))) for m in conversation))

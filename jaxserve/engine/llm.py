@@ -170,7 +170,8 @@ class LLM:
             [messages] if messages and isinstance(messages[0], dict) else messages)  # type: ignore[assignment]
         tok = self.get_tokenizer()
         # Image parts become the model's placeholders in the text; their images go beside it.
-        with_images = [chat_images(conv, self.config.multimodal_config.allowed_local_media_path)
+        mm = self.config.multimodal_config
+        with_images = [chat_images(conv, mm.allowed_local_media_path, limit=mm.limit_mm_per_prompt)
                        for conv in conversations]
         prompts = [tok.apply_chat_template([_template_message(m) for m in conv], tokenize=False,
                                            add_generation_prompt=add_generation_prompt,

@@ -137,12 +137,19 @@ def expand_placeholders(token_ids: Sequence[int], image_token_id: int, tokens_pe
 
 
 def chat_images(messages: Sequence[dict[str, Any]], allowed_local_media_path: str = "",
-                placeholder: str = "<image>") -> tuple[list[dict[str, Any]], list[Any]]:
+                placeholder: str = "<image>", limit: int | None = None) -> tuple[list[dict[str, Any]], list[Any]]:
     """OpenAI chat messages with content parts -> messages whose content is text (what chat
     templates take) and their images in prompt order. An ``image_url`` part (or an offline
     ``image_pil`` part holding a PIL image) becomes ``placeholder``; as vLLM lays out a LLaVA
     message, a message's placeholders come first, each on its own line, then its text parts
-    joined by newlines. A bad part is an ``InvalidRequestError`` naming it."""
+    joined by newlines. A bad part is an ``InvalidRequestError`` naming it; more than ``limit``
+    images are refused before any is decoded."""
+    if limit is not None:
+        count = sum(1 for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+                    for p in m["content"] if isinstance(p, dict) and p.get("type") in ("image_url", "image_pil"))
+        if count > limit:
+            raise InvalidRequestError("multi_modal_data", f"{count} images, more than the limit of {limit} per "
+                                                          "prompt (--limit-mm-per-prompt)")
     out: list[dict[str, Any]] = []
     images: list[Any] = []
     for i, message in enumerate(messages):

@@ -93,3 +93,16 @@ def test_expand_placeholders_records_offsets_and_checks_counts():
         expand_placeholders([7, 7], 7, 4, ["a", "b"], limit=1)
     with pytest.raises(InvalidRequestError, match="1 image placeholders for 2 images"):
         expand_placeholders([7, 1], 7, 4, ["a", "b"], limit=4)
+
+
+def test_chat_images_refuses_too_many_before_decoding():
+    from jaxserve.engine.media import chat_images
+
+    bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}  # never decoded
+    with pytest.raises(InvalidRequestError, match="limit-mm-per-prompt") as e:
+        chat_images([{"role": "user", "content": [bad, bad, {"type": "text", "text": "x"}]}], limit=1)
+    assert e.value.param == "multi_modal_data"
+    good = {"type": "image_url", "image_url": {"url": data_url(png_bytes(3))}}
+    messages, images = chat_images([{"role": "user", "content": [{"type": "text", "text": "x"}, good]},
+                                    {"role": "assistant", "content": "ok"}], limit=1)
+    assert messages[0]["content"] == "<image>\nx" and messages[1]["content"] == "ok" and len(images) == 1
