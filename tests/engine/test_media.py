@@ -106,3 +106,20 @@ def test_chat_images_refuses_too_many_before_decoding():
     messages, images = chat_images([{"role": "user", "content": [{"type": "text", "text": "x"}, good]},
                                     {"role": "assistant", "content": "ok"}], limit=1)
     assert messages[0]["content"] == "<image>\nx" and messages[1]["content"] == "ok" and len(images) == 1
+
+
+def test_offline_images_are_checked_naming_the_part(monkeypatch):
+    from jaxserve.engine import media
+    from jaxserve.engine.media import check_image
+
+    part = "multi_modal_data.image[1]"
+    truncated = Image.open(io.BytesIO(png_bytes(4, size=(64, 64))[:300]))  # opens lazily; fails on load
+    with pytest.raises(InvalidRequestError, match="not a decodable image") as e:
+        check_image(truncated, part)
+    assert e.value.param == part
+    with pytest.raises(InvalidRequestError, match="expected a PIL image"):
+        check_image(np.zeros((4, 4, 3), np.uint8), part)
+    monkeypatch.setattr(media, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(InvalidRequestError, match="more than 100"):
+        check_image(Image.new("RGB", (11, 10)), part)
+    assert check_image(Image.new("L", (10, 10)), part).mode == "RGB"
