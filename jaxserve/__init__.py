@@ -35,6 +35,7 @@ _LAZY = {
     "PromptType": "jaxserve.engine.processor",
     "StructuredOutputsParams": "jaxserve.core.structured_outputs",
     "LoRARequest": "jaxserve.core.lora_request",
+    "chat_images": "jaxserve.engine.media",  # chat image parts -> template text and images (LLM.chat, the server)
     "InvalidRequestError": "jaxserve.exceptions",
     "ConfigError": "jaxserve.exceptions",
     "EngineDeadError": "jaxserve.exceptions",

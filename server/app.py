@@ -116,7 +116,7 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
         if tok is None:
             raise APIError(400, "this model has no tokenizer")
         if isinstance(body, TokenizeChatRequest):
-            _, ids = render_chat(state, body.messages, add_generation_prompt=body.add_generation_prompt,
+            _, ids, _ = render_chat(state, body.messages, add_generation_prompt=body.add_generation_prompt,
                                  continue_final_message=body.continue_final_message,
                                  add_special_tokens=body.add_special_tokens,
                                  chat_template_kwargs=body.chat_template_kwargs, tools=tool_dicts(body.tools))

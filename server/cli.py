@@ -1,5 +1,5 @@
 """The ``jaxserve`` command: ``serve``, ``generate``, ``trace``, ``diagnose`` and
-``bench {throughput,startup,scheduler,sampler,kv-groups,serve,soak,roofline,embed,llama-cpp,accuracy}``.
+``bench {throughput,startup,scheduler,sampler,kv-groups,serve,soak,roofline,embed,mm,llama-cpp,accuracy}``.
 
 It lives with the server because ``serve`` needs it, and the server sits above the engine.
 Engine flags come from ``EngineConfig`` one-to-one (``--max-num-seqs`` ...), so every entry point
@@ -135,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxserve.bench.lora_bench import add_lora_bench_args
 
     add_lora_bench_args(lora_bench)
+    mm_bench = _engine_parser(bsub, "mm", "a vision-language model (a LLaVA folder): images/s and time to first "
+                              "token with distinct images, one repeated image and no image, alternated in rounds")
+    from jaxserve.bench.mm_bench import add_mm_bench_args
+
+    add_mm_bench_args(mm_bench)
     from jaxserve.bench.embed_bench import add_embed_bench_args
 
     embed_bench = bsub.add_parser("embed", help="a pooling model's texts/s against sentence-transformers",
@@ -220,6 +225,13 @@ def _run(args: argparse.Namespace, started: float) -> int:
         config = EngineConfig.from_cli_args(args, model=resolve_bench_model(args.model) if args.model else None)
         engine_args = {k: v for k, v in config.as_kwargs().items() if k != "model"}
         result = run_lora_bench(args, config.model or "jaxserve-demo", engine_args)
+    elif args.bench_command == "mm":
+        from jaxserve.bench.mm_bench import run_mm_bench
+
+        config = EngineConfig.from_cli_args(args, model=args.model)
+        if config.model is None:
+            raise ConfigError("bench mm: give a LLaVA checkpoint folder as MODEL")
+        result = run_mm_bench(args, config.model, {k: v for k, v in config.as_kwargs().items() if k != "model"})
     elif args.bench_command == "embed":
         from jaxserve.bench.embed_bench import run_embed_bench_cli
 

@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 import jaxserve
-from jaxserve import InvalidRequestError, RequestOutput, SamplingParams
+from jaxserve import InvalidRequestError, RequestOutput, SamplingParams, chat_images
 
 from . import entry_times
 from .chat_output import ChatParsers, ChoiceDelta, ChoiceParser, finish_reason, merged
@@ -48,15 +48,17 @@ RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tokenize", "chat_templa
 
 def _message_dict(msg: ChatMessage) -> dict[str, Any]:
     """The message as the template sees it: text parts joined by newlines, absent assistant
-    content as ``""``."""
+    content as ``""``. Image parts stay as parts, for ``chat_images``."""
     d = msg.model_dump(exclude_none=True)
     content = msg.content
     if isinstance(content, list):
         texts = []
         for part in content:
+            if part.type == "image_url":
+                return d
             if part.type != "text":
                 raise APIError(400, f"messages: content parts of type {part.type!r} are not supported by "
-                                    "jaxserve (text only)", param="messages")
+                                    "jaxserve (text, image_url)", param="messages")
             texts.append(part.text or "")
         d["content"] = "\n".join(texts)
     elif content is None:
@@ -81,9 +83,11 @@ def _arguments_object(arguments: Any) -> Any:
 def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generation_prompt: bool,
                 continue_final_message: bool, add_special_tokens: bool,
                 chat_template_kwargs: dict[str, Any] | None,
-                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int], list[Any]]:
     """Apply the chat template (the server's ``--chat-template``, else the tokenizer's); returns
-    (prompt text, token ids)."""
+    (prompt text, token ids, images). Image parts become the model's placeholder in the text, their
+    images (``data:`` URLs, ``file://`` under ``--allowed-local-media-path``) decoded here: a bad
+    one is a 400 naming its part, before anything reaches the engine."""
     tok = state.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer, so chat is unavailable; use /v1/completions with "
@@ -97,7 +101,11 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
     if len(messages) > state.max_chat_messages:
         raise APIError(400, f"messages: {len(messages)} messages exceed max_chat_messages={state.max_chat_messages}",
                        param="messages")
-    conversation = [_message_dict(m) for m in messages]
+    try:
+        conversation, images = chat_images([_message_dict(m) for m in messages], state.allowed_local_media_path,
+                                           limit=state.limit_mm_per_prompt)
+    except InvalidRequestError as exc:
+        raise invalid_request(exc) from None
     state.check_prompt_chars("messages", sum(len(str(m.get("content", ""))) for m in conversation))
     if continue_final_message and conversation[-1].get("role") != "assistant":
         raise APIError(400, "continue_final_message needs the last message to be from the assistant",
@@ -126,7 +134,7 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
         text = render(conversation)
         ids = tok.encode(text, add_special_tokens=add_special_tokens)
     entry_times.mark("tokenized")
-    return text, ids
+    return text, ids, images
 
 
 def _constrained_calls(kw: dict[str, Any], req: ChatCompletionRequest, choice: ToolChoice,
@@ -170,7 +178,7 @@ class OpenAIServingChat(OpenAIServing):
         state.check_unsupported(req.unsupported())
         tools = tool_dicts(req.tools)
         choice = self.tool_choice(req, tools)
-        text, ids = render_chat(state, req.messages, add_generation_prompt=req.add_generation_prompt,
+        text, ids, images = render_chat(state, req.messages, add_generation_prompt=req.add_generation_prompt,
                                 continue_final_message=req.continue_final_message,
                                 add_special_tokens=req.add_special_tokens,
                                 chat_template_kwargs=req.chat_template_kwargs, tools=tools)
@@ -182,7 +190,10 @@ class OpenAIServingChat(OpenAIServing):
         kw = req.sampling_kwargs()
         _constrained_calls(kw, req, choice, tools)
         params = make_sampling_params(dict(kw, max_tokens=req.effective_max_tokens(), logprobs=logprobs))
-        return [{"prompt": text, "prompt_token_ids": ids}], params
+        prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        return [prompt], params
 
     def response_body(self, req: ChatCompletionRequest, outputs: list[RequestOutput],
                       ids: ResponseIds) -> ChatCompletionResponse:

@@ -35,6 +35,8 @@ class ServerState:
         self.engine = engine
         self.split_special_tokens_in_content = split_special_tokens_in_content
         self.max_prompt_chars = engine.config.max_prompt_chars
+        self.allowed_local_media_path = getattr(engine.config, "allowed_local_media_path", "")  # file:// URLs
+        self.limit_mm_per_prompt = getattr(engine.config, "limit_mm_per_prompt", None)  # checked before decoding
         self.max_chat_messages = max_chat_messages
         # Chat templates and tokenizers run off the event loop, which keeps serving meanwhile, on the
         # engine's input pool: one pool tokenizes, for the server and the engine alike.

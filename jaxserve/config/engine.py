@@ -24,6 +24,7 @@ from jaxserve.config.flags import Flag, add_flags, dataclass_flags, flags_for
 from jaxserve.config.limits import LimitsConfig
 from jaxserve.config.load import LoadConfig
 from jaxserve.config.lora import LoRAConfig
+from jaxserve.config.multimodal import MultiModalConfig
 from jaxserve.config.observability import ObservabilityConfig
 from jaxserve.config.parallel import ParallelConfig
 from jaxserve.config.pooling import PoolingConfig
@@ -49,6 +50,7 @@ class EngineConfig:
     observability_config: ObservabilityConfig = sub_config(ObservabilityConfig)
     lora_config: LoRAConfig = sub_config(LoRAConfig)
     pooling_config: PoolingConfig = sub_config(PoolingConfig)
+    multimodal_config: MultiModalConfig = sub_config(MultiModalConfig)
 
     def __init__(self, **kwargs: Any) -> None:
         """Flat keyword arguments (``max_num_seqs=8``), sub-configurations (``cache_config=...``),

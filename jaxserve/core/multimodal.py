@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class MultiModalFeatureSpec:
     identifier: str
     placeholder: PlaceholderRange
     modality: str = "image"
+    # The encoder's input (the processed pixels), carried to the runner with the request; opaque
+    # to the core, and never part of equality: the identifier stands for it.
+    data: Any = field(default=None, compare=False, repr=False)
 
     @property
     def num_encoder_tokens(self) -> int:

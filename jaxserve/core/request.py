@@ -107,6 +107,9 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 = not scheduled yet
         self.num_preemptions = 0
+        # Images: encoder runs for this request and its share of their seconds (set by the engine).
+        self.num_encoded_images = 0
+        self.encoder_seconds = 0.0
 
         # Engine-side timestamps use the monotonic clock: only their differences matter.
         self.queued_ts: float | None = None

@@ -69,6 +69,18 @@ def resolve_model_source(config: EngineConfig) -> ModelSource:
     return ModelSource(path, str(path), served_name=DEMO_MODEL_NAME)
 
 
+def _is_llava(path: str) -> bool:
+    import json
+    from pathlib import Path
+
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        return False
+    from jaxserve.models.llava import is_llava_config
+
+    return is_llava_config(json.loads(file.read_text()))
+
+
 def start_cpu_kernel_build(config: EngineConfig) -> None:
     """Build the cpu attention kernel (seconds of a C++ compiler, once per machine) in a background
     thread (which imports jax) while the model is found and the weights read; the runner's registration waits for it.
@@ -123,6 +135,7 @@ class EngineCore:
 
     def _start(self, config: EngineConfig, show_progress: bool, record_steps: bool, model: Any) -> None:
         self.startup = StartupTimes()
+        self.mm_processor: Any = None  # a vision-language model's prompt processing (engine.mm_processor)
         if config.is_multi_node:  # before anything starts a JAX backend
             from jaxserve.distributed.runtime import start_distributed_runtime
 
@@ -197,7 +210,10 @@ class EngineCore:
             devices = node_devices(config)
         devices = select_devices(tp, devices)
         mesh = make_mesh(devices, tp)
-        if model is None:
+        encoder = None
+        if model is None and self.model_source is not None and _is_llava(str(self.model_source.path)):
+            model, encoder = self._load_llava(config, str(self.model_source.path), devices[0].platform)
+        elif model is None:
             assert self.model_source is not None
             dtype = self._serving_dtype(str(self.model_source.path), devices[0].platform)
             with self.startup.phase("weights"):  # each shard read straight onto its device
@@ -216,8 +232,13 @@ class EngineCore:
         self.model_config = model.config
         self.max_model_len = resolve_max_model_len(config, model.config.max_position_embeddings)
         with self.startup.phase("runner"):
-            self.runner = ModelRunner(config, model, self.max_model_len, devices=devices)
+            self.runner = ModelRunner(config, model, self.max_model_len, devices=devices, encoder=encoder)
         scheduler_config = config.scheduler_config.for_scheduler(self.max_model_len)
+        if encoder is not None:  # vLLM's default encoder budget: the step's token budget
+            mm = config.multimodal_config
+            scheduler_config.max_num_encoder_input_tokens = (mm.max_num_encoder_input_tokens
+                                                             or config.max_num_batched_tokens)
+            scheduler_config.encoder_cache_size = mm.encoder_cache_size
         if config.enable_lora:  # the running requests' adapters never outnumber the runner's slots
             scheduler_config.max_loras = config.lora_config.max_loras
         self.scheduler = Scheduler(
@@ -227,6 +248,31 @@ class EngineCore:
                                   config.enable_prefix_caching),
             num_blocks=self.runner.num_blocks, block_size=config.block_size,
             enable_caching=config.enable_prefix_caching)
+
+    def _load_llava(self, config: EngineConfig, path: str, platform: str) -> tuple[Any, Any]:
+        """A LLaVA folder: its language model, its image encoder (compiled per image-count bucket
+        by the runner's warm-up) and the prompt processing that expands its image placeholders."""
+        from jaxserve.engine.mm_processor import MultiModalProcessor
+        from jaxserve.models.llava import load_llava_language_model
+        from jaxserve.models.llava_vision import load_llava_image_encoder_from_folder
+        from jaxserve.runner.encoder_runner import EncoderRunner
+
+        if config.tensor_parallel_size > 1 or config.quantization is not None or config.enable_lora:
+            raise ConfigError("a vision-language model (LLaVA) is served on one device, unquantized and without "
+                              "LoRA: tensor_parallel_size, quantization and enable_lora are not supported with it")
+        dtype = self._serving_dtype(path, platform)
+        with self.startup.phase("weights"):
+            model = load_llava_language_model(path, dtype, config.scan_layers)
+            vision, image_encoder = load_llava_image_encoder_from_folder(path)
+        self.mm_processor = MultiModalProcessor.from_folder(path, config.multimodal_config.limit_mm_per_prompt)
+        budget = config.multimodal_config.max_num_encoder_input_tokens or config.max_num_batched_tokens
+        if budget < vision.tokens_per_image:
+            raise ConfigError(f"max_num_encoder_input_tokens: {budget} is fewer than one image's "
+                              f"{vision.tokens_per_image} tokens")
+        max_images = max(1, min(config.multimodal_config.limit_mm_per_prompt * config.max_num_seqs,
+                                budget // vision.tokens_per_image, 8))
+        shape = (vision.num_channels, vision.image_size, vision.image_size)
+        return model, EncoderRunner(image_encoder, shape, max_images_per_batch=max_images)
 
     def _serving_dtype(self, path: str, platform: str) -> str:
         """``config.dtype`` made concrete for the checkpoint and the device, before any weight is read."""
@@ -330,6 +376,8 @@ class EngineCore:
                   if self.step_records is not None else None)
         with clock.phase("prepare"):
             prepared = self.executor.prepare(scheduler_output)  # an empty one only updates request states
+        if scheduler_output.scheduled_encoder_inputs:
+            self._book_encoder_work(record)
         previous, previous_record = self._in_flight, self._in_flight_record
         self._in_flight, self._in_flight_record = None, None
         ahead = previous is not None and self._needs_previous_tokens(prepared, previous)
@@ -357,6 +405,19 @@ class EngineCore:
             self._close_record(record, None, [], dispatched_at, dispatched_at, dispatched_at)
         self._last_step_end = time.monotonic()
         return outputs
+
+    def _book_encoder_work(self, record: StepRecord | None) -> None:
+        """The images just encoded: into the step record, and each request's share of the seconds
+        (by its images) into its timeline."""
+        images, seconds = self.runner.last_encoder_images, self.runner.last_encoder_seconds
+        total = sum(images.values())
+        if record is not None:
+            record.encoder_images, record.encoder_s = total, seconds
+        for req_id, n in images.items():
+            request = self.scheduler.requests.get(req_id)
+            if request is not None and total:
+                request.num_encoded_images += n
+                request.encoder_seconds += seconds * n / total
 
     def _collect(self, step: InFlightStep, record: StepRecord | None,
                  collect_start: float) -> list[EngineCoreOutput]:

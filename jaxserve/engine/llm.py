@@ -18,6 +18,7 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.dp.placement import start_replica_engines
 from jaxserve.engine.dp.replica_set import ReplicaSet
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.media import chat_images
 from jaxserve.engine.metrics import Metric
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.pooling_llm import PoolingLLM, pooling_task_of
@@ -168,13 +169,19 @@ class LLM:
         conversations: list[list[dict[str, Any]]] = (
             [messages] if messages and isinstance(messages[0], dict) else messages)  # type: ignore[assignment]
         tok = self.get_tokenizer()
+        # Image parts become the model's placeholders in the text; their images go beside it.
+        mm = self.config.multimodal_config
+        with_images = [chat_images(conv, mm.allowed_local_media_path, limit=mm.limit_mm_per_prompt)
+                       for conv in conversations]
         prompts = [tok.apply_chat_template([_template_message(m) for m in conv], tokenize=False,
                                            add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message,
                                            chat_template=chat_template, tools=tools, **(chat_template_kwargs or {}))
-                   for conv in conversations]
+                   for conv, _ in with_images]
         # The template already holds any special tokens; do not add a BOS twice.
-        token_prompts = [{"prompt": p, "prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts]
+        token_prompts = [{"prompt": p, "prompt_token_ids": tok.encode(p, add_special_tokens=False),
+                          **({"multi_modal_data": {"image": images}} if images else {})}
+                         for p, (_, images) in zip(prompts, with_images)]
         return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

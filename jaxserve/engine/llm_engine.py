@@ -93,7 +93,7 @@ class LLMEngine:
         self.max_model_len = self.core.max_model_len
         grammar_backend = self._grammar_backend()
         self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len, config,
-                                              grammar_backend)
+                                              grammar_backend, mm_processor=self.core.mm_processor)
         self.output_processor = OutputProcessor(self.tokenizer, on_finished=self._on_finished,
                                                 max_timelines=config.max_request_timelines,
                                                 keep_token_ids=config.record_token_ids)

@@ -53,6 +53,24 @@ def decode_image(data: bytes, part: str) -> Any:
         raise InvalidRequestError(part, f"not a decodable image ({type(e).__name__}: {e})") from e
 
 
+def check_image(image: Any, part: str) -> Any:
+    """An image given offline (``multi_modal_data``) -> an RGB PIL image, or an
+    ``InvalidRequestError`` naming ``part``: not a PIL image, too many pixels, or undecodable."""
+    pil = _pil()
+    if not isinstance(image, pil.Image):
+        raise InvalidRequestError(part, f"expected a PIL image, got {type(image).__name__}")
+    w, h = image.size
+    if w * h > MAX_IMAGE_PIXELS:
+        raise InvalidRequestError(part, f"image is {w}x{h} pixels, more than {MAX_IMAGE_PIXELS}")
+    if w == 0 or h == 0:
+        raise InvalidRequestError(part, f"image is {w}x{h} pixels: empty")
+    try:
+        image.load()
+        return image.convert("RGB")
+    except (OSError, ValueError, SyntaxError) as e:
+        raise InvalidRequestError(part, f"not a decodable image ({type(e).__name__}: {e})") from e
+
+
 def load_image_url(url: Any, part: str, allowed_local_media_path: str = "") -> Any:
     """An ``image_url``'s ``url`` -> a PIL image, or an ``InvalidRequestError`` naming ``part``."""
     if not isinstance(url, str) or not url:
@@ -116,3 +134,46 @@ def expand_placeholders(token_ids: Sequence[int], image_token_id: int, tokens_pe
         else:
             out.append(t)
     return out, features
+
+
+def chat_images(messages: Sequence[dict[str, Any]], allowed_local_media_path: str = "",
+                placeholder: str = "<image>", limit: int | None = None) -> tuple[list[dict[str, Any]], list[Any]]:
+    """OpenAI chat messages with content parts -> messages whose content is text (what chat
+    templates take) and their images in prompt order. An ``image_url`` part (or an offline
+    ``image_pil`` part holding a PIL image) becomes ``placeholder``; as vLLM lays out a LLaVA
+    message, a message's placeholders come first, each on its own line, then its text parts
+    joined by newlines. A bad part is an ``InvalidRequestError`` naming it; more than ``limit``
+    images are refused before any is decoded."""
+    if limit is not None:
+        count = sum(1 for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+                    for p in m["content"] if isinstance(p, dict) and p.get("type") in ("image_url", "image_pil"))
+        if count > limit:
+            raise InvalidRequestError("multi_modal_data", f"{count} images, more than the limit of {limit} per "
+                                                          "prompt (--limit-mm-per-prompt)")
+    out: list[dict[str, Any]] = []
+    images: list[Any] = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        texts: list[str] = []
+        marks: list[str] = []
+        for j, part in enumerate(content):
+            name = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                texts.append(str(part.get("text") or ""))
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                images.append(load_image_url(url, f"{name}.image_url", allowed_local_media_path))
+                marks.append(placeholder)
+            elif kind == "image_pil":
+                images.append(check_image(part.get("image_pil"), f"{name}.image_pil"))
+                marks.append(placeholder)
+            else:
+                raise InvalidRequestError(name, f"content parts of type {kind!r} are not supported "
+                                                "(text, image_url, image_pil)")
+        out.append(dict(message, content="\n".join(marks + texts)))
+    return out, images

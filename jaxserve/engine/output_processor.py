@@ -95,6 +95,8 @@ class ParentState:
                 if m.queued_time is not None:
                     m.time_in_queue = m.first_scheduled_time - m.queued_time
         m.num_preemptions = reqs[0].num_preemptions if len(reqs) == 1 else sum(r.num_preemptions for r in reqs)
+        m.num_encoded_images = sum(r.num_encoded_images for r in reqs)
+        m.encoder_time = sum(r.encoder_seconds for r in reqs)
 
     def release(self) -> None:
         """The request ended: keep what its timeline reads, drop the core requests (their token and

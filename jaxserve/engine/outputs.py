@@ -63,6 +63,10 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     time_in_queue: float | None = None  # first_scheduled_time - queued_time, as vLLM reports it
     num_preemptions: int = 0
+    # Images: how many of the request's images the vision encoder ran on (again after an eviction),
+    # and its share of those encoder batches' seconds.
+    num_encoded_images: int = 0
+    encoder_time: float = 0.0
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -23,6 +23,7 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.sample.metadata import DEFAULT_MAX_ALLOWED_TOKENS, DEFAULT_MAX_LOGIT_BIAS, MAX_MIN_TOKENS_STOP_IDS
 
 if TYPE_CHECKING:
+    from jaxserve.engine.mm_processor import MultiModalProcessor
     from jaxserve.models.lora_cache import LoRAAdapterCache
     from jaxserve.structured.backend import GrammarBackend
 
@@ -71,8 +72,9 @@ def child_request_id(index: int, request_id: str) -> str:
 
 class InputProcessor:
     def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, config: EngineConfig,
-                 grammar_backend: GrammarBackend | None = None):
+                 grammar_backend: GrammarBackend | None = None, mm_processor: MultiModalProcessor | None = None):
         self.tokenizer = tokenizer
+        self.mm_processor = mm_processor  # a vision-language model's images (None: text only)
         self.grammar_backend = grammar_backend  # None: structured outputs are refused (no tokenizer)
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -223,15 +225,30 @@ class InputProcessor:
                 priority: int = 0, cache_salt: str | None = None,
                 lora_request: LoRARequest | None = None) -> ProcessedRequest:
         check_request_id(request_id)
+        images = self._images_of(prompt)  # checked before the prompt is tokenized
         text, ids = self.tokenize_prompt(prompt)
+        features = None
+        if self.mm_processor is not None:
+            ids, features = self.mm_processor.process(ids, images)
+            if features and params.prompt_logprobs is not None:
+                raise InvalidRequestError("prompt_logprobs", "not served for prompts with images")
         self.validate(ids, params, cache_salt)
         lora_key, lora_weights = self.resolve_lora(lora_request)
         core = [self._core_request(child_request_id(i, request_id) if params.n > 1 else request_id,
                                    ids, self._child_params(params, i), arrival_time, priority, cache_salt,
-                                   lora_key, lora_weights)
+                                   lora_key, lora_weights, features)
                 for i in range(params.n)]
         return ProcessedRequest(request_id, text, ids, core, tokenized_time=time.monotonic(),
                                 lora_request=lora_request)
+
+    def _images_of(self, prompt: PromptType) -> list[Any]:
+        """The prompt's images (``multi_modal_data``), each checked; refused by a text-only model."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if self.mm_processor is None:
+            if data:
+                raise InvalidRequestError("multi_modal_data", "this model takes no images (a text-only model)")
+            return []
+        return self.mm_processor.images_of(data) if data else []
 
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
         """The core request's own copy when it needs one (n > 1, extra EOS ids, min_tokens)."""
@@ -247,6 +264,7 @@ class InputProcessor:
         return child
 
     def _core_request(self, core_id, ids, params, arrival_time, priority, cache_salt,
-                      lora_key=None, lora_weights=None) -> Request:
+                      lora_key=None, lora_weights=None, mm_features=None) -> Request:
         return Request(core_id, ids, params, self.eos_token_id, arrival_time=arrival_time,
-                       priority=priority, cache_salt=cache_salt, lora_name=lora_key, lora_weights=lora_weights)
+                       priority=priority, cache_salt=cache_salt, lora_name=lora_key, lora_weights=lora_weights,
+                       mm_features=mm_features)

@@ -42,6 +42,8 @@ class StepRecord:
     sampled: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     finished: dict[str, str] = dataclasses.field(default_factory=dict)  # request id -> finish reason
     engine_index: int = 0  # the data-parallel replica that ran it (vLLM's ``engine`` label)
+    encoder_images: int = 0  # images the vision encoder ran on before this step (in prepare_s)
+    encoder_s: float = 0.0  # their encoder time, part of prepare_s
 
     # Shortcuts to the scheduler's side, as notebooks read them.
     @property
@@ -92,6 +94,7 @@ class StepRecord:
             "idle_gap_s": self.idle_gap_s, "schedule_s": self.schedule_s, "prepare_s": self.prepare_s,
             "wait_s": self.wait_s, "device_s": self.device_s, "update_s": self.update_s, "seconds": self.seconds,
             "sampled": self.sampled, "finished": self.finished,
+            "encoder_images": self.encoder_images, "encoder_s": self.encoder_s,
         }
 
 

@@ -28,6 +28,24 @@ _DTYPE_NAMES = {
 }
 
 
+_LLAVA_TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                             "qwen2": "Qwen2ForCausalLM"}
+
+
+def llava_text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A LLaVA ``config.json``'s ``text_config`` as a text model's config dict."""
+    text = dict(hf.get("text_config") or {})
+    model_type = text.get("model_type", "llama")
+    if model_type not in _LLAVA_TEXT_ARCHITECTURES:
+        raise ConfigError(f"text_config.model_type: {model_type!r} is not one of {sorted(_LLAVA_TEXT_ARCHITECTURES)}")
+    text.setdefault("architectures", [_LLAVA_TEXT_ARCHITECTURES[model_type]])
+    text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
+    for key in ("torch_dtype", "dtype"):  # transformers writes the dtype at the top level
+        if key in hf:
+            text.setdefault(key, hf[key])
+    return text
+
+
 def normalize_dtype_name(name: Any) -> str:
     """Map the spellings found in configs and CLI flags (``torch.bfloat16``, ``bf16``) to one name."""
     text = str(name).removeprefix("torch.").lower()
@@ -81,7 +99,10 @@ class ModelConfig:
         file = Path(path) / "config.json"
         if not file.is_file():
             raise FileNotFoundError(f"no config.json in checkpoint folder {path}")
-        return cls.from_dict(json.loads(file.read_text()))
+        cfg = json.loads(file.read_text())
+        if "LlavaForConditionalGeneration" in (cfg.get("architectures") or []):
+            cfg = llava_text_config(cfg)  # a LLaVA folder: its language model's config
+        return cls.from_dict(cfg)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:

@@ -9,14 +9,12 @@ from typing import Any
 
 from flax import nnx
 
-from jaxserve.exceptions import ConfigError
-from jaxserve.models.config import ModelConfig
+from jaxserve.models.config import ModelConfig, llava_text_config
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.loader import _abstract_model, _with_dtype, check_tensors, state_from_tensors
 from jaxserve.models.safetensors_io import open_checkpoint_files
 
 VLM_ARCHITECTURES = ("LlavaForConditionalGeneration",)
-_TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def is_llava_config(hf: dict[str, Any]) -> bool:
@@ -25,13 +23,7 @@ def is_llava_config(hf: dict[str, Any]) -> bool:
 
 def text_model_config(hf: dict[str, Any]) -> ModelConfig:
     """The language model's config from a LLaVA ``config.json``."""
-    text = dict(hf.get("text_config") or {})
-    model_type = text.get("model_type", "llama")
-    if model_type not in _TEXT_ARCHITECTURES:
-        raise ConfigError(f"text_config.model_type: {model_type!r} is not one of {sorted(_TEXT_ARCHITECTURES)}")
-    text.setdefault("architectures", [_TEXT_ARCHITECTURES[model_type]])
-    text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
-    return ModelConfig.from_dict(text)
+    return ModelConfig.from_dict(llava_text_config(hf))
 
 
 def _text_name(name: str) -> str | None:

@@ -74,11 +74,15 @@ class StepVariant:
     # LoRA: the step applies the adapters' slot table (some token has an adapter); a LoRA-enabled
     # engine's base-only steps run the variant without it, the plain engine's program.
     lora: bool = False
+    # Images: the step replaces the embeddings of its image placeholder tokens with encoder
+    # outputs (an input with a mask); a vision model's text-only steps run the variant without it.
+    mm: bool = False
 
     @property
     def name(self) -> str:
         sampler = {None: "", True: "-greedy", False: "-random"}[self.all_greedy]
-        return f"{self.bucket}{'-decode' if self.decode_only else ''}{sampler}{'-lora' if self.lora else ''}"
+        return (f"{self.bucket}{'-decode' if self.decode_only else ''}{sampler}{'-lora' if self.lora else ''}"
+                f"{'-mm' if self.mm else ''}")
 
 
 # A variant's trace arguments: the positional arguments (abstract where possible) and the static

@@ -40,6 +40,7 @@ import pallas_kernels
 from jaxserve import envs
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import cdiv
+from jaxserve.core.multimodal import MultiModalFeatureSpec
 from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.lora import LoRABatch
@@ -49,6 +50,7 @@ from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.compilation import CompiledSteps, StepVariant
 from jaxserve.runner.compile_stats import CompileStats
 from jaxserve.runner.device_state import DeviceState, StepOutput
+from jaxserve.runner.encoder_runner import EncoderRunner
 from jaxserve.runner.input_batch import (
     CachedRequestState,
     PersistentBatch,
@@ -84,6 +86,9 @@ class RunnerStep:
     plan: StepPlan | None = None
     states: list[CachedRequestState] = dataclasses.field(default_factory=list)
     out: SamplerOutput | None = None
+    # Images: the step's encoder-output rows and their mask ([bucket, hidden], [bucket]); None
+    # when no scheduled token is an image placeholder (the text-only program runs).
+    mm: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -154,8 +159,16 @@ class ModelRunner:
     them (default: the first ones of ``jax.devices()``); ``model``'s layout must be of that size."""
 
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM, max_model_len: int,
-                 target: StepTarget | None = None, devices: Sequence[jax.Device] | None = None):
+                 target: StepTarget | None = None, devices: Sequence[jax.Device] | None = None,
+                 encoder: EncoderRunner | None = None):
         self.config = config
+        # A vision-language model's image side (None: text only); its outputs are merged into the
+        # step's embeddings at the image placeholder tokens.
+        self.encoder = encoder
+        self._mm_features: dict[str, list[MultiModalFeatureSpec]] = {}
+        # The last prepare's encoder work: seconds, and images per request (step records, timelines).
+        self.last_encoder_seconds = 0.0
+        self.last_encoder_images: dict[str, int] = {}
         self.target = target or StepTarget.local()
         # Read at trace time by the sampler and the penalty update: no conditional, no
         # data-dependent loop in the compiled step.
@@ -242,7 +255,8 @@ class ModelRunner:
         self.last_packed: PackedStep | None = None  # the last launched step's inputs, for inspection
         # The arguments carry their shardings (a fresh numpy input is replicated over the mesh of
         # the others); the outputs are pinned so that the donated state comes back as it went in.
-        self._jitted = jax.jit(self._step, static_argnames=("layout", "decode_only", "all_greedy", "use_lora"),
+        self._jitted = jax.jit(self._step, static_argnames=("layout", "decode_only", "all_greedy", "use_lora",
+                                                           "use_mm"),
                                donate_argnums=(1,), out_shardings=self._replicated_except_state())
         self.steps = CompiledSteps(self._jitted, self._trace_args, self.stats)
         self._write_penalty_row = jax.jit(write_penalty_row, donate_argnums=(0,))
@@ -361,8 +375,9 @@ class ModelRunner:
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def _step(self, model_state, state: DeviceState, buf, bitmask, lora_tables=None, *, layout: PackLayout,
-              decode_only: bool = False, all_greedy: bool | None = None, use_lora: bool = False) -> StepOutput:
+    def _step(self, model_state, state: DeviceState, buf, bitmask, lora_tables=None, mm_inputs=None, *,
+              layout: PackLayout, decode_only: bool = False, all_greedy: bool | None = None, use_lora: bool = False,
+              use_mm: bool = False) -> StepOutput:
         inputs: StepArrays[jax.Array] = unpack(buf, layout)
         x = inputs.model
         input_ids = jnp.where(x.prev_rows >= 0, state.prev_sampled[jnp.maximum(x.prev_rows, 0)], x.input_ids)
@@ -373,6 +388,8 @@ class ModelRunner:
         if use_lora:  # the slot tables and each token's slot (-1: the base model)
             assert inputs.lora_slot_ids is not None
             lora["lora"] = LoRABatch(slot_ids=inputs.lora_slot_ids, a=lora_tables[0], b=lora_tables[1])
+        if use_mm:  # encoder outputs replace the image placeholders' token embeddings
+            lora["mm_embeds"], lora["mm_mask"] = mm_inputs
         hidden, kv_cache = model(input_ids, state.kv_cache, x.attention_metadata(), attn_fn, *self._split_args,
                                  **lora)
         logits = model.compute_logits(hidden[x.logits_indices], *self._split_args)
@@ -415,6 +432,8 @@ class ModelRunner:
             out = [dataclasses.replace(v, all_greedy=g) for v in out for g in (True, False)]
         if self.lora is not None:
             out += [dataclasses.replace(v, lora=True) for v in out]
+        if self.encoder is not None:  # a step with image tokens is a prefill: no decode-only variant
+            out += [dataclasses.replace(v, mm=True) for v in out if not v.decode_only]
         return out
 
     def pick_bucket(self, num_tokens: int) -> int:
@@ -429,14 +448,26 @@ class ModelRunner:
         buf = jax.ShapeDtypeStruct((self._layout_for(variant.bucket).total,), jnp.int32)
         bitmask = jax.ShapeDtypeStruct((self._num_rows(variant.bucket), self.bitmask_width), jnp.int32)
         buf, bitmask = _with_shardings((buf, bitmask), (self._replicated, self._replicated))
-        return self.model_state, state, buf, bitmask, *self._lora_args()
+        mm = None
+        if variant.mm:
+            mm = _with_shardings((jax.ShapeDtypeStruct((variant.bucket, self.mc.hidden_size), jnp.float32),
+                                  jax.ShapeDtypeStruct((variant.bucket,), jnp.bool_)),
+                                 (self._replicated, self._replicated))
+        return self.model_state, state, buf, bitmask, *self._extra_args(mm)
 
-    def _lora_args(self) -> tuple:
-        return () if self.lora is None else (self.lora.tables,)
+    def _extra_args(self, mm=None) -> tuple:
+        """The step's optional trailing arguments: the LoRA tables, then the image rows."""
+        lora = None if self.lora is None else self.lora.tables
+        if mm is None:
+            return () if lora is None else (lora,)
+        return lora, mm
+
+    def _padding_mm(self, bucket: int) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros((bucket, self.mc.hidden_size), np.float32), np.zeros((bucket,), np.bool_)
 
     def _static_args(self, variant: StepVariant) -> dict:
         return {"layout": self._layout_for(variant.bucket), "decode_only": variant.decode_only,
-                "all_greedy": variant.all_greedy, "use_lora": variant.lora}
+                "all_greedy": variant.all_greedy, "use_lora": variant.lora, "use_mm": variant.mm}
 
     def _executable(self, variant: StepVariant):
         if self.config.enforce_eager:
@@ -445,6 +476,8 @@ class ModelRunner:
 
     def warm_up(self, show_progress: bool = True) -> None:
         """Compile every variant of the table now, so no request ever waits for a compile."""
+        if self.encoder is not None:
+            self.encoder.warm_up()
         if self.config.enforce_eager:
             return
         # Every host of a multi-node group must run the same program each step, so none defers.
@@ -469,7 +502,8 @@ class ModelRunner:
         """Execute a compiled variant once on padding only: no request, no KV write, no sample used."""
         buf = pack(self._padding_inputs(variant.bucket), self._layout_for(variant.bucket))
         bitmask = self._allowed_all_bitmask(self._num_rows(variant.bucket))
-        jax.block_until_ready(self._launch(self.steps.get(variant), buf, bitmask).sampler)
+        mm = self._padding_mm(variant.bucket) if variant.mm else None
+        jax.block_until_ready(self._launch(self.steps.get(variant), buf, bitmask, mm).sampler)
 
     def _allowed_all_bitmask(self, rows: int) -> jax.Array:
         """The bitmask of a step without constrained rows: all ones, made once per row count and
@@ -479,10 +513,10 @@ class ModelRunner:
                                                      self._replicated)
         return self._all_allowed[rows]
 
-    def _launch(self, fn, buf, bitmask) -> StepOutput:
+    def _launch(self, fn, buf, bitmask, mm=None) -> StepOutput:
         """Run a step function on a packed input buffer; the donated state is replaced by its
         updated version."""
-        result = fn(self.model_state, self.state, buf, bitmask, *self._lora_args())
+        result = fn(self.model_state, self.state, buf, bitmask, *self._extra_args(mm))
         self.state = result.state
         return result
 
@@ -501,6 +535,7 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in list(so.finished_req_ids) + list(so.preempted_req_ids):
             state = self.requests.pop(req_id, None)
+            self._mm_features.pop(req_id, None)
             if state is not None:
                 self.slots.release(state.slot)
             if self.lora is not None:
@@ -517,6 +552,8 @@ class ModelRunner:
                 output_token_ids=list(new.output_token_ids or []), sampling_params=params,
                 num_computed_tokens=new.num_computed_tokens, slot=slot)
             PromptLogprobsWorker.start_rows(self.requests[new.req_id])
+            if new.mm_features:
+                self._mm_features[new.req_id] = list(new.mm_features)
             if self.lora is not None:
                 self.lora.add_request(new.req_id, new.lora_name, new.lora_weights)
             self.batch.add_request(slot, new.prompt_token_ids, new.output_token_ids or [],
@@ -545,10 +582,39 @@ class ModelRunner:
     def prepare(self, so: SchedulerOutput) -> PreparedStep:
         """Apply ``so`` to the request states and build the step's host inputs."""
         self._update_states(so)
+        if self.encoder is not None:
+            self._run_encoder(so)
         if so.total_num_scheduled_tokens == 0:
             return RunnerStep(so)
         inputs, plan, states = self._prepare_inputs(so)
-        return RunnerStep(so, inputs, plan, states)
+        mm = self._gather_mm(so, plan, states) if self.encoder is not None else None
+        return RunnerStep(so, inputs, plan, states, mm=mm)
+
+    def _run_encoder(self, so: SchedulerOutput) -> None:
+        """Drop the outputs the encoder cache evicted, then encode the images the scheduler chose
+        (each once, by content hash) before the step that reads them."""
+        assert self.encoder is not None
+        self.encoder.free(so.free_encoder_mm_hashes)
+        items = []
+        for req_id, indices in so.scheduled_encoder_inputs.items():
+            features = self._mm_features[req_id]
+            items += [(features[i].identifier, features[i].data) for i in indices]
+        self.last_encoder_images = {r: len(i) for r, i in so.scheduled_encoder_inputs.items() if i}
+        before = self.encoder.encoder_seconds
+        if items:
+            self.encoder.encode(items)
+        self.last_encoder_seconds = self.encoder.encoder_seconds - before
+
+    def _gather_mm(self, so: SchedulerOutput, plan: StepPlan,
+                   states: list[CachedRequestState]) -> tuple[np.ndarray, np.ndarray] | None:
+        """The step's image rows, or None when no scheduled token is an image placeholder."""
+        assert self.encoder is not None
+        chunks = [(self._mm_features.get(r, []), s.num_computed_tokens, so.num_scheduled_tokens[r])
+                  for r, s in zip(plan.req_ids, states)]
+        if not any(f for f, _, _ in chunks):
+            return None
+        embeds, mask = self.encoder.gather(chunks, plan.token_bucket, self.mc.hidden_size)
+        return (embeds, mask) if mask.any() else None
 
     def launch(self, prepared: PreparedStep, bitmask: np.ndarray | None = None) -> InFlightStep:
         """Launch a prepared step without waiting for it. ``bitmask`` [num_rows, bitmask_width]:
@@ -566,11 +632,14 @@ class ModelRunner:
             buf, device_mask = jax.device_put((buf, device_mask), self._replicated)
         # Compiled: the executable takes the fresh numpy buffer as its one transfer (an explicit
         # device_put first costs several times as much host time per step).
-        decode_only = self.decode_attn_fn is not None and plan.num_tokens == len(plan.req_ids)
+        mm = prepared.mm
+        decode_only = self.decode_attn_fn is not None and plan.num_tokens == len(plan.req_ids) and mm is None
         all_greedy = self.sampling_table.all_greedy(inputs.model.row_slots) if self.cond_free else None
         use_lora = inputs.lora_slot_ids is not None and bool(np.any(inputs.lora_slot_ids >= 0))
-        result = self._launch(self._executable(StepVariant(plan.token_bucket, decode_only, all_greedy, use_lora)),
-                              buf, device_mask)
+        variant = StepVariant(plan.token_bucket, decode_only, all_greedy, use_lora, mm is not None)
+        if mm is not None and self.config.enforce_eager:
+            mm = jax.device_put(mm, self._replicated)
+        result = self._launch(self._executable(variant), buf, device_mask, mm)
         self._prev_row_of = {r: i for i, r in enumerate(plan.req_ids)}
         self.stats.record_step(plan.num_tokens, plan.token_bucket)
         self.prompt_logprobs.accumulate(self.model_state, result.hidden, plan, states, so)

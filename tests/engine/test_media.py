@@ -93,3 +93,33 @@ def test_expand_placeholders_records_offsets_and_checks_counts():
         expand_placeholders([7, 7], 7, 4, ["a", "b"], limit=1)
     with pytest.raises(InvalidRequestError, match="1 image placeholders for 2 images"):
         expand_placeholders([7, 1], 7, 4, ["a", "b"], limit=4)
+
+
+def test_chat_images_refuses_too_many_before_decoding():
+    from jaxserve.engine.media import chat_images
+
+    bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}  # never decoded
+    with pytest.raises(InvalidRequestError, match="limit-mm-per-prompt") as e:
+        chat_images([{"role": "user", "content": [bad, bad, {"type": "text", "text": "x"}]}], limit=1)
+    assert e.value.param == "multi_modal_data"
+    good = {"type": "image_url", "image_url": {"url": data_url(png_bytes(3))}}
+    messages, images = chat_images([{"role": "user", "content": [{"type": "text", "text": "x"}, good]},
+                                    {"role": "assistant", "content": "ok"}], limit=1)
+    assert messages[0]["content"] == "<image>\nx" and messages[1]["content"] == "ok" and len(images) == 1
+
+
+def test_offline_images_are_checked_naming_the_part(monkeypatch):
+    from jaxserve.engine import media
+    from jaxserve.engine.media import check_image
+
+    part = "multi_modal_data.image[1]"
+    truncated = Image.open(io.BytesIO(png_bytes(4, size=(64, 64))[:300]))  # opens lazily; fails on load
+    with pytest.raises(InvalidRequestError, match="not a decodable image") as e:
+        check_image(truncated, part)
+    assert e.value.param == part
+    with pytest.raises(InvalidRequestError, match="expected a PIL image"):
+        check_image(np.zeros((4, 4, 3), np.uint8), part)
+    monkeypatch.setattr(media, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(InvalidRequestError, match="more than 100"):
+        check_image(Image.new("RGB", (11, 10)), part)
+    assert check_image(Image.new("L", (10, 10)), part).mode == "RGB"
