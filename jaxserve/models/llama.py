@@ -35,7 +35,7 @@ from jaxserve.layers.shard import shard_map
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.forward_context import ForwardContext, KVPools
 from jaxserve.models.layer_stack import ScannedLayers
-from jaxserve.models.moe import SparseMoeBlock
+from jaxserve.models.moe import SparseMoeBlock, expert_load
 from jaxserve.models.tp_layout import TPLayout
 
 KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [L, num_blocks, block_size, Hkv, D]
@@ -150,15 +150,17 @@ class LlamaDecoderLayer(nnx.Module):
             self.mlp = LlamaMLP(cfg, layout, quantization=quantization, rngs=rngs)
 
     def __call__(self, hidden: jax.Array, kv: KVPools, layer: jax.Array,
-                 ctx: ForwardContext) -> tuple[jax.Array, KVPools]:
+                 ctx: ForwardContext) -> tuple[jax.Array, KVPools, jax.Array | None]:
+        """The layer's output, the updated pools and, for a MoE layer, its per-expert load ``[E]``
+        over the step's real tokens (None for a dense MLP)."""
         attn, kv = self.self_attn(self.input_layernorm(hidden), kv, layer, ctx)
         hidden = hidden + attn
         normed = self.post_attention_layernorm(hidden)
-        if isinstance(self.mlp, SparseMoeBlock):
-            hidden = hidden + self.mlp(normed, ctx.mesh)  # no LoRA on the experts (adapters target the dense MLP)
-        else:
-            hidden = hidden + self.mlp(normed, ctx.lora, layer)
-        return hidden, kv
+        if isinstance(self.mlp, SparseMoeBlock):  # no LoRA on the experts (adapters target the dense MLP)
+            out, ids = self.mlp.forward(normed, ctx.mesh)
+            real = jnp.arange(hidden.shape[0]) < ctx.md.query_start_loc[ctx.md.num_seqs[0]]
+            return hidden + out, kv, expert_load(ids, real, self.mlp.experts.down_proj.shape[0])
+        return hidden + self.mlp(normed, ctx.lora, layer), kv, None
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -218,6 +220,15 @@ class LlamaForCausalLM(nnx.Module):
         ``lora``: this step's adapter slots (None: the base program, with no LoRA op in it).
         ``mm_embeds [T, hidden]``, where ``mm_mask [T]`` is set, replace the token embeddings: an
         image's encoder output at its placeholder tokens (a vision-language model)."""
+        hidden, kv, _ = self.forward(input_ids, kv_cache, md, attn_fn, mesh, lora, mm_embeds, mm_mask)
+        return hidden, kv
+
+    def forward(self, input_ids: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
+                attn_fn: AttentionFn, mesh: Mesh | None = None, lora: LoRABatch | None = None,
+                mm_embeds: jax.Array | None = None,
+                mm_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
+        """``__call__``'s outputs and, for a MoE model, the routed (token, expert) pairs per layer
+        and expert ``[L, E]`` int32 over the step's real tokens (None for a dense model)."""
         k_cache, v_cache = kv_cache
         num_layers, num_blocks = k_cache.shape[:2]
         pool_shape = (num_layers * num_blocks, *k_cache.shape[2:])
@@ -226,20 +237,23 @@ class LlamaForCausalLM(nnx.Module):
                              lora=lora)
 
         def run_layer(layer, index, carry):
-            hidden, kv = carry
-            return layer(hidden, kv, index, ctx)
+            hidden, kv, loads = carry
+            hidden, kv, load = layer(hidden, kv, index, ctx)
+            return hidden, kv, (None if load is None else loads.at[index].set(load))
 
         embeds = self.embed_tokens(input_ids, mesh)
         if mm_embeds is not None and mm_mask is not None:
             embeds = jnp.where(mm_mask[:, None], mm_embeds.astype(embeds.dtype), embeds)
-        carry = (embeds, (k_cache.reshape(pool_shape), v_cache.reshape(pool_shape)))
+        loads = (jnp.zeros((self.config.num_hidden_layers, self.config.num_experts), jnp.int32)
+                 if self.config.is_moe else None)
+        carry = (embeds, (k_cache.reshape(pool_shape), v_cache.reshape(pool_shape)), loads)
         if isinstance(self.layers, ScannedLayers):
             carry = self.layers.scan(run_layer, carry)
         else:
             for i, layer in enumerate(self.layers):
                 carry = run_layer(layer, jnp.int32(i), carry)
-        hidden, (k_pool, v_pool) = carry
-        return hidden, (k_pool.reshape(k_cache.shape), v_pool.reshape(v_cache.shape))
+        hidden, (k_pool, v_pool), loads = carry
+        return hidden, (k_pool.reshape(k_cache.shape), v_pool.reshape(v_cache.shape)), loads
 
     def compute_logits(self, hidden: jax.Array, mesh: Mesh | None = None) -> jax.Array:
         """Final norm and LM head on the selected rows; logits in float32 over the vocabulary.

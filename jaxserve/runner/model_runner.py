@@ -84,6 +84,7 @@ class RunnerStep:
     plan: StepPlan | None = None
     states: list[CachedRequestState] = dataclasses.field(default_factory=list)
     out: SamplerOutput | None = None
+    expert_load: jax.Array | None = None  # a MoE model's routed pairs per expert [E], on the device
 
     @property
     def num_rows(self) -> int:
@@ -317,7 +318,7 @@ class ModelRunner:
         return DeviceState(**leaves)
 
     def _replicated_except_state(self) -> StepOutput:
-        replicated: list[Any] = [self._replicated, self._replicated]
+        replicated: list[Any] = [self._replicated, self._replicated, self._replicated if self.mc.is_moe else None]
         return StepOutput(self._state_shardings(), *replicated)
 
     def _zero_state(self, num_blocks: int) -> DeviceState:
@@ -392,8 +393,15 @@ class ModelRunner:
         if use_lora:  # the slot tables and each token's slot (-1: the base model)
             assert inputs.lora_slot_ids is not None
             lora["lora"] = LoRABatch(slot_ids=inputs.lora_slot_ids, a=lora_tables[0], b=lora_tables[1])
-        hidden, kv_cache = model(input_ids, state.kv_cache, x.attention_metadata(), attn_fn, *self._split_args,
-                                 **lora)
+        expert_load = None
+        if self.mc.is_moe:  # the routed pairs per expert, summed over the layers
+            hidden, kv_cache, loads = model.forward(input_ids, state.kv_cache, x.attention_metadata(), attn_fn,
+                                                    *self._split_args, **lora)
+            assert loads is not None
+            expert_load = loads.sum(axis=0)
+        else:
+            hidden, kv_cache = model(input_ids, state.kv_cache, x.attention_metadata(), attn_fn,
+                                     *self._split_args, **lora)
         logits = model.compute_logits(hidden[x.logits_indices], *self._split_args)
         penalties = update_penalty_tables(state.penalties, token_slots=x.token_slots, input_ids=input_ids,
                                           token_is_output=x.token_is_output)
@@ -402,7 +410,7 @@ class ModelRunner:
                      need_logprobs=inputs.need_logprobs[0], token_bitmask=bitmask, use_bitmask=inputs.use_bitmask[0],
                      policy=self.target.sampler_policy(all_greedy))
         prev_sampled = state.prev_sampled.at[: out.sampled_token_ids.shape[0]].set(out.sampled_token_ids)
-        return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden)
+        return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden, expert_load)
 
     def _num_rows(self, bucket: int) -> int:
         """Rows of a step of ``bucket`` tokens (the table's rule; also before the table is built)."""
@@ -593,7 +601,7 @@ class ModelRunner:
         self._prev_row_of = {r: i for i, r in enumerate(plan.req_ids)}
         self.stats.record_step(plan.num_tokens, plan.token_bucket)
         self.prompt_logprobs.accumulate(self.model_state, result.hidden, plan, states, so)
-        return dataclasses.replace(prepared, out=result.sampler)
+        return dataclasses.replace(prepared, out=result.sampler, expert_load=result.expert_load)
 
     def sampled_tokens(self, step: InFlightStep) -> dict[str, int]:
         """Wait for a dispatched step's sampled ids only: request id -> token, for the rows that
@@ -610,7 +618,10 @@ class ModelRunner:
         """Wait for a dispatched step and hand its tokens to the host-side request states."""
         if step.out is None or step.plan is None:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
-        return self._collect(step.out, step.plan, step.states, step.scheduler_output)
+        output = self._collect(step.out, step.plan, step.states, step.scheduler_output)
+        if step.expert_load is not None:  # E int32s, read after the sampled tokens (already waited for)
+            output.expert_load = np.asarray(step.expert_load).tolist()
+        return output
 
     def _prepare_inputs(self, so: SchedulerOutput) -> tuple[StepArrays[np.ndarray], StepPlan, list[CachedRequestState]]:
         req_ids = list(so.num_scheduled_tokens)
