@@ -56,6 +56,9 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     sliding_window: int | None = None
+    # Per layer, "sliding_attention" (the window above) or "full_attention"; None: every layer alike
+    # (all sliding when sliding_window is set). Gemma 3, Qwen with max_window_layers, gpt-oss.
+    layer_types: tuple[str, ...] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Mixture of experts (Qwen3-MoE, Mixtral); num_experts 0: a dense MLP.
@@ -63,6 +66,13 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # each expert's width
     norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to one
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention)."""
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.num_hidden_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
 
     @property
     def is_moe(self) -> bool:
@@ -119,10 +129,32 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=sliding,
+            layer_types=_layer_types(arch, cfg, sliding),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             **_moe_fields(arch, cfg),
         )
+
+
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _layer_types(arch: str, cfg: dict[str, Any], sliding: int | None) -> tuple[str, ...] | None:
+    """config.json's ``layer_types``; for a Qwen window without them, transformers' rule (layers
+    from ``max_window_layers`` on slide). None when every layer is alike."""
+    if sliding is None:
+        return None
+    layers = int(_required(cfg, "num_hidden_layers"))
+    types = cfg.get("layer_types")
+    if types is None and arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        first = int(cfg.get("max_window_layers", layers))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if types is None:
+        return None
+    if len(types) != layers or any(t not in _LAYER_TYPES for t in types):
+        raise ConfigError(f"config.json: layer_types must name {layers} layers, each one of {_LAYER_TYPES}; "
+                          f"got {types!r}")
+    return None if all(t == "sliding_attention" for t in types) else tuple(types)
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxserve.exceptions import ConfigError
 from jaxserve.layers.attention import AttentionFn, AttentionMetadata, paged_attention, to_cache_dtype
 from jaxserve.layers.block_quant_linear import BlockQuantEmbedding, embedding_block_format_of
 from jaxserve.layers.embedding import Embedding
@@ -33,7 +34,7 @@ from jaxserve.layers.quantized_linear import make_linear
 from jaxserve.layers.rotary import RotaryEmbedding, apply_rope
 from jaxserve.layers.shard import shard_map
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.forward_context import ForwardContext, KVPools
+from jaxserve.models.forward_context import ForwardContext, KVGroups, KVPools
 from jaxserve.models.layer_stack import ScannedLayers
 from jaxserve.models.moe import SparseMoeBlock, expert_load
 from jaxserve.models.tp_layout import TPLayout
@@ -60,13 +61,14 @@ class LlamaAttention(nnx.Module):
     The fused columns are in ``layout``'s shard-major order (see :mod:`.tp_layout`); key/value
     heads are the stored ones (replicated when there are fewer than shards)."""
 
-    def __init__(self, cfg: ModelConfig, layout: TPLayout, *, quantization: str | None = None, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, *, quantization: str | None = None, rngs: nnx.Rngs,
+                 sliding_window: int | None = None):
         dtype = jnp.dtype(cfg.dtype)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = layout.stored_kv_heads
         self.num_shards = layout.size
         self.head_dim = cfg.head_dim
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = sliding_window
         self.qkv_proj = make_linear(cfg.hidden_size, layout.qkv_width, use_bias=cfg.attention_bias,
                                     param_dtype=dtype, quantization=quantization, rngs=rngs)
         self.o_proj = make_linear(cfg.q_size, cfg.hidden_size, use_bias=cfg.o_proj_bias, param_dtype=dtype,
@@ -100,9 +102,10 @@ class LlamaAttention(nnx.Module):
         q = apply_rope(q, ctx.cos, ctx.sin)
         k = apply_rope(k, ctx.cos, ctx.sin)
         k_pool, v_pool = kv
+        md, kv_slot = ctx.kv_view(layer)
         out, k_pool, v_pool = paged_attention(
-            q, to_cache_dtype(k, k_pool.dtype), to_cache_dtype(v, v_pool.dtype), k_pool, v_pool, layer,
-            ctx.num_blocks, ctx.md, ctx.attn_fn, sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window,
+            q, to_cache_dtype(k, k_pool.dtype), to_cache_dtype(v, v_pool.dtype), k_pool, v_pool, kv_slot,
+            ctx.num_blocks, md, ctx.attn_fn, sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window,
             mesh=ctx.mesh,
         )
         out = out.reshape(out.shape[0], -1).astype(x.dtype)
@@ -135,12 +138,14 @@ class LlamaMLP(nnx.Module):
 
 
 class LlamaDecoderLayer(nnx.Module):
-    """Pre-norm residual block: attention, then the MLP."""
+    """Pre-norm residual block: attention (over its ``sliding_window``, None: full), then the MLP."""
 
-    def __init__(self, cfg: ModelConfig, layout: TPLayout, *, quantization: str | None = None, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, *, quantization: str | None = None, rngs: nnx.Rngs,
+                 sliding_window: int | None = None):
         dtype = jnp.dtype(cfg.dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=dtype)
-        self.self_attn = LlamaAttention(cfg, layout, quantization=quantization, rngs=rngs)
+        self.self_attn = LlamaAttention(cfg, layout, quantization=quantization, rngs=rngs,
+                                        sliding_window=sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=dtype)
         self.mlp: LlamaMLP | SparseMoeBlock
         if cfg.is_moe:  # Qwen3-MoE, Mixtral: the experts stay in float under --quantization
@@ -179,8 +184,13 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, config: ModelConfig, *, scan_layers: bool | None = None, tensor_parallel_size: int = 1,
                  quantization: str | None = None, rngs: nnx.Rngs):
         dtype = jnp.dtype(config.dtype)
+        windows = config.layer_windows
+        mixed = len(set(windows)) > 1  # a scan traces one layer: one window for all
         if scan_layers is None:
-            scan_layers = default_scan_layers(config.num_hidden_layers)
+            scan_layers = default_scan_layers(config.num_hidden_layers) and not mixed
+        if scan_layers and mixed:
+            raise ConfigError("scan_layers: layers with different attention (full and sliding-window) run "
+                              "unrolled only")
         layout = TPLayout.of(config, tensor_parallel_size)
         self.config = config
         self.layout = layout
@@ -192,11 +202,12 @@ class LlamaForCausalLM(nnx.Module):
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
         self.layers: ScannedLayers | nnx.List[LlamaDecoderLayer]
         if scan_layers:
-            self.layers = ScannedLayers(lambda r: LlamaDecoderLayer(config, layout, quantization=quantization, rngs=r),
+            self.layers = ScannedLayers(lambda r: LlamaDecoderLayer(config, layout, quantization=quantization, rngs=r,
+                                                                    sliding_window=windows[0]),
                                         config.num_hidden_layers, rngs=rngs)
         else:
-            self.layers = nnx.List([LlamaDecoderLayer(config, layout, quantization=quantization, rngs=rngs)
-                                    for _ in range(config.num_hidden_layers)])
+            self.layers = nnx.List([LlamaDecoderLayer(config, layout, quantization=quantization, rngs=rngs,
+                                                      sliding_window=w) for w in windows])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head = nnx.data(None)
@@ -214,27 +225,31 @@ class LlamaForCausalLM(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
                  attn_fn: AttentionFn, mesh: Mesh | None = None, lora: LoRABatch | None = None,
-                 mm_embeds: jax.Array | None = None, mm_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                 mm_embeds: jax.Array | None = None, mm_mask: jax.Array | None = None,
+                 kv_groups: KVGroups | None = None) -> tuple[jax.Array, KVCache]:
         """Hidden states ``[T, hidden]`` of every scheduled token (replicated), and the updated KV
         cache. ``mesh``: the tensor-parallel mesh the arrays live on (its axes split the heads).
         ``lora``: this step's adapter slots (None: the base program, with no LoRA op in it).
         ``mm_embeds [T, hidden]``, where ``mm_mask [T]`` is set, replace the token embeddings: an
-        image's encoder output at its placeholder tokens (a vision-language model)."""
-        hidden, kv, _ = self.forward(input_ids, kv_cache, md, attn_fn, mesh, lora, mm_embeds, mm_mask)
+        image's encoder output at its placeholder tokens (a vision-language model). ``kv_groups``:
+        the per-group block tables when the layers' attention differs (the cache's first axis is
+        then the KV slots, not the layers)."""
+        hidden, kv, _ = self.forward(input_ids, kv_cache, md, attn_fn, mesh, lora, mm_embeds, mm_mask, kv_groups)
         return hidden, kv
 
     def forward(self, input_ids: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
                 attn_fn: AttentionFn, mesh: Mesh | None = None, lora: LoRABatch | None = None,
                 mm_embeds: jax.Array | None = None,
-                mm_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
+                mm_mask: jax.Array | None = None,
+                kv_groups: KVGroups | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
         """``__call__``'s outputs and, for a MoE model, the routed (token, expert) pairs per layer
         and expert ``[L, E]`` int32 over the step's real tokens (None for a dense model)."""
         k_cache, v_cache = kv_cache
-        num_layers, num_blocks = k_cache.shape[:2]
-        pool_shape = (num_layers * num_blocks, *k_cache.shape[2:])
+        num_slots, num_blocks = k_cache.shape[:2]  # a slot per layer, or per layer of a KV group
+        pool_shape = (num_slots * num_blocks, *k_cache.shape[2:])
         cos, sin = self.rotary_emb(md.positions)
         ctx = ForwardContext(md=md, attn_fn=attn_fn, cos=cos, sin=sin, num_blocks=num_blocks, mesh=mesh,
-                             lora=lora)
+                             lora=lora, kv_groups=kv_groups)
 
         def run_layer(layer, index, carry):
             hidden, kv, loads = carry

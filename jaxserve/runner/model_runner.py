@@ -44,6 +44,7 @@ from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.lora import LoRABatch
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.forward_context import KVGroups
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.compilation import CompiledSteps, StepVariant
@@ -55,10 +56,17 @@ from jaxserve.runner.input_batch import (
     SlotAllocator,
     StepPlan,
     build_step_arrays,
-    single_group_block_ids,
+    group_block_ids,
 )
 from jaxserve.runner.inspection import PackedStep
-from jaxserve.runner.kv_cache import KV_CACHE_DTYPES, allocate_kv_cache, determine_num_blocks, gpu_device_memory
+from jaxserve.runner.kv_cache import (
+    KV_CACHE_DTYPES,
+    allocate_kv_cache,
+    determine_num_blocks,
+    gpu_device_memory,
+    kv_cache_groups,
+    num_kv_slots,
+)
 from jaxserve.runner.lora_state import RunnerLoRA
 from jaxserve.runner.mesh import kv_cache_sharding, make_mesh, replicated, select_devices, weight_shardings
 from jaxserve.runner.packing import PackLayout, pack, unpack
@@ -186,6 +194,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
+        # vLLM's hybrid KV cache: the layers grouped by attention type, a block table per group.
+        self.kv_cache_groups = kv_cache_groups(self.mc, config.block_size, max_model_len, config.kv_cache_dtype)
+        self.num_kv_slots = num_kv_slots(self.kv_cache_groups)
+        self._layer_group_slot = self._layer_groups()
         # The phases, in order; each reads only what the earlier ones set.
         self._init_mesh_and_weights(model, devices)
         self._init_attention()
@@ -243,7 +255,7 @@ class ModelRunner:
         self._all_allowed: dict[int, jax.Array] = {}  # rows -> a device-resident all-ones bitmask
         slots = config.max_num_seqs
         self.slots = SlotAllocator(slots)
-        self.batch = PersistentBatch(slots, self.max_model_len, self.max_blocks_per_seq)
+        self.batch = PersistentBatch(slots, self.max_model_len, self.max_blocks_per_seq, len(self.kv_cache_groups))
         self.sampling_table = SamplingTable(slots)
         self.requests: dict[str, CachedRequestState] = {}
         self._prev_row_of: dict[str, int] = {}  # each request's row in state.prev_sampled
@@ -324,7 +336,8 @@ class ModelRunner:
     def _zero_state(self, num_blocks: int) -> DeviceState:
         slots = self.config.max_num_seqs
         return DeviceState(kv_cache=allocate_kv_cache(self.mc, num_blocks, self.block_size,
-                                                      self.config.tensor_parallel_size, self.config.kv_cache_dtype),
+                                                      self.config.tensor_parallel_size, self.config.kv_cache_dtype,
+                                                      self.num_kv_slots),
                            penalties=PenaltyTables.zeros(slots, self.mc.vocab_size),
                            prev_sampled=jnp.zeros((slots,), jnp.int32))
 
@@ -389,19 +402,22 @@ class ModelRunner:
         attn_fn = self.decode_attn_fn if decode_only else self.attn_fn
         assert attn_fn is not None  # a decode-only variant exists only with a decode kernel
         model = nnx.merge(self.graphdef, model_state)
-        lora: dict[str, Any] = {}
+        extra: dict[str, Any] = {}  # the model call's optional inputs
+        if x.group_block_tables is not None and x.group_slot_mapping is not None:
+            layer_group, layer_slot = self._layer_group_slot
+            extra["kv_groups"] = KVGroups(x.group_block_tables, x.group_slot_mapping, layer_group, layer_slot)
         if use_lora:  # the slot tables and each token's slot (-1: the base model)
             assert inputs.lora_slot_ids is not None
-            lora["lora"] = LoRABatch(slot_ids=inputs.lora_slot_ids, a=lora_tables[0], b=lora_tables[1])
+            extra["lora"] = LoRABatch(slot_ids=inputs.lora_slot_ids, a=lora_tables[0], b=lora_tables[1])
         expert_load = None
         if self.mc.is_moe:  # the routed pairs per expert, summed over the layers
             hidden, kv_cache, loads = model.forward(input_ids, state.kv_cache, x.attention_metadata(), attn_fn,
-                                                    *self._split_args, **lora)
+                                                    *self._split_args, **extra)
             assert loads is not None
             expert_load = loads.sum(axis=0)
         else:
             hidden, kv_cache = model(input_ids, state.kv_cache, x.attention_metadata(), attn_fn,
-                                     *self._split_args, **lora)
+                                     *self._split_args, **extra)
         logits = model.compute_logits(hidden[x.logits_indices], *self._split_args)
         penalties = update_penalty_tables(state.penalties, token_slots=x.token_slots, input_ids=input_ids,
                                           token_is_output=x.token_is_output)
@@ -411,6 +427,12 @@ class ModelRunner:
                      policy=self.target.sampler_policy(all_greedy))
         prev_sampled = state.prev_sampled.at[: out.sampled_token_ids.shape[0]].set(out.sampled_token_ids)
         return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden, expert_load)
+
+    def _layer_groups(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Each layer's KV cache group and KV slot (layer j of a group uses slot j)."""
+        where = {layer: (gid, j) for gid, g in enumerate(self.kv_cache_groups) for j, layer in enumerate(g.layer_names)}
+        pairs = [where[layer] for layer in range(self.mc.num_hidden_layers)]
+        return tuple(g for g, _ in pairs), tuple(j for _, j in pairs)
 
     def _num_rows(self, bucket: int) -> int:
         """Rows of a step of ``bucket`` tokens (the table's rule; also before the table is built)."""
@@ -547,16 +569,14 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.add_request(new.req_id, new.lora_name, new.lora_weights)
             self.batch.add_request(slot, new.prompt_token_ids, new.output_token_ids or [],
-                                   single_group_block_ids(new.block_ids))
+                                   group_block_ids(new.block_ids, self.batch.num_groups))
             self.sampling_table.set_row(slot, params, seed)
             if uses_penalties(params):
                 self._set_penalty_row(slot, new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.requests[req_id]
-            new_blocks = single_group_block_ids(new_blocks)
-            if new_blocks:
-                self.batch.append_blocks(state.slot, new_blocks)
+            self.batch.append_blocks(state.slot, group_block_ids(new_blocks, self.batch.num_groups))
             state.num_computed_tokens = num_computed
 
     # ---- execute -------------------------------------------------------------------------------
