@@ -45,6 +45,13 @@ class ForwardContext:
     mesh: Mesh | None = None  # tensor parallel: attention runs per shard of the heads
     lora: LoRABatch | None = None  # this step's adapters; None in a base-only step
     kv_groups: KVGroups | None = None  # None: one group, layer l in KV slot l
+    local_rope: tuple[jax.Array, jax.Array] | None = None  # sliding layers' own (cos, sin): Gemma 3
+
+    def rope_for(self, sliding: bool) -> tuple[jax.Array, jax.Array]:
+        """The rotary tables of a layer: its own for a sliding layer of a model that has them."""
+        if sliding and self.local_rope is not None:
+            return self.local_rope
+        return self.cos, self.sin
 
     def kv_view(self, layer: jax.Array | int) -> tuple[AttentionMetadata, jax.Array | int]:
         """The attention metadata layer ``layer`` reads and the KV slot its pages are in."""

@@ -18,6 +18,9 @@ of two layouts:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -46,6 +49,16 @@ KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [L, num_blocks, block_size
 UNROLL_MAX_LAYERS = 8
 
 
+# The MLP's gate activation, by config.json's name (Gemma's gelu_pytorch_tanh is gelu's tanh form).
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu, "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
+def make_norm(cfg: ModelConfig, features: int) -> RMSNorm:
+    """An RMSNorm of the model's kind (Gemma's scales by ``1 + w``)."""
+    return RMSNorm(features, eps=cfg.rms_norm_eps, param_dtype=jnp.dtype(cfg.dtype), offset=cfg.norm_offset)
+
+
 def default_scan_layers(num_layers: int, platform: str | None = None) -> bool:
     """A GPU always unrolls: XLA:GPU copies every layer's weight slices out of the stack on each
     step under a scan (``scripts/gpu_aot_check.py`` shows it); a CPU scans models deeper than
@@ -69,6 +82,7 @@ class LlamaAttention(nnx.Module):
         self.num_shards = layout.size
         self.head_dim = cfg.head_dim
         self.sliding_window = sliding_window
+        self.sm_scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.qkv_proj = make_linear(cfg.hidden_size, layout.qkv_width, use_bias=cfg.attention_bias,
                                     param_dtype=dtype, quantization=quantization, rngs=rngs)
         self.o_proj = make_linear(cfg.q_size, cfg.hidden_size, use_bias=cfg.o_proj_bias, param_dtype=dtype,
@@ -76,8 +90,8 @@ class LlamaAttention(nnx.Module):
         self.q_norm: RMSNorm | None
         self.k_norm: RMSNorm | None
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, param_dtype=dtype)
-            self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, param_dtype=dtype)
+            self.q_norm = make_norm(cfg, cfg.head_dim)
+            self.k_norm = make_norm(cfg, cfg.head_dim)
         else:
             self.q_norm = nnx.data(None)
             self.k_norm = nnx.data(None)
@@ -99,13 +113,14 @@ class LlamaAttention(nnx.Module):
             q = self.q_norm(q)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        q = apply_rope(q, ctx.cos, ctx.sin)
-        k = apply_rope(k, ctx.cos, ctx.sin)
+        cos, sin = ctx.rope_for(self.sliding_window is not None)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
         k_pool, v_pool = kv
         md, kv_slot = ctx.kv_view(layer)
         out, k_pool, v_pool = paged_attention(
             q, to_cache_dtype(k, k_pool.dtype), to_cache_dtype(v, v_pool.dtype), k_pool, v_pool, kv_slot,
-            ctx.num_blocks, md, ctx.attn_fn, sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window,
+            ctx.num_blocks, md, ctx.attn_fn, sm_scale=self.sm_scale, sliding_window=self.sliding_window,
             mesh=ctx.mesh,
         )
         out = out.reshape(out.shape[0], -1).astype(x.dtype)
@@ -122,6 +137,7 @@ class LlamaMLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, layout: TPLayout, *, quantization: str | None = None, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         self.num_shards = layout.size
+        self.act = ACTIVATIONS[cfg.hidden_act]
         self.gate_up_proj = make_linear(cfg.hidden_size, 2 * cfg.intermediate_size, use_bias=cfg.mlp_bias,
                                         param_dtype=dtype, quantization=quantization, rngs=rngs)
         self.down_proj = make_linear(cfg.intermediate_size, cfg.hidden_size, use_bias=cfg.mlp_bias,
@@ -132,7 +148,7 @@ class LlamaMLP(nnx.Module):
         if lora is not None:
             gate_up = gate_up + lora.delta("gate_up", x, layer)
         gate, up = jnp.split(gate_up.reshape(x.shape[0], self.num_shards, -1), 2, axis=-1)
-        h = (jax.nn.silu(gate) * up).reshape(x.shape[0], -1)
+        h = (self.act(gate) * up).reshape(x.shape[0], -1)
         down = self.down_proj(h)
         return down if lora is None else down + lora.delta("down", h, layer)
 
@@ -143,10 +159,13 @@ class LlamaDecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layout: TPLayout, *, quantization: str | None = None, rngs: nnx.Rngs,
                  sliding_window: int | None = None):
         dtype = jnp.dtype(cfg.dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=dtype)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         self.self_attn = LlamaAttention(cfg, layout, quantization=quantization, rngs=rngs,
                                         sliding_window=sliding_window)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=dtype)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
+        # Gemma: post_attention_layernorm normalizes the attention's output, these two the MLP's input and output
+        self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size) if cfg.sandwich_norms else nnx.data(None)
+        self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size) if cfg.sandwich_norms else nnx.data(None)
         self.mlp: LlamaMLP | SparseMoeBlock
         if cfg.is_moe:  # Qwen3-MoE, Mixtral: the experts stay in float under --quantization
             self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
@@ -159,6 +178,11 @@ class LlamaDecoderLayer(nnx.Module):
         """The layer's output, the updated pools and, for a MoE layer, its per-expert load ``[E]``
         over the step's real tokens (None for a dense MLP)."""
         attn, kv = self.self_attn(self.input_layernorm(hidden), kv, layer, ctx)
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
+            assert isinstance(self.mlp, LlamaMLP)  # Gemma 3 has no experts
+            hidden = hidden + self.post_attention_layernorm(attn)
+            mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden), ctx.lora, layer)
+            return hidden + self.post_feedforward_layernorm(mlp_out), kv, None
         hidden = hidden + attn
         normed = self.post_attention_layernorm(hidden)
         if isinstance(self.mlp, SparseMoeBlock):  # no LoRA on the experts (adapters target the dense MLP)
@@ -200,6 +224,8 @@ class LlamaForCausalLM(nnx.Module):
             Embedding(layout.padded_vocab, config.hidden_size, param_dtype=dtype, rngs=rngs) if embed_format is None
             else BlockQuantEmbedding(layout.padded_vocab, config.hidden_size, qtype=embed_format, param_dtype=dtype))
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
+        self.local_rotary_emb = (nnx.data(None) if config.local_rope is None
+                                 else RotaryEmbedding(config.local_rope, config.head_dim))
         self.layers: ScannedLayers | nnx.List[LlamaDecoderLayer]
         if scan_layers:
             self.layers = ScannedLayers(lambda r: LlamaDecoderLayer(config, layout, quantization=quantization, rngs=r,
@@ -208,7 +234,7 @@ class LlamaForCausalLM(nnx.Module):
         else:
             self.layers = nnx.List([LlamaDecoderLayer(config, layout, quantization=quantization, rngs=rngs,
                                                       sliding_window=w) for w in windows])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=dtype)
+        self.norm = make_norm(config, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head = nnx.data(None)
         else:
@@ -248,8 +274,9 @@ class LlamaForCausalLM(nnx.Module):
         num_slots, num_blocks = k_cache.shape[:2]  # a slot per layer, or per layer of a KV group
         pool_shape = (num_slots * num_blocks, *k_cache.shape[2:])
         cos, sin = self.rotary_emb(md.positions)
+        local = None if self.local_rotary_emb is None else self.local_rotary_emb(md.positions)
         ctx = ForwardContext(md=md, attn_fn=attn_fn, cos=cos, sin=sin, num_blocks=num_blocks, mesh=mesh,
-                             lora=lora, kv_groups=kv_groups)
+                             lora=lora, kv_groups=kv_groups, local_rope=local)
 
         def run_layer(layer, index, carry):
             hidden, kv, loads = carry
@@ -257,6 +284,8 @@ class LlamaForCausalLM(nnx.Module):
             return hidden, kv, (None if load is None else loads.at[index].set(load))
 
         embeds = self.embed_tokens(input_ids, mesh)
+        if self.config.embed_scale is not None:  # Gemma: the scale cast to the weights' dtype first
+            embeds = embeds * jnp.asarray(self.config.embed_scale, embeds.dtype)
         if mm_embeds is not None and mm_mask is not None:
             embeds = jnp.where(mm_mask[:, None], mm_embeds.astype(embeds.dtype), embeds)
         loads = (jnp.zeros((self.config.num_hidden_layers, self.config.num_experts), jnp.int32)
@@ -281,7 +310,9 @@ class LlamaForCausalLM(nnx.Module):
             logits = self._vocab_parallel_logits(h, mesh)
         else:
             logits = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
-        return logits[..., : self.config.vocab_size].astype(jnp.float32)
+        logits = logits[..., : self.config.vocab_size].astype(jnp.float32)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
 
     def _vocab_parallel_logits(self, h: jax.Array, mesh: Mesh) -> jax.Array:
         """Each device multiplies by its own vocabulary slice of the head (under ``shard_map``:

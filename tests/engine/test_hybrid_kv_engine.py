@@ -1,7 +1,8 @@
-"""A model whose layers alternate sliding-window and full attention, served by the engine: two KV
-cache groups, a block table per group in the runner, each layer reading its own group's. Greedy
-tokens and their logprobs equal transformers' over prompts several windows long, batched,
-chunked, prefix-cached and preempted, and no block leaks."""
+"""Models whose layers mix sliding-window and full attention, served by the engine: a Qwen3 whose
+layers alternate (two KV cache groups of two layers) and Gemma 3 (five local layers per global
+one: six groups of one). A block table per group in the runner, each layer reading its own
+group's. Greedy tokens and their logprobs equal transformers' over prompts several windows long,
+batched, chunked, prefix-cached and preempted, and no block leaks."""
 
 from __future__ import annotations
 
@@ -23,11 +24,28 @@ LENGTHS = (40, 230, 120, 9, 200)
 LAYER_TYPES = ["sliding_attention", "full_attention"] * 2
 
 
+# name -> (architecture, checkpoint overrides, layers, usable blocks: fewer than the batch needs)
+MODELS = {
+    # the 230-token request alone holds 15 blocks in the full group and up to 7 in the window's
+    "alternating": ("Qwen3ForCausalLM", dict(num_hidden_layers=4, sliding_window=WINDOW, use_sliding_window=True,
+                                             layer_types=LAYER_TYPES, max_window_layers=0), 4, 31),
+    # 15 + 5 x 7 for the same request (each local layer is its own group)
+    "gemma3": ("Gemma3ForCausalLM", dict(sliding_window=WINDOW), 6, 61),
+}
+
+
+# Gemma 3's case compiles a 6-layer unrolled model with six groups: about a minute on the loaded machine.
+@pytest.fixture(scope="module", params=[
+    "alternating", pytest.param("gemma3", marks=pytest.mark.slow)])
+def model_case(request, tmp_path_factory):
+    arch, overrides, layers, blocks = MODELS[request.param]
+    folder = tmp_path_factory.mktemp(request.param) / "ckpt"
+    return str(build_tiny_checkpoint(folder, arch, seed=6, **overrides)), layers, blocks
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("hybrid") / "ckpt"
-    return str(build_tiny_checkpoint(folder, "Qwen3ForCausalLM", seed=6, num_hidden_layers=4, sliding_window=WINDOW,
-                                     use_sliding_window=True, layer_types=LAYER_TYPES, max_window_layers=0))
+def checkpoint(model_case):
+    return model_case[0]
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +80,9 @@ def run(llm: LLM, prompts) -> tuple[list[list[int]], list[list[float]]]:
     return tokens, logprobs
 
 
-def test_config_and_groups(checkpoint):
-    mc = ModelConfig.from_pretrained(checkpoint)
+def test_config_and_groups(tmp_path):
+    arch, overrides, _, _ = MODELS["alternating"]
+    mc = ModelConfig.from_pretrained(build_tiny_checkpoint(tmp_path / "alt", arch, seed=6, **overrides))
     assert mc.layer_windows == (WINDOW, None, WINDOW, None)
     from jaxserve.runner.kv_cache import kv_cache_groups, num_kv_slots
     groups = kv_cache_groups(mc, 16, 256)
@@ -80,14 +99,16 @@ def test_config_and_groups(checkpoint):
     assert determine_num_blocks(mc, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64), 256) == 4 * 23 + 1
 
 
-def test_hybrid_groups_match_transformers(checkpoint, prompts, hf_outputs):
-    # 30 usable blocks: the 230-token request alone holds 15 in the full group and up to 7 in the
-    # window's, so the batch cannot all run at once and requests are preempted.
+def test_hybrid_groups_match_transformers(model_case, prompts, hf_outputs):
+    checkpoint, layers, blocks = model_case
+    # The batch cannot all run at once in this pool: requests are preempted.
     llm = LLM(checkpoint, show_progress=False, enable_prefix_caching=True,
-              **{**ENGINE_TESTS_SHAPE, "num_gpu_blocks_override": 31})
+              **{**ENGINE_TESTS_SHAPE, "num_gpu_blocks_override": blocks})
     core = llm.llm_engines[0].core
     assert isinstance(core.scheduler.kv_cache_manager, HybridKVCacheManager)
-    assert core.runner.num_kv_slots == 2 and core.runner.kv_cache[0].shape[0] == 2
+    slots = 2 if layers == 4 else 1  # a slot per layer of a group
+    assert core.runner.num_kv_slots == slots and core.runner.kv_cache[0].shape[0] == slots
+    assert len(core.runner.kv_cache_groups) == layers // slots
     want_tokens = [t for t, _ in hf_outputs]
     want_logprobs = [lp for _, lp in hf_outputs]
     for round_ in range(2):  # the second round resumes from the prefix cache
@@ -100,8 +121,8 @@ def test_hybrid_groups_match_transformers(checkpoint, prompts, hf_outputs):
     assert stats["num_free_blocks"] == stats["num_gpu_blocks"] - 1, "blocks leaked"
 
 
-def test_the_window_matters(checkpoint, prompts, hf_outputs):
+def test_the_window_matters(model_case, prompts, hf_outputs):
     """Transformers with full attention everywhere gives other tokens on these prompts."""
-    full = [hf_greedy_with_logprobs(checkpoint, p, MAX_TOKENS, layer_types=["full_attention"] * 4)
-            for p in prompts[1:2]]
-    assert full[0] != hf_outputs[1]
+    checkpoint, layers, _ = model_case
+    full = hf_greedy_with_logprobs(checkpoint, prompts[1], MAX_TOKENS, layer_types=["full_attention"] * layers)
+    assert full[0] != hf_outputs[1][0]
