@@ -641,6 +641,7 @@ class ModelRunner:
         output = self._collect(step.out, step.plan, step.states, step.scheduler_output)
         if step.expert_load is not None:  # E int32s, read after the sampled tokens (already waited for)
             output.expert_load = np.asarray(step.expert_load).tolist()
+            self.stats.record_expert_load(output.expert_load)
         return output
 
     def _prepare_inputs(self, so: SchedulerOutput) -> tuple[StepArrays[np.ndarray], StepPlan, list[CachedRequestState]]:

@@ -56,6 +56,10 @@ def test_step_records_count_routed_pairs_per_expert(folder):
         assert r.as_dict()["expert_load"] == r.expert_load
         fed += n
     assert fed == len(tokens) - 1
+    # /metrics: the totals per expert over all steps
+    name = "jaxserve:moe_expert_routed_tokens_total"
+    samples = {m.labels["expert"]: m.value for m in llm.get_metrics() if m.name == name}
+    assert samples == {str(e): float(want[:, e].sum()) for e in range(cfg["num_experts"])}
     assert any(r.token_bucket > r.num_tokens for r in records), "no padded step"
     assert len({tuple(r.expert_load) for r in records}) > 1
 
