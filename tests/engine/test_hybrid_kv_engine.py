@@ -126,3 +126,12 @@ def test_the_window_matters(model_case, prompts, hf_outputs):
     checkpoint, layers, _ = model_case
     full = hf_greedy_with_logprobs(checkpoint, prompts[1], MAX_TOKENS, layer_types=["full_attention"] * layers)
     assert full[0] != hf_outputs[1][0]
+
+
+def test_pooling_refuses_several_groups(tmp_path):
+    from jaxserve.exceptions import ConfigError
+
+    arch, overrides, _, _ = MODELS["alternating"]
+    folder = build_tiny_checkpoint(tmp_path / "alt", arch, seed=6, **overrides)
+    with pytest.raises(ConfigError, match="several KV cache groups"):
+        LLM(str(folder), convert="embed", max_model_len=64)
