@@ -35,9 +35,19 @@ TINY_MOE_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# Hybrid attention: Gemma 3's five sliding-window layers per global one (its default pattern), a
+# window of 20 tokens, its own query scale and a final logit soft-cap (Gemma 2's 30; Gemma 3's
+# checkpoints leave it unset), so that each of them shows in the logits.
+TINY_HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
+    "Gemma3ForCausalLM": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, sliding_window=20, query_pre_attn_scalar=24,
+                              final_logit_softcapping=30.0),
+}
+
+
 def build_tiny_checkpoint(folder: str | Path, architecture: str = DEMO_ARCH, **kwargs: Any) -> Path:
     """A random-init checkpoint of ``architecture``'s tiny shape (keywords: ``build_checkpoint``'s)."""
-    shape = TINY_CONFIGS[architecture] if architecture in TINY_CONFIGS else TINY_MOE_CONFIGS[architecture]
+    shape = {**TINY_CONFIGS, **TINY_MOE_CONFIGS, **TINY_HYBRID_CONFIGS}[architecture]
     return build_checkpoint(folder, architecture, shape, **kwargs)
 
 

@@ -3,12 +3,14 @@ with full attention everywhere: the real scheduler and KV managers, no model (th
 output is faked). Default shape: Gemma 3 1B's (26 layers, five local per global, window 512,
 one KV head of 256, bfloat16).
 
-    jaxserve bench kv-groups      # prints JSON
+    jaxserve bench kv-groups                     # prints JSON
+    jaxserve bench kv-groups --model FOLDER      # a checkpoint's config.json, as the runner groups it
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Sequence
 
 from jaxserve.core import (
@@ -103,7 +105,44 @@ def run_kv_groups_bench(num_layers: int = 26, global_every: int = 6, window: int
     }
 
 
+def run_kv_groups_model_bench(folder: str, block_size: int = 16, prompt_len: int = 8192, max_tokens: int = 256,
+                              max_num_batched_tokens: int = 2048, kv_dtype: str = "auto") -> dict:
+    """The same figure for a checkpoint folder's ``config.json``, its layers' specs and groups as
+    the runner builds them (``runner.kv_cache.layer_kv_specs``), against the same model with
+    full attention everywhere; ``kv_cache_bytes_per_block`` is what the runner allocates per block."""
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.runner.kv_cache import (
+        blocks_per_request,
+        bytes_per_block,
+        kv_cache_groups,
+        layer_kv_specs,
+        num_kv_slots,
+    )
+
+    mc = ModelConfig.from_pretrained(folder)
+    full_mc = dataclasses.replace(mc, sliding_window=None, layer_types=None)
+    max_model_len = prompt_len + max_tokens + 1
+    out: dict = {"bench": "kv-groups", "model": folder, "architecture": mc.architecture,
+                 "num_layers": mc.num_hidden_layers, "windows": sorted({w or 0 for w in mc.layer_windows}),
+                 "block_size": block_size, "prompt_len": prompt_len, "max_tokens": max_tokens,
+                 "max_num_batched_tokens": max_num_batched_tokens}
+    for name, cfg in (("sliding", mc), ("full_attention", full_mc)):
+        out[name] = _run_one(layer_kv_specs(cfg, block_size, max_model_len, kv_dtype), prompt_len, max_tokens,
+                             max_num_batched_tokens)
+        slots = num_kv_slots(kv_cache_groups(cfg, block_size, max_model_len, kv_dtype))
+        out[name]["kv_cache_bytes_per_block"] = bytes_per_block(cfg, block_size, 1, kv_dtype, slots)
+        out[name]["runner_blocks_per_request"] = blocks_per_request(cfg, block_size, max_model_len,
+                                                                    max_num_batched_tokens)
+    full, sliding = out["full_attention"], out["sliding"]
+    out["bytes_ratio"] = round(full["peak_bytes"] / sliding["peak_bytes"], 3)
+    out["last_step_bytes_ratio"] = round(full["last_step_bytes"] / sliding["last_step_bytes"], 3)
+    return out
+
+
 def add_kv_groups_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="a checkpoint folder: its config.json's layers, grouped as the runner groups them "
+                             "(the shape flags below are then unused)")
     parser.add_argument("--num-layers", type=int, default=26, help="decoder layers (default: 26, Gemma 3 1B)")
     parser.add_argument("--global-every", type=int, default=6,
                         help="every N-th layer is full attention, the others a window (default: 6)")
@@ -119,6 +158,9 @@ def add_kv_groups_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_kv_groups_cli(args: argparse.Namespace) -> dict:
+    if args.model is not None:
+        return run_kv_groups_model_bench(args.model, block_size=args.block_size, prompt_len=args.prompt_len,
+                                         max_tokens=args.max_tokens, max_num_batched_tokens=args.max_num_batched_tokens)
     return run_kv_groups_bench(
         num_layers=args.num_layers, global_every=args.global_every, window=args.window,
         block_size=args.block_size, num_kv_heads=args.num_kv_heads, head_size=args.head_size,

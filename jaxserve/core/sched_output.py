@@ -98,6 +98,8 @@ class ModelRunnerOutput:
     # Pooling: request id -> its pooled vector (a float array), for each request whose prefill
     # ended this step; a request whose prefill goes on (a chunk) is not in it.
     pooler_output: dict[str, Any] | None = None
+    # Mixture of experts: routed (token, expert) pairs per expert this step, summed over the layers.
+    expert_load: list[int] | None = None
 
 
 @dataclass(slots=True)  # one per request per step: slots keep it small and cheap for the GC

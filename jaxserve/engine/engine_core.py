@@ -453,6 +453,7 @@ class EngineCore:
             self._last_device_end = collected
         if ro is not None:
             record.sampled = {r: t for r, t in zip(ro.req_ids, ro.sampled_token_ids) if t}
+            record.expert_load = ro.expert_load
         record.update_s = end - collected
         record.end = end
         record.finished = {o.request_id: o.finish_reason for o in outputs if o.finish_reason}

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from jaxserve.core.stats import SchedulerStats
@@ -70,6 +70,26 @@ class BatchedHistogram:
         yield family
 
 
+class ExpertLoadCollector:
+    """A MoE model's routed (token, expert) pairs per expert, summed over the layers, as one counter
+    labelled by expert: read from the runner's totals when scraped, so a step pays nothing for it."""
+
+    def __init__(self, labels: dict[str, str], registry: CollectorRegistry):
+        self.labels = dict(labels)
+        self.totals: list[int] | None = None  # the runner's running totals (CompileStats.expert_routed)
+        registry.register(self)
+
+    def collect(self):
+        totals = self.totals
+        if totals is None:
+            return
+        family = CounterMetricFamily("jaxserve:moe_expert_routed_tokens", "Routed (token, expert) pairs per expert "
+                                     "(MoE layers summed, padding excluded)", labels=[*self.labels, "expert"])
+        for expert, count in enumerate(list(totals)):
+            family.add_metric([*self.labels.values(), str(expert)], count)
+        yield family
+
+
 class EngineMetrics:
     """One engine's metrics. Every sample carries ``model_name`` and ``engine`` (the replica's index
     under data parallelism, "0" otherwise), as vLLM labels them."""
@@ -114,6 +134,7 @@ class EngineMetrics:
         self.lora_info = Gauge("jaxserve:lora_requests_info", "LoRA adapters of the running and waiting requests "
                                "(labels; value: unix time of the update)",
                                lbl + ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
+        self.expert_load = ExpertLoadCollector(self._labels, r)
         self._lora_labels: tuple | None = None
         self._lora_child: Any = None
         self._last: SchedulerStats | None = None
@@ -155,6 +176,7 @@ class EngineMetrics:
         if runner_stats is not None:
             self._l(self.compiles).set(runner_stats.num_compiles)
             self._l(self.padding).set(runner_stats.padding_ratio)
+            self.expert_load.totals = getattr(runner_stats, "expert_routed", None)
         self._last = stats
 
     def _record_loras(self, stats: SchedulerStats) -> None:

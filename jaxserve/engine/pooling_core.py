@@ -69,6 +69,10 @@ def build_pooling_parts(config: EngineConfig, path: str, task: str, max_model_le
         long_prefill_token_threshold=0 if encoder else config.long_prefill_token_threshold)
     kv_manager = (None if encoder else make_kv_cache_manager(
         runner.mc, runner.num_blocks, config.block_size, runner.mc.dtype, max_model_len, budget, caching))
+    if kv_manager is not None and len(kv_manager.kv_cache_config.kv_cache_groups) > 1:
+        # the pooling runner keeps one block table per request and a KV slot per layer
+        raise ConfigError("a pooling model whose layers mix sliding-window and full attention (several KV cache "
+                          "groups) is not supported yet")
     scheduler = Scheduler(scheduler_config, kv_manager, num_blocks=runner.num_blocks,
                           block_size=config.block_size, enable_caching=caching)
     logger.info("pooling model (%s, %s pooling, %s): chunked prefill %s, prefix caching %s",

@@ -44,6 +44,8 @@ class StepRecord:
     engine_index: int = 0  # the data-parallel replica that ran it (vLLM's ``engine`` label)
     encoder_images: int = 0  # images the vision encoder ran on before this step (in prepare_s)
     encoder_s: float = 0.0  # their encoder time, part of prepare_s
+    # A MoE model: routed (token, expert) pairs per expert, summed over the layers (real tokens only).
+    expert_load: list[int] | None = None
 
     # Shortcuts to the scheduler's side, as notebooks read them.
     @property
@@ -93,7 +95,7 @@ class StepRecord:
             "decode_only": self.decode_only, "backend": self.backend, "compiled": self.compiled,
             "idle_gap_s": self.idle_gap_s, "schedule_s": self.schedule_s, "prepare_s": self.prepare_s,
             "wait_s": self.wait_s, "device_s": self.device_s, "update_s": self.update_s, "seconds": self.seconds,
-            "sampled": self.sampled, "finished": self.finished,
+            "sampled": self.sampled, "finished": self.finished, "expert_load": self.expert_load,
             "encoder_images": self.encoder_images, "encoder_s": self.encoder_s,
         }
 

@@ -57,7 +57,8 @@ def _step_args(r: StepRecord) -> dict:
             "waiting_reason": s.waiting_reason, "preempted": s.preempted_ids,
             "blocks_used": s.num_blocks_used, "blocks_cached_free": s.num_blocks_cached_free,
             "blocks_free": s.num_blocks_free, "backend": r.backend, "compiled": r.compiled,
-            "decode_only": r.decode_only, "idle_gap_ms": round(1e3 * r.idle_gap_s, 3)}
+            "decode_only": r.decode_only, "idle_gap_ms": round(1e3 * r.idle_gap_s, 3),
+            **({} if r.expert_load is None else {"expert_load": r.expert_load})}
 
 
 def _add_step(ev: _Events, r: StepRecord) -> None:

@@ -55,7 +55,7 @@ def paged_attention(
     v: jax.Array,
     k_pool: jax.Array,
     v_pool: jax.Array,
-    layer: jax.Array,
+    layer: jax.Array | int,
     num_blocks: int,
     md: AttentionMetadata,
     attn_fn: AttentionFn,

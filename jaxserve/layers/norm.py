@@ -5,10 +5,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32 and cast back, as the Hugging Face Llama family does."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm computed in float32 and cast back, as the Hugging Face Llama family does; with an
+    ``offset`` (Gemma's 1: the checkpoint stores ``w - 1``), scaled by ``offset + w`` in float32
+    before the cast, as Gemma does."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (xf * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * xf.astype(x.dtype)
 
 
@@ -19,9 +23,11 @@ class RMSNorm(nnx.Module):
     where Hugging Face casts first and scales after; in half precision the results differ.
     """
 
-    def __init__(self, num_features: int, *, eps: float = 1e-6, param_dtype: jnp.dtype = jnp.float32):
-        self.scale = nnx.Param(jnp.ones((num_features,), param_dtype))
+    def __init__(self, num_features: int, *, eps: float = 1e-6, param_dtype: jnp.dtype = jnp.float32,
+                 offset: float = 0.0):
+        self.scale = nnx.Param(jnp.full((num_features,), 1.0 - offset, param_dtype))
         self.eps = eps
+        self.offset = offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.scale[...], self.eps)
+        return rms_norm(x, self.scale[...], self.eps, self.offset)

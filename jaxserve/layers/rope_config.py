@@ -9,7 +9,7 @@ class RopeConfig:
     """How the rotary frequencies are built; ``llama3`` adds Llama 3's wavelength-dependent scaling."""
 
     theta: float = 10000.0
-    rope_type: str = "default"  # "default" or "llama3"
+    rope_type: str = "default"  # "default", "llama3", or "linear" (every frequency divided by factor)
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0

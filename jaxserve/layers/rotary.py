@@ -16,6 +16,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     inv_freq = (1.0 / (np.float32(rope.theta) ** exponents)).astype(np.float32)
     if rope.rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, rope)
+    elif rope.rope_type == "linear":
+        inv_freq = (inv_freq / np.float32(rope.factor)).astype(np.float32)
     return inv_freq
 
 

@@ -74,6 +74,9 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     sliding_window: int | None = None
+    # Per layer, "sliding_attention" (the window above) or "full_attention"; None: every layer alike
+    # (all sliding when sliding_window is set). Gemma 3, Qwen with max_window_layers, gpt-oss.
+    layer_types: tuple[str, ...] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Mixture of experts (Qwen3-MoE, Mixtral); num_experts 0: a dense MLP.
@@ -81,6 +84,21 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # each expert's width
     norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to one
+    # Gemma 3 (the defaults are the Llama family's).
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu" or "gelu_pytorch_tanh"
+    norm_offset: float = 0.0  # every RMSNorm scales by offset + w (Gemma stores w - 1: offset 1)
+    embed_scale: float | None = None  # the token embeddings times this (Gemma: sqrt(hidden_size))
+    sandwich_norms: bool = False  # norms after attention and around the MLP (Gemma's four per layer)
+    query_pre_attn_scalar: float | None = None  # attention scale 1 / sqrt(this); None: head_dim
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    local_rope: RopeConfig | None = None  # the sliding layers' own rotary (rope_local_base_freq); None: rope
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention)."""
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.num_hidden_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
 
     @property
     def is_moe(self) -> bool:
@@ -130,7 +148,7 @@ class ModelConfig:
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=_parse_rope(cfg),
+            **_rope_fields(arch, cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             dtype=normalize_dtype_name(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
@@ -138,12 +156,68 @@ class ModelConfig:
             # Qwen2 has biases on q/k/v only; Llama's attention_bias covers o_proj too.
             o_proj_bias=bool(cfg.get("attention_bias", False)) and not is_qwen2,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=sliding,
+            layer_types=_layer_types(arch, cfg, sliding),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             **_moe_fields(arch, cfg),
+            **_gemma3_fields(arch, cfg),
         )
+
+
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _layer_types(arch: str, cfg: dict[str, Any], sliding: int | None) -> tuple[str, ...] | None:
+    """config.json's ``layer_types``; for a Qwen window without them, transformers' rule (layers
+    from ``max_window_layers`` on slide). None when every layer is alike."""
+    if sliding is None:
+        return None
+    layers = int(_required(cfg, "num_hidden_layers"))
+    types = cfg.get("layer_types")
+    if types is None and arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        first = int(cfg.get("max_window_layers", layers))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if types is None and arch == "Gemma3ForCausalLM":  # the hub's form: every pattern-th layer is global
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if types is None:
+        return None
+    if len(types) != layers or any(t not in _LAYER_TYPES for t in types):
+        raise ConfigError(f"config.json: layer_types must name {layers} layers, each one of {_LAYER_TYPES}; "
+                          f"got {types!r}")
+    return None if all(t == "sliding_attention" for t in types) else tuple(types)
+
+
+def _gemma3_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's differences from the Llama decoder. Its ``attn_logit_softcapping`` is not read:
+    transformers' Gemma 3 attention does not apply it either."""
+    if arch != "Gemma3ForCausalLM":
+        return {}
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "silu"):
+        raise ConfigError(f"config.json: hidden_activation {act!r} is not supported (gelu_pytorch_tanh, silu)")
+    scalar = cfg.get("query_pre_attn_scalar")
+    cap = cfg.get("final_logit_softcapping")
+    return dict(hidden_act=act, norm_offset=1.0, embed_scale=float(cfg["hidden_size"]) ** 0.5, sandwich_norms=True,
+                query_pre_attn_scalar=None if scalar is None else float(scalar),
+                final_logit_softcapping=None if cap is None else float(cap))
+
+
+def _rope_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``rope``, and for Gemma 3 the sliding layers' ``local_rope``."""
+    if arch != "Gemma3ForCausalLM":
+        return dict(rope=_parse_rope(cfg))
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers 5: one rope per layer type
+        rope = _parse_rope({**cfg, "rope_parameters": params["full_attention"], "rope_scaling": None})
+        local = _parse_rope({**cfg, "rope_parameters": params.get("sliding_attention") or {}, "rope_scaling": None,
+                             "rope_theta": 10000.0})
+    else:  # the hub's form: rope_theta and rope_scaling for the global layers, a base for the local ones
+        rope = _parse_rope(cfg)
+        local = RopeConfig(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
+    return dict(rope=rope, local_rope=local)
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -181,10 +255,12 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     params = {**scaling, **params}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in ("default", "llama3"):
-        raise ConfigError(f"config.json: rope type {rope_type!r} is not supported (supported: default, llama3)")
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ConfigError(f"config.json: rope type {rope_type!r} is not supported (supported: default, llama3, linear)")
     if rope_type == "default":
         return RopeConfig(theta=float(theta))
+    if rope_type == "linear":
+        return RopeConfig(theta=float(theta), rope_type="linear", factor=float(params["factor"]))
     return RopeConfig(
         theta=float(theta),
         rope_type="llama3",

@@ -157,7 +157,10 @@ def build_checkpoint(
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(folder, vocab_size=vocab_size, seed=seed, added_tokens=added_tokens)
     kwargs = {**shape, **overrides}
-    config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    # Gemma 3's text-only model has its own config class (Gemma3Config is the image-text one).
+    config_name = {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(architecture,
+                                                                  architecture.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, config_name)
     config = config_cls(
         vocab_size=len(tokenizer), max_position_embeddings=kwargs.pop("max_position_embeddings", 1024),
         bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,

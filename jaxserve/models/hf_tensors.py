@@ -37,6 +37,8 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                           p + "mlp.down_proj.bias": (h,)})
         if cfg.qk_norm:
             names.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        if cfg.sandwich_norms:
+            names.update({p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
     return names
 
 

@@ -18,11 +18,15 @@ of two layouts:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxserve.exceptions import ConfigError
 from jaxserve.layers.attention import AttentionFn, AttentionMetadata, paged_attention, to_cache_dtype
 from jaxserve.layers.block_quant_linear import BlockQuantEmbedding, embedding_block_format_of
 from jaxserve.layers.embedding import Embedding
@@ -33,9 +37,9 @@ from jaxserve.layers.quantized_linear import make_linear
 from jaxserve.layers.rotary import RotaryEmbedding, apply_rope
 from jaxserve.layers.shard import shard_map
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.forward_context import ForwardContext, KVPools
+from jaxserve.models.forward_context import ForwardContext, KVGroups, KVPools
 from jaxserve.models.layer_stack import ScannedLayers
-from jaxserve.models.moe import SparseMoeBlock
+from jaxserve.models.moe import SparseMoeBlock, expert_load
 from jaxserve.models.tp_layout import TPLayout
 
 KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [L, num_blocks, block_size, Hkv, D]
@@ -43,6 +47,16 @@ KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [L, num_blocks, block_size
 # Deepest model unrolled by default on a CPU: unrolled steps run faster (no weight slices copied per
 # step), scanned ones compile faster, which every start-up pays and which grows with depth.
 UNROLL_MAX_LAYERS = 8
+
+
+# The MLP's gate activation, by config.json's name (Gemma's gelu_pytorch_tanh is gelu's tanh form).
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu, "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
+def make_norm(cfg: ModelConfig, features: int) -> RMSNorm:
+    """An RMSNorm of the model's kind (Gemma's scales by ``1 + w``)."""
+    return RMSNorm(features, eps=cfg.rms_norm_eps, param_dtype=jnp.dtype(cfg.dtype), offset=cfg.norm_offset)
 
 
 def default_scan_layers(num_layers: int, platform: str | None = None) -> bool:
@@ -60,13 +74,15 @@ class LlamaAttention(nnx.Module):
     The fused columns are in ``layout``'s shard-major order (see :mod:`.tp_layout`); key/value
     heads are the stored ones (replicated when there are fewer than shards)."""
 
-    def __init__(self, cfg: ModelConfig, layout: TPLayout, *, quantization: str | None = None, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, *, quantization: str | None = None, rngs: nnx.Rngs,
+                 sliding_window: int | None = None):
         dtype = jnp.dtype(cfg.dtype)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = layout.stored_kv_heads
         self.num_shards = layout.size
         self.head_dim = cfg.head_dim
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = sliding_window
+        self.sm_scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.qkv_proj = make_linear(cfg.hidden_size, layout.qkv_width, use_bias=cfg.attention_bias,
                                     param_dtype=dtype, quantization=quantization, rngs=rngs)
         self.o_proj = make_linear(cfg.q_size, cfg.hidden_size, use_bias=cfg.o_proj_bias, param_dtype=dtype,
@@ -74,8 +90,8 @@ class LlamaAttention(nnx.Module):
         self.q_norm: RMSNorm | None
         self.k_norm: RMSNorm | None
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, param_dtype=dtype)
-            self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, param_dtype=dtype)
+            self.q_norm = make_norm(cfg, cfg.head_dim)
+            self.k_norm = make_norm(cfg, cfg.head_dim)
         else:
             self.q_norm = nnx.data(None)
             self.k_norm = nnx.data(None)
@@ -97,12 +113,14 @@ class LlamaAttention(nnx.Module):
             q = self.q_norm(q)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        q = apply_rope(q, ctx.cos, ctx.sin)
-        k = apply_rope(k, ctx.cos, ctx.sin)
+        cos, sin = ctx.rope_for(self.sliding_window is not None)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
         k_pool, v_pool = kv
+        md, kv_slot = ctx.kv_view(layer)
         out, k_pool, v_pool = paged_attention(
-            q, to_cache_dtype(k, k_pool.dtype), to_cache_dtype(v, v_pool.dtype), k_pool, v_pool, layer,
-            ctx.num_blocks, ctx.md, ctx.attn_fn, sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window,
+            q, to_cache_dtype(k, k_pool.dtype), to_cache_dtype(v, v_pool.dtype), k_pool, v_pool, kv_slot,
+            ctx.num_blocks, md, ctx.attn_fn, sm_scale=self.sm_scale, sliding_window=self.sliding_window,
             mesh=ctx.mesh,
         )
         out = out.reshape(out.shape[0], -1).astype(x.dtype)
@@ -119,6 +137,7 @@ class LlamaMLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, layout: TPLayout, *, quantization: str | None = None, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         self.num_shards = layout.size
+        self.act = ACTIVATIONS[cfg.hidden_act]
         self.gate_up_proj = make_linear(cfg.hidden_size, 2 * cfg.intermediate_size, use_bias=cfg.mlp_bias,
                                         param_dtype=dtype, quantization=quantization, rngs=rngs)
         self.down_proj = make_linear(cfg.intermediate_size, cfg.hidden_size, use_bias=cfg.mlp_bias,
@@ -129,19 +148,24 @@ class LlamaMLP(nnx.Module):
         if lora is not None:
             gate_up = gate_up + lora.delta("gate_up", x, layer)
         gate, up = jnp.split(gate_up.reshape(x.shape[0], self.num_shards, -1), 2, axis=-1)
-        h = (jax.nn.silu(gate) * up).reshape(x.shape[0], -1)
+        h = (self.act(gate) * up).reshape(x.shape[0], -1)
         down = self.down_proj(h)
         return down if lora is None else down + lora.delta("down", h, layer)
 
 
 class LlamaDecoderLayer(nnx.Module):
-    """Pre-norm residual block: attention, then the MLP."""
+    """Pre-norm residual block: attention (over its ``sliding_window``, None: full), then the MLP."""
 
-    def __init__(self, cfg: ModelConfig, layout: TPLayout, *, quantization: str | None = None, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, *, quantization: str | None = None, rngs: nnx.Rngs,
+                 sliding_window: int | None = None):
         dtype = jnp.dtype(cfg.dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=dtype)
-        self.self_attn = LlamaAttention(cfg, layout, quantization=quantization, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=dtype)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size)
+        self.self_attn = LlamaAttention(cfg, layout, quantization=quantization, rngs=rngs,
+                                        sliding_window=sliding_window)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
+        # Gemma: post_attention_layernorm normalizes the attention's output, these two the MLP's input and output
+        self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size) if cfg.sandwich_norms else nnx.data(None)
+        self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size) if cfg.sandwich_norms else nnx.data(None)
         self.mlp: LlamaMLP | SparseMoeBlock
         if cfg.is_moe:  # Qwen3-MoE, Mixtral: the experts stay in float under --quantization
             self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
@@ -150,15 +174,22 @@ class LlamaDecoderLayer(nnx.Module):
             self.mlp = LlamaMLP(cfg, layout, quantization=quantization, rngs=rngs)
 
     def __call__(self, hidden: jax.Array, kv: KVPools, layer: jax.Array,
-                 ctx: ForwardContext) -> tuple[jax.Array, KVPools]:
+                 ctx: ForwardContext) -> tuple[jax.Array, KVPools, jax.Array | None]:
+        """The layer's output, the updated pools and, for a MoE layer, its per-expert load ``[E]``
+        over the step's real tokens (None for a dense MLP)."""
         attn, kv = self.self_attn(self.input_layernorm(hidden), kv, layer, ctx)
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
+            assert isinstance(self.mlp, LlamaMLP)  # Gemma 3 has no experts
+            hidden = hidden + self.post_attention_layernorm(attn)
+            mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden), ctx.lora, layer)
+            return hidden + self.post_feedforward_layernorm(mlp_out), kv, None
         hidden = hidden + attn
         normed = self.post_attention_layernorm(hidden)
-        if isinstance(self.mlp, SparseMoeBlock):
-            hidden = hidden + self.mlp(normed, ctx.mesh)  # no LoRA on the experts (adapters target the dense MLP)
-        else:
-            hidden = hidden + self.mlp(normed, ctx.lora, layer)
-        return hidden, kv
+        if isinstance(self.mlp, SparseMoeBlock):  # no LoRA on the experts (adapters target the dense MLP)
+            out, ids = self.mlp.forward(normed, ctx.mesh)
+            real = jnp.arange(hidden.shape[0]) < ctx.md.query_start_loc[ctx.md.num_seqs[0]]
+            return hidden + out, kv, expert_load(ids, real, self.mlp.experts.down_proj.shape[0])
+        return hidden + self.mlp(normed, ctx.lora, layer), kv, None
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -177,8 +208,13 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, config: ModelConfig, *, scan_layers: bool | None = None, tensor_parallel_size: int = 1,
                  quantization: str | None = None, rngs: nnx.Rngs):
         dtype = jnp.dtype(config.dtype)
+        windows = config.layer_windows
+        mixed = len(set(windows)) > 1  # a scan traces one layer: one window for all
         if scan_layers is None:
-            scan_layers = default_scan_layers(config.num_hidden_layers)
+            scan_layers = default_scan_layers(config.num_hidden_layers) and not mixed
+        if scan_layers and mixed:
+            raise ConfigError("scan_layers: layers with different attention (full and sliding-window) run "
+                              "unrolled only")
         layout = TPLayout.of(config, tensor_parallel_size)
         self.config = config
         self.layout = layout
@@ -188,14 +224,17 @@ class LlamaForCausalLM(nnx.Module):
             Embedding(layout.padded_vocab, config.hidden_size, param_dtype=dtype, rngs=rngs) if embed_format is None
             else BlockQuantEmbedding(layout.padded_vocab, config.hidden_size, qtype=embed_format, param_dtype=dtype))
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
+        self.local_rotary_emb = (nnx.data(None) if config.local_rope is None
+                                 else RotaryEmbedding(config.local_rope, config.head_dim))
         self.layers: ScannedLayers | nnx.List[LlamaDecoderLayer]
         if scan_layers:
-            self.layers = ScannedLayers(lambda r: LlamaDecoderLayer(config, layout, quantization=quantization, rngs=r),
+            self.layers = ScannedLayers(lambda r: LlamaDecoderLayer(config, layout, quantization=quantization, rngs=r,
+                                                                    sliding_window=windows[0]),
                                         config.num_hidden_layers, rngs=rngs)
         else:
-            self.layers = nnx.List([LlamaDecoderLayer(config, layout, quantization=quantization, rngs=rngs)
-                                    for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=dtype)
+            self.layers = nnx.List([LlamaDecoderLayer(config, layout, quantization=quantization, rngs=rngs,
+                                                      sliding_window=w) for w in windows])
+        self.norm = make_norm(config, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head = nnx.data(None)
         else:
@@ -212,34 +251,53 @@ class LlamaForCausalLM(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
                  attn_fn: AttentionFn, mesh: Mesh | None = None, lora: LoRABatch | None = None,
-                 mm_embeds: jax.Array | None = None, mm_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                 mm_embeds: jax.Array | None = None, mm_mask: jax.Array | None = None,
+                 kv_groups: KVGroups | None = None) -> tuple[jax.Array, KVCache]:
         """Hidden states ``[T, hidden]`` of every scheduled token (replicated), and the updated KV
         cache. ``mesh``: the tensor-parallel mesh the arrays live on (its axes split the heads).
         ``lora``: this step's adapter slots (None: the base program, with no LoRA op in it).
         ``mm_embeds [T, hidden]``, where ``mm_mask [T]`` is set, replace the token embeddings: an
-        image's encoder output at its placeholder tokens (a vision-language model)."""
+        image's encoder output at its placeholder tokens (a vision-language model). ``kv_groups``:
+        the per-group block tables when the layers' attention differs (the cache's first axis is
+        then the KV slots, not the layers)."""
+        hidden, kv, _ = self.forward(input_ids, kv_cache, md, attn_fn, mesh, lora, mm_embeds, mm_mask, kv_groups)
+        return hidden, kv
+
+    def forward(self, input_ids: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
+                attn_fn: AttentionFn, mesh: Mesh | None = None, lora: LoRABatch | None = None,
+                mm_embeds: jax.Array | None = None,
+                mm_mask: jax.Array | None = None,
+                kv_groups: KVGroups | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
+        """``__call__``'s outputs and, for a MoE model, the routed (token, expert) pairs per layer
+        and expert ``[L, E]`` int32 over the step's real tokens (None for a dense model)."""
         k_cache, v_cache = kv_cache
-        num_layers, num_blocks = k_cache.shape[:2]
-        pool_shape = (num_layers * num_blocks, *k_cache.shape[2:])
+        num_slots, num_blocks = k_cache.shape[:2]  # a slot per layer, or per layer of a KV group
+        pool_shape = (num_slots * num_blocks, *k_cache.shape[2:])
         cos, sin = self.rotary_emb(md.positions)
+        local = None if self.local_rotary_emb is None else self.local_rotary_emb(md.positions)
         ctx = ForwardContext(md=md, attn_fn=attn_fn, cos=cos, sin=sin, num_blocks=num_blocks, mesh=mesh,
-                             lora=lora)
+                             lora=lora, kv_groups=kv_groups, local_rope=local)
 
         def run_layer(layer, index, carry):
-            hidden, kv = carry
-            return layer(hidden, kv, index, ctx)
+            hidden, kv, loads = carry
+            hidden, kv, load = layer(hidden, kv, index, ctx)
+            return hidden, kv, (None if load is None else loads.at[index].set(load))
 
         embeds = self.embed_tokens(input_ids, mesh)
+        if self.config.embed_scale is not None:  # Gemma: the scale cast to the weights' dtype first
+            embeds = embeds * jnp.asarray(self.config.embed_scale, embeds.dtype)
         if mm_embeds is not None and mm_mask is not None:
             embeds = jnp.where(mm_mask[:, None], mm_embeds.astype(embeds.dtype), embeds)
-        carry = (embeds, (k_cache.reshape(pool_shape), v_cache.reshape(pool_shape)))
+        loads = (jnp.zeros((self.config.num_hidden_layers, self.config.num_experts), jnp.int32)
+                 if self.config.is_moe else None)
+        carry = (embeds, (k_cache.reshape(pool_shape), v_cache.reshape(pool_shape)), loads)
         if isinstance(self.layers, ScannedLayers):
             carry = self.layers.scan(run_layer, carry)
         else:
             for i, layer in enumerate(self.layers):
                 carry = run_layer(layer, jnp.int32(i), carry)
-        hidden, (k_pool, v_pool) = carry
-        return hidden, (k_pool.reshape(k_cache.shape), v_pool.reshape(v_cache.shape))
+        hidden, (k_pool, v_pool), loads = carry
+        return hidden, (k_pool.reshape(k_cache.shape), v_pool.reshape(v_cache.shape)), loads
 
     def compute_logits(self, hidden: jax.Array, mesh: Mesh | None = None) -> jax.Array:
         """Final norm and LM head on the selected rows; logits in float32 over the vocabulary.
@@ -252,7 +310,9 @@ class LlamaForCausalLM(nnx.Module):
             logits = self._vocab_parallel_logits(h, mesh)
         else:
             logits = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
-        return logits[..., : self.config.vocab_size].astype(jnp.float32)
+        logits = logits[..., : self.config.vocab_size].astype(jnp.float32)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
 
     def _vocab_parallel_logits(self, h: jax.Array, mesh: Mesh) -> jax.Array:
         """Each device multiplies by its own vocabulary slice of the head (under ``shard_map``:

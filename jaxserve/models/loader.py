@@ -398,6 +398,8 @@ def _layer_readers(get: Callable[[str], np.ndarray],
     return {
         ("input_layernorm", "scale"): lambda p, s: get(p + "input_layernorm.weight"),
         ("post_attention_layernorm", "scale"): lambda p, s: get(p + "post_attention_layernorm.weight"),
+        ("pre_feedforward_layernorm", "scale"): lambda p, s: get(p + "pre_feedforward_layernorm.weight"),
+        ("post_feedforward_layernorm", "scale"): lambda p, s: get(p + "post_feedforward_layernorm.weight"),
         ("self_attn", "qkv_proj", "kernel"): lambda p, s: qkv(p, "weight", s).T,
         ("self_attn", "qkv_proj", "bias"): lambda p, s: qkv(p, "bias", s),
         ("self_attn", "o_proj", "kernel"): lambda p, s: in_cols(p, "self_attn.o_proj.weight", s),

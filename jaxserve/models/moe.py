@@ -42,6 +42,13 @@ def route(router_logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Ar
     return weights, ids
 
 
+def expert_load(ids: jax.Array, valid: jax.Array, num_experts: int) -> jax.Array:
+    """Routed (token, expert) pairs per expert, ``[E]`` int32: a bincount of the top-k ``ids
+    [T, k]`` over the tokens where ``valid [T]`` is set (a step's padding tokens route too)."""
+    weights = jnp.broadcast_to(valid[:, None], ids.shape).reshape(-1).astype(jnp.int32)
+    return jnp.zeros((num_experts,), jnp.int32).at[ids.reshape(-1)].add(weights)
+
+
 def grouped_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
                 down: jax.Array) -> jax.Array:
     """SwiGLU experts over the routed pairs with ``ragged_dot``: ``x [T, H]`` -> ``[T, H]``."""
@@ -91,12 +98,16 @@ class SparseMoeBlock(nnx.Module):
         self.experts = MoEExperts(num_experts, hidden, inter, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+        return self.forward(x, mesh)[0]
+
+    def forward(self, x: jax.Array, mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+        """The block's output ``[T, hidden]`` and the experts each token was routed to ``[T, k]``."""
         weights, ids = route(self.gate(x), self.top_k, self.normalize)
         fn = grouped_moe if self.grouped else dense_moe
         gate_up, down = self.experts.gate_up_proj[...], self.experts.down_proj[...]
         if mesh is not None and mesh.size > 1:
-            return expert_parallel_moe(fn, mesh, x, weights, ids, gate_up, down).astype(x.dtype)
-        return fn(x, weights, ids, gate_up, down).astype(x.dtype)
+            return expert_parallel_moe(fn, mesh, x, weights, ids, gate_up, down).astype(x.dtype), ids
+        return fn(x, weights, ids, gate_up, down).astype(x.dtype), ids
 
 
 def expert_parallel_moe(fn, mesh: Mesh, x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,

@@ -1,7 +1,8 @@
 """Which Hugging Face ``architectures`` entries jaxserve can run.
 
-All four are the same Llama-family decoder; the differences (q/k/v bias, q/k norm, explicit
-head_dim, tied embeddings) are read from the config, so one implementation serves them all.
+All are the same Llama-family decoder; the differences (q/k/v bias, q/k norm, explicit head_dim,
+tied embeddings, experts, per-layer windows, Gemma 3's norms, embedding scale and rotary bases)
+are read from the config, so one implementation serves them all.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",  # the same decoder with a sparse MoE MLP (jaxserve.models.moe)
     "MixtralForCausalLM",
+    "Gemma3ForCausalLM",  # local/global layers, sandwich norms, scaled embeddings (config fields)
 )
 
 
 # Known families not served yet, with why (named in the error instead of the bare list).
 NOT_YET_SUPPORTED = {
-    "Gemma3ForCausalLM": "Gemma 3 interleaves sliding-window and global layers, which needs several KV cache "
-                         "groups (one block table each) in the runner; not implemented yet",
+    "GptOssForCausalLM": "gpt-oss needs attention sinks and its MoE's biased, clamped experts; not implemented yet",
 }
 
 

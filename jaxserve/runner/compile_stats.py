@@ -50,6 +50,8 @@ class CompileStats:
     real_tokens: int = 0
     padded_tokens: int = 0
     device_wait_seconds: float = 0.0  # the host blocked on a step's sampled tokens
+    # MoE: routed (token, expert) pairs per expert over all steps (layers summed); None for a dense model.
+    expert_routed: list[int] | None = None
 
     @property
     def padding_ratio(self) -> float:
@@ -61,7 +63,13 @@ class CompileStats:
         self.real_tokens += real
         self.padded_tokens += bucket
 
+    def record_expert_load(self, load: list[int]) -> None:
+        """One step's routed pairs per expert, added to the totals."""
+        totals = self.expert_routed
+        self.expert_routed = list(load) if totals is None else [a + b for a, b in zip(totals, load)]
+
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        d.pop("expert_routed")  # a list per expert: /metrics has it, by expert
         d["padding_ratio"] = self.padding_ratio
         return d

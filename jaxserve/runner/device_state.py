@@ -33,3 +33,4 @@ class StepOutput:
     state: DeviceState
     sampler: SamplerOutput
     hidden: jax.Array  # [T, hidden] of every scheduled token (prompt logprobs need them)
+    expert_load: jax.Array | None = None  # MoE: routed (token, expert) pairs per expert [E], layers summed

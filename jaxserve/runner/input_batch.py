@@ -73,34 +73,45 @@ class PersistentBatch:
     admitted and appended to as it grows, so a step's inputs are a few vectorised gathers over
     the scheduled slots instead of per-request Python. Invariants: ``num_tokens[s]`` counts the
     tokens in ``token_ids[s]`` (a token still in flight under async scheduling is not there yet);
-    ``block_table[s, :num_blocks[s]]`` is the request's block list; the padding slot's row stays
-    all zeros (block 0 is the null block).
+    ``block_tables[g, s, :num_blocks[g, s]]`` is the request's block list in KV cache group ``g``
+    (``block_table``: group 0's); the padding slot's rows stay all zeros (block 0 is the null block).
     """
 
-    def __init__(self, num_slots: int, max_model_len: int, max_blocks_per_seq: int):
+    def __init__(self, num_slots: int, max_model_len: int, max_blocks_per_seq: int, num_groups: int = 1):
         rows = num_slots + 1  # + the padding slot
         # one spare column: a request at max_model_len still samples a last token into its row
         self.token_ids = np.zeros((rows, max_model_len + 1), np.int32)
         self.num_tokens = np.zeros(rows, np.int32)
         self.num_prompt_tokens = np.zeros(rows, np.int32)
-        self.block_table = np.zeros((rows, max_blocks_per_seq), np.int32)
-        self.num_blocks = np.zeros(rows, np.int32)
+        self.block_tables = np.zeros((num_groups, rows, max_blocks_per_seq), np.int32)
+        self.num_blocks = np.zeros((num_groups, rows), np.int32)
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.block_tables.shape[0])
+
+    @property
+    def block_table(self) -> np.ndarray:
+        """Group 0's block tables ``[rows, P]`` (the only group of a full-attention model)."""
+        return self.block_tables[0]
 
     def add_request(self, slot: int, prompt_token_ids: list[int], output_token_ids: list[int],
-                    block_ids: list[int]) -> None:
+                    block_ids: tuple[list[int], ...]) -> None:
         p, o = len(prompt_token_ids), len(output_token_ids)
         self.token_ids[slot, :p] = prompt_token_ids
         self.token_ids[slot, p : p + o] = output_token_ids
         self.num_tokens[slot] = p + o
         self.num_prompt_tokens[slot] = p
-        self.block_table[slot] = 0
-        self.num_blocks[slot] = 0
+        self.block_tables[:, slot] = 0
+        self.num_blocks[:, slot] = 0
         self.append_blocks(slot, block_ids)
 
-    def append_blocks(self, slot: int, block_ids: list[int]) -> None:
-        n = int(self.num_blocks[slot])
-        self.block_table[slot, n : n + len(block_ids)] = block_ids
-        self.num_blocks[slot] = n + len(block_ids)
+    def append_blocks(self, slot: int, block_ids: tuple[list[int], ...]) -> None:
+        """Each group's new block ids (one list per group)."""
+        for g, ids in enumerate(block_ids):
+            n = int(self.num_blocks[g, slot])
+            self.block_tables[g, slot, n : n + len(ids)] = ids
+            self.num_blocks[g, slot] = n + len(ids)
 
     def append_tokens(self, slots: list[int], tokens: list[int]) -> None:
         """One new token for each of ``slots`` (distinct), as one scatter."""
@@ -150,8 +161,9 @@ def build_step_arrays(
     token_slots = np.full(t_pad, padding_slot, np.int32)
     token_is_output = np.zeros(t_pad, np.bool_)
     in_flight = np.full(t_pad, -1, np.int32)
-    block_tables = np.zeros((r_pad, batch.block_table.shape[1]), np.int32)
-    block_tables[:r] = batch.block_table[slot]
+    group_tables = np.zeros((batch.num_groups, r_pad, batch.block_tables.shape[2]), np.int32)
+    group_tables[:, :r] = batch.block_tables[:, slot]
+    block_tables = group_tables[0]
 
     known = pos < batch.num_tokens[tok_slot]
     input_ids[:total] = np.where(known, batch.token_ids[tok_slot, pos], 0)
@@ -161,7 +173,9 @@ def build_step_arrays(
             raise RuntimeError("a scheduled token is neither known to the host nor in flight")
         in_flight[:total] = np.where(known, -1, prev)
     positions[:total] = pos
-    slot_mapping[:total] = block_tables[row, pos // block_size] * block_size + pos % block_size
+    group_slots = np.full((batch.num_groups, t_pad), -1, np.int32)
+    group_slots[:, :total] = group_tables[:, row, pos // block_size] * block_size + pos % block_size
+    slot_mapping[:total] = group_slots[0, :total]
     token_slots[:total] = tok_slot
     token_is_output[:total] = pos >= batch.num_prompt_tokens[tok_slot]
 
@@ -176,8 +190,19 @@ def build_step_arrays(
         input_ids=input_ids, prev_rows=in_flight, positions=positions, slot_mapping=slot_mapping,
         token_slots=token_slots, token_is_output=token_is_output, block_tables=block_tables, kv_lens=kv_lens,
         query_start_loc=query_start_loc, num_seqs=np.asarray([r], np.int32), logits_indices=logits_indices,
-        row_slots=row_slots)
+        row_slots=row_slots, **({} if batch.num_groups == 1 else
+                                dict(group_block_tables=group_tables, group_slot_mapping=group_slots)))
     return arrays, samples
+
+
+def group_block_ids(block_ids: list[int] | tuple[list[int], ...], num_groups: int) -> tuple[list[int], ...]:
+    """A request's block ids per KV cache group: a ``KVCacheManager``'s list is the one group's, a
+    ``HybridKVCacheManager``'s tuple has one list per group (ids its sliding windows replaced by
+    the null block stay in the runner's tables, never read: outside the window)."""
+    groups = block_ids if isinstance(block_ids, tuple) else (block_ids,)
+    if len(groups) != num_groups:
+        raise RuntimeError(f"block ids for {len(groups)} KV cache groups, the runner keeps {num_groups}")
+    return groups
 
 
 def single_group_block_ids(block_ids: list[int] | tuple[list[int], ...]) -> list[int]:

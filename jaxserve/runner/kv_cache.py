@@ -22,7 +22,14 @@ import jax.numpy as jnp
 
 from jaxserve import envs
 from jaxserve.config import EngineConfig
-from jaxserve.core.kv_cache_spec import SlidingWindowSpec
+from jaxserve.core.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    get_kv_cache_groups,
+)
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.exceptions import ConfigError
 from jaxserve.models.config import ModelConfig
@@ -47,14 +54,36 @@ def kv_cache_dtype(mc: ModelConfig, name: str = "auto") -> jnp.dtype:
     return jnp.dtype(KV_CACHE_DTYPES.get(name, mc.dtype))
 
 
+def layer_kv_specs(mc: ModelConfig, block_size: int, max_model_len: int,
+                   cache_dtype: str = "auto") -> list[KVCacheSpec]:
+    """Each layer's ``KVCacheSpec``: its sliding window, or full attention (also for a window no
+    shorter than ``max_model_len``, which never drops a block)."""
+    dtype, heads = kv_cache_dtype(mc, cache_dtype).name, mc.num_key_value_heads
+    return [FullAttentionSpec(block_size, heads, mc.head_dim, dtype) if w is None or w >= max_model_len
+            else SlidingWindowSpec(block_size, heads, mc.head_dim, dtype, w) for w in mc.layer_windows]
+
+
+def kv_cache_groups(mc: ModelConfig, block_size: int, max_model_len: int,
+                    cache_dtype: str = "auto") -> tuple[KVCacheGroupSpec, ...]:
+    """The layers grouped by attention type (vLLM's rule, ``get_kv_cache_groups``): what the
+    runner's block tables and the engine's KV cache manager both follow."""
+    return get_kv_cache_groups(layer_kv_specs(mc, block_size, max_model_len, cache_dtype))
+
+
+def num_kv_slots(groups: tuple[KVCacheGroupSpec, ...]) -> int:
+    """The cache's first axis: a slot per layer of the largest group (all layers with one group)."""
+    return KVCacheConfig(2, groups).group_size
+
+
 def bytes_per_block(mc: ModelConfig, block_size: int, tensor_parallel_size: int = 1,
-                    cache_dtype: str = "auto") -> int:
-    """K and V of every layer for one block, on one device: split ``tensor_parallel_size`` ways
-    on the stored key/value heads (:class:`~jaxserve.models.tp_layout.TPLayout`), in the
-    ``--kv-cache-dtype`` ``cache_dtype``."""
+                    cache_dtype: str = "auto", num_slots: int | None = None) -> int:
+    """K and V of every KV slot (``num_slots``; None: one per layer) for one block, on one device:
+    split ``tensor_parallel_size`` ways on the stored key/value heads
+    (:class:`~jaxserve.models.tp_layout.TPLayout`), in the ``--kv-cache-dtype`` ``cache_dtype``."""
     itemsize = kv_cache_dtype(mc, cache_dtype).itemsize
     heads = TPLayout.of(mc, tensor_parallel_size).kv_heads_per_shard
-    return 2 * mc.num_hidden_layers * block_size * heads * mc.head_dim * itemsize
+    slots = mc.num_hidden_layers if num_slots is None else num_slots
+    return 2 * slots * block_size * heads * mc.head_dim * itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,14 +138,11 @@ def kv_cache_budget(memory: DeviceMemory, utilization: float, peak_temp_bytes: i
 
 def blocks_per_request(mc: ModelConfig, block_size: int, max_model_len: int,
                        max_num_batched_tokens: int) -> int:
-    """The most blocks one ``max_model_len`` request holds at once: all of its context, or with a
-    sliding window over every layer, the window and a step's chunk (``SlidingWindowSpec``'s
-    bound, which the engine's ``HybridKVCacheManager`` keeps to)."""
-    full = cdiv(max_model_len, block_size)
-    if mc.sliding_window is None or mc.sliding_window >= max_model_len:
-        return full
-    spec = SlidingWindowSpec(block_size, mc.num_key_value_heads, mc.head_dim, mc.dtype, mc.sliding_window)
-    return spec.max_num_blocks(max_model_len, max_num_batched_tokens)
+    """The most blocks one ``max_model_len`` request holds at once over all KV cache groups: all
+    of its context for a full-attention group, the window and a step's chunk for a sliding one
+    (``SlidingWindowSpec``'s bound, which the engine's ``HybridKVCacheManager`` keeps to)."""
+    groups = kv_cache_groups(mc, block_size, max_model_len)
+    return KVCacheConfig(2, groups).max_num_blocks_per_req(max_model_len, max_num_batched_tokens)
 
 
 def blocks_for_budget(budget_bytes: int, per_block: int, block_size: int, max_model_len: int,
@@ -165,7 +191,8 @@ def determine_num_blocks(mc: ModelConfig, cfg: EngineConfig, max_model_len: int,
                          memory: DeviceMemory | None = None, peak_temp_bytes: int = 0) -> int:
     """Blocks of the KV cache. On a GPU without an explicit size, ``memory`` (the device's
     figures) and ``peak_temp_bytes`` (the largest compiled step's temporaries) are required."""
-    per_block = bytes_per_block(mc, cfg.block_size, cfg.tensor_parallel_size, cfg.kv_cache_dtype)
+    slots = num_kv_slots(kv_cache_groups(mc, cfg.block_size, max_model_len, cfg.kv_cache_dtype))
+    per_block = bytes_per_block(mc, cfg.block_size, cfg.tensor_parallel_size, cfg.kv_cache_dtype, slots)
     if cfg.num_gpu_blocks_override is not None:
         return cfg.num_gpu_blocks_override
     blocks_per_seq = blocks_per_request(mc, cfg.block_size, max_model_len, cfg.max_num_batched_tokens)
@@ -182,15 +209,16 @@ def determine_num_blocks(mc: ModelConfig, cfg: EngineConfig, max_model_len: int,
 
 
 def kv_cache_shape(mc: ModelConfig, num_blocks: int, block_size: int,
-                   tensor_parallel_size: int = 1) -> tuple[int, ...]:
-    """The whole cache's shape; its key/value heads are the stored ones (replicated when fewer
-    than ``tensor_parallel_size``)."""
+                   tensor_parallel_size: int = 1, num_slots: int | None = None) -> tuple[int, ...]:
+    """The whole cache's shape: ``num_slots`` KV slots (None: one per layer); its key/value heads
+    are the stored ones (replicated when fewer than ``tensor_parallel_size``)."""
     heads = TPLayout.of(mc, tensor_parallel_size).stored_kv_heads
-    return (mc.num_hidden_layers, num_blocks, block_size, heads, mc.head_dim)
+    slots = mc.num_hidden_layers if num_slots is None else num_slots
+    return (slots, num_blocks, block_size, heads, mc.head_dim)
 
 
 def allocate_kv_cache(mc: ModelConfig, num_blocks: int, block_size: int, tensor_parallel_size: int = 1,
-                      cache_dtype: str = "auto") -> tuple[jax.Array, jax.Array]:
-    shape = kv_cache_shape(mc, num_blocks, block_size, tensor_parallel_size)
+                      cache_dtype: str = "auto", num_slots: int | None = None) -> tuple[jax.Array, jax.Array]:
+    shape = kv_cache_shape(mc, num_blocks, block_size, tensor_parallel_size, num_slots)
     dtype = kv_cache_dtype(mc, cache_dtype)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

@@ -45,6 +45,7 @@ from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.lora import LoRABatch
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.forward_context import KVGroups
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.compilation import CompiledSteps, StepVariant
@@ -57,10 +58,17 @@ from jaxserve.runner.input_batch import (
     SlotAllocator,
     StepPlan,
     build_step_arrays,
-    single_group_block_ids,
+    group_block_ids,
 )
 from jaxserve.runner.inspection import PackedStep
-from jaxserve.runner.kv_cache import KV_CACHE_DTYPES, allocate_kv_cache, determine_num_blocks, gpu_device_memory
+from jaxserve.runner.kv_cache import (
+    KV_CACHE_DTYPES,
+    allocate_kv_cache,
+    determine_num_blocks,
+    gpu_device_memory,
+    kv_cache_groups,
+    num_kv_slots,
+)
 from jaxserve.runner.lora_state import RunnerLoRA
 from jaxserve.runner.mesh import kv_cache_sharding, make_mesh, replicated, select_devices, weight_shardings
 from jaxserve.runner.packing import PackLayout, pack, unpack
@@ -89,6 +97,7 @@ class RunnerStep:
     # Images: the step's encoder-output rows and their mask ([bucket, hidden], [bucket]); None
     # when no scheduled token is an image placeholder (the text-only program runs).
     mm: tuple[np.ndarray, np.ndarray] | None = None
+    expert_load: jax.Array | None = None  # a MoE model's routed pairs per expert [E], on the device
 
     @property
     def num_rows(self) -> int:
@@ -179,6 +188,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
+        # vLLM's hybrid KV cache: the layers grouped by attention type, a block table per group.
+        self.kv_cache_groups = kv_cache_groups(self.mc, config.block_size, max_model_len, config.kv_cache_dtype)
+        self.num_kv_slots = num_kv_slots(self.kv_cache_groups)
+        self._layer_group_slot = self._layer_groups()
         # The phases, in order; each reads only what the earlier ones set.
         self._init_mesh_and_weights(model, devices)
         self._init_attention()
@@ -236,7 +249,7 @@ class ModelRunner:
         self._all_allowed: dict[int, jax.Array] = {}  # rows -> a device-resident all-ones bitmask
         slots = config.max_num_seqs
         self.slots = SlotAllocator(slots)
-        self.batch = PersistentBatch(slots, self.max_model_len, self.max_blocks_per_seq)
+        self.batch = PersistentBatch(slots, self.max_model_len, self.max_blocks_per_seq, len(self.kv_cache_groups))
         self.sampling_table = SamplingTable(slots)
         self.requests: dict[str, CachedRequestState] = {}
         self._prev_row_of: dict[str, int] = {}  # each request's row in state.prev_sampled
@@ -312,13 +325,14 @@ class ModelRunner:
         return DeviceState(**leaves)
 
     def _replicated_except_state(self) -> StepOutput:
-        replicated: list[Any] = [self._replicated, self._replicated]
+        replicated: list[Any] = [self._replicated, self._replicated, self._replicated if self.mc.is_moe else None]
         return StepOutput(self._state_shardings(), *replicated)
 
     def _zero_state(self, num_blocks: int) -> DeviceState:
         slots = self.config.max_num_seqs
         return DeviceState(kv_cache=allocate_kv_cache(self.mc, num_blocks, self.block_size,
-                                                      self.config.tensor_parallel_size, self.config.kv_cache_dtype),
+                                                      self.config.tensor_parallel_size, self.config.kv_cache_dtype,
+                                                      self.num_kv_slots),
                            penalties=PenaltyTables.zeros(slots, self.mc.vocab_size),
                            prev_sampled=jnp.zeros((slots,), jnp.int32))
 
@@ -384,14 +398,24 @@ class ModelRunner:
         attn_fn = self.decode_attn_fn if decode_only else self.attn_fn
         assert attn_fn is not None  # a decode-only variant exists only with a decode kernel
         model = nnx.merge(self.graphdef, model_state)
-        lora: dict[str, Any] = {}
+        extra: dict[str, Any] = {}  # the model call's optional inputs
+        if x.group_block_tables is not None and x.group_slot_mapping is not None:
+            layer_group, layer_slot = self._layer_group_slot
+            extra["kv_groups"] = KVGroups(x.group_block_tables, x.group_slot_mapping, layer_group, layer_slot)
         if use_lora:  # the slot tables and each token's slot (-1: the base model)
             assert inputs.lora_slot_ids is not None
-            lora["lora"] = LoRABatch(slot_ids=inputs.lora_slot_ids, a=lora_tables[0], b=lora_tables[1])
+            extra["lora"] = LoRABatch(slot_ids=inputs.lora_slot_ids, a=lora_tables[0], b=lora_tables[1])
         if use_mm:  # encoder outputs replace the image placeholders' token embeddings
-            lora["mm_embeds"], lora["mm_mask"] = mm_inputs
-        hidden, kv_cache = model(input_ids, state.kv_cache, x.attention_metadata(), attn_fn, *self._split_args,
-                                 **lora)
+            extra["mm_embeds"], extra["mm_mask"] = mm_inputs
+        expert_load = None
+        if self.mc.is_moe:  # the routed pairs per expert, summed over the layers
+            hidden, kv_cache, loads = model.forward(input_ids, state.kv_cache, x.attention_metadata(), attn_fn,
+                                                    *self._split_args, **extra)
+            assert loads is not None
+            expert_load = loads.sum(axis=0)
+        else:
+            hidden, kv_cache = model(input_ids, state.kv_cache, x.attention_metadata(), attn_fn,
+                                     *self._split_args, **extra)
         logits = model.compute_logits(hidden[x.logits_indices], *self._split_args)
         penalties = update_penalty_tables(state.penalties, token_slots=x.token_slots, input_ids=input_ids,
                                           token_is_output=x.token_is_output)
@@ -400,7 +424,13 @@ class ModelRunner:
                      need_logprobs=inputs.need_logprobs[0], token_bitmask=bitmask, use_bitmask=inputs.use_bitmask[0],
                      policy=self.target.sampler_policy(all_greedy))
         prev_sampled = state.prev_sampled.at[: out.sampled_token_ids.shape[0]].set(out.sampled_token_ids)
-        return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden)
+        return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden, expert_load)
+
+    def _layer_groups(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Each layer's KV cache group and KV slot (layer j of a group uses slot j)."""
+        where = {layer: (gid, j) for gid, g in enumerate(self.kv_cache_groups) for j, layer in enumerate(g.layer_names)}
+        pairs = [where[layer] for layer in range(self.mc.num_hidden_layers)]
+        return tuple(g for g, _ in pairs), tuple(j for _, j in pairs)
 
     def _num_rows(self, bucket: int) -> int:
         """Rows of a step of ``bucket`` tokens (the table's rule; also before the table is built)."""
@@ -557,16 +587,14 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.add_request(new.req_id, new.lora_name, new.lora_weights)
             self.batch.add_request(slot, new.prompt_token_ids, new.output_token_ids or [],
-                                   single_group_block_ids(new.block_ids))
+                                   group_block_ids(new.block_ids, self.batch.num_groups))
             self.sampling_table.set_row(slot, params, seed)
             if uses_penalties(params):
                 self._set_penalty_row(slot, new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.requests[req_id]
-            new_blocks = single_group_block_ids(new_blocks)
-            if new_blocks:
-                self.batch.append_blocks(state.slot, new_blocks)
+            self.batch.append_blocks(state.slot, group_block_ids(new_blocks, self.batch.num_groups))
             state.num_computed_tokens = num_computed
 
     # ---- execute -------------------------------------------------------------------------------
@@ -643,7 +671,7 @@ class ModelRunner:
         self._prev_row_of = {r: i for i, r in enumerate(plan.req_ids)}
         self.stats.record_step(plan.num_tokens, plan.token_bucket)
         self.prompt_logprobs.accumulate(self.model_state, result.hidden, plan, states, so)
-        return dataclasses.replace(prepared, out=result.sampler)
+        return dataclasses.replace(prepared, out=result.sampler, expert_load=result.expert_load)
 
     def sampled_tokens(self, step: InFlightStep) -> dict[str, int]:
         """Wait for a dispatched step's sampled ids only: request id -> token, for the rows that
@@ -660,7 +688,11 @@ class ModelRunner:
         """Wait for a dispatched step and hand its tokens to the host-side request states."""
         if step.out is None or step.plan is None:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
-        return self._collect(step.out, step.plan, step.states, step.scheduler_output)
+        output = self._collect(step.out, step.plan, step.states, step.scheduler_output)
+        if step.expert_load is not None:  # E int32s, read after the sampled tokens (already waited for)
+            output.expert_load = np.asarray(step.expert_load).tolist()
+            self.stats.record_expert_load(output.expert_load)
+        return output
 
     def _prepare_inputs(self, so: SchedulerOutput) -> tuple[StepArrays[np.ndarray], StepPlan, list[CachedRequestState]]:
         req_ids = list(so.num_scheduled_tokens)

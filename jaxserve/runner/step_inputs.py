@@ -54,6 +54,10 @@ class ModelInputs(Generic[Array]):
     num_seqs: Array  # i32[1] rows holding a request
     logits_indices: Array  # i32[R] each row's last scheduled token (where it samples)
     row_slots: Array  # i32[R] each row's request slot (sampling and penalty rows)
+    # Several KV cache groups (hybrid attention): every group's block tables and slot mappings
+    # (``block_tables`` and ``slot_mapping`` above are group 0's); None with one group.
+    group_block_tables: Array | None = None  # i32[G, R, P]
+    group_slot_mapping: Array | None = None  # i32[G, T]
 
     def attention_metadata(self: ModelInputs[jax.Array]) -> AttentionMetadata:
         return AttentionMetadata(positions=self.positions, slot_mapping=self.slot_mapping,

@@ -113,6 +113,6 @@ def test_tensor_parallel_moe_needs_expert_parallelism(checkpoints):
     assert model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8
 
 
-def test_gemma3_refused_with_its_reason():
-    with pytest.raises(ConfigError, match="Gemma3ForCausalLM.*several KV cache groups"):
-        ModelConfig.from_dict({"architectures": ["Gemma3ForCausalLM"], "vocab_size": 10, "hidden_size": 8})
+def test_gpt_oss_refused_with_its_reason():
+    with pytest.raises(ConfigError, match="GptOssForCausalLM.*attention sinks"):
+        ModelConfig.from_dict({"architectures": ["GptOssForCausalLM"], "vocab_size": 10, "hidden_size": 8})

@@ -56,8 +56,8 @@ def test_step_arrays_match_a_per_request_oracle():
         length = q["start"] + q["n"]
         q["blocks"] = [int(free_blocks.pop()) for _ in range(-(-length // BS))]
         # blocks arrive in two parts, as a running request's new blocks do
-        batch.add_request(q["slot"], q["prompt"], q["outputs"], q["blocks"][:1])
-        batch.append_blocks(q["slot"], q["blocks"][1:])
+        batch.add_request(q["slot"], q["prompt"], q["outputs"], (q["blocks"][:1],))
+        batch.append_blocks(q["slot"], (q["blocks"][1:],))
     bucket, rows = 24, 6
     arrays, samples = build_step_arrays(
         batch, [q["slot"] for q in reqs], [q["start"] for q in reqs], [q["n"] for q in reqs],
@@ -83,7 +83,7 @@ def test_step_arrays_match_a_per_request_oracle():
 
 def test_a_token_neither_known_nor_in_flight_is_an_error():
     batch = PersistentBatch(SLOTS, MAX_LEN, -(-MAX_LEN // BS))
-    batch.add_request(0, [1, 2, 3], [], [1])
+    batch.add_request(0, [1, 2, 3], [], ([1],))
     with pytest.raises(RuntimeError, match="neither known"):
         build_step_arrays(batch, [0], [3], [1], [-1], 1, 1, BS, PAD)
 
@@ -111,3 +111,32 @@ def test_sampling_table_gather_equals_a_fresh_build_and_leaves_nothing_stale():
     want = sampling_arrays(params, 5, positions=[0, 3, 8], seeds=seeds, max_logit_bias=4, max_allowed_tokens=4)
     for name, value in want.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_each_kv_group_gets_its_own_tables_and_slots():
+    """Two KV cache groups: group g's block tables and slot mapping are what one group holding
+    g's blocks would give; group 0's are also the plain fields."""
+    rng = np.random.default_rng(1)
+    batch = PersistentBatch(SLOTS, MAX_LEN, -(-MAX_LEN // BS), num_groups=2)
+    free_blocks = list(rng.permutation(np.arange(1, 200)))
+    reqs = [dict(slot=2, prompt=list(range(3, 14)), outputs=[], start=0, n=11, prev=-1),
+            dict(slot=0, prompt=[1, 2, 3, 4, 5, 6], outputs=[7, 8], start=7, n=1, prev=-1)]
+    per_group = []
+    for q in reqs:
+        count = -(-(q["start"] + q["n"]) // BS)
+        blocks = tuple([int(free_blocks.pop()) for _ in range(count)] for _ in range(2))
+        blocks[0][0] = 0  # a sliding group's block out of the window: the null block
+        per_group.append(blocks)
+        batch.add_request(q["slot"], q["prompt"], q["outputs"], tuple(b[:1] for b in blocks))
+        batch.append_blocks(q["slot"], tuple(b[1:] for b in blocks))
+    bucket, rows = 16, 4
+    arrays, _ = build_step_arrays(batch, [q["slot"] for q in reqs], [q["start"] for q in reqs],
+                                  [q["n"] for q in reqs], [q["prev"] for q in reqs], bucket, rows, BS, PAD)
+    assert arrays.group_block_tables.shape[0] == 2 and arrays.group_slot_mapping.shape == (2, bucket)
+    for g in range(2):
+        want = oracle([{**q, "blocks": list(b[g])} for q, b in zip(reqs, per_group)], bucket, rows)
+        np.testing.assert_array_equal(arrays.group_block_tables[g], want["block_tables"])
+        np.testing.assert_array_equal(arrays.group_slot_mapping[g], want["slot_mapping"])
+    np.testing.assert_array_equal(arrays.block_tables, arrays.group_block_tables[0])
+    np.testing.assert_array_equal(arrays.slot_mapping, arrays.group_slot_mapping[0])
+    assert not np.array_equal(arrays.group_slot_mapping[0], arrays.group_slot_mapping[1])
