@@ -1,7 +1,7 @@
 """LoRA under tensor parallelism on two fake CPU devices (one subprocess runs every case,
 :mod:`tests.parallel.tp_lora_runs`): a mixed batch of the base model and two adapters gives the
-one-device tokens and logprobs; each slot table is split as its base weight is; the LoRA step adds
-no collective to the base step's and gathers no table."""
+one-device tokens and logprobs; each slot table is split as its base weight is; on the CPU the
+LoRA step adds no collective to the base step's and gathers no table."""
 
 from __future__ import annotations
 
@@ -51,8 +51,9 @@ def test_tables_are_split_as_their_base_weights(results, arch):
 def test_the_lora_step_has_the_base_steps_collectives(results, arch):
     run = results[(arch, DEVICES)]
     counts = run["collectives"]
-    # o and down per layer and the vocabulary-parallel embedding; the logits' one all-gather: the
-    # deltas of o and down ride in the base's all-reduces, and no table is gathered
+    # o and down per layer and the vocabulary-parallel embedding; the logits' one all-gather: XLA:CPU
+    # merges the sum of o's and down's partial x @ a into the base's all-reduces (XLA:GPU keeps them
+    # apart: scripts/gpu_aot_check.py --enable-lora), and no table is gathered
     assert counts["all-reduce"] == 2 * run["num_layers"] + 1
     assert counts["all-gather"] == 1
     assert not any(results[(arch, 1)]["collectives"].values())
