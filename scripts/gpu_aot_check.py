@@ -15,6 +15,11 @@ round trip, a weight or pool copy, or a KV pool that is not updated in place.
 ``--tensor-parallel-sizes 2 8`` compiles the steps split over that many of eight H200s on one
 host and adds their collectives (per layer: Megatron's plan has two all-reduces, or
 reduce-scatter + all-gather pairs); an all-gather of a weight-shaped array fails the check.
+
+``--enable-lora --max-loras 4 --max-lora-rank 16`` compiles a LoRA engine's steps: each variant
+twice, the plain program and the one reading the slot tables (``-lora``; ``--lora-only`` keeps
+those). A copy of a slot table (or of one layer's slice of it) in a step, or a table all-gathered
+under tensor parallelism, fails the check.
 """
 
 from __future__ import annotations
@@ -74,7 +79,8 @@ def mosaic_tiles(runner, variant) -> dict:
             "smem_bytes": mosaic_attention.smem_bytes(mc.head_dim, cfg, kv_itemsize=kv_itemsize)}
 
 
-def check_variant(runner, variant, weight_shapes, pool_shapes, full_weight_shapes, dequantized_shapes) -> dict:
+def check_variant(runner, variant, weight_shapes, pool_shapes, full_weight_shapes, dequantized_shapes,
+                  table_shapes=frozenset(), full_table_shapes=frozenset()) -> dict:
     start = time.perf_counter()
     lowered = runner.steps.lowered(variant)
     lowered_s = time.perf_counter() - start
@@ -99,10 +105,17 @@ def check_variant(runner, variant, weight_shapes, pool_shapes, full_weight_shape
     cost = cost[0] if isinstance(cost, list) else cost
     if stats.pool_copies:
         problems.append(f"{len(stats.pool_copies)} KV pool copies")
+    table_copies = analyze_hlo(text, set(table_shapes), set()).weight_copies if variant.lora else []
+    if table_copies:
+        problems.append(f"{len(table_copies)} LoRA slot table copies {table_copies[:4]}")
+    gathered_tables = collectives.weight_all_gathers(shape for _, shape in full_table_shapes) if variant.lora else []
+    if gathered_tables:
+        problems.append(f"{len(gathered_tables)} LoRA table all-gathers {gathered_tables[:4]}")
     if not stats.pool_aliased:
         problems.append("KV pool not aliased")
     return {"variant": variant.name, "bucket": variant.bucket, "decode_only": variant.decode_only,
-            "all_greedy": variant.all_greedy, "lower_s": round(lowered_s, 2), "compile_s": round(compile_s, 2),
+            "all_greedy": variant.all_greedy, "lora": variant.lora, "lora_table_copies": table_copies,
+            "lower_s": round(lowered_s, 2), "compile_s": round(compile_s, 2),
             "temp_bytes": int(mem.temp_size_in_bytes), "argument_bytes": int(mem.argument_size_in_bytes),
             "alias_bytes": int(mem.alias_size_in_bytes), "bytes_accessed": int(cost.get("bytes accessed", 0)),
             "dequantized_copies": dequantized, **stats.as_dict(),
@@ -156,12 +169,14 @@ def check_model(preset: str, backend: str, args, sharding, spec) -> list[dict]:
     model = gpu_aot.abstract_model(preset, False if scan is None else scan, tp,  # a GPU engine unrolls
                                    quantization=args.quantization, num_layers=args.num_layers)
     max_model_len = args.max_model_len or model.config.max_position_embeddings
+    lora = (dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+            if args.enable_lora else {})
     base = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=2,
-                        tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype)
+                        tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype, **lora)
     blocks, _ = gpu_aot.kv_blocks_on(spec, model, base, max_model_len, peak_temp_bytes=0)
     blocks = args.num_gpu_blocks or blocks
     config = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=blocks,
-                          tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype)
+                          tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype, **lora)
     runner = gpu_aot.abstract_runner(model, config, sharding, max_model_len)
     # A split program's HLO holds each device's blocks: copies and aliasing are of block shapes,
     # while a weight gathered whole would have the full one.
@@ -175,11 +190,12 @@ def check_model(preset: str, backend: str, args, sharding, spec) -> list[dict]:
                           for f in ("bf16", "f16", "f32")}
     variants = [v for v in runner.variants() if (not args.buckets or v.bucket in args.buckets)
                 and (args.decode_only is None or v.decode_only == args.decode_only)
-                and (v.all_greedy or not args.greedy_only)]
+                and (v.all_greedy or not args.greedy_only) and (v.lora or not args.lora_only)]
+    table_shapes, full_table_shapes = gpu_aot.lora_table_shapes(runner), gpu_aot.lora_table_shapes(runner, False)
     rows = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         futures = {pool.submit(check_variant, runner, v, weight_shapes, pool_shapes, full_weight_shapes,
-                               dequantized_shapes): v
+                               dequantized_shapes, table_shapes, full_table_shapes): v
                    for v in variants}
         for future in concurrent.futures.as_completed(futures):
             try:
@@ -247,6 +263,11 @@ def main(argv=None) -> int:
     ap.add_argument("--pooling-budget", type=int, default=None,
                     help="compile the pooling engine's step (embed, last-token pooling) for each token bucket up "
                          "to this budget instead of the generating step")
+    ap.add_argument("--enable-lora", action="store_true",
+                    help="a LoRA engine: every variant also with the slot tables (vLLM's flag)")
+    ap.add_argument("--max-loras", type=int, default=4, help="LoRA slots of the tables (with --enable-lora)")
+    ap.add_argument("--max-lora-rank", type=int, default=16, help="the tables' rank (with --enable-lora)")
+    ap.add_argument("--lora-only", action="store_true", help="only the variants that read the slot tables")
     ap.add_argument("--jobs", type=int, default=1, help="variants compiled at once")
     ap.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1],
                     help="compile split over this many of 8 H200s on one host (default: 1)")

@@ -99,9 +99,8 @@ def test_each_sub_configuration_validates_itself():
     assert SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=16).max_num_seqs == 16  # capped by the budget
     core = SchedulerConfig(scheduling_policy="priority", max_num_seqs=4).for_scheduler(128)
     assert (core.policy, core.max_num_seqs, core.max_model_len, core.async_scheduling) == ("priority", 4, 128, True)
-    # Across sub-configurations: EngineConfig.validate.
-    with pytest.raises(ConfigError, match="enable_lora with tensor_parallel_size=2"):
-        EngineConfig(enable_lora=True, tensor_parallel_size=2)
+    # Across sub-configurations: EngineConfig.validate (LoRA now splits as its base weights do).
+    assert EngineConfig(enable_lora=True, tensor_parallel_size=2).tensor_parallel_size == 2
     EngineConfig(kv_cache_dtype="fp8", attention_backend="pallas")  # every backend reads fp8 pages now
 
 
@@ -152,5 +151,3 @@ def test_lora_fields_are_checked():
         EngineConfig(model="m", enable_lora=True, max_loras=3, max_cpu_loras=2)
     with pytest.raises(ConfigError, match="max_lora_rank"):
         EngineConfig(model="m", enable_lora=True, max_lora_rank=0)
-    with pytest.raises(ConfigError, match="enable_lora.*tensor_parallel_size=2"):
-        EngineConfig(model="m", enable_lora=True, tensor_parallel_size=2)

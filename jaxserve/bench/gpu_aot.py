@@ -94,6 +94,21 @@ def abstract_runner(model: LlamaForCausalLM, config: EngineConfig, sharding: Any
     return ModelRunner(config, model, max_model_len, target=StepTarget.abstract(sharding))
 
 
+_HLO_FLOATS = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
+
+
+def lora_table_shapes(runner: ModelRunner, per_device: bool = True) -> set[tuple[str, tuple[int, ...]]]:
+    """The LoRA slot tables of a LoRA runner as HLO (dtype, dims), each device's block (or, with
+    ``per_device`` False, the whole table), and one layer's slice of each: a copy of any of them
+    in a step is a table copied where the matmuls should read it in place."""
+    shapes = set()
+    for table in jax.tree.leaves(runner.lora.tables if runner.lora is not None else ()):
+        dims = tuple(table.sharding.shard_shape(table.shape) if per_device else table.shape)
+        dtype = _HLO_FLOATS.get(str(table.dtype), str(table.dtype))
+        shapes |= {(dtype, dims), (dtype, dims[1:])}
+    return shapes
+
+
 def lower_pooling_step(model: LlamaForCausalLM, sharding: Any, bucket: int, *, backend: str = "pallas",
                        task: str = "embed", pooling_type: str = "LAST", max_num_seqs: int = 256,
                        max_model_len: int = 8192, block_size: int = 16, num_blocks: int = 4096):

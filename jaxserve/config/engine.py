@@ -30,7 +30,6 @@ from jaxserve.config.parallel import ParallelConfig
 from jaxserve.config.pooling import PoolingConfig
 from jaxserve.config.scheduler import SchedulerConfig
 from jaxserve.config.structured_outputs import StructuredOutputsConfig
-from jaxserve.exceptions import ConfigError
 
 
 def sub_config(cls: type[SubConfig]) -> Any:
@@ -86,10 +85,6 @@ class EngineConfig:
 
     def validate(self) -> None:
         """What spans two sub-configurations (each validated its own fields when it was built)."""
-        if self.lora_config.enable_lora and self.parallel_config.tensor_parallel_size > 1:
-            # The adapters' A/B weights are not sharded yet.
-            raise ConfigError(f"enable_lora with tensor_parallel_size={self.tensor_parallel_size}: LoRA is "
-                              "served on one device only (tensor_parallel_size 1)")
 
     # ---- the flat view -------------------------------------------------------------------------
 

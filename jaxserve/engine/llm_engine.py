@@ -162,6 +162,9 @@ class LLMEngine:
             [r.request_id for r in processed.core_requests], [r.sampling_params for r in processed.core_requests],
             output_kind, processed.core_requests[0].arrival_time, queue,
             core_requests=processed.core_requests, entry=processed.entry, tokenized_time=processed.tokenized_time)
+        if processed.lora_request is not None:
+            parent.lora_name = processed.lora_request.lora_name
+            parent.lora_key = processed.core_requests[0].lora_name
         added: list[str] = []
         try:
             for req in processed.core_requests:

@@ -47,6 +47,8 @@ def _attributes(t: RequestTimeline, model_name: str) -> dict:
         "jaxserve.num_cached_tokens": t.num_cached_tokens,
         "jaxserve.num_preemptions": m.num_preemptions,
     }
+    if t.lora_name is not None:
+        attrs["jaxserve.lora_name"] = t.lora_name
     latencies = {"gen_ai.latency.time_in_queue": m.time_in_queue,
                  "gen_ai.latency.time_to_first_token": m.time_to_first_token, "gen_ai.latency.e2e": m.e2e_latency}
     attrs.update({k: v for k, v in latencies.items() if v is not None})

@@ -75,6 +75,8 @@ class ParentState:
     core_requests: list = dataclasses.field(default_factory=list)
     max_tokens: int | None = None  # resolved by the scheduler; kept when the core requests go
     trace_headers: dict[str, str] | None = None  # the caller's W3C trace context, for the span
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    lora_key: str | None = None  # that adapter's prefix-cache key (name@sha256)
 
     @property
     def finished(self) -> bool:
@@ -119,7 +121,8 @@ class ParentState:
             request_id=self.request_id, finished=self.finished, num_prompt_tokens=len(self.prompt_token_ids),
             num_cached_tokens=self.num_cached_tokens, metrics=metrics, sampling_params=self.children[0].params,
             max_tokens=reqs[0].max_tokens if reqs else self.max_tokens,
-            samples=samples, prompt_token_ids=list(self.prompt_token_ids) if keep_token_ids else None)
+            samples=samples, prompt_token_ids=list(self.prompt_token_ids) if keep_token_ids else None,
+            lora_name=self.lora_name, lora_key=self.lora_key)
 
 
 class OutputProcessor:

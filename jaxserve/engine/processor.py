@@ -118,9 +118,10 @@ class InputProcessor:
             raise InvalidRequestError("lora_request", str(exc)) from None
         moe_targets = sorted({p for _, p in adapter.weights if p in ("gate_proj", "up_proj", "down_proj")})
         if self.model_config.is_moe and moe_targets:  # the experts take no LoRA delta: refuse, never ignore
-            raise InvalidRequestError("lora_request", f"LoRA adapter {lora_request.lora_path}: "
-                                                      f"{', '.join(moe_targets)} target a mixture-of-experts MLP, "
-                                                      "which LoRA does not cover yet")
+            raise InvalidRequestError("lora_request", f"LoRA adapter {lora_request.lora_path}: target_modules "
+                                                      f"{', '.join(moe_targets)} target the mixture-of-experts MLP "
+                                                      f"of {self.model_config.architecture}, which takes no LoRA "
+                                                      "delta yet (q_proj, k_proj, v_proj, o_proj only)")
         return lora_cache_key(lora_request.lora_name, adapter.digest), adapter
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -88,7 +88,7 @@ class StepRecord:
             "scheduled": s.scheduled, "prefill_ids": s.prefill_ids, "new_request_ids": s.new_request_ids,
             "num_prefill_tokens": s.num_prefill_tokens, "num_decode_tokens": s.num_decode_tokens,
             "waiting_ids": s.waiting_ids, "num_waiting": s.num_waiting, "waiting_reason": s.waiting_reason,
-            "preempted_ids": s.preempted_ids,
+            "preempted_ids": s.preempted_ids, "lora_adapters": s.lora_adapters,
             "blocks": {"total": s.num_blocks_total, "used": s.num_blocks_used,
                        "cached_free": s.num_blocks_cached_free, "free": s.num_blocks_free},
             "num_tokens": self.num_tokens, "token_bucket": self.token_bucket, "padding_ratio": self.padding_ratio,

@@ -97,6 +97,8 @@ class RequestTimeline:
     ``sampling_params`` are those the engine ran: after defaults and validation, with the model's
     extra EOS ids among the stop ids and ``max_tokens`` resolved against ``max_model_len``.
     ``num_cached_tokens`` counts prompt tokens served by the prefix cache (full blocks only).
+    ``lora_name`` is the LoRA adapter it ran with (None: the base model); ``lora_key`` the
+    adapter's prefix-cache key (``name@sha256`` of the weights it was served with).
     """
 
     request_id: str
@@ -108,6 +110,8 @@ class RequestTimeline:
     max_tokens: int | None
     samples: list[SampleTimeline]
     prompt_token_ids: list[int] | None = None  # only with record_token_ids
+    lora_name: str | None = None
+    lora_key: str | None = None
 
     def as_dict(self) -> dict:
         params = {k: v for k, v in dataclasses.asdict(self.sampling_params).items() if not k.startswith("_")}
@@ -117,7 +121,7 @@ class RequestTimeline:
             "num_prompt_tokens": self.num_prompt_tokens, "num_cached_tokens": self.num_cached_tokens,
             "metrics": self.metrics.as_dict(), "sampling_params": params,
             "samples": [dataclasses.asdict(s) for s in self.samples],
-            "prompt_token_ids": self.prompt_token_ids,
+            "prompt_token_ids": self.prompt_token_ids, "lora_name": self.lora_name, "lora_key": self.lora_key,
         }
 
 

@@ -58,6 +58,7 @@ def _step_args(r: StepRecord) -> dict:
             "blocks_used": s.num_blocks_used, "blocks_cached_free": s.num_blocks_cached_free,
             "blocks_free": s.num_blocks_free, "backend": r.backend, "compiled": r.compiled,
             "decode_only": r.decode_only, "idle_gap_ms": round(1e3 * r.idle_gap_s, 3),
+            "lora_adapters": sorted({k.split("@")[0] for k in s.lora_adapters.values()}),
             **({} if r.expert_load is None else {"expert_load": r.expert_load})}
 
 
@@ -83,7 +84,7 @@ def _add_request(ev: _Events, tid: int, t: RequestTimeline, preemptions: list[fl
         "prompt_tokens": t.num_prompt_tokens, "cached_tokens": t.num_cached_tokens,
         "output_tokens": [s.num_output_tokens for s in t.samples],
         "finish": [f"{s.finish_reason} ({s.finish_cause})" for s in t.samples if s.finish_reason],
-        "preemptions": m.num_preemptions})
+        "preemptions": m.num_preemptions, "lora": t.lora_name})
     for stage, stage_start, stage_end in stage_spans(m, now):
         ev.span(REQUESTS_PID, tid, stage, stage_start, stage_end)
     for at in preemptions:

@@ -25,9 +25,14 @@ import numpy as np
 
 def lora_delta_one_hot(x: jax.Array, slot_ids: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     """``(tokens, out)``: ``x[t] @ a[s] @ b[s]`` with ``s = slot_ids[t]``, zero where ``s == -1``."""
-    slots, d_in, rank = a.shape
-    xa = jnp.dot(x, jnp.transpose(a, (1, 0, 2)).reshape(d_in, slots * rank),
-                 preferred_element_type=jnp.float32)  # (T, slots*rank)
+    return lora_delta_packed(x, slot_ids, jnp.transpose(a, (1, 0, 2)), b)
+
+
+def lora_delta_packed(x: jax.Array, slot_ids: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """:func:`lora_delta_one_hot` with ``a`` stored ``(in, slots, rank)``, the slot tables' layout:
+    both matmuls then read their table as stored (the reshapes are free), with no transpose copy."""
+    d_in, slots, rank = a.shape
+    xa = jnp.dot(x, a.reshape(d_in, slots * rank), preferred_element_type=jnp.float32)  # (T, slots*rank)
     mask = jax.nn.one_hot(slot_ids, slots, dtype=xa.dtype)  # -1 -> a zero row
     xa = (xa.reshape(-1, slots, rank) * mask[:, :, None]).reshape(-1, slots * rank)
     out = jnp.dot(xa.astype(b.dtype), b.reshape(slots * rank, -1), preferred_element_type=jnp.float32)
@@ -67,7 +72,7 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
 @dataclasses.dataclass(frozen=True)
 class LoRABatch:
     """One step's adapters: every token's slot and the slot tables of the fused projections,
-    ``a[name]``: ``(layers, slots, in, parts*rank)``, ``b[name]``: ``(layers, slots, parts*rank, out)``
+    ``a[name]``: ``(layers, in, slots, parts*rank)``, ``b[name]``: ``(layers, slots, parts*rank, out)``
     (block-diagonal over the fused parts, so one delta covers q|k|v and gate|up)."""
 
     slot_ids: jax.Array  # (tokens,) int32, -1 for a base-model token
@@ -75,4 +80,4 @@ class LoRABatch:
     b: dict[str, jax.Array]
 
     def delta(self, name: str, x: jax.Array, layer: jax.Array | int) -> jax.Array:
-        return lora_delta_one_hot(x, self.slot_ids, self.a[name][layer], self.b[name][layer])
+        return lora_delta_packed(x, self.slot_ids, self.a[name][layer], self.b[name][layer])

@@ -102,7 +102,7 @@ class LlamaAttention(nnx.Module):
         n = self.num_shards
         q_size, kv_size = self.num_heads * self.head_dim // n, self.num_kv_heads * self.head_dim // n
         qkv = self.qkv_proj(x)
-        if ctx.lora is not None:  # one shard only (LoRA refuses tensor parallelism): columns q | k | v
+        if ctx.lora is not None:  # its columns in the layout's order, split as the base's (models.lora_slots)
             qkv = qkv + ctx.lora.delta("qkv", x, layer)
         qkv = qkv.reshape(x.shape[0], n, -1)  # [T, shard, q_s | k_s | v_s]
         q, k, v = jnp.split(qkv, [q_size, q_size + kv_size], axis=-1)

@@ -10,19 +10,31 @@ table it was launched with (arrays are immutable).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.core.lora_slots import LoRASlotAssigner
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.lora_adapter import LoRAAdapter
 from jaxserve.models.lora_slots import LoRASlotTable
+from jaxserve.models.tp_layout import TPLayout
+from jaxserve.runner.mesh import lora_table_specs
 
 
 class RunnerLoRA:
-    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, sharding: jax.sharding.Sharding):
-        self.table = LoRASlotTable(cfg, max_loras, max_rank)
-        self.table.a, self.table.b = jax.device_put((self.table.a, self.table.b), sharding)
+    """``place(tree, shardings)``: the runner's placement (device arrays, or for an abstract target
+    their shapes carrying the shardings)."""
+
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, mesh: Mesh, layout: TPLayout,
+                 place: Callable, abstract: bool = False):
+        self.table = LoRASlotTable(cfg, max_loras, max_rank, layout=layout, abstract=abstract)
+        a_specs, b_specs = lora_table_specs(self.table.a)
+        self.shardings = ({k: NamedSharding(mesh, v) for k, v in a_specs.items()},
+                          {k: NamedSharding(mesh, v) for k, v in b_specs.items()})
+        self.table.a, self.table.b = place((self.table.a, self.table.b), self.shardings)
         self.slots = LoRASlotAssigner(max_loras)
         self.key_of: dict[str, str] = {}  # request id -> adapter key (name@sha256)
         self.adapters: dict[str, LoRAAdapter] = {}  # adapter key -> weights, while a request uses it

@@ -6,6 +6,9 @@ One mesh axis, :data:`TP_AXIS`, over the devices of one model replica. The plan,
   columns, o and down by input rows, embedding and LM head by vocabulary), everything else
   replicated;
 - KV cache ``[L, blocks, block_size, Hkv, D]``: split on the key/value heads;
+- LoRA slot tables (:func:`lora_table_specs`): as their base weights, ``b`` split on its output
+  columns under a column-split base (q|k|v, gate|up; ``a`` replicated), ``a`` split on its input
+  rows under a row-split one (o, down; ``b`` replicated);
 - everything else (penalty tables, last sampled tokens, the packed step inputs, the bitmask):
   replicated; the host packs one buffer and every device receives it whole.
 
@@ -65,6 +68,24 @@ def _own_ndim(path: tuple, ndim: int) -> int:
 
 def param_sharding(mesh: Mesh, path: tuple, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, param_spec(path, ndim))
+
+
+# Each fused LoRA projection's tables, a (layers, in, slots, R) and b (layers, slots, R, out): the
+# one split as its base weight is, and on which axis (the other is replicated).
+LORA_SPLIT = {"qkv": ("b", 3), "gate_up": ("b", 3), "o": ("a", 1), "down": ("a", 1)}
+
+
+def lora_table_specs(names) -> tuple[dict[str, PartitionSpec], dict[str, PartitionSpec]]:
+    """The specs of the LoRA ``a`` and ``b`` tables of the fused projections ``names``. The delta
+    then needs no collective of its own beyond one all-reduce of ``x @ a`` (``T x slots*R``) at o
+    and down, where the base's own all-reduce follows."""
+    specs: tuple[dict[str, PartitionSpec], dict[str, PartitionSpec]] = ({}, {})
+    for name in names:
+        which, axis = LORA_SPLIT[name]
+        for table, spec in zip("ab", specs):
+            spec[name] = (PartitionSpec(*(TP_AXIS if i == axis else None for i in range(4)))
+                          if table == which else REPLICATED)
+    return specs
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -47,6 +47,7 @@ from jaxserve.layers.lora import LoRABatch
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.forward_context import KVGroups
 from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.models.tp_layout import TPLayout
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.compilation import CompiledSteps, StepVariant
 from jaxserve.runner.compile_stats import CompileStats
@@ -255,7 +256,9 @@ class ModelRunner:
         self._prev_row_of: dict[str, int] = {}  # each request's row in state.prev_sampled
         self._rng = np.random.default_rng(config.seed)
         lora = config.lora_config
-        self.lora = (RunnerLoRA(self.mc, lora.max_loras, lora.max_lora_rank, self._replicated)
+        self.lora = (RunnerLoRA(self.mc, lora.max_loras, lora.max_lora_rank, self.mesh,
+                                TPLayout.of(self.mc, self.config.tensor_parallel_size), self._place,
+                                abstract=self.target.is_abstract)
                      if lora.enable_lora else None)
         self.prompt_logprobs = PromptLogprobsWorker(self.graphdef, self._split_args, self.num_logprobs,
                                                     self.target.sampler_policy(), self._replicated,

@@ -112,3 +112,34 @@ def test_pooling_step_lowers_from_shapes_alone_with_its_pool_aliased():
         pools = {("f32", tuple(x.shape)) for x in jax.tree.leaves(kv)}
         stats = analyze_hlo(lowered.compile().as_text(), set(), pools)
         assert stats.pool_aliased and not stats.pool_copies
+
+
+def test_lora_step_lowers_from_shapes_alone_reading_its_tables_in_place():
+    """A LoRA engine's step as scripts/gpu_aot_check.py --enable-lora compiles it for an H200,
+    here for the CPU (xla attention): the slot tables are shapes carrying their placement, arguments
+    of the step (never constants, so writing a slot compiles nothing), and neither a table nor one
+    layer's slice of it is copied."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.runner.mesh import make_mesh
+
+    model = gpu_aot.abstract_model("cpu-bench", False)
+    sharding = jax.sharding.NamedSharding(make_mesh(jax.devices("cpu")[:1], 1), jax.sharding.PartitionSpec())
+    config = EngineConfig(attention_backend="xla", num_gpu_blocks_override=16, max_num_seqs=8,
+                          max_num_batched_tokens=32, enable_lora=True, max_loras=3, max_lora_rank=8)
+    runner = gpu_aot.abstract_runner(model, config, sharding, max_model_len=128)
+    a, b = runner.lora.tables  # a: (layers, in, slots, R), b: (layers, slots, R, out)
+    tables = jax.tree.leaves((a, b))
+    assert tables and all(isinstance(t, jax.ShapeDtypeStruct) for t in tables)
+    assert all(t.shape[2] == 3 for t in a.values()) and all(t.shape[1] == 3 for t in b.values())
+    variants = [v for v in runner.variants() if v.lora]
+    assert variants and len(variants) * 2 == len(runner.variants())  # each variant with and without LoRA
+    table_shapes = gpu_aot.lora_table_shapes(runner)
+    for variant in (variants[0], variants[-1]):
+        text = runner.steps.lowered(variant).compile().as_text()
+        stats = analyze_hlo(text, table_shapes, set())
+        assert stats.weight_copies == [], stats.weight_copies
+        # the tables enter as parameters of their own shape
+        params = [line for line in text.splitlines() if "parameter(" in line and "ENTRY" not in line]
+        for dtype, dims in table_shapes:
+            if len(dims) == 4:
+                assert any(f"{dtype}[{','.join(map(str, dims))}]" in line for line in params), dims

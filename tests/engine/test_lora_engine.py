@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from jaxserve import LLM, LoRARequest, SamplingParams
+from jaxserve.engine.otel import _attributes as span_attributes
 from jaxserve.exceptions import InvalidRequestError
 from tests.models.test_lora_adapter import make_peft_adapter
 
@@ -166,3 +167,29 @@ def test_an_engine_without_enable_lora_refuses_adapters(tiny_checkpoints, tmp_pa
     with pytest.raises(InvalidRequestError, match="enable_lora"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1), use_tqdm=False,
                      lora_request=LoRARequest("a", 1, str(tmp_path)))
+
+
+def test_timeline_trace_and_step_records_name_the_adapter(setup):
+    _, _, _, loras, llm = setup
+    prompts = make_prompts(2)
+    start = len(llm.step_records)
+    _, _, outs = run(llm, prompts, [loras["a1"], None])
+    on_a1, on_base = (llm.get_request_timeline(o.request_id) for o in outs)
+    assert on_a1.lora_name == "a1" and on_a1.lora_key.startswith("a1@")
+    assert on_base.lora_name is None and on_base.lora_key is None
+    assert on_a1.as_dict()["lora_name"] == "a1" and on_base.as_dict()["lora_name"] is None
+    assert span_attributes(on_a1, "m")["jaxserve.lora_name"] == "a1"  # the OpenTelemetry span
+    assert "jaxserve.lora_name" not in span_attributes(on_base, "m")
+    records = list(llm.step_records)[start:]
+    # Every step that ran the a1 request says so, with the key the timeline has; the base one is absent.
+    core_ids = {r for rec in records for r in rec.schedule.scheduled}
+    a1_ids = {r for r in core_ids if r.endswith(outs[0].request_id)}
+    assert a1_ids and all(rec.as_dict()["lora_adapters"] == {r: on_a1.lora_key for r in rec.schedule.scheduled
+                                                             if r in a1_ids} for rec in records)
+    trace = llm.export_trace(num_steps=len(records), num_requests=2)
+    spans = {e["name"]: e["args"] for e in trace["traceEvents"] if e["ph"] == "X" and e["name"].startswith("request ")}
+    assert spans[f"request {outs[0].request_id}"]["lora"] == "a1"
+    assert spans[f"request {outs[1].request_id}"]["lora"] is None
+    steps = [e["args"] for e in trace["traceEvents"] if e["ph"] == "X" and e["name"].endswith("schedule+prepare")]
+    assert any(a["lora_adapters"] == ["a1"] for a in steps)
+    assert_engine_clean(llm)

@@ -6,10 +6,15 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.layers.lora import lora_delta_one_hot, lora_delta_ragged, lora_delta_reference
+from jaxserve.layers.lora import lora_delta_one_hot, lora_delta_packed, lora_delta_ragged, lora_delta_reference
 
 
-@pytest.mark.parametrize("fn", [lora_delta_one_hot, lora_delta_ragged])
+def packed(x, slot_ids, a, b):
+    """The slot tables' layout: ``a`` as ``(in, slots, rank)``."""
+    return lora_delta_packed(x, slot_ids, jax.numpy.transpose(a, (1, 0, 2)), b)
+
+
+@pytest.mark.parametrize("fn", [lora_delta_one_hot, lora_delta_ragged, packed])
 @pytest.mark.parametrize("slots", [1, 4])
 def test_each_token_gets_its_own_slot(fn, slots):
     rng = np.random.default_rng(slots)
