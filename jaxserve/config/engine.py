@@ -28,6 +28,7 @@ from jaxserve.config.observability import ObservabilityConfig
 from jaxserve.config.parallel import ParallelConfig
 from jaxserve.config.pooling import PoolingConfig
 from jaxserve.config.scheduler import SchedulerConfig
+from jaxserve.config.speculative import SpecDecodeConfig
 from jaxserve.config.structured_outputs import StructuredOutputsConfig
 from jaxserve.exceptions import ConfigError
 
@@ -49,6 +50,7 @@ class EngineConfig:
     observability_config: ObservabilityConfig = sub_config(ObservabilityConfig)
     lora_config: LoRAConfig = sub_config(LoRAConfig)
     pooling_config: PoolingConfig = sub_config(PoolingConfig)
+    spec_decode_config: SpecDecodeConfig = sub_config(SpecDecodeConfig)
 
     def __init__(self, **kwargs: Any) -> None:
         """Flat keyword arguments (``max_num_seqs=8``), sub-configurations (``cache_config=...``),
@@ -88,6 +90,9 @@ class EngineConfig:
             # The adapters' A/B weights are not sharded yet.
             raise ConfigError(f"enable_lora with tensor_parallel_size={self.tensor_parallel_size}: LoRA is "
                               "served on one device only (tensor_parallel_size 1)")
+        if self.spec_decode_config.spec is not None and self.pooling_config.runner == "pooling":
+            raise ConfigError("speculative_config with runner='pooling': a pooling model generates no "
+                              "tokens to speculate on")
 
     # ---- the flat view -------------------------------------------------------------------------
 
