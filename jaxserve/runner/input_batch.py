@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.runner.step_inputs import ModelInputs
+from jaxserve.runner.step_inputs import ModelInputs, SpecInputs
 
 
 @dataclasses.dataclass
@@ -122,6 +122,7 @@ def build_step_arrays(
     num_rows: int,
     block_size: int,
     padding_slot: int,
+    num_drafts: list[int] | None = None,
 ) -> tuple[ModelInputs[np.ndarray], list[bool]]:
     """Model and attention inputs for one step (sampling arrays are added by the caller).
 
@@ -130,6 +131,8 @@ def build_step_arrays(
     flight: it is the token that request sampled in the previous step, at row ``prev_rows[r]`` of
     that step's output (-1: none), and the step reads it on the device. Returns the arrays and,
     per row, whether it samples (its prompt, or its recomputation after preemption, is complete).
+    ``num_drafts[r]``: speculative drafts the row verifies, written by the caller into its token
+    row right after its known tokens (not counted in ``num_tokens``).
     """
     t_pad, r_pad = token_bucket, num_rows
     r = len(slots)
@@ -153,7 +156,10 @@ def build_step_arrays(
     block_tables = np.zeros((r_pad, batch.block_table.shape[1]), np.int32)
     block_tables[:r] = batch.block_table[slot]
 
-    known = pos < batch.num_tokens[tok_slot]
+    known_len = batch.num_tokens[tok_slot]
+    if num_drafts is not None:
+        known_len = known_len + np.asarray(num_drafts, np.int32).reshape(r)[row]
+    known = pos < known_len
     input_ids[:total] = np.where(known, batch.token_ids[tok_slot, pos], 0)
     if not known.all():
         prev = np.asarray(prev_rows, np.int32).reshape(r)[row]
@@ -178,6 +184,31 @@ def build_step_arrays(
         query_start_loc=query_start_loc, num_seqs=np.asarray([r], np.int32), logits_indices=logits_indices,
         row_slots=row_slots)
     return arrays, samples
+
+
+def write_drafts(batch: PersistentBatch, slots: list[int], drafts: list[list[int]]) -> None:
+    """Each row's drafts into its token row after its known tokens (overwritten as it grows)."""
+    for slot, d in zip(slots, drafts):
+        if d:
+            n = int(batch.num_tokens[slot])
+            batch.token_ids[slot, n : n + len(d)] = d
+
+
+def build_spec_inputs(query_start_loc: np.ndarray, drafts: list[list[int]], num_rows: int,
+                      k: int) -> SpecInputs[np.ndarray]:
+    """Where each row's K+1 positions lie (its last d+1 scheduled tokens, then its last one again)
+    and its drafts, padded to K; padding rows score token 0 and verify nothing."""
+    r = len(drafts)
+    num = np.zeros(num_rows, np.int32)
+    num[:r] = [len(d) for d in drafts]
+    ids = np.zeros((num_rows, k), np.int32)
+    for i, d in enumerate(drafts):
+        ids[i, : len(d)] = d
+    last = np.zeros(num_rows, np.int32)
+    last[:r] = query_start_loc[1 : r + 1] - 1
+    j = np.arange(k + 1, dtype=np.int32)
+    indices = last[:, None] - num[:, None] + np.minimum(j[None, :], num[:, None])
+    return SpecInputs(logits_indices=indices.astype(np.int32), draft_token_ids=ids, num_draft_tokens=num)
 
 
 def single_group_block_ids(block_ids: list[int] | tuple[list[int], ...]) -> list[int]:

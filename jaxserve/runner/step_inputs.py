@@ -63,6 +63,17 @@ class ModelInputs(Generic[Array]):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class SpecInputs(Generic[Array]):
+    """Speculative decoding (K drafts at most, static): where each row is scored and what it
+    verifies. A row's drafts are its last ``num_draft_tokens`` scheduled tokens."""
+
+    logits_indices: Array  # i32[R, K+1] the row's last d+1 scheduled tokens, then the last repeated
+    draft_token_ids: Array  # i32[R, K] the drafts (0 past num_draft_tokens)
+    num_draft_tokens: Array  # i32[R] 0..K
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class StepArrays(Generic[Array]):
     """Everything one compiled step reads besides the device state and the structured-output
     bitmask (which stays a separate argument, often an on-device constant)."""
@@ -72,6 +83,7 @@ class StepArrays(Generic[Array]):
     need_logprobs: Array  # bool[1] some sampling row asks for logprobs
     use_bitmask: Array  # bool[1] the bitmask argument holds real masks (set at launch)
     lora_slot_ids: Array | None = None  # i32[T] each token's adapter slot, -1: the base model; None without LoRA
+    spec: SpecInputs[Array] | None = None  # None: speculative decoding off
 
     @property
     def num_rows(self) -> int:
