@@ -703,6 +703,7 @@ class Scheduler:
             prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits,
             num_finished_reqs=self.num_finished_reqs,
+            spec_decoding=self.spec_decoding_stats.copy() if self.spec_decoding_stats is not None else None,
             **(self._lora_stats() if self.scheduler_config.max_loras else {}))
 
     def _lora_stats(self) -> dict:

@@ -104,3 +104,20 @@ def test_prefix_hits(plain, spec):
     assert all(o.num_cached_tokens >= 48 for o in again)
     assert token_ids(again) == want
     assert_pool_empty(spec)
+
+
+def test_metrics(spec):
+    spec.generate(repetitive_prompts(4, seed=4), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                  use_tqdm=False)
+    stats = spec_stats(spec)
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    metrics = {(m.name, (m.labels or {}).get("position")): m.value for m in spec.get_metrics()
+               if m.name.startswith("jaxserve:spec_decode") and (m.labels or {}).get("engine") != "total"}
+    assert metrics[("jaxserve:spec_decode_num_drafts_total", None)] == stats.num_drafts
+    assert metrics[("jaxserve:spec_decode_num_draft_tokens_total", None)] == stats.num_draft_tokens
+    assert metrics[("jaxserve:spec_decode_num_accepted_tokens_total", None)] == stats.num_accepted_tokens
+    per_pos = [metrics[("jaxserve:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(3)]
+    padded = stats.num_accepted_tokens_per_pos + [0] * (3 - len(stats.num_accepted_tokens_per_pos))
+    assert per_pos == padded and sum(per_pos) == stats.num_accepted_tokens
+    text = spec.llm_engine.metrics.render().decode()
+    assert 'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{engine="0"' in text
