@@ -286,7 +286,8 @@ class ModelRunner:
         self.buckets = BucketTable.build(
             max_step_tokens(self.config, self.max_model_len, self.num_blocks), self.config.max_num_seqs,
             min_decode_tokens=self.config.compilation_config.resolved_min_decode_bucket(
-                self.target.platform, self.memory_weight_bytes()))
+                self.target.platform, self.memory_weight_bytes()),
+            decode_tokens_per_seq=self.num_spec + 1)
         abstract = self.target.is_abstract
         self.state = self._state_shapes(self.num_blocks) if abstract else self._allocate_state(self.num_blocks)
         # What a step is traced with: the state's shapes and placement, never its arrays, which
