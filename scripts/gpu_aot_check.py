@@ -161,7 +161,8 @@ def check_model(preset: str, backend: str, args, sharding, spec) -> list[dict]:
     blocks, _ = gpu_aot.kv_blocks_on(spec, model, base, max_model_len, peak_temp_bytes=0)
     blocks = args.num_gpu_blocks or blocks
     config = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=blocks,
-                          tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype)
+                          tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype,
+                          speculative_config=args.speculative_config)
     runner = gpu_aot.abstract_runner(model, config, sharding, max_model_len)
     # A split program's HLO holds each device's blocks: copies and aliasing are of block shapes,
     # while a weight gathered whole would have the full one.
@@ -247,6 +248,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pooling-budget", type=int, default=None,
                     help="compile the pooling engine's step (embed, last-token pooling) for each token bucket up "
                          "to this budget instead of the generating step")
+    ap.add_argument("--speculative-config", default=None,
+                    help="vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}': "
+                         "the steps verify K drafts a row")
     ap.add_argument("--jobs", type=int, default=1, help="variants compiled at once")
     ap.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1],
                     help="compile split over this many of 8 H200s on one host (default: 1)")

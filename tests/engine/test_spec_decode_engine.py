@@ -82,6 +82,26 @@ def test_mixed_batch_seeded_random_and_penalties(plain, spec):
     assert_pool_empty(spec)
 
 
+def test_min_tokens_parallel_sampling_and_a_grammar(plain, spec):
+    """min_tokens masks each scored position by its own count; n=2 children speculate apart; a
+    constrained request (no drafts: its bitmask is known for the first position only) follows
+    its grammar as in the plain engine."""
+    from jaxserve import StructuredOutputsParams
+
+    prompts = repetitive_prompts(3, seed=5)
+    eos = plain.llm_engine.tokenizer.eos_token_id
+    params = [SamplingParams(temperature=0, min_tokens=12, max_tokens=30, stop_token_ids=[eos]),
+              SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20,
+                             structured_outputs=StructuredOutputsParams(regex="[0-9]{3}-[a-z]{4}"))]
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+    assert len(got[0].outputs[0].token_ids) >= 12
+    assert len(got[2].outputs[0].text) == 8 and got[2].outputs[0].text[3] == "-"
+    assert_pool_empty(spec)
+
+
 def test_chunked_prefill_and_preemption(plain, spec):
     # Prompts longer than the 64-token budget are chunked; 16 of them at up to ~200 tokens each
     # overflow the 160-block pool, so requests are preempted and recomputed.

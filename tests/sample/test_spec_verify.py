@@ -84,7 +84,8 @@ def test_seeds_reproduce_and_rows_without_drafts_sample_plainly():
     md = SamplingMetadata.from_arrays(sampling_arrays([SamplingParams(temperature=1.0)] * 500, 500,
                                                       positions=[3] * 500, seeds=list(range(500))))
     zeros = jnp.zeros((500, V), jnp.int32)
-    plain = sample(jnp.asarray(np.tile(np.log(P[:1]), (500, 1))), md, zeros, zeros.astype(bool), max_num_logprobs=2)
+    plain = jax.jit(lambda logits, md: sample(logits, md, zeros, zeros.astype(bool), max_num_logprobs=2))(
+        jnp.asarray(np.tile(np.log(P[:1]), (500, 1))), md)
     assert (out[:, 0] == np.asarray(plain.sampled_token_ids)).all()
 
 
