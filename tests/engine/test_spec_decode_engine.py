@@ -141,3 +141,31 @@ def test_metrics(spec):
     assert per_pos == padded and sum(per_pos) == stats.num_accepted_tokens
     text = spec.llm_engine.metrics.render().decode()
     assert 'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{engine="0"' in text
+
+
+def test_async_llm_streams_several_tokens_a_step(plain, spec):
+    """The serving path (AsyncLLM over the same engine): a step may bring the accepted drafts and
+    one token at once; the stream ends with the plain engine's tokens and logprobs."""
+    import asyncio
+
+    from jaxserve import AsyncLLM
+
+    prompt = repetitive_prompts(1, seed=6)[0]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    want = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    async_llm = AsyncLLM(spec.llm_engine)
+    deltas: list[list[int]] = []
+    logprobs: list = []
+
+    async def main():  # AsyncLLM streams deltas, as the server does
+        async for out in async_llm.generate(prompt, params, "stream-1"):
+            deltas.append(list(out.outputs[0].token_ids))
+            logprobs.extend(out.outputs[0].logprobs)
+
+    try:
+        asyncio.run(main())
+    finally:
+        async_llm.shutdown()
+    assert [t for d in deltas for t in d] == want.token_ids
+    assert [sorted(lp) for lp in logprobs] == [sorted(lp) for lp in want.logprobs]
+    assert max(map(len, deltas)) > 1  # some update carried several tokens
