@@ -195,20 +195,33 @@ def write_drafts(batch: PersistentBatch, slots: list[int], drafts: list[list[int
 
 
 def build_spec_inputs(query_start_loc: np.ndarray, drafts: list[list[int]], num_rows: int,
-                      k: int) -> SpecInputs[np.ndarray]:
-    """Where each row's K+1 positions lie (its last d+1 scheduled tokens, then its last one again)
-    and its drafts, padded to K; padding rows score token 0 and verify nothing."""
+                      k: int, token_bucket: int) -> SpecInputs[np.ndarray]:
+    """Where each row is scored (its last d+1 scheduled tokens, the rows end to end) and its
+    drafts, padded to K; padding positions score token 0 for row 0, padding rows verify nothing."""
     r = len(drafts)
     num = np.zeros(num_rows, np.int32)
     num[:r] = [len(d) for d in drafts]
     ids = np.zeros((num_rows, k), np.int32)
     for i, d in enumerate(drafts):
         ids[i, : len(d)] = d
-    last = np.zeros(num_rows, np.int32)
-    last[:r] = query_start_loc[1 : r + 1] - 1
+    p_pad = min(token_bucket, num_rows * (k + 1))
+    per_row = num[:r] + 1
+    start = np.zeros(num_rows, np.int32)
+    start[1:r] = np.cumsum(per_row[:-1])
+    total = int(per_row.sum())
+    row = np.repeat(np.arange(r, dtype=np.int32), per_row)
+    offset = np.arange(total, dtype=np.int32) - start[row]
+    last = query_start_loc[1 : r + 1] - 1
+    indices = np.zeros(p_pad, np.int32)
+    indices[:total] = last[row] - num[row] + offset
+    rows = np.zeros(p_pad, np.int32)
+    rows[:total] = row
+    offsets = np.zeros(p_pad, np.int32)
+    offsets[:total] = offset
     j = np.arange(k + 1, dtype=np.int32)
-    indices = last[:, None] - num[:, None] + np.minimum(j[None, :], num[:, None])
-    return SpecInputs(logits_indices=indices.astype(np.int32), draft_token_ids=ids, num_draft_tokens=num)
+    flat = start[:, None] + np.minimum(j[None, :], num[:, None])
+    return SpecInputs(logits_indices=indices, position_rows=rows, position_offsets=offsets,
+                      flat_index=flat.astype(np.int32), draft_token_ids=ids, num_draft_tokens=num)
 
 
 def single_group_block_ids(block_ids: list[int] | tuple[list[int], ...]) -> list[int]:

@@ -71,7 +71,7 @@ from jaxserve.runner.target import StepTarget
 from jaxserve.sample.metadata import SamplingMetadata, SamplingTable
 from jaxserve.sample.penalties import PenaltyTables, update_penalty_tables, uses_penalties, write_penalty_row
 from jaxserve.sample.sampler import SamplerOutput, sample
-from jaxserve.sample.spec_verify import expand_rows, verified_output
+from jaxserve.sample.spec_verify import position_rows, verified_output
 from jaxserve.spec_decode import NgramProposer
 
 logger = logging.getLogger("jaxserve")
@@ -412,11 +412,10 @@ class ModelRunner:
         md, row_slots = inputs.sampling, x.row_slots
         if spec is None:
             logits = model.compute_logits(hidden[x.logits_indices], *self._split_args)
-        else:  # every row at its K+1 positions: one sampler row each (jaxserve.sample.spec_verify)
-            k1 = self.num_spec + 1
-            logits = model.compute_logits(hidden[spec.logits_indices.reshape(-1)], *self._split_args)
-            md, row_slots = expand_rows(md, k1), jnp.repeat(row_slots, k1)
-            bitmask = jnp.repeat(bitmask, k1, axis=0)
+        else:  # each row at its d+1 positions: one sampler row each (jaxserve.sample.spec_verify)
+            logits = model.compute_logits(hidden[spec.logits_indices], *self._split_args)
+            md = position_rows(md, spec.position_rows, spec.position_offsets)
+            row_slots, bitmask = row_slots[spec.position_rows], bitmask[spec.position_rows]
         penalties = update_penalty_tables(state.penalties, token_slots=x.token_slots, input_ids=input_ids,
                                           token_is_output=x.token_is_output)
         out = sample(logits, md, penalties.output_counts,
@@ -425,7 +424,7 @@ class ModelRunner:
                      policy=self.target.sampler_policy(all_greedy))
         last = out.sampled_token_ids
         if spec is not None:
-            out, num = verified_output(out, spec.draft_token_ids, spec.num_draft_tokens)
+            out, num = verified_output(out, spec.flat_index, spec.draft_token_ids, spec.num_draft_tokens)
             last = jnp.take_along_axis(out.sampled_token_ids, (num - 1)[:, None], axis=1)[:, 0]
         prev_sampled = state.prev_sampled.at[: last.shape[0]].set(last)
         return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden)
@@ -444,7 +443,7 @@ class ModelRunner:
         model, _ = build_step_arrays(self.batch, [], [], [], [], bucket, rows, self.block_size,
                                      self.slots.padding_slot)
         lora_slots = np.full(bucket, -1, np.int32) if self.lora is not None else None
-        spec = build_spec_inputs(model.query_start_loc, [], rows, self.num_spec) if self.num_spec else None
+        spec = build_spec_inputs(model.query_start_loc, [], rows, self.num_spec, bucket) if self.num_spec else None
         return StepArrays(model, SamplingMetadata.from_arrays(self.sampling_table.padding(rows)),
                           need_logprobs=flag(False), use_bitmask=flag(False), lora_slot_ids=lora_slots, spec=spec)
 
@@ -668,7 +667,8 @@ class ModelRunner:
         # each token's adapter slot, the new adapters written first
         lora_slots = self.lora.token_slots(req_ids, counts, bucket) if self.lora is not None else None
         # use_bitmask stays off until launch knows whether a bitmask comes with the step.
-        spec = None if drafts is None else build_spec_inputs(model.query_start_loc, drafts, rows, self.num_spec)
+        spec = (None if drafts is None else
+                build_spec_inputs(model.query_start_loc, drafts, rows, self.num_spec, bucket))
         inputs = StepArrays(model, sampling, need_logprobs=flag(want_logprobs), use_bitmask=flag(False),
                             lora_slot_ids=lora_slots, spec=spec)
         plan = StepPlan(req_ids, total, bucket, samples, want_logprobs)

@@ -65,9 +65,14 @@ class ModelInputs(Generic[Array]):
 @dataclasses.dataclass(frozen=True)
 class SpecInputs(Generic[Array]):
     """Speculative decoding (K drafts at most, static): where each row is scored and what it
-    verifies. A row's drafts are its last ``num_draft_tokens`` scheduled tokens."""
+    verifies. A row's drafts are its last ``num_draft_tokens`` scheduled tokens; it is scored at
+    its last d+1 tokens, the rows' positions laid end to end (``P = min(T, R*(K+1))`` of them: each
+    is a scheduled token)."""
 
-    logits_indices: Array  # i32[R, K+1] the row's last d+1 scheduled tokens, then the last repeated
+    logits_indices: Array  # i32[P] each scored position's token; 0 for padding
+    position_rows: Array  # i32[P] its row
+    position_offsets: Array  # i32[P] its j (0 at the row's last known token)
+    flat_index: Array  # i32[R, K+1] row r's position j among the P (its last one past its drafts)
     draft_token_ids: Array  # i32[R, K] the drafts (0 past num_draft_tokens)
     num_draft_tokens: Array  # i32[R] 0..K
 

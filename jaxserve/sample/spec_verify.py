@@ -1,11 +1,13 @@
 """Drafts verified inside the compiled step, for a point-mass (n-gram) proposer.
 
-A row with K drafts is scored at its K+1 last scheduled positions; each position becomes one row
-of the ordinary sampler (``expand_rows``: the request's row repeated, its ``positions`` advanced
-by j, so min-tokens and the draw keys ``fold_in(seed, generated + j)`` are those of a plain step
-at that point). The sampler then draws ``x_j`` from the target's processed distribution ``p_j``
-(greedy rows: its argmax), and ``verify_point_mass`` keeps the drafts while ``x_j == d_j`` and
-emits ``x_a`` at the first mismatch ``a`` (or the bonus ``x_K``).
+A row with d drafts is scored at its d+1 last scheduled positions, laid end to end over the step
+(every draft is a scheduled token, so a step of T tokens has at most T such positions, and never
+more than R*(K+1)); each position becomes one row of the ordinary sampler (``position_rows``: its
+request's row gathered, ``positions`` advanced by j, so min-tokens and the draw keys
+``fold_in(seed, generated + j)`` are those of a plain step at that point). The sampler then draws
+``x_j`` from the target's processed distribution ``p_j`` (greedy rows: its argmax), and
+``verify_point_mass`` keeps the drafts while ``x_j == d_j`` and emits ``x_a`` at the first
+mismatch ``a`` (or the bonus ``x_K``).
 
 This is exactly the rejection rule of ``rejection_sampler.rejection_sample`` when the proposal is
 a point mass q = onehot(d): the draft is accepted with probability ``p(d)`` (= min(1, p(d)/q(d))),
@@ -27,12 +29,17 @@ from jaxserve.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
 from jaxserve.sample.sampler import SamplerOutput
 
 
+def position_rows(md: SamplingMetadata, rows: jax.Array, offsets: jax.Array) -> SamplingMetadata:
+    """The sampler's rows of the scored positions: position p is request row ``rows[p]``, ``offsets[p]``
+    generated tokens later (its j)."""
+    gathered = jax.tree.map(lambda x: x[rows], md)
+    return dataclasses.replace(gathered, positions=gathered.positions + offsets)
+
+
 def expand_rows(md: SamplingMetadata, k1: int) -> SamplingMetadata:
-    """Each row repeated ``k1`` times (row r's copies at ``r*k1 .. r*k1 + k1-1``), position j of a
-    row one generated token later than position j-1."""
-    rep = jax.tree.map(lambda x: jnp.repeat(x, k1, axis=0), md)
-    offsets = jnp.tile(jnp.arange(k1, dtype=jnp.int32), md.positions.shape[0])
-    return dataclasses.replace(rep, positions=rep.positions + offsets)
+    """Every row at ``k1`` positions (row r's at ``r*k1 .. r*k1 + k1-1``)."""
+    r = md.positions.shape[0]
+    return position_rows(md, jnp.repeat(jnp.arange(r), k1), jnp.tile(jnp.arange(k1, dtype=jnp.int32), r))
 
 
 def verify_point_mass(sampled: jax.Array, draft_token_ids: jax.Array,
@@ -50,13 +57,12 @@ def verify_point_mass(sampled: jax.Array, draft_token_ids: jax.Array,
     return out, num_accepted + 1
 
 
-def verified_output(out: SamplerOutput, draft_token_ids: jax.Array,
+def verified_output(out: SamplerOutput, flat_index: jax.Array, draft_token_ids: jax.Array,
                     num_draft_tokens: jax.Array) -> tuple[SamplerOutput, jax.Array]:
-    """The sampler's output over the R*(K+1) expanded rows, verified and shaped per request:
+    """The sampler's output over the scored positions, verified and shaped per request:
     ``sampled_token_ids`` [R, K+1] (placeholders past the emitted ones), logprobs [R, K+1, L],
-    ranks [R, K+1]; and the number emitted per row [R]."""
-    r, k = draft_token_ids.shape
-    sampled = out.sampled_token_ids.reshape(r, k + 1)
-    tokens, num = verify_point_mass(sampled, draft_token_ids, num_draft_tokens)
-    return SamplerOutput(tokens, out.logprobs.reshape(r, k + 1, -1), out.logprob_token_ids.reshape(r, k + 1, -1),
-                         out.sampled_token_rank.reshape(r, k + 1)), num
+    ranks [R, K+1]; and the number emitted per row [R]. ``flat_index`` [R, K+1]: row r's position j
+    among the scored ones (any of the row's for j past its drafts: never emitted)."""
+    tokens, num = verify_point_mass(out.sampled_token_ids[flat_index], draft_token_ids, num_draft_tokens)
+    return SamplerOutput(tokens, out.logprobs[flat_index], out.logprob_token_ids[flat_index],
+                         out.sampled_token_rank[flat_index]), num

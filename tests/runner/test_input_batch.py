@@ -111,3 +111,19 @@ def test_sampling_table_gather_equals_a_fresh_build_and_leaves_nothing_stale():
     want = sampling_arrays(params, 5, positions=[0, 3, 8], seeds=seeds, max_logit_bias=4, max_allowed_tokens=4)
     for name, value in want.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_spec_inputs_lay_the_scored_positions_end_to_end():
+    from jaxserve.runner.input_batch import build_spec_inputs
+
+    # three rows of 1, 4 and 3 scheduled tokens with 0, 3 and 2 drafts; K=3, bucket 16, 4 rows
+    qsl = np.array([0, 1, 5, 8, 8], np.int32)
+    spec = build_spec_inputs(qsl, [[], [7, 8, 9], [5, 6]], 4, 3, 16)
+    assert spec.logits_indices.tolist() == [0, 1, 2, 3, 4, 5, 6, 7] + [0] * 8  # P = min(16, 4 * 4)
+    assert spec.position_rows[:8].tolist() == [0, 1, 1, 1, 1, 2, 2, 2]
+    assert spec.position_offsets[:8].tolist() == [0, 0, 1, 2, 3, 0, 1, 2]
+    assert spec.flat_index.tolist() == [[0, 0, 0, 0], [1, 2, 3, 4], [5, 6, 7, 7], [0, 0, 0, 0]]
+    assert spec.num_draft_tokens.tolist() == [0, 3, 2, 0]
+    assert spec.draft_token_ids.tolist() == [[0, 0, 0], [7, 8, 9], [5, 6, 0], [0, 0, 0]]
+    # never more positions than rows can hold
+    assert build_spec_inputs(qsl, [[], [7, 8, 9], [5, 6]], 4, 3, 64).logits_indices.shape == (16,)

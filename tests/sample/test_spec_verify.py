@@ -24,11 +24,12 @@ DRAFTS = [1, 2]  # the n-gram proposer's drafts: a point mass
 @jax.jit
 def step(logits, md, drafts, num_drafts):
     """What ModelRunner._step does with a speculative step's logits [R*(K+1), V]."""
-    md = expand_rows(md, K + 1)
+    md = expand_rows(md, K + 1)  # every row at K+1 positions, end to end
     r = logits.shape[0]
     zeros = jnp.zeros((r, V), jnp.int32)
     out = sample(logits, md, zeros, zeros.astype(bool), max_num_logprobs=2)
-    return verified_output(out, drafts, num_drafts)
+    flat_index = jnp.arange(r).reshape(-1, K + 1)
+    return verified_output(out, flat_index, drafts, num_drafts)
 
 
 def run(params: SamplingParams, seeds, num_drafts: int = K, positions=None):
