@@ -46,7 +46,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "jaxserve.distributed.lockstep": ("jaxserve.config", "jaxserve.core", "jaxserve.distributed", "jaxserve.runner"),
     "jaxserve.distributed.headless": ("jaxserve.config", "jaxserve.core", "jaxserve.distributed", "jaxserve.engine"),
     "jaxserve.runner": ("jaxserve.config", "jaxserve.core", "jaxserve.models", "jaxserve.layers",
-                        "jaxserve.sample", "pallas_kernels"),
+                        "jaxserve.sample", "jaxserve.spec_decode", "pallas_kernels"),
     "jaxserve.engine": ("jaxserve.config", "jaxserve.core", "jaxserve.models", "jaxserve.runner",
                         "jaxserve.sample", "jaxserve.structured", "jaxserve.distributed"),
     "jaxserve.bench": ("jaxserve.config", "jaxserve.core", "jaxserve.models", "jaxserve.runner",

@@ -176,7 +176,8 @@ def check_model(preset: str, backend: str, args, sharding, spec) -> list[dict]:
     blocks, _ = gpu_aot.kv_blocks_on(spec, model, base, max_model_len, peak_temp_bytes=0)
     blocks = args.num_gpu_blocks or blocks
     config = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=blocks,
-                          tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype, **lora)
+                          tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype,
+                          speculative_config=args.speculative_config, **lora)
     runner = gpu_aot.abstract_runner(model, config, sharding, max_model_len)
     # A split program's HLO holds each device's blocks: copies and aliasing are of block shapes,
     # while a weight gathered whole would have the full one.
@@ -268,6 +269,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-loras", type=int, default=4, help="LoRA slots of the tables (with --enable-lora)")
     ap.add_argument("--max-lora-rank", type=int, default=16, help="the tables' rank (with --enable-lora)")
     ap.add_argument("--lora-only", action="store_true", help="only the variants that read the slot tables")
+    ap.add_argument("--speculative-config", default=None,
+                    help="vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}': "
+                         "the steps verify K drafts a row")
     ap.add_argument("--jobs", type=int, default=1, help="variants compiled at once")
     ap.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1],
                     help="compile split over this many of 8 H200s on one host (default: 1)")

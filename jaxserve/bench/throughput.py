@@ -72,6 +72,25 @@ def random_workload(num_prompts: int, input_range: tuple[int, int], output_range
     return Workload(prompts, [int(o) for o in olens])
 
 
+def copy_workload(tokenizer: Any, num_prompts: int, output_len: int) -> Workload:
+    """Copy-heavy prompts (speculative decoding's n-gram case): each asks the model to repeat one
+    of the held-out passages word for word, through the chat template when the tokenizer has one."""
+    from jaxserve.bench.held_texts import HELD_TEXTS
+
+    prompts = []
+    for i in range(num_prompts):
+        text = f"Repeat the following text exactly, word for word:\n\n{HELD_TEXTS[i % len(HELD_TEXTS)]}"
+        if getattr(tokenizer, "chat_template", None):
+            # The template holds any special tokens already (as LLM.chat encodes it).
+            chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                 tokenize=False)
+            ids = tokenizer.encode(chat, add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(text)
+        prompts.append(list(ids))
+    return Workload(prompts, [output_len] * num_prompts)
+
+
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["jaxserve", "hf", "both"], default="jaxserve",
                    help="jaxserve, transformers (hf; needs torch), or both in one process, taking turns "
@@ -106,7 +125,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured", choices=["json"], default=None,
                    help="also run the workload with every request constrained to a JSON schema, taking turns "
                         "with the unconstrained run, and report the throughput ratio")
-    p.add_argument("--workload", choices=["random", "real-model"], default="random",
+    p.add_argument("--workload", choices=["random", "real-model", "copy"], default="random",
                    help="random: the drawn requests (default); real-model: one stream (--one-stream-len "
                         "prompt and output tokens) then the drawn requests, each against the other backend, "
                         "next to the one-stream memory-bandwidth ceiling (MODEL may be 'smollm2')")
@@ -314,6 +333,11 @@ def run_throughput_cli(args) -> dict:
         overrides["tokenizer"] = str(demo_model_path())
     config = EngineConfig.from_cli_args(args, model=model, **overrides)
     engine_args = {k: v for k, v in config.as_kwargs().items() if k != "model"}
+    if args.workload == "copy":
+        from jaxserve.engine.llm_engine import load_tokenizer
+
+        workload = copy_workload(load_tokenizer(config.tokenizer or model), args.num_prompts,
+                                 args.random_output_len or out[1])
     result: dict[str, Any] = {
         "model": model, "num_prompts": args.num_prompts, "input_len_range": list(inp),
         "output_len_range": list(out), "prompt_tokens": workload.num_prompt_tokens,
@@ -326,6 +350,9 @@ def run_throughput_cli(args) -> dict:
     if args.backend in ("jaxserve", "both"):
         benches["jaxserve"] = JaxserveBench(model, workload, engine_args, args.ignore_eos, args.profile,
                                             detokenize=not args.disable_detokenize)
+        if config.spec_decode_config.spec is not None:  # alternated against the same engine without it
+            benches["jaxserve_no_spec"] = JaxserveBench(model, workload, {**engine_args, "speculative_config": None},
+                                                        args.ignore_eos, detokenize=not args.disable_detokenize)
         if args.structured:
             from jaxserve import StructuredOutputsParams
 
@@ -352,12 +379,30 @@ def run_throughput_cli(args) -> dict:
         result["structured_iteration_ratios"] = [
             a / b for a, b in zip(result["jaxserve_structured"]["iterations_output_tokens_per_s"],
                                   result["jaxserve"]["iterations_output_tokens_per_s"])]
+    if "jaxserve_no_spec" in benches:
+        result.update(_spec_summary(result, benches["jaxserve"].llm))
     if "jaxserve" in benches:
         if args.profile:
             result["jaxserve"]["profile"] = _step_profile(benches["jaxserve"].llm)
         if args.profile_ops:
             result["jaxserve"]["op_profile"] = ops
     return result
+
+
+def _spec_summary(result: dict, llm: Any) -> dict:
+    """Speculation against none: the ratio of the medians, each turn's ratio, and the acceptance."""
+    spec, plain = result["jaxserve"], result["jaxserve_no_spec"]
+    stats = llm.llm_engine.core.scheduler.spec_decoding_stats
+    return {
+        "spec_throughput_ratio": spec["output_tokens_per_s"] / plain["output_tokens_per_s"],
+        "spec_iteration_ratios": [a / b for a, b in zip(spec["iterations_output_tokens_per_s"],
+                                                        plain["iterations_output_tokens_per_s"])],
+        "spec_decode": {"num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+                        "num_accepted_tokens": stats.num_accepted_tokens,
+                        "num_accepted_tokens_per_pos": stats.num_accepted_tokens_per_pos,
+                        "acceptance_rate": stats.acceptance_rate,
+                        "mean_acceptance_length": stats.mean_acceptance_length},
+    }
 
 
 def _summaries(benches: dict[str, Any], runs: dict[str, list[dict]]) -> dict:

@@ -20,12 +20,13 @@ from jaxserve.config.observability import ObservabilityConfig
 from jaxserve.config.parallel import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, ParallelConfig
 from jaxserve.config.pooling import PoolingConfig
 from jaxserve.config.scheduler import SchedulerConfig
+from jaxserve.config.speculative import SpecDecodeConfig, SpeculativeConfig
 from jaxserve.config.structured_outputs import REASONING_PARSERS, StructuredOutputsConfig
 
 __all__ = [
     "ATTENTION_BACKENDS", "CLI_SHORT_FLAGS", "DEFAULT_MASTER_ADDR", "DEFAULT_MASTER_PORT",
     "KV_CACHE_DTYPES", "REASONING_PARSERS", "CacheConfig", "CompilationConfig", "EngineConfig", "Flag",
     "LimitsConfig", "LoadConfig", "LoRAConfig", "ObservabilityConfig", "ParallelConfig", "PoolingConfig",
-    "SchedulerConfig",
+    "SchedulerConfig", "SpecDecodeConfig", "SpeculativeConfig",
     "StructuredOutputsConfig", "SubConfig", "add_flags", "dataclass_flags", "flags_for", "sub_config",
 ]

@@ -29,7 +29,9 @@ from jaxserve.config.observability import ObservabilityConfig
 from jaxserve.config.parallel import ParallelConfig
 from jaxserve.config.pooling import PoolingConfig
 from jaxserve.config.scheduler import SchedulerConfig
+from jaxserve.config.speculative import SpecDecodeConfig
 from jaxserve.config.structured_outputs import StructuredOutputsConfig
+from jaxserve.exceptions import ConfigError
 
 
 def sub_config(cls: type[SubConfig]) -> Any:
@@ -50,6 +52,7 @@ class EngineConfig:
     lora_config: LoRAConfig = sub_config(LoRAConfig)
     pooling_config: PoolingConfig = sub_config(PoolingConfig)
     multimodal_config: MultiModalConfig = sub_config(MultiModalConfig)
+    spec_decode_config: SpecDecodeConfig = sub_config(SpecDecodeConfig)
 
     def __init__(self, **kwargs: Any) -> None:
         """Flat keyword arguments (``max_num_seqs=8``), sub-configurations (``cache_config=...``),
@@ -85,6 +88,9 @@ class EngineConfig:
 
     def validate(self) -> None:
         """What spans two sub-configurations (each validated its own fields when it was built)."""
+        if self.spec_decode_config.spec is not None and self.pooling_config.runner == "pooling":
+            raise ConfigError("speculative_config with runner='pooling': a pooling model generates no "
+                              "tokens to speculate on")
 
     # ---- the flat view -------------------------------------------------------------------------
 

@@ -89,7 +89,8 @@ class ModelRunnerOutput:
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
-    logprobs: list[LogprobsRow | None] | None = None
+    # Speculative decoding: a request's entry is a list, one row per token of sampled_token_ids.
+    logprobs: list[LogprobsRow | list[LogprobsRow] | None] | None = None
     prompt_logprobs_dict: dict[str, list[LogprobsRow]] = field(default_factory=dict)
     # Speculative decoding: per request (indexed like ``sampled_token_ids``), the drafts proposed
     # for the next step. With drafts scheduled, ``sampled_token_ids`` holds the accepted drafts
@@ -108,7 +109,7 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
-    new_logprobs: LogprobsRow | None = None
+    new_logprobs: LogprobsRow | list[LogprobsRow] | None = None  # a list: one per token (speculative)
     new_prompt_logprobs: list[LogprobsRow] | None = None
     num_cached_tokens: int = 0
     pooling_output: Any = None  # a pooling request's vector (it finishes with it)

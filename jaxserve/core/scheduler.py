@@ -606,11 +606,14 @@ class Scheduler:
                 stopped.append(request)
             elif new_drafts is not None and idx >= 0 and new_drafts[idx]:
                 request.spec_token_ids = self._valid_drafts(request, new_drafts[idx])
+            row_logprobs = logprobs[idx] if logprobs is not None and new_token_ids else None
+            if isinstance(row_logprobs, list):  # speculative: one row per token, the kept ones
+                row_logprobs = row_logprobs[: len(new_token_ids)]
             outputs.append(EngineCoreOutput(
                 req_id, new_token_ids,
                 request.get_finished_reason() if finished else None,
                 request.stop_reason,
-                logprobs[idx] if logprobs is not None and new_token_ids else None,
+                row_logprobs,
                 req_prompt_logprobs,
                 request.num_cached_tokens if request.num_cached_tokens > 0 else 0))
         if stopped:
@@ -700,6 +703,7 @@ class Scheduler:
             prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits,
             num_finished_reqs=self.num_finished_reqs,
+            spec_decoding=self.spec_decoding_stats.copy() if self.spec_decoding_stats is not None else None,
             **(self._lora_stats() if self.scheduler_config.max_loras else {}))
 
     def _lora_stats(self) -> dict:

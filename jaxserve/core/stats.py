@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -46,6 +47,8 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_finished_reqs: int = 0
+    # Speculative decoding's running totals (None: off); a copy, so a kept snapshot stays as it was.
+    spec_decoding: SpecDecodingStats | None = None
     # LoRA (max_loras > 0): requests per adapter name, running and waiting (vLLM's LoRAStats).
     max_loras: int = 0
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
@@ -73,6 +76,9 @@ class SpecDecodingStats:
             per_pos.extend([0] * (num_accepted_tokens - len(per_pos)))
         for i in range(num_accepted_tokens):
             per_pos[i] += 1
+
+    def copy(self) -> SpecDecodingStats:
+        return dataclasses.replace(self, num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
 
     @property
     def acceptance_rate(self) -> float:

@@ -241,6 +241,15 @@ class EngineCore:
             scheduler_config.encoder_cache_size = mm.encoder_cache_size
         if config.enable_lora:  # the running requests' adapters never outnumber the runner's slots
             scheduler_config.max_loras = config.lora_config.max_loras
+        num_spec = config.spec_decode_config.num_speculative_tokens
+        if num_spec:
+            scheduler_config.num_speculative_tokens = num_spec
+            if scheduler_config.async_scheduling:
+                # Drafts come from the tokens of the step before, which async scheduling has not
+                # collected when it schedules the next one: speculation schedules synchronously.
+                logger.info("speculative decoding: scheduling synchronously (async_scheduling is not "
+                            "combined with speculation)")
+                scheduler_config.async_scheduling = False
         self.scheduler = Scheduler(
             scheduler_config,
             make_kv_cache_manager(model.config, self.runner.num_blocks, config.block_size,

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from jaxserve.core.stats import SchedulerStats
+from jaxserve.core.stats import SchedulerStats, SpecDecodingStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
@@ -135,6 +135,15 @@ class EngineMetrics:
                                "(labels; value: unix time of the update)",
                                lbl + ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
         self.expert_load = ExpertLoadCollector(self._labels, r)
+        # vLLM's spec_decode_* counters (drafts verified, their tokens, the accepted ones, by position).
+        self.spec_drafts = Counter("jaxserve:spec_decode_num_drafts", "Speculative drafts verified (one per "
+                                   "request and step)", lbl, registry=r)
+        self.spec_draft_tokens = Counter("jaxserve:spec_decode_num_draft_tokens", "Draft tokens verified", lbl,
+                                         registry=r)
+        self.spec_accepted = Counter("jaxserve:spec_decode_num_accepted_tokens", "Draft tokens accepted", lbl,
+                                     registry=r)
+        self.spec_accepted_per_pos = Counter("jaxserve:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted at each position", lbl + ["position"], registry=r)
         self._lora_labels: tuple | None = None
         self._lora_child: Any = None
         self._last: SchedulerStats | None = None
@@ -173,11 +182,23 @@ class EngineMetrics:
         self._l(self.preemptions).inc(max(0, stats.num_preemptions - last.num_preemptions))
         if stats.max_loras:
             self._record_loras(stats)
+        if stats.spec_decoding is not None:
+            self._record_spec(stats.spec_decoding, last.spec_decoding)
         if runner_stats is not None:
             self._l(self.compiles).set(runner_stats.num_compiles)
             self._l(self.padding).set(runner_stats.padding_ratio)
             self.expert_load.totals = getattr(runner_stats, "expert_routed", None)
         self._last = stats
+
+    def _record_spec(self, now: SpecDecodingStats, before: SpecDecodingStats | None) -> None:
+        before = before or SpecDecodingStats()
+        self._l(self.spec_drafts).inc(now.num_drafts - before.num_drafts)
+        self._l(self.spec_draft_tokens).inc(now.num_draft_tokens - before.num_draft_tokens)
+        self._l(self.spec_accepted).inc(now.num_accepted_tokens - before.num_accepted_tokens)
+        old = before.num_accepted_tokens_per_pos
+        for pos in range(now.num_spec_tokens):  # every position exported, from 0 on
+            n = now.num_accepted_tokens_per_pos[pos] if pos < len(now.num_accepted_tokens_per_pos) else 0
+            self._l(self.spec_accepted_per_pos, position=str(pos)).inc(n - (old[pos] if pos < len(old) else 0))
 
     def _record_loras(self, stats: SchedulerStats) -> None:
         labels = (",".join(sorted(stats.running_lora_adapters)), ",".join(sorted(stats.waiting_lora_adapters)),

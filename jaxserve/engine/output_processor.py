@@ -298,10 +298,12 @@ class OutputProcessor:
         num_before = len(child.token_ids)
         child.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None and child.logprobs is not None:
-            ids, values, rank = out.new_logprobs
-            texts = child.logprob_text.position(ids) if child.logprob_text is not None else None
-            child.logprobs.append(self._logprob_dict(ids, values, rank, texts))
-            child.cumulative_logprob += values[0]
+            # Speculative decoding brings one row per token, a plain step one row.
+            rows = out.new_logprobs if isinstance(out.new_logprobs, list) else [out.new_logprobs]
+            for ids, values, rank in rows:
+                texts = child.logprob_text.position(ids) if child.logprob_text is not None else None
+                child.logprobs.append(self._logprob_dict(ids, values, rank, texts))
+                child.cumulative_logprob += values[0]
         if out.finish_reason is not None:
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
             child.finish_cause = finish_cause(out.finish_reason, out.stop_reason)

@@ -14,7 +14,8 @@ the engine becomes ready without them and compiles them in the background.
 
 Below ``min_tokens``, decode steps of a few requests may get their own buckets, the powers of two
 from ``min_decode_tokens`` (``small_decode``): on a CPU a padded row costs its whole matmul, so one
-stream in a 16-row bucket does 16 rows of work for one token. Like the midpoints they only save
+stream in a 16-row bucket does 16 rows of work for one token. With speculative decoding a decode
+step holds up to K+1 tokens a request, and the small buckets reach that far. Like the midpoints they only save
 padding and are compiled in the background (``deferred``).
 """
 
@@ -34,9 +35,14 @@ class BucketTable:
 
     @classmethod
     def build(cls, max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 16,
-              min_decode_tokens: int | None = None) -> BucketTable:
+              min_decode_tokens: int | None = None, decode_tokens_per_seq: int = 1) -> BucketTable:
+        # A decode step holds one token per request, or with K speculative drafts up to K+1: then
+        # the small buckets reach the power of two above max_num_seqs * (K+1).
+        reach = max_num_seqs
+        if decode_tokens_per_seq > 1:
+            reach = 1 << (max_num_seqs * decode_tokens_per_seq - 1).bit_length()
         small, t = [], min_decode_tokens or min_tokens
-        while t < min(min_tokens, max_num_batched_tokens) and t <= max_num_seqs:
+        while t < min(min_tokens, max_num_batched_tokens) and t <= reach:
             small.append(t)
             t *= 2
         buckets, midpoints, t = list(small), [], min_tokens

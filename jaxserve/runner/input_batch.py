@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.runner.step_inputs import ModelInputs
+from jaxserve.runner.step_inputs import ModelInputs, SpecInputs
 
 
 @dataclasses.dataclass
@@ -133,6 +133,7 @@ def build_step_arrays(
     num_rows: int,
     block_size: int,
     padding_slot: int,
+    num_drafts: list[int] | None = None,
 ) -> tuple[ModelInputs[np.ndarray], list[bool]]:
     """Model and attention inputs for one step (sampling arrays are added by the caller).
 
@@ -141,6 +142,8 @@ def build_step_arrays(
     flight: it is the token that request sampled in the previous step, at row ``prev_rows[r]`` of
     that step's output (-1: none), and the step reads it on the device. Returns the arrays and,
     per row, whether it samples (its prompt, or its recomputation after preemption, is complete).
+    ``num_drafts[r]``: speculative drafts the row verifies, written by the caller into its token
+    row right after its known tokens (not counted in ``num_tokens``).
     """
     t_pad, r_pad = token_bucket, num_rows
     r = len(slots)
@@ -165,7 +168,10 @@ def build_step_arrays(
     group_tables[:, :r] = batch.block_tables[:, slot]
     block_tables = group_tables[0]
 
-    known = pos < batch.num_tokens[tok_slot]
+    known_len = batch.num_tokens[tok_slot]
+    if num_drafts is not None:
+        known_len = known_len + np.asarray(num_drafts, np.int32).reshape(r)[row]
+    known = pos < known_len
     input_ids[:total] = np.where(known, batch.token_ids[tok_slot, pos], 0)
     if not known.all():
         prev = np.asarray(prev_rows, np.int32).reshape(r)[row]
@@ -203,6 +209,44 @@ def group_block_ids(block_ids: list[int] | tuple[list[int], ...], num_groups: in
     if len(groups) != num_groups:
         raise RuntimeError(f"block ids for {len(groups)} KV cache groups, the runner keeps {num_groups}")
     return groups
+
+
+def write_drafts(batch: PersistentBatch, slots: list[int], drafts: list[list[int]]) -> None:
+    """Each row's drafts into its token row after its known tokens (overwritten as it grows)."""
+    for slot, d in zip(slots, drafts):
+        if d:
+            n = int(batch.num_tokens[slot])
+            batch.token_ids[slot, n : n + len(d)] = d
+
+
+def build_spec_inputs(query_start_loc: np.ndarray, drafts: list[list[int]], num_rows: int,
+                      k: int, token_bucket: int) -> SpecInputs[np.ndarray]:
+    """Where each row is scored (its last d+1 scheduled tokens, the rows end to end) and its
+    drafts, padded to K; padding positions score token 0 for row 0, padding rows verify nothing."""
+    r = len(drafts)
+    num = np.zeros(num_rows, np.int32)
+    num[:r] = [len(d) for d in drafts]
+    ids = np.zeros((num_rows, k), np.int32)
+    for i, d in enumerate(drafts):
+        ids[i, : len(d)] = d
+    p_pad = min(token_bucket, num_rows * (k + 1))
+    per_row = num[:r] + 1
+    start = np.zeros(num_rows, np.int32)
+    start[1:r] = np.cumsum(per_row[:-1])
+    total = int(per_row.sum())
+    row = np.repeat(np.arange(r, dtype=np.int32), per_row)
+    offset = np.arange(total, dtype=np.int32) - start[row]
+    last = query_start_loc[1 : r + 1] - 1
+    indices = np.zeros(p_pad, np.int32)
+    indices[:total] = last[row] - num[row] + offset
+    rows = np.zeros(p_pad, np.int32)
+    rows[:total] = row
+    offsets = np.zeros(p_pad, np.int32)
+    offsets[:total] = offset
+    j = np.arange(k + 1, dtype=np.int32)
+    flat = start[:, None] + np.minimum(j[None, :], num[:, None])
+    return SpecInputs(logits_indices=indices, position_rows=rows, position_offsets=offsets,
+                      flat_index=flat.astype(np.int32), draft_token_ids=ids, num_draft_tokens=num)
 
 
 def single_group_block_ids(block_ids: list[int] | tuple[list[int], ...]) -> list[int]:

@@ -58,8 +58,10 @@ from jaxserve.runner.input_batch import (
     PersistentBatch,
     SlotAllocator,
     StepPlan,
+    build_spec_inputs,
     build_step_arrays,
     group_block_ids,
+    write_drafts,
 )
 from jaxserve.runner.inspection import PackedStep
 from jaxserve.runner.kv_cache import (
@@ -80,6 +82,8 @@ from jaxserve.runner.target import StepTarget
 from jaxserve.sample.metadata import SamplingMetadata, SamplingTable
 from jaxserve.sample.penalties import PenaltyTables, update_penalty_tables, uses_penalties, write_penalty_row
 from jaxserve.sample.sampler import SamplerOutput, sample
+from jaxserve.sample.spec_verify import position_rows, verified_output
+from jaxserve.spec_decode import NgramProposer
 
 logger = logging.getLogger("jaxserve")
 
@@ -160,6 +164,10 @@ def _with_shardings(tree, shardings):
     """Shapes of ``tree``'s arrays carrying ``shardings`` (a prefix of ``tree``); no memory."""
     return jax.tree.map(lambda s, sub: jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), sub), shardings, tree)
+
+
+def _can_draft(params: Any) -> bool:
+    return not uses_penalties(params) and getattr(params, "structured_outputs", None) is None
 
 
 class ModelRunner:
@@ -260,6 +268,11 @@ class ModelRunner:
                                 TPLayout.of(self.mc, self.config.tensor_parallel_size), self._place,
                                 abstract=self.target.is_abstract)
                      if lora.enable_lora else None)
+        # Speculative decoding: K (static, 0: off) and the n-gram proposer run after each step.
+        spec = config.spec_decode_config.spec
+        self.num_spec = 0 if spec is None else spec.num_speculative_tokens
+        self.proposer = (None if spec is None else
+                         NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max))
         self.prompt_logprobs = PromptLogprobsWorker(self.graphdef, self._split_args, self.num_logprobs,
                                                     self.target.sampler_policy(), self._replicated,
                                                     config.enforce_eager)
@@ -284,7 +297,8 @@ class ModelRunner:
         self.buckets = BucketTable.build(
             max_step_tokens(self.config, self.max_model_len, self.num_blocks), self.config.max_num_seqs,
             min_decode_tokens=self.config.compilation_config.resolved_min_decode_bucket(
-                self.target.platform, self.memory_weight_bytes()))
+                self.target.platform, self.memory_weight_bytes()),
+            decode_tokens_per_seq=self.num_spec + 1)
         abstract = self.target.is_abstract
         self.state = self._state_shapes(self.num_blocks) if abstract else self._allocate_state(self.num_blocks)
         # What a step is traced with: the state's shapes and placement, never its arrays, which
@@ -419,14 +433,25 @@ class ModelRunner:
         else:
             hidden, kv_cache = model(input_ids, state.kv_cache, x.attention_metadata(), attn_fn,
                                      *self._split_args, **extra)
-        logits = model.compute_logits(hidden[x.logits_indices], *self._split_args)
+        spec = inputs.spec
+        md, row_slots = inputs.sampling, x.row_slots
+        if spec is None:
+            logits = model.compute_logits(hidden[x.logits_indices], *self._split_args)
+        else:  # each row at its d+1 positions: one sampler row each (jaxserve.sample.spec_verify)
+            logits = model.compute_logits(hidden[spec.logits_indices], *self._split_args)
+            md = position_rows(md, spec.position_rows, spec.position_offsets)
+            row_slots, bitmask = row_slots[spec.position_rows], bitmask[spec.position_rows]
         penalties = update_penalty_tables(state.penalties, token_slots=x.token_slots, input_ids=input_ids,
                                           token_is_output=x.token_is_output)
-        out = sample(logits, inputs.sampling, penalties.output_counts,
-                     penalties.prompt_mask, max_num_logprobs=self.num_logprobs, row_slots=x.row_slots,
+        out = sample(logits, md, penalties.output_counts,
+                     penalties.prompt_mask, max_num_logprobs=self.num_logprobs, row_slots=row_slots,
                      need_logprobs=inputs.need_logprobs[0], token_bitmask=bitmask, use_bitmask=inputs.use_bitmask[0],
                      policy=self.target.sampler_policy(all_greedy))
-        prev_sampled = state.prev_sampled.at[: out.sampled_token_ids.shape[0]].set(out.sampled_token_ids)
+        last = out.sampled_token_ids
+        if spec is not None:
+            out, num = verified_output(out, spec.flat_index, spec.draft_token_ids, spec.num_draft_tokens)
+            last = jnp.take_along_axis(out.sampled_token_ids, (num - 1)[:, None], axis=1)[:, 0]
+        prev_sampled = state.prev_sampled.at[: last.shape[0]].set(last)
         return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden, expert_load)
 
     def _layer_groups(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -449,8 +474,9 @@ class ModelRunner:
         model, _ = build_step_arrays(self.batch, [], [], [], [], bucket, rows, self.block_size,
                                      self.slots.padding_slot)
         lora_slots = np.full(bucket, -1, np.int32) if self.lora is not None else None
+        spec = build_spec_inputs(model.query_start_loc, [], rows, self.num_spec, bucket) if self.num_spec else None
         return StepArrays(model, SamplingMetadata.from_arrays(self.sampling_table.padding(rows)),
-                          need_logprobs=flag(False), use_bitmask=flag(False), lora_slot_ids=lora_slots)
+                          need_logprobs=flag(False), use_bitmask=flag(False), lora_slot_ids=lora_slots, spec=spec)
 
     def variants(self) -> list[StepVariant]:
         """Every step variant compiled at warm-up: per token bucket, a decode-only one for the
@@ -710,18 +736,26 @@ class ModelRunner:
             raise RuntimeError("runner state out of sync: a slot's token row disagrees with its request")
         starts = [s.num_computed_tokens for s in states]
         prev = [self._prev_row_of.get(r, -1) for r in req_ids]
+        drafts = [so.scheduled_spec_decode_tokens.get(r, []) for r in req_ids] if self.num_spec else None
+        if drafts is not None:
+            write_drafts(self.batch, slots, drafts)
+        num_drafts = None if drafts is None else [len(d) for d in drafts]
         model, samples = build_step_arrays(self.batch, slots, starts, counts, prev, bucket, rows,
-                                           self.block_size, self.slots.padding_slot)
+                                           self.block_size, self.slots.padding_slot, num_drafts)
         # A row's draw is keyed by how many tokens its request generated before it; with async
-        # scheduling the host may not have the last of them yet, so count from the positions.
-        generated = [max(0, c + n - s.num_prompt_tokens) for s, c, n in zip(states, starts, counts)]
+        # scheduling the host may not have the last of them yet, so count from the positions
+        # (which end with the row's drafts, if any).
+        generated = [max(0, c + n - s.num_prompt_tokens - (num_drafts[i] if num_drafts else 0))
+                     for i, (s, c, n) in enumerate(zip(states, starts, counts))]
         want_logprobs = any(s.sampling_params.logprobs is not None for s, ok in zip(states, samples) if ok)
         sampling = SamplingMetadata.from_arrays(self.sampling_table.gather(model.row_slots, generated))
         # each token's adapter slot, the new adapters written first
         lora_slots = self.lora.token_slots(req_ids, counts, bucket) if self.lora is not None else None
         # use_bitmask stays off until launch knows whether a bitmask comes with the step.
+        spec = (None if drafts is None else
+                build_spec_inputs(model.query_start_loc, drafts, rows, self.num_spec, bucket))
         inputs = StepArrays(model, sampling, need_logprobs=flag(want_logprobs), use_bitmask=flag(False),
-                            lora_slot_ids=lora_slots)
+                            lora_slot_ids=lora_slots, spec=spec)
         plan = StepPlan(req_ids, total, bucket, samples, want_logprobs)
         return inputs, plan, states
 
@@ -736,9 +770,10 @@ class ModelRunner:
             sampled = np.asarray(out.sampled_token_ids)
         self.stats.device_wait_seconds += time.perf_counter() - start
         sampled_lists: list[list[int]] = []
-        logprob_rows: list[tuple[list[int], list[float], int] | None] = []
+        logprob_rows: list[Any] = []
         prompt_logprobs: dict[str, list] = {}
         live_slots, live_tokens = [], []
+        spec = self.num_spec > 0  # then each row is [K+1] ids, placeholders (-1) past the emitted ones
         tokens = sampled[: len(states)].tolist()
         for i, (state, ok, token) in enumerate(zip(states, plan.samples, tokens)):
             # num_computed_tokens is not advanced here: the scheduler's count arrives with the next
@@ -747,21 +782,43 @@ class ModelRunner:
                 sampled_lists.append([])
                 logprob_rows.append(None)
                 continue
-            state.output_token_ids.append(token)
+            emitted = [t for t in token if t >= 0] if spec else [token]
+            state.output_token_ids.extend(emitted)
             if self.requests.get(state.req_id) is state:  # else finished or preempted meanwhile: its
                 live_slots.append(state.slot)  # slot may already hold another request
-                live_tokens.append(token)
-            sampled_lists.append([token])
+                live_tokens.append(emitted)
+            sampled_lists.append(emitted)
             rows = PromptLogprobsWorker.deliver(state)
             if rows is not None:
                 prompt_logprobs[state.req_id] = rows
             k = state.sampling_params.logprobs
             if k is None:
                 logprob_rows.append(None)
+            elif spec:  # one row per emitted token (EngineCoreOutput.new_logprobs takes a list)
+                logprob_rows.append([(logprob_ids[i, j, : k + 1].tolist(), logprobs[i, j, : k + 1].tolist(),
+                                      int(ranks[i, j])) for j in range(len(emitted))])
             else:
                 logprob_rows.append((logprob_ids[i, : k + 1].tolist(), logprobs[i, : k + 1].tolist(), int(ranks[i])))
-        self.batch.append_tokens(live_slots, live_tokens)
+        for j in range(max(map(len, live_tokens), default=0)):  # column by column: one scatter each
+            col = [(s, t[j]) for s, t in zip(live_slots, live_tokens) if len(t) > j]
+            self.batch.append_tokens([s for s, _ in col], [t for _, t in col])
         return ModelRunnerOutput(
             req_ids=plan.req_ids, req_id_to_index={r: i for i, r in enumerate(plan.req_ids)},
             sampled_token_ids=sampled_lists, logprobs=logprob_rows if want_logprobs else None,
-            prompt_logprobs_dict=prompt_logprobs)
+            prompt_logprobs_dict=prompt_logprobs,
+            spec_token_ids=self._propose(states, sampled_lists) if self.proposer is not None else None)
+
+    def _propose(self, states: list[CachedRequestState], sampled: list[list[int]]) -> list[list[int]]:
+        """The n-gram drafts for the next step, from each live row's known tokens (prompt and
+        outputs). Rows whose next token depends on more than its position get none (penalties
+        count the tokens before it; a grammar's bitmask is known for the first position only)."""
+        assert self.proposer is not None
+        out: list[list[int]] = [[] for _ in states]
+        rows = [i for i, (state, toks) in enumerate(zip(states, sampled))
+                if toks and self.requests.get(state.req_id) is state and _can_draft(state.sampling_params)]
+        if rows:
+            slots = [states[i].slot for i in rows]
+            contexts = [self.batch.token_ids[s, : self.batch.num_tokens[s]] for s in slots]
+            for i, drafts in zip(rows, self.proposer.propose(contexts)):
+                out[i] = drafts
+        return out

@@ -67,6 +67,22 @@ class ModelInputs(Generic[Array]):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class SpecInputs(Generic[Array]):
+    """Speculative decoding (K drafts at most, static): where each row is scored and what it
+    verifies. A row's drafts are its last ``num_draft_tokens`` scheduled tokens; it is scored at
+    its last d+1 tokens, the rows' positions laid end to end (``P = min(T, R*(K+1))`` of them: each
+    is a scheduled token)."""
+
+    logits_indices: Array  # i32[P] each scored position's token; 0 for padding
+    position_rows: Array  # i32[P] its row
+    position_offsets: Array  # i32[P] its j (0 at the row's last known token)
+    flat_index: Array  # i32[R, K+1] row r's position j among the P (its last one past its drafts)
+    draft_token_ids: Array  # i32[R, K] the drafts (0 past num_draft_tokens)
+    num_draft_tokens: Array  # i32[R] 0..K
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class StepArrays(Generic[Array]):
     """Everything one compiled step reads besides the device state and the structured-output
     bitmask (which stays a separate argument, often an on-device constant)."""
@@ -76,6 +92,7 @@ class StepArrays(Generic[Array]):
     need_logprobs: Array  # bool[1] some sampling row asks for logprobs
     use_bitmask: Array  # bool[1] the bitmask argument holds real masks (set at launch)
     lora_slot_ids: Array | None = None  # i32[T] each token's adapter slot, -1: the base model; None without LoRA
+    spec: SpecInputs[Array] | None = None  # None: speculative decoding off
 
     @property
     def num_rows(self) -> int:

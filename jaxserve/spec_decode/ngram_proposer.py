@@ -25,7 +25,7 @@ class NgramProposer:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
-    def propose(self, contexts: Sequence[Sequence[int]]) -> list[list[int]]:
+    def propose(self, contexts: Sequence[Sequence[int] | np.ndarray]) -> list[list[int]]:
         """Drafts (0..K ids) for each context (a request's known tokens)."""
         b = len(contexts)
         if b == 0:

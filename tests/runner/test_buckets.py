@@ -44,3 +44,14 @@ def test_small_decode_buckets_below_16_up_to_max_num_seqs_and_deferred():
     assert BucketTable.build(256, max_num_seqs=64, min_decode_tokens=16).small_decode == ()
     assert BucketTable.build(256, max_num_seqs=64).token_buckets[0] == 16
 
+
+
+def test_small_decode_buckets_hold_k_plus_one_tokens_a_request_when_speculating():
+    # K=4 drafts: one stream's decode step has up to 5 tokens, so it gets the 8 bucket, not 16.
+    one = BucketTable.build(256, max_num_seqs=1, min_decode_tokens=1, decode_tokens_per_seq=5)
+    assert one.small_decode == (1, 2, 4, 8) and one.pick(5) == 8
+    assert BucketTable.build(256, max_num_seqs=1, min_decode_tokens=1).small_decode == (1,)
+    assert BucketTable.build(256, max_num_seqs=2, min_decode_tokens=1, decode_tokens_per_seq=3).small_decode == \
+        (1, 2, 4, 8)
+    assert BucketTable.build(256, max_num_seqs=64, min_decode_tokens=1, decode_tokens_per_seq=5).small_decode == \
+        (1, 2, 4, 8)

@@ -140,3 +140,19 @@ def test_each_kv_group_gets_its_own_tables_and_slots():
     np.testing.assert_array_equal(arrays.block_tables, arrays.group_block_tables[0])
     np.testing.assert_array_equal(arrays.slot_mapping, arrays.group_slot_mapping[0])
     assert not np.array_equal(arrays.group_slot_mapping[0], arrays.group_slot_mapping[1])
+
+
+def test_spec_inputs_lay_the_scored_positions_end_to_end():
+    from jaxserve.runner.input_batch import build_spec_inputs
+
+    # three rows of 1, 4 and 3 scheduled tokens with 0, 3 and 2 drafts; K=3, bucket 16, 4 rows
+    qsl = np.array([0, 1, 5, 8, 8], np.int32)
+    spec = build_spec_inputs(qsl, [[], [7, 8, 9], [5, 6]], 4, 3, 16)
+    assert spec.logits_indices.tolist() == [0, 1, 2, 3, 4, 5, 6, 7] + [0] * 8  # P = min(16, 4 * 4)
+    assert spec.position_rows[:8].tolist() == [0, 1, 1, 1, 1, 2, 2, 2]
+    assert spec.position_offsets[:8].tolist() == [0, 0, 1, 2, 3, 0, 1, 2]
+    assert spec.flat_index.tolist() == [[0, 0, 0, 0], [1, 2, 3, 4], [5, 6, 7, 7], [0, 0, 0, 0]]
+    assert spec.num_draft_tokens.tolist() == [0, 3, 2, 0]
+    assert spec.draft_token_ids.tolist() == [[0, 0, 0], [7, 8, 9], [5, 6, 0], [0, 0, 0]]
+    # never more positions than rows can hold
+    assert build_spec_inputs(qsl, [[], [7, 8, 9], [5, 6]], 4, 3, 64).logits_indices.shape == (16,)

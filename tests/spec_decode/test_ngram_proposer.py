@@ -4,8 +4,9 @@ import random
 
 import pytest
 
+from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.exceptions import ConfigError
-from jaxserve.spec_decode import NgramProposer, SpeculativeConfig
+from jaxserve.spec_decode import NgramProposer
 
 
 def reference(ctx, k, lo, hi):

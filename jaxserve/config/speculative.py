@@ -1,11 +1,18 @@
-"""``--speculative-config`` / ``LLM(speculative_config=...)``: vLLM's JSON keys, checked by name."""
+"""Speculative decoding (vLLM's ``--speculative-config`` / ``LLM(speculative_config=...)``).
+
+``SpecDecodeConfig`` is the engine's sub-configuration: one field holding vLLM's JSON (text on the
+command line, a dict offline), parsed and checked by name when the configuration is built, into the
+frozen ``SpeculativeConfig`` the scheduler and the runner read.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve.config.base import SubConfig
 from jaxserve.exceptions import ConfigError
 
 METHODS = ("ngram",)  # draft_model, eagle, eagle3, mtp: not built yet, refused by name
@@ -56,3 +63,25 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config.prompt_lookup_min={lo} is above "
                               f"prompt_lookup_max={hi}")
         return cls(method, k, hi, lo)
+
+
+@dataclasses.dataclass
+class SpecDecodeConfig(SubConfig):
+    speculative_config: str | dict[str, Any] | None = None
+    """Speculative decoding as vLLM's JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2, "prompt_lookup_max": 5}; default: off. Only ngram is built."""
+
+    def validate(self) -> None:
+        parsed = SpeculativeConfig.parse(self.speculative_config)
+        # Kept as canonical JSON text: one form for the flag, the copies and the comparisons.
+        self.speculative_config = None if parsed is None else json.dumps(dataclasses.asdict(parsed))
+
+    @property
+    def spec(self) -> SpeculativeConfig | None:
+        """The parsed configuration; None: speculation off."""
+        return SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        spec = self.spec
+        return 0 if spec is None else spec.num_speculative_tokens

@@ -1,0 +1,171 @@
+"""Speculative decoding (n-gram) end to end on the demo model: greedy output and logprobs equal
+the plain engine's, also under preemption, prefix hits and chunked prefill; seeded random rows
+draw the plain engine's tokens; no compile after warm-up; no KV block leaks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from tests.shapes import ENGINE_TESTS_SHAPE
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def plain(demo_model):
+    return LLM(demo_model, show_progress=False, **ENGINE_TESTS_SHAPE)
+
+
+@pytest.fixture(scope="module")
+def spec(demo_model):
+    return LLM(demo_model, show_progress=False, speculative_config=NGRAM, **ENGINE_TESTS_SHAPE)
+
+
+def repetitive_prompts(n: int, seed: int, period: int = 7, repeats: int = 3) -> list[dict]:
+    """Copy-heavy prompts (a random phrase said again), so the proposer finds drafts."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        phrase = rng.integers(3, 1000, period).tolist()
+        out.append({"prompt_token_ids": phrase * repeats + phrase[: int(rng.integers(1, period))]})
+    return out
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_pool_empty(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_gpu_blocks"] - 1
+
+
+def spec_stats(llm: LLM):
+    return llm.llm_engine.core.scheduler.spec_decoding_stats
+
+
+def test_greedy_and_logprobs_equal_plain_without_recompiles(plain, spec):
+    compiles = spec.stats()["compile_num_compiles"]
+    assert compiles == len(spec.stats()["token_buckets"])
+    assert spec.llm_engine.core.scheduler.scheduler_config.async_scheduling is False  # see engine_core
+    before = spec_stats(spec).num_accepted_tokens
+    prompts = repetitive_prompts(6, seed=0)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3)
+    want, got = plain.generate(prompts, params, use_tqdm=False), spec.generate(prompts, params, use_tqdm=False)
+    assert token_ids(got) == token_ids(want)
+    for w, g in zip(want, got):
+        wl, gl = w.outputs[0].logprobs, g.outputs[0].logprobs
+        assert len(gl) == len(wl) == 30
+        for a, b in zip(wl, gl):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank for t in a)
+        assert abs(w.outputs[0].cumulative_logprob - g.outputs[0].cumulative_logprob) < 1e-3
+    stats = spec_stats(spec)
+    assert stats.num_accepted_tokens - before > 30  # drafts were accepted: fewer steps than tokens
+    assert stats.num_accepted_tokens_per_pos[0] >= max(stats.num_accepted_tokens_per_pos)
+    assert spec.stats()["compile_num_compiles"] == compiles
+    assert spec.stats()["compile_unexpected_compiles"] == 0
+    assert_pool_empty(spec)
+
+
+def test_mixed_batch_seeded_random_and_penalties(plain, spec):
+    """Seeded random rows draw each token with the plain step's key; a penalised row gets no
+    drafts (its penalties count the tokens before each position) and is served plainly."""
+    prompts = repetitive_prompts(4, seed=1)
+    params = [SamplingParams(temperature=0.8, seed=7 + i, max_tokens=25, ignore_eos=True) for i in range(3)]
+    params.append(SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=25, ignore_eos=True))
+    assert token_ids(spec.generate(prompts, params, use_tqdm=False)) == \
+        token_ids(plain.generate(prompts, params, use_tqdm=False))
+    assert_pool_empty(spec)
+
+
+def test_min_tokens_parallel_sampling_and_a_grammar(plain, spec):
+    """min_tokens masks each scored position by its own count; n=2 children speculate apart; a
+    constrained request (no drafts: its bitmask is known for the first position only) follows
+    its grammar as in the plain engine."""
+    from jaxserve import StructuredOutputsParams
+
+    prompts = repetitive_prompts(3, seed=5)
+    eos = plain.llm_engine.tokenizer.eos_token_id
+    params = [SamplingParams(temperature=0, min_tokens=12, max_tokens=30, stop_token_ids=[eos]),
+              SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20,
+                             structured_outputs=StructuredOutputsParams(regex="[0-9]{3}-[a-z]{4}"))]
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+    assert len(got[0].outputs[0].token_ids) >= 12
+    assert len(got[2].outputs[0].text) == 8 and got[2].outputs[0].text[3] == "-"
+    assert_pool_empty(spec)
+
+
+def test_chunked_prefill_and_preemption(plain, spec):
+    # Prompts longer than the 64-token budget are chunked; 16 of them at up to ~200 tokens each
+    # overflow the 160-block pool, so requests are preempted and recomputed.
+    prompts = repetitive_prompts(16, seed=2, period=20, repeats=4)
+    params = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)
+    want = token_ids(plain.generate(prompts, params, use_tqdm=False))
+    core = spec.llm_engine.core
+    preemptions = core.scheduler.num_preemptions
+    assert token_ids(spec.generate(prompts, params, use_tqdm=False)) == want
+    assert core.scheduler.num_preemptions > preemptions
+    assert_pool_empty(spec)
+
+
+def test_prefix_hits(plain, spec):
+    prompts = repetitive_prompts(3, seed=3, period=16, repeats=4)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = token_ids(plain.generate(prompts, params, use_tqdm=False))
+    assert token_ids(spec.generate(prompts, params, use_tqdm=False)) == want
+    again = spec.generate(prompts, params, use_tqdm=False)  # the prompts' blocks come from the cache
+    assert all(o.num_cached_tokens >= 48 for o in again)
+    assert token_ids(again) == want
+    assert_pool_empty(spec)
+
+
+def test_metrics(spec):
+    spec.generate(repetitive_prompts(4, seed=4), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                  use_tqdm=False)
+    stats = spec_stats(spec)
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    metrics = {(m.name, (m.labels or {}).get("position")): m.value for m in spec.get_metrics()
+               if m.name.startswith("jaxserve:spec_decode") and (m.labels or {}).get("engine") != "total"}
+    assert metrics[("jaxserve:spec_decode_num_drafts_total", None)] == stats.num_drafts
+    assert metrics[("jaxserve:spec_decode_num_draft_tokens_total", None)] == stats.num_draft_tokens
+    assert metrics[("jaxserve:spec_decode_num_accepted_tokens_total", None)] == stats.num_accepted_tokens
+    per_pos = [metrics[("jaxserve:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(3)]
+    padded = stats.num_accepted_tokens_per_pos + [0] * (3 - len(stats.num_accepted_tokens_per_pos))
+    assert per_pos == padded and sum(per_pos) == stats.num_accepted_tokens
+    text = spec.llm_engine.metrics.render().decode()
+    assert 'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{engine="0"' in text
+
+
+def test_async_llm_streams_several_tokens_a_step(plain, spec):
+    """The serving path (AsyncLLM over the same engine): a step may bring the accepted drafts and
+    one token at once; the stream ends with the plain engine's tokens and logprobs."""
+    import asyncio
+
+    from jaxserve import AsyncLLM
+
+    prompt = repetitive_prompts(1, seed=6)[0]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    want = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    async_llm = AsyncLLM(spec.llm_engine)
+    deltas: list[list[int]] = []
+    logprobs: list = []
+
+    async def main():  # AsyncLLM streams deltas, as the server does
+        async for out in async_llm.generate(prompt, params, "stream-1"):
+            deltas.append(list(out.outputs[0].token_ids))
+            logprobs.extend(out.outputs[0].logprobs)
+
+    try:
+        asyncio.run(main())
+    finally:
+        async_llm.shutdown()
+    assert [t for d in deltas for t in d] == want.token_ids
+    assert [sorted(lp) for lp in logprobs] == [sorted(lp) for lp in want.logprobs]
+    assert max(map(len, deltas)) > 1  # some update carried several tokens

@@ -1,0 +1,46 @@
+"""``speculative_config`` as an engine field: a dict offline, JSON text on the command line, checked
+by name when the configuration is built, with vLLM's names."""
+
+import argparse
+import json
+
+import pytest
+
+from jaxserve.config import EngineConfig, SpeculativeConfig
+from jaxserve.exceptions import ConfigError
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def test_dict_and_flag_give_the_same_config():
+    config = EngineConfig(speculative_config=NGRAM)
+    assert config.spec_decode_config.spec == SpeculativeConfig("ngram", 3, 4, 2)
+    assert json.loads(config.speculative_config) == NGRAM
+    assert config.spec_decode_config.num_speculative_tokens == 3
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args(["--speculative-config", json.dumps(NGRAM)])
+    assert EngineConfig.from_cli_args(args).spec_decode_config.spec == config.spec_decode_config.spec
+    # The generated flags give the configuration back.
+    again = EngineConfig.from_cli_args(parser.parse_args(config.cli_flags()))
+    assert again.spec_decode_config.spec == config.spec_decode_config.spec
+    assert EngineConfig().spec_decode_config.spec is None
+    assert EngineConfig().spec_decode_config.num_speculative_tokens == 0
+
+
+@pytest.mark.parametrize("value, words", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
+     "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "draft_tensor_parallel_size"),
+    ("{not json", "JSON"),
+])
+def test_bad_values_are_refused_by_name(value, words):
+    with pytest.raises(ConfigError, match=words):
+        EngineConfig(speculative_config=value)
+
+
+def test_pooling_runner_refuses_speculation():
+    with pytest.raises(ConfigError, match="speculative_config.*pooling"):
+        EngineConfig(speculative_config=NGRAM, runner="pooling")
