@@ -63,14 +63,18 @@ def paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     mesh: Mesh | None = None,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attend ``q [T, Hq, D]`` over this layer's pages; returns ``(out, k_pool, v_pool)``.
+    ``sinks [Hq]``: attention-sink logits (gpt-oss), passed to the backends that take them only.
 
     ``k_pool``/``v_pool`` are the all-layer pools viewed as ``[L * num_blocks, block_size, Hkv, D]``.
     ``mesh``: split over its devices on the head axis (``Hq`` and ``Hkv`` both divisible by its size).
     """
-    run = functools.partial(_write_and_attend, num_blocks=num_blocks, attn_fn=attn_fn, sm_scale=sm_scale,
-                            sliding_window=sliding_window)
+    if sinks is not None:  # only sink-aware backends see the keyword (runner: SINK_BACKENDS)
+        attn_fn = functools.partial(attn_fn, sinks=sinks)
+    run: Callable[..., tuple[jax.Array, jax.Array, jax.Array]] = functools.partial(
+        _write_and_attend, num_blocks=num_blocks, attn_fn=attn_fn, sm_scale=sm_scale, sliding_window=sliding_window)
     if mesh is not None and mesh.size > 1:
         heads = PartitionSpec(None, mesh.axis_names, None)
         pool = PartitionSpec(None, None, mesh.axis_names, None)

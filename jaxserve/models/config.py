@@ -74,6 +74,10 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale 1 / sqrt(this); None: head_dim
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     local_rope: RopeConfig | None = None  # the sliding layers' own rotary (rope_local_base_freq); None: rope
+    # gpt-oss: a learned per-head logit in each attention's softmax denominator (attention sinks)
+    attention_sinks: bool = False
+    # gpt-oss's experts: (alpha, limit) of its clamped SwiGLU, with biased router and experts; None: SwiGLU
+    clamped_swiglu: tuple[float, float] | None = None
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -106,6 +110,10 @@ class ModelConfig:
         from jaxserve.models.registry import resolve_architecture
 
         arch = resolve_architecture(cfg.get("architectures"))
+        method = (cfg.get("quantization_config") or {}).get("quant_method")
+        if arch == "GptOssForCausalLM" and method is not None:  # the hub's gpt-oss ships its experts in MXFP4
+            raise ConfigError(f"config.json: gpt-oss quantization_config {method!r} is not supported (bf16/float32 "
+                              "checkpoints only)")
         heads = _required(cfg, "num_attention_heads")
         hidden = _required(cfg, "hidden_size")
         head_dim = cfg.get("head_dim") or hidden // heads
@@ -202,6 +210,12 @@ def _rope_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The experts of a MoE checkpoint: Mixtral names them ``num_local_experts`` (its
     ``intermediate_size`` is the experts'), Qwen3-MoE ``num_experts`` (``moe_intermediate_size``)."""
+    if arch == "GptOssForCausalLM":
+        return dict(num_experts=_required(cfg, "num_local_experts"),
+                    num_experts_per_tok=_required(cfg, "num_experts_per_tok"),
+                    moe_intermediate_size=_required(cfg, "intermediate_size"), norm_topk_prob=True,
+                    attention_sinks=True,
+                    clamped_swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))))
     if arch == "MixtralForCausalLM":
         return dict(num_experts=_required(cfg, "num_local_experts"),
                     num_experts_per_tok=_required(cfg, "num_experts_per_tok"),

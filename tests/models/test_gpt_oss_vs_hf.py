@@ -1,0 +1,61 @@
+"""gpt-oss (GptOssForCausalLM) against transformers on a tiny random checkpoint: sliding and full
+layers alternating, attention sinks, the biased router and experts with the clamped SwiGLU (the
+checkpoint's interleaved gate/up columns). Logits over chunks that cross the window, then greedy
+decoding; what is refused by name (MXFP4, other attention backends, tensor parallelism)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxserve.exceptions import ConfigError
+from jaxserve.models import ModelConfig, load_model
+from jaxserve.runner.model_runner import resolve_attention_backend
+from tests.models.paged_sequence import PagedSequence, prompt
+from tests.models.test_model_vs_hf import hf_greedy, hf_logits
+from tests.tiny_models import build_tiny_checkpoint
+
+ARCH = "GptOssForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    # initializer_range 0.2: routers far from uniform and sinks of either sign, so each shows in the logits
+    return str(build_tiny_checkpoint(tmp_path_factory.mktemp("gpt_oss") / ARCH, ARCH, seed=5,
+                                     initializer_range=0.2))
+
+
+def test_logits_and_greedy_match_transformers(folder):
+    model = load_model(folder)
+    cfg = model.config
+    assert cfg.layer_windows == (12, None) and cfg.attention_sinks and cfg.is_moe
+    assert cfg.clamped_swiglu == (1.702, 7.0) and cfg.o_proj_bias
+    ids = prompt(40, seed=2)
+    theirs = hf_logits(folder, ids)
+    seq = PagedSequence(model)
+    parts = [seq.feed(ids[:17]), seq.feed(ids[17:])]  # the second chunk starts mid-block, past the window
+    np.testing.assert_allclose(np.concatenate(parts), theirs, atol=2e-4, rtol=0)
+    ours, logits = [], parts[-1]
+    for _ in range(6):
+        ours.append(int(logits[-1].argmax()))
+        logits = seq.feed([ours[-1]])
+    assert ours == hf_greedy(folder, ids, 6)
+
+
+def test_refusals(folder):
+    raw = json.loads(Path(folder, "config.json").read_text())
+    with pytest.raises(ConfigError, match="mxfp4"):
+        ModelConfig.from_dict({**raw, "quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.raises(ConfigError, match="yarn"):  # the hub's checkpoints' rope
+        ModelConfig.from_dict({**raw, "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 1.5e5}})
+    cfg = ModelConfig.from_pretrained(Path(folder))
+    assert resolve_attention_backend("auto", "cpu", mc=cfg) == "xla"
+    assert resolve_attention_backend("xla", "cpu", mc=cfg) == "xla"
+    for backend in ("cpu", "pallas", "mosaic"):
+        with pytest.raises(ConfigError, match=f"{backend} has no attention sinks"):
+            resolve_attention_backend(backend, "cpu", mc=cfg)
+    with pytest.raises(ConfigError, match="attention sinks"):
+        load_model(folder, tensor_parallel_size=2)
