@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +242,24 @@ def _required(cfg: dict[str, Any], key: str) -> Any:
     return cfg[key]
 
 
+def _parse_yarn(cfg: dict[str, Any], params: dict[str, Any], theta: float) -> RopeConfig:
+    """YaRN as transformers reads it: ``factor`` (default: the context over the original one) and
+    ``attention_factor`` (default: ``0.1 * ln(factor) + 1``, or the ``mscale`` ratio when both are set)."""
+    original = int(_required(params, "original_max_position_embeddings"))
+    factor = float(params.get("factor") or int(cfg.get("max_position_embeddings", original)) / original)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeConfig(theta=theta, rope_type="yarn", factor=factor, original_max_position_embeddings=original,
+                      beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                      truncate=bool(params.get("truncate", True)), attention_factor=float(attention))
+
+
 def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     # transformers 5 puts theta and scaling in rope_parameters; the hub form splits them.
     params = dict(cfg.get("rope_parameters") or {})
@@ -248,12 +267,15 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     params = {**scaling, **params}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in ("default", "llama3", "linear"):
-        raise ConfigError(f"config.json: rope type {rope_type!r} is not supported (supported: default, llama3, linear)")
+    if rope_type not in ("default", "llama3", "linear", "yarn"):
+        raise ConfigError(f"config.json: rope type {rope_type!r} is not supported (supported: default, llama3, linear, "
+                          "yarn)")
     if rope_type == "default":
         return RopeConfig(theta=float(theta))
     if rope_type == "linear":
         return RopeConfig(theta=float(theta), rope_type="linear", factor=float(params["factor"]))
+    if rope_type == "yarn":
+        return _parse_yarn(cfg, params, float(theta))
     return RopeConfig(
         theta=float(theta),
         rope_type="llama3",

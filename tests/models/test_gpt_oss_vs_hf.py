@@ -33,6 +33,7 @@ def test_logits_and_greedy_match_transformers(folder):
     cfg = model.config
     assert cfg.layer_windows == (12, None) and cfg.attention_sinks and cfg.is_moe
     assert cfg.clamped_swiglu == (1.702, 7.0) and cfg.o_proj_bias
+    assert cfg.rope.rope_type == "yarn" and not cfg.rope.truncate and cfg.rope.attention_factor > 1.3
     ids = prompt(40, seed=2)
     theirs = hf_logits(folder, ids)
     seq = PagedSequence(model)
@@ -49,8 +50,6 @@ def test_refusals(folder):
     raw = json.loads(Path(folder, "config.json").read_text())
     with pytest.raises(ConfigError, match="mxfp4"):
         ModelConfig.from_dict({**raw, "quantization_config": {"quant_method": "mxfp4"}})
-    with pytest.raises(ConfigError, match="yarn"):  # the hub's checkpoints' rope
-        ModelConfig.from_dict({**raw, "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 1.5e5}})
     cfg = ModelConfig.from_pretrained(Path(folder))
     assert resolve_attention_backend("auto", "cpu", mc=cfg) == "xla"
     assert resolve_attention_backend("xla", "cpu", mc=cfg) == "xla"
@@ -59,3 +58,24 @@ def test_refusals(folder):
             resolve_attention_backend(backend, "cpu", mc=cfg)
     with pytest.raises(ConfigError, match="attention sinks"):
         load_model(folder, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("params", [
+    {},  # gpt-oss's own: factor 32 over 4096 positions, truncate false
+    {"truncate": True, "factor": 4.0, "original_max_position_embeddings": 2048, "rope_theta": 10_000.0},
+    {"mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16.0, "beta_slow": 2.0},
+    {"attention_factor": 0.9},
+], ids=["gpt_oss", "truncated", "mscale", "attention_factor"])
+def test_yarn_matches_transformers(params):
+    """The yarn frequencies and their cos/sin scale against transformers' own computation."""
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jaxserve.layers.rotary import rope_inv_freq
+
+    base = GptOssConfig().rope_parameters
+    hf = GptOssConfig(head_dim=64, rope_parameters={**base, **params})
+    want_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    ours = ModelConfig.from_dict({**hf.to_dict(), "architectures": [ARCH]})
+    np.testing.assert_allclose(rope_inv_freq(ours.rope, 64), want_freq.numpy(), rtol=1e-6)
+    assert ours.rope.attention_factor == pytest.approx(want_factor, rel=1e-6)
