@@ -106,7 +106,7 @@ InFlightStep = RunnerStep
 
 
 # The attention backends that take attention sinks (a model with them is refused any other).
-SINK_BACKENDS = ("xla",)
+SINK_BACKENDS = ("xla", "cpu")
 
 
 def resolve_attention_backend(requested: str, platform: str | None = None, dtype: str = "float32", *,
@@ -117,11 +117,15 @@ def resolve_attention_backend(requested: str, platform: str | None = None, dtype
     built in or registered. ``mosaic`` needs a model it supports (``mc``); ``auto`` picks it on an
     sm_90 GPU when the model fits it and its self-check passes there over the pool's dtype
     (``--kv-cache-dtype``; a compile-only target cannot run it: unchecked)."""
-    if mc is not None and mc.attention_sinks:  # gpt-oss: only the jnp backend folds the sinks in
+    if mc is not None and mc.attention_sinks:  # gpt-oss: only some backends fold the sinks in
         if requested not in ("auto", *SINK_BACKENDS):
             raise ConfigError(f"attention_backend: {requested} has no attention sinks, which this model "
                               f"({mc.architecture}) needs; use one of {', '.join(SINK_BACKENDS)}")
-        return SINK_BACKENDS[0]
+        if requested != "auto":
+            return requested
+        on_cpu = (platform or jax.default_backend()) == "cpu"
+        ok = on_cpu and pallas_kernels.cpu_attention_available(envs.kernel_build_dir())[0]
+        return "cpu" if ok and backend_takes("cpu", dtype) else "xla"
     if requested != "auto":
         if requested not in pallas_kernels.available_backends():
             raise ConfigError(f"attention_backend: not built in nor registered in this process (known: "

@@ -32,14 +32,14 @@ MODELS = {
                                              layer_types=LAYER_TYPES, max_window_layers=0), 4, 31),
     # 15 + 5 x 7 for the same request (each local layer is its own group)
     "gemma3": ("Gemma3ForCausalLM", dict(sliding_window=WINDOW), 6, 61),
-    # gpt-oss's alternation with attention sinks and its experts, on the xla backend (the only one with sinks)
+    # gpt-oss's alternation with attention sinks and its experts (auto: the cpu kernel, or xla)
     "gpt_oss": ("GptOssForCausalLM", dict(num_hidden_layers=4, sliding_window=WINDOW, layer_types=LAYER_TYPES,
                                           initializer_range=0.2), 4, 31),
 }
 
 
-# Gemma 3's case compiles a 6-layer unrolled model with six groups, gpt-oss's runs 8 experts densely
-# and the xla attention: about a minute each on the loaded machine.
+# Gemma 3's case compiles a 6-layer unrolled model with six groups, gpt-oss's runs 8 experts densely:
+# about a minute each on the loaded machine.
 @pytest.fixture(scope="module", params=[
     "alternating", pytest.param("gemma3", marks=pytest.mark.slow),
     pytest.param("gpt_oss", marks=pytest.mark.slow)])

@@ -1,5 +1,5 @@
 """Attention sinks (gpt-oss): a learned per-head logit in the softmax's denominator, in the jnp
-oracle and the ``xla`` backend, against the naive float64 loop."""
+oracle, the ``xla`` backend and the ``cpu`` kernel, against the naive float64 loop."""
 
 from __future__ import annotations
 
@@ -20,14 +20,16 @@ def _sinks(hq: int, seed: int) -> jax.Array:
     return jnp.asarray(np.random.default_rng(seed).normal(0.0, 2.0, hq), jnp.float32)
 
 
-@pytest.mark.parametrize("backend", ["reference", "xla"])
+@pytest.mark.parametrize("backend", ["reference", "xla", "cpu"])
 @pytest.mark.parametrize("scenario,window", [("mixed", None), ("prefix", 5), ("decode", 12)])
 def test_sinks_match_naive(backend, scenario, window):
     heads = (6, 2)  # 3 query heads per KV head: a head mix-up in the grouped rows shows
     bucket = Bucket(num_q_heads=heads[0], num_kv_heads=heads[1])
     args = poison(make_batch(bucket, SCENARIOS[scenario], seed=7), sliding_window=window)
     sinks = _sinks(heads[0], seed=heads[0])
-    fn = pk.ragged_paged_attention_reference if backend == "reference" else pk.get_attention_fn("xla")
+    if backend == "cpu" and not pk.cpu_attention_available()[0]:
+        pytest.skip(f"the cpu kernel is unavailable: {pk.cpu_attention_available()[1]}")
+    fn = pk.ragged_paged_attention_reference if backend == "reference" else pk.get_attention_fn(backend)
     out = jax.jit(lambda *a: fn(*a, sm_scale=SCALE, sliding_window=window, sinks=sinks))(*args)
     ref = naive_attention(*args, sm_scale=SCALE, sliding_window=window, sinks=np.asarray(sinks))
     np.testing.assert_allclose(np.asarray(out), ref, rtol=2e-5, atol=2e-5)
