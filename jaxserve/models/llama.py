@@ -219,8 +219,6 @@ class LlamaForCausalLM(nnx.Module):
         if scan_layers and mixed:
             raise ConfigError("scan_layers: layers with different attention (full and sliding-window) run "
                               "unrolled only")
-        if config.attention_sinks and tensor_parallel_size > 1:
-            raise ConfigError("tensor_parallel_size: attention sinks (gpt-oss) run on one device only")
         layout = TPLayout.of(config, tensor_parallel_size)
         self.config = config
         self.layout = layout

@@ -443,6 +443,7 @@ def _gpt_oss_moe_readers(get: Callable[[str], np.ndarray], cfg: ModelConfig,
     """gpt-oss's router (with bias) and its stacked experts, their gate/up columns (interleaved in
     the checkpoint: gate even, up odd) split into ``[gate | up]``; shard ``s`` reads its own experts."""
     per = cfg.num_experts // layout.size
+    heads = cfg.num_attention_heads // layout.size  # shard s's query heads, in order
 
     def mine(p: str, name: str, s: int) -> np.ndarray:
         return get(f"{p}mlp.experts.{name}")[s * per : (s + 1) * per]
@@ -457,7 +458,7 @@ def _gpt_oss_moe_readers(get: Callable[[str], np.ndarray], cfg: ModelConfig,
         ("mlp", "experts", "gate_up_proj_bias"): lambda p, s: split(mine(p, "gate_up_proj_bias", s)),
         ("mlp", "experts", "down_proj"): lambda p, s: mine(p, "down_proj", s),
         ("mlp", "experts", "down_proj_bias"): lambda p, s: mine(p, "down_proj_bias", s),
-        ("self_attn", "sinks"): lambda p, s: get(p + "self_attn.sinks"),
+        ("self_attn", "sinks"): lambda p, s: get(p + "self_attn.sinks")[s * heads : (s + 1) * heads],
     }
 
 
