@@ -59,6 +59,22 @@ def check_options(sliding_window, soft_cap):
         raise ValueError(f"soft_cap must be positive or None, got {soft_cap}")
 
 
+def finish_softmax(m, l, acc, sinks=None):
+    """The online softmax's output ``acc / l`` (0 where nothing was seen). ``sinks`` (broadcast to
+    ``m``'s shape): a per-head logit that joins the denominator only (gpt-oss's attention sinks),
+    so a row can give less than all of its weight to the context."""
+    if sinks is None:
+        return jnp.where((l > 0)[..., None], acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    top = jnp.maximum(m, sinks)  # finite: m is -inf only where nothing was seen
+    scale = jnp.exp(m - top)
+    return acc * (scale / (l * scale + jnp.exp(sinks - top)))[..., None]
+
+
+def check_sinks(sinks, hq: int):
+    if sinks is not None and tuple(sinks.shape) != (hq,):
+        raise ValueError(f"sinks must be [Hq]={hq}, got {tuple(sinks.shape)}")
+
+
 def valid_token_mask(query_start_loc, num_seqs, t: int) -> jax.Array:
     """bool [T]: token is owned by a real request (before ``query_start_loc[num_seqs]``)."""
     end = query_start_loc[scalar_num_seqs(num_seqs)]

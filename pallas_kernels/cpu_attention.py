@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._common import check_options, check_shapes
+from ._common import check_options, check_shapes, check_sinks
 from .cpu_ffi import CpuFfiKernel, default_build_dir
 
 TARGET = "jaxserve_paged_attention_cpu"
@@ -58,12 +58,14 @@ def cpu_attention_available(build_dir: Path | None = None) -> tuple[bool, str]:
 def ragged_paged_attention_cpu(
     q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
     sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    interpret: bool = False,
+    interpret: bool = False, sinks=None,
 ):
-    """The contract of :mod:`pallas_kernels`, computed by the C++ kernel on the CPU."""
+    """The contract of :mod:`pallas_kernels`, computed by the C++ kernel on the CPU; ``sinks``
+    as the reference takes them."""
     del interpret
     check_options(sliding_window, soft_cap)
-    check_shapes(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc)
+    hq = check_shapes(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc)[1]
+    check_sinks(sinks, hq)
     if (q.dtype not in DTYPES or k_cache.dtype not in (q.dtype, jnp.float8_e4m3fn)
             or v_cache.dtype != k_cache.dtype):
         raise ValueError(f"the cpu attention backend takes float32 or bfloat16 q, and k_cache/v_cache of q's "
@@ -74,6 +76,7 @@ def ragged_paged_attention_cpu(
     return call(
         q, k_cache, v_cache, kv_lens.astype(i32), block_tables.astype(i32), query_start_loc.astype(i32),
         jnp.asarray(num_seqs, i32).reshape(1),
+        jnp.zeros((hq,), jnp.float32) if sinks is None else sinks.astype(jnp.float32),
         sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
-        soft_cap=np.float32(soft_cap or 0.0),
+        soft_cap=np.float32(soft_cap or 0.0), use_sinks=np.int32(sinks is not None),
     )

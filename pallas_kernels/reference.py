@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ._common import check_options, check_shapes, scalar_num_seqs
+from ._common import check_options, check_shapes, check_sinks, finish_softmax, scalar_num_seqs
 
 _GATHER_BUDGET = 8 * 1024 * 1024  # elements of K gathered per loop step
 
@@ -63,15 +63,19 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     interpret: bool = False,
     kv_chunk: int | None = None,
+    sinks=None,
 ):
     """Ragged paged attention in plain jnp (see module docstring); returns ``[T, Hq, D]``.
 
     ``interpret`` is accepted for signature compatibility and ignored. Padding tokens give zeros.
+    ``sinks`` (float ``[Hq]`` or None): each head's attention-sink logit, in the softmax's
+    denominator only (gpt-oss).
     """
     del interpret
     check_options(sliding_window, soft_cap)
     t, hq, d, nb, bs, hkv, r, mb = check_shapes(
         q, k_cache, v_cache, kv_lens, block_tables, query_start_loc)
+    check_sinks(sinks, hq)
     g = hq // hkv
     kv_lens = kv_lens.astype(jnp.int32)
     block_tables = block_tables.astype(jnp.int32)
@@ -129,7 +133,7 @@ def ragged_paged_attention_reference(
     init = (lo, jnp.full((t, hkv, g), -jnp.inf, f32), jnp.zeros((t, hkv, g), f32),
             jnp.zeros((t, hkv, g, d), f32))
     _, m, l, acc = jax.lax.while_loop(lambda cr: cr[0] < hi, body, init)
-    out = jnp.where((l > 0)[..., None], acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    out = finish_softmax(m, l, acc, None if sinks is None else sinks.astype(f32).reshape(hkv, g))
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(t, hq, d).astype(q.dtype)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ._common import check_options, check_shapes, scalar_num_seqs
+from ._common import check_options, check_shapes, check_sinks, finish_softmax, scalar_num_seqs
 
 # The fastest of the sizes tried on the CPU (docs/benchmarks.md): small context chunks pad less
 # past the longest context and keep the gathered pages in cache.
@@ -34,12 +34,14 @@ def ragged_paged_attention_xla(
     q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
     sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
     interpret: bool = False, block_q: int | None = None, kv_chunk: int | None = None,
-    num_groups: int | None = None,
+    num_groups: int | None = None, sinks=None,
 ):
-    """The contract of :mod:`pallas_kernels`; returns ``[T, Hq, D]`` (padding tokens give 0)."""
+    """The contract of :mod:`pallas_kernels`; returns ``[T, Hq, D]`` (padding tokens give 0).
+    ``sinks``: as :func:`~pallas_kernels.reference.ragged_paged_attention_reference` takes them."""
     del interpret
     check_options(sliding_window, soft_cap)
     t, hq, d, nb, bs, hkv, r, mb = check_shapes(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc)
+    check_sinks(sinks, hq)
     if block_q is None:
         block_q = 1 if t <= r else DEFAULT_BLOCK_Q
     if kv_chunk is None:
@@ -80,8 +82,11 @@ def ragged_paged_attention_xla(
     v_rows = v_cache.reshape(nb, bs * hkv * d)
     block_tables = block_tables.astype(jnp.int32)
     bounds = [n_tiles * i // groups for i in range(groups + 1)]
+    # a tile's rows are (query, head) pairs: each KV head's group of query heads, bq times over
+    row_sinks = None if sinks is None else jnp.tile(sinks.astype(f32).reshape(hkv, g), (1, bq))
     outs = [_attend_tiles({k: v[a:b] for k, v in tile.items()}, k_rows, v_rows, kv_lens, block_tables,
-                          chunk=chunk, pages=pages, g=g, soft_cap=soft_cap, sliding_window=sliding_window)
+                          chunk=chunk, pages=pages, g=g, soft_cap=soft_cap, sliding_window=sliding_window,
+                          sinks=row_sinks)
             for a, b in zip(bounds[:-1], bounds[1:])]
     out = jnp.concatenate(outs) if groups > 1 else outs[0]
     out = jnp.transpose(out.reshape(n_tiles, hkv, bq, g, d), (0, 2, 1, 3, 4)).reshape(n_tiles * bq, hq, d)
@@ -90,7 +95,8 @@ def ragged_paged_attention_xla(
     return result.astype(q.dtype)
 
 
-def _attend_tiles(tile, k_rows, v_rows, kv_lens, block_tables, *, chunk, pages, g, soft_cap, sliding_window):
+def _attend_tiles(tile, k_rows, v_rows, kv_lens, block_tables, *, chunk, pages, g, soft_cap, sliding_window,
+                  sinks=None):
     """Online-softmax attention of a group of tiles over their context chunks [min lo, max hi)."""
     n, hkv, rq, d = tile["q"].shape
     nb, mb = k_rows.shape[0], block_tables.shape[1]
@@ -134,4 +140,4 @@ def _attend_tiles(tile, k_rows, v_rows, kv_lens, block_tables, *, chunk, pages, 
     shape = (n, hkv, rq)
     init = (lo, jnp.full(shape, -jnp.inf, f32), jnp.zeros(shape, f32), jnp.zeros((*shape, d), f32))
     _, m, l, acc = jax.lax.while_loop(lambda cr: cr[0] < hi, body, init)
-    return jnp.where((l > 0)[..., None], acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return finish_softmax(m, l, acc, sinks)

@@ -42,6 +42,11 @@ TINY_HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
     "Gemma3ForCausalLM": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=16, sliding_window=20, query_pre_attn_scalar=24,
                               final_logit_softcapping=30.0),
+    # gpt-oss: sliding and full layers alternating (a 12-token window), attention sinks, 8 biased
+    # experts with 2 per token and the clamped SwiGLU; transformers' default rope: the checkpoints' yarn
+    "GptOssForCausalLM": dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, sliding_window=12, num_local_experts=8,
+                              num_experts_per_tok=2),
 }
 
 

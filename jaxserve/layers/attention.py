@@ -63,24 +63,31 @@ def paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     mesh: Mesh | None = None,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attend ``q [T, Hq, D]`` over this layer's pages; returns ``(out, k_pool, v_pool)``.
+    ``sinks [Hq]``: attention-sink logits (gpt-oss), passed to the backends that take them only.
 
     ``k_pool``/``v_pool`` are the all-layer pools viewed as ``[L * num_blocks, block_size, Hkv, D]``.
     ``mesh``: split over its devices on the head axis (``Hq`` and ``Hkv`` both divisible by its size).
     """
-    run = functools.partial(_write_and_attend, num_blocks=num_blocks, attn_fn=attn_fn, sm_scale=sm_scale,
-                            sliding_window=sliding_window)
+    run: Callable[..., tuple[jax.Array, jax.Array, jax.Array]] = functools.partial(
+        _write_and_attend, num_blocks=num_blocks, attn_fn=attn_fn, sm_scale=sm_scale, sliding_window=sliding_window)
+    # sinks travel as an argument (split by heads with q), seen only by sink-aware backends (SINK_BACKENDS)
+    extra = () if sinks is None else (sinks,)
     if mesh is not None and mesh.size > 1:
         heads = PartitionSpec(None, mesh.axis_names, None)
         pool = PartitionSpec(None, None, mesh.axis_names, None)
-        run = shard_map(run, mesh, in_specs=(heads, heads, heads, pool, pool, PartitionSpec(), PartitionSpec()),
-                        out_specs=(heads, pool, pool))
-    return run(q, k, v, k_pool, v_pool, layer, md)
+        extra_specs = () if sinks is None else (PartitionSpec(mesh.axis_names),)
+        run = shard_map(run, mesh, in_specs=(heads, heads, heads, pool, pool, PartitionSpec(), PartitionSpec(),
+                                             *extra_specs), out_specs=(heads, pool, pool))
+    return run(q, k, v, k_pool, v_pool, layer, md, *extra)
 
 
-def _write_and_attend(q, k, v, k_pool, v_pool, layer, md: AttentionMetadata, *, num_blocks: int,
+def _write_and_attend(q, k, v, k_pool, v_pool, layer, md: AttentionMetadata, sinks=None, *, num_blocks: int,
                       attn_fn: AttentionFn, sm_scale: float, sliding_window: int | None):
+    if sinks is not None:
+        attn_fn = functools.partial(attn_fn, sinks=sinks)
     block_size = k_pool.shape[1]
     layer_offset = layer * num_blocks
     slots = jnp.where(md.slot_mapping >= 0, md.slot_mapping + layer_offset * block_size, -1)

@@ -16,6 +16,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     inv_freq = (1.0 / (np.float32(rope.theta) ** exponents)).astype(np.float32)
     if rope.rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, rope)
+    elif rope.rope_type == "yarn":
+        inv_freq = _yarn_scale(inv_freq, rope, head_dim)
     elif rope.rope_type == "linear":
         inv_freq = (inv_freq / np.float32(rope.factor)).astype(np.float32)
     return inv_freq
@@ -32,6 +34,26 @@ def _llama3_scale(inv_freq: np.ndarray, rope: RopeConfig) -> np.ndarray:
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn_scale(inv_freq: np.ndarray, rope: RopeConfig, head_dim: int) -> np.ndarray:
+    # Dimensions that rotate more than beta_fast times over the original context keep their frequency,
+    # those under beta_slow are divided by factor, a linear ramp between (transformers' yarn).
+    old_len = rope.original_max_position_embeddings
+    assert old_len is not None, "yarn needs original_max_position_embeddings"
+
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # the extrapolated (unscaled) frequency's share
+    return (inv_freq / np.float32(rope.factor) * (1 - keep) + inv_freq * keep).astype(np.float32)
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -59,4 +81,7 @@ class RotaryEmbedding(nnx.Module):
         self.head_dim = head_dim
 
     def __call__(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return rope_cos_sin(positions, jnp.asarray(rope_inv_freq(self.rope, self.head_dim)))
+        cos, sin = rope_cos_sin(positions, jnp.asarray(rope_inv_freq(self.rope, self.head_dim)))
+        if self.rope.attention_factor != 1.0:  # yarn scales the rotated q and k, hence the scores
+            cos, sin = cos * self.rope.attention_factor, sin * self.rope.attention_factor
+        return cos, sin

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,10 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale 1 / sqrt(this); None: head_dim
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     local_rope: RopeConfig | None = None  # the sliding layers' own rotary (rope_local_base_freq); None: rope
+    # gpt-oss: a learned per-head logit in each attention's softmax denominator (attention sinks)
+    attention_sinks: bool = False
+    # gpt-oss's experts: (alpha, limit) of its clamped SwiGLU, with biased router and experts; None: SwiGLU
+    clamped_swiglu: tuple[float, float] | None = None
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -127,6 +132,10 @@ class ModelConfig:
         from jaxserve.models.registry import resolve_architecture
 
         arch = resolve_architecture(cfg.get("architectures"))
+        method = (cfg.get("quantization_config") or {}).get("quant_method")
+        if arch == "GptOssForCausalLM" and method is not None:  # the hub's gpt-oss ships its experts in MXFP4
+            raise ConfigError(f"config.json: gpt-oss quantization_config {method!r} is not supported (bf16/float32 "
+                              "checkpoints only)")
         heads = _required(cfg, "num_attention_heads")
         hidden = _required(cfg, "hidden_size")
         head_dim = cfg.get("head_dim") or hidden // heads
@@ -223,6 +232,12 @@ def _rope_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The experts of a MoE checkpoint: Mixtral names them ``num_local_experts`` (its
     ``intermediate_size`` is the experts'), Qwen3-MoE ``num_experts`` (``moe_intermediate_size``)."""
+    if arch == "GptOssForCausalLM":
+        return dict(num_experts=_required(cfg, "num_local_experts"),
+                    num_experts_per_tok=_required(cfg, "num_experts_per_tok"),
+                    moe_intermediate_size=_required(cfg, "intermediate_size"), norm_topk_prob=True,
+                    attention_sinks=True,
+                    clamped_swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))))
     if arch == "MixtralForCausalLM":
         return dict(num_experts=_required(cfg, "num_local_experts"),
                     num_experts_per_tok=_required(cfg, "num_experts_per_tok"),
@@ -248,6 +263,24 @@ def _required(cfg: dict[str, Any], key: str) -> Any:
     return cfg[key]
 
 
+def _parse_yarn(cfg: dict[str, Any], params: dict[str, Any], theta: float) -> RopeConfig:
+    """YaRN as transformers reads it: ``factor`` (default: the context over the original one) and
+    ``attention_factor`` (default: ``0.1 * ln(factor) + 1``, or the ``mscale`` ratio when both are set)."""
+    original = int(_required(params, "original_max_position_embeddings"))
+    factor = float(params.get("factor") or int(cfg.get("max_position_embeddings", original)) / original)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeConfig(theta=theta, rope_type="yarn", factor=factor, original_max_position_embeddings=original,
+                      beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                      truncate=bool(params.get("truncate", True)), attention_factor=float(attention))
+
+
 def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     # transformers 5 puts theta and scaling in rope_parameters; the hub form splits them.
     params = dict(cfg.get("rope_parameters") or {})
@@ -255,12 +288,15 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     params = {**scaling, **params}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in ("default", "llama3", "linear"):
-        raise ConfigError(f"config.json: rope type {rope_type!r} is not supported (supported: default, llama3, linear)")
+    if rope_type not in ("default", "llama3", "linear", "yarn"):
+        raise ConfigError(f"config.json: rope type {rope_type!r} is not supported (supported: default, llama3, linear, "
+                          "yarn)")
     if rope_type == "default":
         return RopeConfig(theta=float(theta))
     if rope_type == "linear":
         return RopeConfig(theta=float(theta), rope_type="linear", factor=float(params["factor"]))
+    if rope_type == "yarn":
+        return _parse_yarn(cfg, params, float(theta))
     return RopeConfig(
         theta=float(theta),
         rope_type="llama3",

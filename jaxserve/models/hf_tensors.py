@@ -22,7 +22,9 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
         })
-        if cfg.is_moe:
+        if cfg.clamped_swiglu is not None:
+            names.update(gpt_oss_moe_tensors(cfg, p))
+        elif cfg.is_moe:
             names.update(moe_tensors(cfg, p))
         else:
             names.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
@@ -37,6 +39,8 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                           p + "mlp.down_proj.bias": (h,)})
         if cfg.qk_norm:
             names.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        if cfg.attention_sinks:
+            names[p + "self_attn.sinks"] = (cfg.num_attention_heads,)
         if cfg.sandwich_norms:
             names.update({p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
     return names
@@ -59,3 +63,13 @@ def moe_tensors(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
         names.update({q + gate + ".weight": (inter, h), q + up + ".weight": (inter, h),
                       q + down + ".weight": (h, inter)})
     return names
+
+
+def gpt_oss_moe_tensors(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """gpt-oss's router and experts: one stacked tensor each, ``gate_up_proj [E, hidden, 2 * inter]``
+    with gate and up interleaved (even and odd columns), biases beside them."""
+    h, inter, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    q = p + "mlp."
+    return {q + "router.weight": (e, h), q + "router.bias": (e,),
+            q + "experts.gate_up_proj": (e, h, 2 * inter), q + "experts.gate_up_proj_bias": (e, 2 * inter),
+            q + "experts.down_proj": (e, inter, h), q + "experts.down_proj_bias": (e, h)}

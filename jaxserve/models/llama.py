@@ -83,6 +83,9 @@ class LlamaAttention(nnx.Module):
         self.head_dim = cfg.head_dim
         self.sliding_window = sliding_window
         self.sm_scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        # gpt-oss: each head's sink logit (float32: it is added in the softmax, which runs in float32)
+        self.sinks = (nnx.Param(jnp.zeros((cfg.num_attention_heads,), jnp.float32)) if cfg.attention_sinks
+                      else nnx.data(None))
         self.qkv_proj = make_linear(cfg.hidden_size, layout.qkv_width, use_bias=cfg.attention_bias,
                                     param_dtype=dtype, quantization=quantization, rngs=rngs)
         self.o_proj = make_linear(cfg.q_size, cfg.hidden_size, use_bias=cfg.o_proj_bias, param_dtype=dtype,
@@ -121,7 +124,7 @@ class LlamaAttention(nnx.Module):
         out, k_pool, v_pool = paged_attention(
             q, to_cache_dtype(k, k_pool.dtype), to_cache_dtype(v, v_pool.dtype), k_pool, v_pool, kv_slot,
             ctx.num_blocks, md, ctx.attn_fn, sm_scale=self.sm_scale, sliding_window=self.sliding_window,
-            mesh=ctx.mesh,
+            mesh=ctx.mesh, sinks=None if self.sinks is None else self.sinks[...],
         )
         out = out.reshape(out.shape[0], -1).astype(x.dtype)
         o = self.o_proj(out)
@@ -169,7 +172,8 @@ class LlamaDecoderLayer(nnx.Module):
         self.mlp: LlamaMLP | SparseMoeBlock
         if cfg.is_moe:  # Qwen3-MoE, Mixtral: the experts stay in float under --quantization
             self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                                      cfg.num_experts_per_tok, cfg.norm_topk_prob, param_dtype=dtype, rngs=rngs)
+                                      cfg.num_experts_per_tok, cfg.norm_topk_prob, param_dtype=dtype, rngs=rngs,
+                                      clamped_swiglu=cfg.clamped_swiglu)
         else:
             self.mlp = LlamaMLP(cfg, layout, quantization=quantization, rngs=rngs)
 

@@ -285,7 +285,9 @@ def state_from_tensors(get: Callable[[str], np.ndarray], cfg: ModelConfig, shape
         per_layer = _prequantized_readers(get, layout)
     elif quantization is not None:
         per_layer = _quantized_readers(per_layer, layout, quantization)
-    if cfg.is_moe:  # the experts stay float under every --quantization
+    if cfg.clamped_swiglu is not None:
+        per_layer.update(_gpt_oss_moe_readers(get, cfg, layout))
+    elif cfg.is_moe:  # the experts stay float under every --quantization
         per_layer.update(_moe_readers(get, cfg, layout))
     prefixes = [f"model.layers.{i}." for i in range(cfg.num_hidden_layers)]
 
@@ -433,6 +435,30 @@ def _moe_readers(get: Callable[[str], np.ndarray], cfg: ModelConfig,
         ("mlp", "experts", "gate_up_proj"): gate_up,
         ("mlp", "experts", "down_proj"): lambda p, s: np.stack(
             [get(f"{p}{block}experts.{e}.{down}.weight").T for e in experts(s)]),
+    }
+
+
+def _gpt_oss_moe_readers(get: Callable[[str], np.ndarray], cfg: ModelConfig,
+                         layout: TPLayout) -> dict[ParamPath, Callable[[str, int], np.ndarray]]:
+    """gpt-oss's router (with bias) and its stacked experts, their gate/up columns (interleaved in
+    the checkpoint: gate even, up odd) split into ``[gate | up]``; shard ``s`` reads its own experts."""
+    per = cfg.num_experts // layout.size
+    heads = cfg.num_attention_heads // layout.size  # shard s's query heads, in order
+
+    def mine(p: str, name: str, s: int) -> np.ndarray:
+        return get(f"{p}mlp.experts.{name}")[s * per : (s + 1) * per]
+
+    def split(a: np.ndarray) -> np.ndarray:
+        return np.concatenate([a[..., 0::2], a[..., 1::2]], axis=-1)
+
+    return {
+        ("mlp", "gate", "kernel"): lambda p, s: get(p + "mlp.router.weight").T,
+        ("mlp", "gate", "bias"): lambda p, s: get(p + "mlp.router.bias"),
+        ("mlp", "experts", "gate_up_proj"): lambda p, s: split(mine(p, "gate_up_proj", s)),
+        ("mlp", "experts", "gate_up_proj_bias"): lambda p, s: split(mine(p, "gate_up_proj_bias", s)),
+        ("mlp", "experts", "down_proj"): lambda p, s: mine(p, "down_proj", s),
+        ("mlp", "experts", "down_proj_bias"): lambda p, s: mine(p, "down_proj_bias", s),
+        ("self_attn", "sinks"): lambda p, s: get(p + "self_attn.sinks")[s * heads : (s + 1) * heads],
     }
 
 

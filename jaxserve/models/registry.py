@@ -17,13 +17,12 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",  # the same decoder with a sparse MoE MLP (jaxserve.models.moe)
     "MixtralForCausalLM",
     "Gemma3ForCausalLM",  # local/global layers, sandwich norms, scaled embeddings (config fields)
+    "GptOssForCausalLM",  # attention sinks; biased router and experts, clamped SwiGLU (bf16/f32 weights only)
 )
 
 
 # Known families not served yet, with why (named in the error instead of the bare list).
-NOT_YET_SUPPORTED = {
-    "GptOssForCausalLM": "gpt-oss needs attention sinks and its MoE's biased, clamped experts; not implemented yet",
-}
+NOT_YET_SUPPORTED: dict[str, str] = {}
 
 
 def resolve_architecture(architectures: list[str] | None) -> str:

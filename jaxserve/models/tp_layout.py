@@ -41,6 +41,9 @@ SPLIT_AXES: dict[tuple[str, ...], int] = {
     # experts [s * E / size, (s + 1) * E / size); the router stays replicated.
     ("mlp", "experts", "gate_up_proj"): 0,
     ("mlp", "experts", "down_proj"): 0,
+    ("mlp", "experts", "gate_up_proj_bias"): 0,  # gpt-oss: the experts' biases go with them
+    ("mlp", "experts", "down_proj_bias"): 0,
+    ("self_attn", "sinks"): 0,  # gpt-oss: each shard's query heads' sinks
 }
 
 

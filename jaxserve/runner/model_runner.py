@@ -115,14 +115,28 @@ PreparedStep = RunnerStep
 InFlightStep = RunnerStep
 
 
+# The attention backends that take attention sinks (a model with them is refused any other).
+SINK_BACKENDS = ("xla", "cpu")
+
+
 def resolve_attention_backend(requested: str, platform: str | None = None, dtype: str = "float32", *,
                               mc: ModelConfig | None = None, block_size: int = 16,
                               abstract: bool = False, kv_cache_dtype: str = "auto") -> str:
     """``auto`` made concrete for ``platform`` and the model's ``dtype``; any other name must be
     built in or registered. ``mosaic`` needs a model it supports (``mc``) and, on a GPU that can
     run it (not a compile-only target: ``abstract``), passes its self-check over the pool's dtype
-    (``--kv-cache-dtype``) or is refused at start-up."""
+    (``--kv-cache-dtype``) or is refused at start-up. A model with attention sinks (gpt-oss) runs
+    on the backends that fold them in, and ``auto`` picks one of those."""
     on_gpu = (platform or jax.default_backend()) == "gpu"
+    if mc is not None and mc.attention_sinks:  # gpt-oss: only some backends fold the sinks in
+        if requested not in ("auto", *SINK_BACKENDS):
+            raise ConfigError(f"attention_backend: {requested} has no attention sinks, which this model "
+                              f"({mc.architecture}) needs; use one of {', '.join(SINK_BACKENDS)}")
+        if requested != "auto":
+            return requested
+        on_cpu = (platform or jax.default_backend()) == "cpu"
+        ok = on_cpu and pallas_kernels.cpu_attention_available(envs.kernel_build_dir())[0]
+        return "cpu" if ok and backend_takes("cpu", dtype) else "xla"
     if requested != "auto":
         if requested not in pallas_kernels.available_backends():
             raise ConfigError(f"attention_backend: not built in nor registered in this process (known: "

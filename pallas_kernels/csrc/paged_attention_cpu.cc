@@ -107,6 +107,7 @@ struct Problem {
   float sm_scale;
   int32_t window;  // 0: none
   float soft_cap;  // 0: none
+  const float* sinks;  // [Hq] attention-sink logits (gpt-oss), in the denominator only; null: none
 };
 
 struct WorkItem {
@@ -377,7 +378,13 @@ void attend(const Problem& pb, const WorkItem& it) {
     T* dst = out + (int64_t(it.q_begin) * HQ + row) * D;
     float sum = 0.0f;
     for (int lane = 0; lane < kLanes; ++lane) sum += l[row * kLanes + lane];
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    if (pb.sinks != nullptr) {  // l is relative to m (when m is finite): fold the sink in at their max
+      const float sink = pb.sinks[row % HQ];
+      const float top = std::max(m[row], sink);
+      const float scale = m[row] == kNegInf ? 0.0f : std::exp(m[row] - top);
+      inv = scale / (sum * scale + std::exp(sink - top));
+    }
     for (int d = 0; d < D; ++d) store(dst + d, acc[row * D + d] * inv);
   }
 }
@@ -422,8 +429,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
                           ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
                           ffi::Buffer<ffi::S32> block_tables,
                           ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> num_seqs,
-                          ffi::Result<ffi::AnyBuffer> out, float sm_scale, int32_t sliding_window,
-                          float soft_cap) {
+                          ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
+                          int32_t sliding_window, float soft_cap, int32_t use_sinks) {
   const auto dtype = q.element_type();
   if (dtype != ffi::F32 && dtype != ffi::BF16)
     return ffi::Error::InvalidArgument("cpu paged attention supports float32 and bfloat16 only");
@@ -439,6 +446,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   const int64_t hq = qd[1], d = qd[2], bs = kd[1], hkv = kd[2], r = bd[0];
   if (kd[3] != d || hq % hkv != 0)
     return ffi::Error::InvalidArgument("head_dim of q and caches differ, or Hq % Hkv != 0");
+  if (use_sinks && (sinks.dimensions().size() != 1 || sinks.dimensions()[0] != hq))
+    return ffi::Error::InvalidArgument("sinks must be [Hq]");
   const int32_t tile_q = int32_t(std::max<int64_t>(1, kTileRows / hq));
 
   auto job = std::make_shared<Job>();
@@ -447,7 +456,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   job->problem = Problem{q.untyped_data(), k_cache.untyped_data(), v_cache.untyped_data(),
                          out->untyped_data(), kv_lens.typed_data(), block_tables.typed_data(),
                          query_start_loc.typed_data(), hq, d, kd[0], bs, hkv, bd[1],
-                         sm_scale, sliding_window, soft_cap};
+                         sm_scale, sliding_window, soft_cap, use_sinks ? sinks.typed_data() : nullptr};
   std::memset(out->untyped_data(), 0, out->size_bytes());  // padding tokens give 0
 
   const int32_t* qsl = query_start_loc.typed_data();
@@ -485,7 +494,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionCpu, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
-                                  .Attr<float>("soft_cap"));
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("use_sinks"));

@@ -1,8 +1,9 @@
 """Models whose layers mix sliding-window and full attention, served by the engine: a Qwen3 whose
-layers alternate (two KV cache groups of two layers) and Gemma 3 (five local layers per global
-one: six groups of one). A block table per group in the runner, each layer reading its own
-group's. Greedy tokens and their logprobs equal transformers' over prompts several windows long,
-batched, chunked, prefix-cached and preempted, and no block leaks."""
+layers alternate (two KV cache groups of two layers), Gemma 3 (five local layers per global
+one: six groups of one) and gpt-oss (alternating, with attention sinks and experts). A block
+table per group in the runner, each layer reading its own group's. Greedy tokens and their
+logprobs equal transformers' over prompts several windows long, batched, chunked, prefix-cached
+and preempted, and no block leaks."""
 
 from __future__ import annotations
 
@@ -31,12 +32,17 @@ MODELS = {
                                              layer_types=LAYER_TYPES, max_window_layers=0), 4, 31),
     # 15 + 5 x 7 for the same request (each local layer is its own group)
     "gemma3": ("Gemma3ForCausalLM", dict(sliding_window=WINDOW), 6, 61),
+    # gpt-oss's alternation with attention sinks and its experts (auto: the cpu kernel, or xla)
+    "gpt_oss": ("GptOssForCausalLM", dict(num_hidden_layers=4, sliding_window=WINDOW, layer_types=LAYER_TYPES,
+                                          initializer_range=0.2), 4, 31),
 }
 
 
-# Gemma 3's case compiles a 6-layer unrolled model with six groups: about a minute on the loaded machine.
+# Gemma 3's case compiles a 6-layer unrolled model with six groups, gpt-oss's runs 8 experts densely:
+# about a minute each on the loaded machine.
 @pytest.fixture(scope="module", params=[
-    "alternating", pytest.param("gemma3", marks=pytest.mark.slow)])
+    "alternating", pytest.param("gemma3", marks=pytest.mark.slow),
+    pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def model_case(request, tmp_path_factory):
     arch, overrides, layers, blocks = MODELS[request.param]
     folder = tmp_path_factory.mktemp(request.param) / "ckpt"

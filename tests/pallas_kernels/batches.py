@@ -72,8 +72,9 @@ def make_batch(bucket: Bucket, reqs, *, dtype=jnp.float32, seed=0, num_seqs_scal
 
 
 def naive_attention(q, k_cache, v_cache, kv_lens, block_tables, qsl, num_seqs, *, sm_scale,
-                    sliding_window=None, soft_cap=None):
-    """Dense causal attention per request over its gathered context, float64, loops."""
+                    sliding_window=None, soft_cap=None, sinks=None):
+    """Dense causal attention per request over its gathered context, float64, loops. ``sinks [Hq]``:
+    one more logit per head in the softmax, with no value (transformers' gpt-oss eager form)."""
     q, kc, vc = (np.asarray(x, np.float64) for x in (q, k_cache, v_cache))
     kv_lens, block_tables, qsl = (np.asarray(x) for x in (kv_lens, block_tables, qsl))
     ns = int(np.asarray(num_seqs).reshape(-1)[0])
@@ -96,9 +97,11 @@ def naive_attention(q, k_cache, v_cache, kv_lens, block_tables, qsl, num_seqs, *
                 if soft_cap is not None:
                     sc = soft_cap * np.tanh(sc / soft_cap)
                 sc = np.where(allowed, sc, -np.inf)
-                w = np.exp(sc - sc.max())
+                sink = -np.inf if sinks is None else float(sinks[h])
+                top = max(sc.max(), sink)
+                w = np.exp(sc - top)
                 # only the allowed keys' values: a slot outside them may hold NaN (see poison)
-                out[tok, h] = (w[allowed] / w.sum()) @ vals[allowed, h // g]
+                out[tok, h] = (w[allowed] / (w.sum() + np.exp(sink - top))) @ vals[allowed, h // g]
     return out
 
 

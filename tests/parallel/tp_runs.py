@@ -37,11 +37,16 @@ CASES = [
     ("Qwen2ForCausalLM", 1, "xla"), ("Qwen2ForCausalLM", 4, "xla"),
     # a mixture-of-experts model: attention split by heads, its 8 experts split whole (2 a device)
     ("Qwen3MoeForCausalLM", 1, "xla"), ("Qwen3MoeForCausalLM", 4, "xla"),
+    # gpt-oss: attention sinks split with their heads (the cpu kernel), biased experts split whole
+    ("GptOssForCausalLM", 1, "cpu"), ("GptOssForCausalLM", 2, "cpu"),
 ]
 FULL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
               num_gpu_blocks_override=24, compilation_cache_dir="off")
 LOGPROBS = 4
+# gpt-oss's two KV groups: a block id is a page in each, and a request holds blocks in both (its
+# 45 + 8 tokens: 14 full-attention blocks and 5 in the window's), so it needs a larger pool to fit
+ENGINE_OVERRIDES = {"GptOssForCausalLM": dict(num_gpu_blocks_override=40)}
 
 
 def prompts() -> tuple[list[list[int]], list[int]]:
@@ -53,9 +58,9 @@ def prompts() -> tuple[list[list[int]], list[int]]:
 
 def build_checkpoint(root: Path, arch: str) -> str:
     from jaxserve.models.demo import build_checkpoint
-    from tests.tiny_models import TINY_CONFIGS, TINY_MOE_CONFIGS
+    from tests.tiny_models import TINY_CONFIGS, TINY_HYBRID_CONFIGS, TINY_MOE_CONFIGS
 
-    config = {**TINY_CONFIGS, **TINY_MOE_CONFIGS}[arch]
+    config = {**TINY_CONFIGS, **TINY_MOE_CONFIGS, **TINY_HYBRID_CONFIGS}[arch]
     return str(build_checkpoint(root / arch, arch, {**config, "num_attention_heads": HEADS}, seed=1))
 
 
@@ -66,7 +71,8 @@ def run_case(path: str, tp: int, backend: str) -> dict:
     from jaxserve.runner.mesh import bytes_per_device
 
     llm = LLM(path, tensor_parallel_size=tp, attention_backend=backend, show_progress=False,
-              enable_expert_parallel="Moe" in Path(path).name, **ENGINE)
+              enable_expert_parallel=any(m in Path(path).name for m in ("Moe", "GptOss")),
+              **{**ENGINE, **ENGINE_OVERRIDES.get(Path(path).name, {})})
     core = llm.llm_engine.core
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=LOGPROBS)
     first, extended = prompts()
