@@ -14,3 +14,5 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # M-RoPE (Qwen2-VL, Qwen2.5-VL): the frequency runs driven by the (t, h, w) position axes; empty: plain.
+    mrope_section: tuple[int, ...] = ()

@@ -212,16 +212,22 @@ class LlamaForCausalLM(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
                  attn_fn: AttentionFn, mesh: Mesh | None = None, lora: LoRABatch | None = None,
-                 mm_embeds: jax.Array | None = None, mm_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                 mm_embeds: jax.Array | None = None, mm_mask: jax.Array | None = None,
+                 mrope_positions: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """Hidden states ``[T, hidden]`` of every scheduled token (replicated), and the updated KV
         cache. ``mesh``: the tensor-parallel mesh the arrays live on (its axes split the heads).
         ``lora``: this step's adapter slots (None: the base program, with no LoRA op in it).
         ``mm_embeds [T, hidden]``, where ``mm_mask [T]`` is set, replace the token embeddings: an
-        image's encoder output at its placeholder tokens (a vision-language model)."""
+        image's encoder output at its placeholder tokens (a vision-language model).
+        ``mrope_positions [3, T]``: an M-RoPE model's (t, h, w) rotary positions; without them a
+        token's three are its sequence position (text only)."""
         k_cache, v_cache = kv_cache
         num_layers, num_blocks = k_cache.shape[:2]
         pool_shape = (num_layers * num_blocks, *k_cache.shape[2:])
-        cos, sin = self.rotary_emb(md.positions)
+        rope_positions = md.positions
+        if self.config.rope.mrope_section:
+            rope_positions = mrope_positions if mrope_positions is not None else jnp.stack([md.positions] * 3)
+        cos, sin = self.rotary_emb(rope_positions)
         ctx = ForwardContext(md=md, attn_fn=attn_fn, cos=cos, sin=sin, num_blocks=num_blocks, mesh=mesh,
                              lora=lora)
 
