@@ -71,3 +71,53 @@ class MultiModalProcessor:
         return ids, [MultiModalFeatureSpec(f.identifier, f.placeholder, data=by_hash[f.identifier])
                      for f in features]
 
+
+
+@dataclass
+class Qwen25VLMultiModalProcessor(MultiModalProcessor):
+    """Qwen2.5-VL: each ``<|image_pad|>`` in the prompt (the chat template writes
+    ``<|vision_start|><|image_pad|><|vision_end|>`` per image) becomes ``t * h * w / merge^2`` of
+    them, from the image's own grid after smart resizing; a feature's data is ``(patches, grid)``."""
+
+    tokens: Any = None  # models.qwen2_5_vl.Qwen25VLTokens
+    qwen_processor: Any = None  # Qwen2VLImageProcessorConfig
+
+    @classmethod
+    def from_qwen_folder(cls, folder: str | Path, limit_per_prompt: int) -> Qwen25VLMultiModalProcessor:
+        from jaxserve.models.qwen2_5_vl import Qwen25VLTokens
+        from jaxserve.models.qwen2_vl_image_processor import Qwen2VLImageProcessorConfig
+
+        folder = Path(folder)
+        hf = json.loads((folder / "config.json").read_text())
+        tokens = Qwen25VLTokens.from_hf(hf)
+        vision = hf.get("vision_config") or {}
+        pre = folder / "preprocessor_config.json"
+        proc = (Qwen2VLImageProcessorConfig.from_dict(json.loads(pre.read_text())) if pre.is_file() else
+                Qwen2VLImageProcessorConfig(patch_size=int(vision.get("patch_size", 14)),
+                                            merge_size=tokens.merge_size,
+                                            temporal_patch_size=int(vision.get("temporal_patch_size", 2))))
+        if proc.merge_size != tokens.merge_size:
+            raise ValueError(f"preprocessor_config.json: merge_size {proc.merge_size}, but the vision tower merges "
+                             f"{tokens.merge_size}")
+        return cls(tokens.image_token_id, 0, CLIPImageProcessorConfig(), limit_per_prompt, tokens, proc)
+
+    def process(self, token_ids: Sequence[int], images: Sequence[Any]
+                ) -> tuple[list[int], list[MultiModalFeatureSpec]]:
+        from jaxserve.core.multimodal import PlaceholderRange
+        from jaxserve.models.qwen2_vl_image_processor import preprocess_qwen2_vl_image
+
+        if len(images) > self.limit_per_prompt:  # before any pixel is processed
+            raise InvalidRequestError("multi_modal_data", f"{len(images)} images, more than the limit of "
+                                      f"{self.limit_per_prompt} per prompt (--limit-mm-per-prompt)")
+        processed = [preprocess_qwen2_vl_image(im, self.qwen_processor) for im in images]
+        grids = [grid for _, grid in processed]
+        try:
+            ids, offsets = self.tokens.expand(list(token_ids), grids)
+        except ValueError as exc:
+            raise InvalidRequestError("multi_modal_data", f"{exc} (one <|image_pad|> per image)") from None
+        features = []
+        for (patches, grid), offset in zip(processed, offsets):
+            digest = image_hash(patches.reshape(grid[1], grid[2], -1))  # the grid is part of the content
+            n = self.tokens.num_image_tokens(grid)
+            features.append(MultiModalFeatureSpec(digest, PlaceholderRange(offset, n), data=(patches, grid)))
+        return ids, features

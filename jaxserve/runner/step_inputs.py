@@ -72,6 +72,7 @@ class StepArrays(Generic[Array]):
     need_logprobs: Array  # bool[1] some sampling row asks for logprobs
     use_bitmask: Array  # bool[1] the bitmask argument holds real masks (set at launch)
     lora_slot_ids: Array | None = None  # i32[T] each token's adapter slot, -1: the base model; None without LoRA
+    mrope_positions: Array | None = None  # i32[3, T] (t, h, w) rotary positions of an M-RoPE model; None otherwise
 
     @property
     def num_rows(self) -> int:

@@ -1,9 +1,12 @@
-"""Qwen2.5-VL served text only: a tiny random ``Qwen2_5_VLForConditionalGeneration`` written as a
-real HF folder (weights, config, a trained tokenizer with its vision tokens) loads as its M-RoPE
-language model, and its greedy tokens and logprobs equal transformers' in one chunk and in chunks
-of 8; an image is refused naming the field (no image processing is joined yet)."""
+"""Qwen2.5-VL end to end offline: a tiny random ``Qwen2_5_VLForConditionalGeneration`` written as
+a real HF folder (weights, config, preprocessor config, a trained tokenizer with its vision tokens)
+served by ``LLM`` with images as PIL objects. Greedy tokens and logprobs equal transformers' (fed
+the same patches, computing its own M-RoPE positions) in one chunk and in chunks of 8 that cut
+through the image; the same image again is a prefix hit with the same tokens."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -39,15 +42,27 @@ def qwen_folder(tmp_path_factory):
         image_token_id=pad, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
     model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
     model.save_pretrained(folder)
-    return str(folder), model
+    (folder / "preprocessor_config.json").write_text(json.dumps(
+        {"min_pixels": 64, "max_pixels": 576, "patch_size": 2, "merge_size": 2, "temporal_patch_size": 2}))
+    return str(folder), model, pad
 
 
-def hf_greedy(model, ids: list[int]) -> tuple[list[int], list[float]]:
+def hf_greedy(model, ids: list[int], image=None, pad: int = -1) -> tuple[list[int], list[float]]:
+    """Transformers' greedy tokens and logprobs (full forward per token), fed our patches."""
+    from jaxserve.models.qwen2_vl_image_processor import Qwen2VLImageProcessorConfig, preprocess_qwen2_vl_image
+
+    extra = {}
+    if image is not None:
+        cfg = Qwen2VLImageProcessorConfig(min_pixels=64, max_pixels=576, patch_size=2, merge_size=2)
+        patches, grid = preprocess_qwen2_vl_image(image, cfg)
+        extra = {"pixel_values": torch.from_numpy(patches), "image_grid_thw": torch.tensor([list(grid)])}
     ids = list(ids)
     tokens, logprobs = [], []
     with torch.no_grad():
         for _ in range(MAX_TOKENS):
-            lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].double(), -1)
+            t_ids = torch.tensor([ids])
+            kw = dict(extra, mm_token_type_ids=(t_ids == pad).int()) if extra else {}
+            lp = torch.log_softmax(model(input_ids=t_ids, **kw).logits[0, -1].double(), -1)
             t = int(lp.argmax())
             tokens.append(t)
             logprobs.append(float(lp[t]))
@@ -55,10 +70,56 @@ def hf_greedy(model, ids: list[int]) -> tuple[list[int], list[float]]:
     return tokens, logprobs
 
 
+def make_image(seed: int, h: int = 20, w: int = 28):
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def image_prompt(text: str, image) -> dict:
+    return {"prompt": f"<|vision_start|><|image_pad|><|vision_end|>{text}", "multi_modal_data": {"image": image}}
+
+
+def check(model, pad, outs, images):
+    for out, image in zip(outs, images):
+        ref_tokens, ref_lps = hf_greedy(model, out.prompt_token_ids, image, pad)
+        comp = out.outputs[0]
+        assert list(comp.token_ids) == ref_tokens
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)], ref_lps,
+                                   atol=2e-4)
+
+
+@pytest.mark.parametrize("budget", [64, 8], ids=["one-chunk", "chunks-of-8"])
+def test_greedy_equals_transformers_with_images(qwen_folder, budget):
+    folder, model, pad = qwen_folder
+    llm = LLM(folder, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=budget,
+              max_num_encoder_input_tokens=64, enable_prefix_caching=True, record_steps=True)
+    try:
+        assert llm.llm_engine.core.model_config.rope.mrope_section == (2, 3, 3)
+        images = [make_image(1), make_image(2, 28, 16), None]
+        outs = llm.generate([image_prompt("describe it", images[0]), image_prompt("what is this", images[1]),
+                             "a text-only prompt with words"], PARAMS, use_tqdm=False)
+        assert outs[0].prompt_token_ids.count(pad) == 35 and outs[1].prompt_token_ids.count(pad) == 28
+        check(model, pad, outs, images)
+        if budget == 8:  # the first chunk ends inside the first image
+            records = llm.get_step_records()
+            assert next(r.scheduled[outs[0].request_id] for r in records if outs[0].request_id in r.scheduled) == 8
+        again = llm.generate([image_prompt("describe it", images[0])], PARAMS, use_tqdm=False)[0]
+        assert again.num_cached_tokens >= 32
+        assert again.outputs[0].token_ids == outs[0].outputs[0].token_ids
+        other = llm.generate([image_prompt("describe it", make_image(3))], PARAMS, use_tqdm=False)[0]
+        assert other.num_cached_tokens == 0  # another image: no block past the image start is shared
+        check(model, pad, [other], [make_image(3)])
+        with pytest.raises(InvalidRequestError, match="multi_modal_data"):
+            llm.generate([{"prompt": "no placeholder", "multi_modal_data": {"image": images[0]}}], PARAMS,
+                         use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 @pytest.mark.parametrize("budget", [64, 8], ids=["one-chunk", "chunks-of-8"])
 def test_text_greedy_equals_transformers(qwen_folder, budget):
-    folder, model = qwen_folder
-    llm = LLM(folder, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=budget, enable_prefix_caching=True)
+    folder, model, _ = qwen_folder
+    llm = LLM(folder, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=budget,
+              max_num_encoder_input_tokens=64, enable_prefix_caching=True)
     try:
         assert llm.llm_engine.core.model_config.rope.mrope_section == (2, 3, 3)
         outs = llm.generate(["describe the picture in words", "a second, somewhat longer prompt here"], PARAMS,
@@ -69,9 +130,5 @@ def test_text_greedy_equals_transformers(qwen_folder, budget):
             assert list(comp.token_ids) == ref_tokens
             np.testing.assert_allclose([lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)], ref_lps,
                                        atol=2e-4)
-        image = Image.fromarray(np.zeros((8, 8, 3), np.uint8))
-        with pytest.raises(InvalidRequestError, match="multi_modal_data"):
-            llm.generate([{"prompt": "<|vision_start|><|image_pad|><|vision_end|>hi",
-                           "multi_modal_data": {"image": image}}], PARAMS, use_tqdm=False)
     finally:
         llm.llm_engine.shutdown()
