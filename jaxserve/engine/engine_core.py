@@ -298,8 +298,9 @@ class EngineCore:
         with self.startup.phase("weights"):
             model = load_qwen2_5_vl_language_model(path, dtype, config.scan_layers)
             vision, tower = load_qwen2_5_vl_vision_from_folder(path)
+        budget = config.multimodal_config.max_num_encoder_input_tokens or config.max_num_batched_tokens
         self.mm_processor = Qwen25VLMultiModalProcessor.from_qwen_folder(
-            path, config.multimodal_config.limit_mm_per_prompt)
+            path, config.multimodal_config.limit_mm_per_prompt, max_image_tokens=budget)
         return model, GridEncoderRunner(tower, vision.spatial_merge_size)
 
     def _serving_dtype(self, path: str, platform: str) -> str:

@@ -81,9 +81,11 @@ class Qwen25VLMultiModalProcessor(MultiModalProcessor):
 
     tokens: Any = None  # models.qwen2_5_vl.Qwen25VLTokens
     qwen_processor: Any = None  # Qwen2VLImageProcessorConfig
+    max_image_tokens: int = 0  # the encoder budget: an image above it could never be encoded; 0: no bound
 
     @classmethod
-    def from_qwen_folder(cls, folder: str | Path, limit_per_prompt: int) -> Qwen25VLMultiModalProcessor:
+    def from_qwen_folder(cls, folder: str | Path, limit_per_prompt: int,
+                         max_image_tokens: int = 0) -> Qwen25VLMultiModalProcessor:
         from jaxserve.models.qwen2_5_vl import Qwen25VLTokens
         from jaxserve.models.qwen2_vl_image_processor import Qwen2VLImageProcessorConfig
 
@@ -99,7 +101,8 @@ class Qwen25VLMultiModalProcessor(MultiModalProcessor):
         if proc.merge_size != tokens.merge_size:
             raise ValueError(f"preprocessor_config.json: merge_size {proc.merge_size}, but the vision tower merges "
                              f"{tokens.merge_size}")
-        return cls(tokens.image_token_id, 0, CLIPImageProcessorConfig(), limit_per_prompt, tokens, proc)
+        return cls(tokens.image_token_id, 0, CLIPImageProcessorConfig(), limit_per_prompt, tokens, proc,
+                   max_image_tokens)
 
     def process(self, token_ids: Sequence[int], images: Sequence[Any]
                 ) -> tuple[list[int], list[MultiModalFeatureSpec]]:
@@ -110,6 +113,11 @@ class Qwen25VLMultiModalProcessor(MultiModalProcessor):
             raise InvalidRequestError("multi_modal_data", f"{len(images)} images, more than the limit of "
                                       f"{self.limit_per_prompt} per prompt (--limit-mm-per-prompt)")
         processed = [preprocess_qwen2_vl_image(im, self.qwen_processor) for im in images]
+        for i, (_, grid) in enumerate(processed):
+            n = self.tokens.num_image_tokens(grid)
+            if 0 < self.max_image_tokens < n:
+                raise InvalidRequestError(f"multi_modal_data.image[{i}]", f"{n} image tokens, more than the encoder "
+                                          f"budget of {self.max_image_tokens} (--max-num-encoder-input-tokens)")
         grids = [grid for _, grid in processed]
         try:
             ids, offsets = self.tokens.expand(list(token_ids), grids)

@@ -115,20 +115,18 @@ def test_greedy_equals_transformers_with_images(qwen_folder, budget):
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("budget", [64, 8], ids=["one-chunk", "chunks-of-8"])
-def test_text_greedy_equals_transformers(qwen_folder, budget):
-    folder, model, _ = qwen_folder
-    llm = LLM(folder, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=budget,
-              max_num_encoder_input_tokens=64, enable_prefix_caching=True)
-    try:
-        assert llm.llm_engine.core.model_config.rope.mrope_section == (2, 3, 3)
-        outs = llm.generate(["describe the picture in words", "a second, somewhat longer prompt here"], PARAMS,
-                            use_tqdm=False)
-        for out in outs:
-            ref_tokens, ref_lps = hf_greedy(model, out.prompt_token_ids)
-            comp = out.outputs[0]
-            assert list(comp.token_ids) == ref_tokens
-            np.testing.assert_allclose([lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)], ref_lps,
-                                       atol=2e-4)
-    finally:
-        llm.llm_engine.shutdown()
+def test_processor_refuses_naming_the_image(qwen_folder):
+    from jaxserve.engine.mm_processor import Qwen25VLMultiModalProcessor
+
+    folder, _, pad = qwen_folder
+    proc = Qwen25VLMultiModalProcessor.from_qwen_folder(folder, 2, max_image_tokens=30)
+    ids, feats = proc.process([5, pad, 7], [make_image(1, 16, 16)])  # 8 x 8 patches: 16 tokens
+    assert ids == [5] + [pad] * 16 + [7] and feats[0].placeholder.offset == 1 and feats[0].data[1] == (1, 8, 8)
+    with pytest.raises(InvalidRequestError, match=r"image\[0\].*35 image tokens.*budget of 30"):
+        proc.process([5, pad, 7], [make_image(1)])
+    with pytest.raises(InvalidRequestError, match="2 images"):
+        proc.process([5, pad, 7], [make_image(1, 16, 16)] * 2)
+    with pytest.raises(InvalidRequestError, match="3 images, more than the limit"):
+        proc.process([5, pad, 7], [make_image(1, 16, 16)] * 3)
+    # Equal pixels in another grid are another image.
+    assert proc.process([pad], [make_image(1, 16, 24)])[1][0].identifier != feats[0].identifier
