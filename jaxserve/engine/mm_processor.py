@@ -13,7 +13,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from jaxserve.core.multimodal import MultiModalFeatureSpec
 from jaxserve.engine.media import check_image, expand_placeholders, image_hash
@@ -26,6 +26,8 @@ IMAGE_PLACEHOLDER = "<image>"  # the text LLaVA's chat prompts carry for each im
 
 @dataclass
 class MultiModalProcessor:
+    placeholder: ClassVar[str] = IMAGE_PLACEHOLDER  # what a chat image part becomes in the template's text
+
     image_token_id: int
     tokens_per_image: int
     image_processor: CLIPImageProcessorConfig
@@ -78,6 +80,8 @@ class Qwen25VLMultiModalProcessor(MultiModalProcessor):
     """Qwen2.5-VL: each ``<|image_pad|>`` in the prompt (the chat template writes
     ``<|vision_start|><|image_pad|><|vision_end|>`` per image) becomes ``t * h * w / merge^2`` of
     them, from the image's own grid after smart resizing; a feature's data is ``(patches, grid)``."""
+
+    placeholder: ClassVar[str] = "<|vision_start|><|image_pad|><|vision_end|>"
 
     tokens: Any = None  # models.qwen2_5_vl.Qwen25VLTokens
     qwen_processor: Any = None  # Qwen2VLImageProcessorConfig

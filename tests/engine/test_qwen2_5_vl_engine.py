@@ -108,6 +108,12 @@ def test_greedy_equals_transformers_with_images(qwen_folder, budget):
         other = llm.generate([image_prompt("describe it", make_image(3))], PARAMS, use_tqdm=False)[0]
         assert other.num_cached_tokens == 0  # another image: no block past the image start is shared
         check(model, pad, [other], [make_image(3)])
+        if budget == 64:  # LLM.chat: an image part becomes <|vision_start|><|image_pad|><|vision_end|>
+            chat = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": images[1]},
+                                                          {"type": "text", "text": "what is this"}]}],
+                            PARAMS, use_tqdm=False)[0]
+            assert chat.prompt_token_ids.count(pad) == 28
+            check(model, pad, [chat], [images[1]])
         with pytest.raises(InvalidRequestError, match="multi_modal_data"):
             llm.generate([{"prompt": "no placeholder", "multi_modal_data": {"image": images[0]}}], PARAMS,
                          use_tqdm=False)
