@@ -47,19 +47,22 @@ def qwen_folder(tmp_path_factory):
     return str(folder), model, pad
 
 
-def hf_greedy(model, ids: list[int], image=None, pad: int = -1) -> tuple[list[int], list[float]]:
+def hf_greedy(model, ids: list[int], image=None, pad: int = -1, max_tokens: int = MAX_TOKENS
+              ) -> tuple[list[int], list[float]]:
     """Transformers' greedy tokens and logprobs (full forward per token), fed our patches."""
     from jaxserve.models.qwen2_vl_image_processor import Qwen2VLImageProcessorConfig, preprocess_qwen2_vl_image
 
     extra = {}
-    if image is not None:
+    images = [] if image is None else image if isinstance(image, list) else [image]
+    if images:
         cfg = Qwen2VLImageProcessorConfig(min_pixels=64, max_pixels=576, patch_size=2, merge_size=2)
-        patches, grid = preprocess_qwen2_vl_image(image, cfg)
-        extra = {"pixel_values": torch.from_numpy(patches), "image_grid_thw": torch.tensor([list(grid)])}
+        done = [preprocess_qwen2_vl_image(im, cfg) for im in images]
+        extra = {"pixel_values": torch.from_numpy(np.concatenate([p for p, _ in done])),
+                 "image_grid_thw": torch.tensor([list(g) for _, g in done])}
     ids = list(ids)
     tokens, logprobs = [], []
     with torch.no_grad():
-        for _ in range(MAX_TOKENS):
+        for _ in range(max_tokens):
             t_ids = torch.tensor([ids])
             kw = dict(extra, mm_token_type_ids=(t_ids == pad).int()) if extra else {}
             lp = torch.log_softmax(model(input_ids=t_ids, **kw).logits[0, -1].double(), -1)
@@ -78,9 +81,9 @@ def image_prompt(text: str, image) -> dict:
     return {"prompt": f"<|vision_start|><|image_pad|><|vision_end|>{text}", "multi_modal_data": {"image": image}}
 
 
-def check(model, pad, outs, images):
+def check(model, pad, outs, images, max_tokens: int = MAX_TOKENS):
     for out, image in zip(outs, images):
-        ref_tokens, ref_lps = hf_greedy(model, out.prompt_token_ids, image, pad)
+        ref_tokens, ref_lps = hf_greedy(model, out.prompt_token_ids, image, pad, max_tokens)
         comp = out.outputs[0]
         assert list(comp.token_ids) == ref_tokens
         np.testing.assert_allclose([lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)], ref_lps,
@@ -136,3 +139,25 @@ def test_processor_refuses_naming_the_image(qwen_folder):
         proc.process([5, pad, 7], [make_image(1, 16, 16)] * 3)
     # Equal pixels in another grid are another image.
     assert proc.process([pad], [make_image(1, 16, 24)])[1][0].identifier != feats[0].identifier
+
+
+@pytest.mark.slow  # its own engine and 32 full transformers forwards (~80 s at load 11)
+def test_preempted_request_recomputes_its_positions(qwen_folder):
+    """Preemption drops a request's runner state; re-admitted, its M-RoPE positions and delta are
+    computed again from its images, and its tokens still equal transformers'. Two requests (one
+    image, two images) grow past the few KV blocks, so the later one is preempted."""
+    folder, model, pad = qwen_folder
+    llm = LLM(folder, max_model_len=96, max_num_seqs=2, max_num_batched_tokens=64, num_gpu_blocks_override=7,
+              block_size=16, max_num_encoder_input_tokens=64, enable_prefix_caching=False, async_scheduling=False)
+    try:
+        params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=0, ignore_eos=True)
+        images = [[make_image(10, 16, 16)], [make_image(11, 16, 16), make_image(12, 16, 24)]]
+        tag = "<|vision_start|><|image_pad|><|vision_end|>"
+        outs = llm.generate([{"prompt": f"{tag}what is it", "multi_modal_data": {"image": images[0]}},
+                             {"prompt": f"{tag}and {tag}what are they", "multi_modal_data": {"image": images[1]}}],
+                            params, use_tqdm=False)
+        assert llm.stats()["num_preemptions"] > 0
+        check(model, pad, outs, images, max_tokens=16)
+        assert llm.llm_engine.core.kv_cache_usage() == 0
+    finally:
+        llm.llm_engine.shutdown()
