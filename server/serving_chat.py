@@ -103,7 +103,7 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
                        param="messages")
     try:
         conversation, images = chat_images([_message_dict(m) for m in messages], state.allowed_local_media_path,
-                                           limit=state.limit_mm_per_prompt)
+                                           state.image_placeholder, limit=state.limit_mm_per_prompt)
     except InvalidRequestError as exc:
         raise invalid_request(exc) from None
     state.check_prompt_chars("messages", sum(len(str(m.get("content", ""))) for m in conversation))

@@ -37,6 +37,7 @@ class ServerState:
         self.max_prompt_chars = engine.config.max_prompt_chars
         self.allowed_local_media_path = getattr(engine.config, "allowed_local_media_path", "")  # file:// URLs
         self.limit_mm_per_prompt = getattr(engine.config, "limit_mm_per_prompt", None)  # checked before decoding
+        self.image_placeholder = getattr(engine, "image_placeholder", "<image>")  # a chat image part's text
         self.max_chat_messages = max_chat_messages
         # Chat templates and tokenizers run off the event loop, which keeps serving meanwhile, on the
         # engine's input pool: one pool tokenizes, for the server and the engine alike.

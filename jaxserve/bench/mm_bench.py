@@ -49,9 +49,10 @@ def run_mm_bench(args, model: str, engine_args: dict[str, Any]) -> dict:
     startup = time.perf_counter() - start
     encoder = llm.llm_engine.core.runner.encoder
     if encoder is None:
-        raise ValueError(f"{model} is not a vision-language model (a LLaVA folder)")
+        raise ValueError(f"{model} is not a vision-language model (a LLaVA or Qwen2.5-VL folder)")
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    text = "<image>\nDescribe this picture in a few words."
+    mark = llm.llm_engine.image_placeholder + "\n"  # the model's own (LLaVA: <image>)
+    text = mark + "Describe this picture in a few words."
     n = args.num_prompts
     llm.generate([{"prompt": text, "multi_modal_data": {"image": im}}
                   for im in _images(2, args.image_size, args.bench_seed + 999)], params, use_tqdm=False)  # warm
@@ -62,7 +63,7 @@ def run_mm_bench(args, model: str, engine_args: dict[str, Any]) -> dict:
         one = distinct[:1] * n
         prompts = {"distinct_images": [{"prompt": text, "multi_modal_data": {"image": im}} for im in distinct],
                    "one_image": [{"prompt": text, "multi_modal_data": {"image": im}} for im in one],
-                   "text_only": [text.replace("<image>\n", "")] * n}
+                   "text_only": [text.replace(mark, "")] * n}
         for mode in MODES:  # the modes take turns within a round
             llm.reset_prefix_cache()
             gc.collect()

@@ -59,7 +59,10 @@ def add_flags(parser: Any, flags: tuple[Flag, ...] | list[Flag], skip: tuple[str
         # A docstring that explains its default says more than the bare value (often None).
         help_text = flag.doc if "default" in flag.doc.lower() else f"{flag.doc} (default: {default})"
         kind = flag.kind
-        if kind is bool or kind == (bool | None):
+        if "cli_type" in flag.field.metadata:  # a field whose flag takes more than one spelling
+            parser.add_argument(*names, dest=flag.name, type=flag.field.metadata["cli_type"], default=default,
+                                help=help_text)
+        elif kind is bool or kind == (bool | None):
             parser.add_argument(*names, dest=flag.name, action=argparse.BooleanOptionalAction, default=default,
                                 help=help_text)
         elif get_origin(kind) is Literal:

@@ -79,6 +79,7 @@ class AsyncLLM:
         self.max_model_len = engine.max_model_len
         self.served_model_name = engine.served_model_name
         self.model_root = engine.model_root
+        self.image_placeholder = engine.image_placeholder
         self.max_waiting = max_waiting
         self._inbox: collections.deque[InboxItem] = collections.deque()
         self._lock = threading.Lock()

@@ -70,15 +70,23 @@ def resolve_model_source(config: EngineConfig) -> ModelSource:
 
 
 def _is_llava(path: str) -> bool:
+    from jaxserve.models.llava import is_llava_config
+
+    return _folder_config_is(path, is_llava_config)
+
+
+def _is_qwen2_5_vl(path: str) -> bool:
+    from jaxserve.models.qwen2_5_vl import is_qwen2_5_vl_config
+
+    return _folder_config_is(path, is_qwen2_5_vl_config)
+
+
+def _folder_config_is(path: str, test: Any) -> bool:
     import json
     from pathlib import Path
 
     file = Path(path) / "config.json"
-    if not file.is_file():
-        return False
-    from jaxserve.models.llava import is_llava_config
-
-    return is_llava_config(json.loads(file.read_text()))
+    return file.is_file() and bool(test(json.loads(file.read_text())))
 
 
 def start_cpu_kernel_build(config: EngineConfig) -> None:
@@ -213,6 +221,8 @@ class EngineCore:
         encoder = None
         if model is None and self.model_source is not None and _is_llava(str(self.model_source.path)):
             model, encoder = self._load_llava(config, str(self.model_source.path), devices[0].platform)
+        elif model is None and self.model_source is not None and _is_qwen2_5_vl(str(self.model_source.path)):
+            model, encoder = self._load_qwen2_5_vl(config, str(self.model_source.path), devices[0].platform)
         elif model is None:
             assert self.model_source is not None
             dtype = self._serving_dtype(str(self.model_source.path), devices[0].platform)
@@ -282,6 +292,25 @@ class EngineCore:
                                 budget // vision.tokens_per_image, 8))
         shape = (vision.num_channels, vision.image_size, vision.image_size)
         return model, EncoderRunner(image_encoder, shape, max_images_per_batch=max_images)
+
+    def _load_qwen2_5_vl(self, config: EngineConfig, path: str, platform: str) -> tuple[Any, Any]:
+        """A Qwen2.5-VL folder: its M-RoPE language model, its vision tower (compiled per image
+        grid) and the prompt processing that expands ``<|image_pad|>`` by each image's grid."""
+        from jaxserve.engine.mm_processor import Qwen25VLMultiModalProcessor
+        from jaxserve.models.qwen2_5_vl import load_qwen2_5_vl_language_model, load_qwen2_5_vl_vision_from_folder
+        from jaxserve.runner.grid_encoder_runner import GridEncoderRunner
+
+        if config.tensor_parallel_size > 1 or config.quantization is not None or config.enable_lora:
+            raise ConfigError("Qwen2.5-VL is served on one device, unquantized and without LoRA: "
+                              "tensor_parallel_size, quantization and enable_lora are not supported with it")
+        dtype = self._serving_dtype(path, platform)
+        with self.startup.phase("weights"):
+            model = load_qwen2_5_vl_language_model(path, dtype, config.scan_layers)
+            vision, tower = load_qwen2_5_vl_vision_from_folder(path)
+        budget = config.multimodal_config.max_num_encoder_input_tokens or config.max_num_batched_tokens
+        self.mm_processor = Qwen25VLMultiModalProcessor.from_qwen_folder(
+            path, config.multimodal_config.limit_mm_per_prompt, max_image_tokens=budget)
+        return model, GridEncoderRunner(tower, vision.spatial_merge_size)
 
     def _serving_dtype(self, path: str, platform: str) -> str:
         """``config.dtype`` made concrete for the checkpoint and the device, before any weight is read."""

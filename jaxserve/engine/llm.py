@@ -171,7 +171,8 @@ class LLM:
         tok = self.get_tokenizer()
         # Image parts become the model's placeholders in the text; their images go beside it.
         mm = self.config.multimodal_config
-        with_images = [chat_images(conv, mm.allowed_local_media_path, limit=mm.limit_mm_per_prompt)
+        with_images = [chat_images(conv, mm.allowed_local_media_path, self.llm_engine.image_placeholder,
+                                   limit=mm.limit_mm_per_prompt)
                        for conv in conversations]
         prompts = [tok.apply_chat_template([_template_message(m) for m in conv], tokenize=False,
                                            add_generation_prompt=add_generation_prompt,

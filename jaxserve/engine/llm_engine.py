@@ -274,6 +274,14 @@ class LLMEngine:
         return self.output_processor.recent_timelines(limit)
 
     @property
+    def image_placeholder(self) -> str:
+        """The text a chat image part becomes for this model (LLaVA's ``<image>``, Qwen2.5-VL's
+        ``<|vision_start|><|image_pad|><|vision_end|>``)."""
+        from jaxserve.engine.mm_processor import IMAGE_PLACEHOLDER
+
+        return getattr(self.core.mm_processor, "placeholder", IMAGE_PLACEHOLDER)
+
+    @property
     def step_records(self):
         """The ring of per-step records (``max_step_records`` of them), None when that is 0."""
         return self.core.step_records

@@ -13,7 +13,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from jaxserve.core.multimodal import MultiModalFeatureSpec
 from jaxserve.engine.media import check_image, expand_placeholders, image_hash
@@ -26,6 +26,8 @@ IMAGE_PLACEHOLDER = "<image>"  # the text LLaVA's chat prompts carry for each im
 
 @dataclass
 class MultiModalProcessor:
+    placeholder: ClassVar[str] = IMAGE_PLACEHOLDER  # what a chat image part becomes in the template's text
+
     image_token_id: int
     tokens_per_image: int
     image_processor: CLIPImageProcessorConfig
@@ -71,3 +73,63 @@ class MultiModalProcessor:
         return ids, [MultiModalFeatureSpec(f.identifier, f.placeholder, data=by_hash[f.identifier])
                      for f in features]
 
+
+
+@dataclass
+class Qwen25VLMultiModalProcessor(MultiModalProcessor):
+    """Qwen2.5-VL: each ``<|image_pad|>`` in the prompt (the chat template writes
+    ``<|vision_start|><|image_pad|><|vision_end|>`` per image) becomes ``t * h * w / merge^2`` of
+    them, from the image's own grid after smart resizing; a feature's data is ``(patches, grid)``."""
+
+    placeholder: ClassVar[str] = "<|vision_start|><|image_pad|><|vision_end|>"
+
+    tokens: Any = None  # models.qwen2_5_vl.Qwen25VLTokens
+    qwen_processor: Any = None  # Qwen2VLImageProcessorConfig
+    max_image_tokens: int = 0  # the encoder budget: an image above it could never be encoded; 0: no bound
+
+    @classmethod
+    def from_qwen_folder(cls, folder: str | Path, limit_per_prompt: int,
+                         max_image_tokens: int = 0) -> Qwen25VLMultiModalProcessor:
+        from jaxserve.models.qwen2_5_vl import Qwen25VLTokens
+        from jaxserve.models.qwen2_vl_image_processor import Qwen2VLImageProcessorConfig
+
+        folder = Path(folder)
+        hf = json.loads((folder / "config.json").read_text())
+        tokens = Qwen25VLTokens.from_hf(hf)
+        vision = hf.get("vision_config") or {}
+        pre = folder / "preprocessor_config.json"
+        proc = (Qwen2VLImageProcessorConfig.from_dict(json.loads(pre.read_text())) if pre.is_file() else
+                Qwen2VLImageProcessorConfig(patch_size=int(vision.get("patch_size", 14)),
+                                            merge_size=tokens.merge_size,
+                                            temporal_patch_size=int(vision.get("temporal_patch_size", 2))))
+        if proc.merge_size != tokens.merge_size:
+            raise ValueError(f"preprocessor_config.json: merge_size {proc.merge_size}, but the vision tower merges "
+                             f"{tokens.merge_size}")
+        return cls(tokens.image_token_id, 0, CLIPImageProcessorConfig(), limit_per_prompt, tokens, proc,
+                   max_image_tokens)
+
+    def process(self, token_ids: Sequence[int], images: Sequence[Any]
+                ) -> tuple[list[int], list[MultiModalFeatureSpec]]:
+        from jaxserve.core.multimodal import PlaceholderRange
+        from jaxserve.models.qwen2_vl_image_processor import preprocess_qwen2_vl_image
+
+        if len(images) > self.limit_per_prompt:  # before any pixel is processed
+            raise InvalidRequestError("multi_modal_data", f"{len(images)} images, more than the limit of "
+                                      f"{self.limit_per_prompt} per prompt (--limit-mm-per-prompt)")
+        processed = [preprocess_qwen2_vl_image(im, self.qwen_processor) for im in images]
+        for i, (_, grid) in enumerate(processed):
+            n = self.tokens.num_image_tokens(grid)
+            if 0 < self.max_image_tokens < n:
+                raise InvalidRequestError(f"multi_modal_data.image[{i}]", f"{n} image tokens, more than the encoder "
+                                          f"budget of {self.max_image_tokens} (--max-num-encoder-input-tokens)")
+        grids = [grid for _, grid in processed]
+        try:
+            ids, offsets = self.tokens.expand(list(token_ids), grids)
+        except ValueError as exc:
+            raise InvalidRequestError("multi_modal_data", f"{exc} (one <|image_pad|> per image)") from None
+        features = []
+        for (patches, grid), offset in zip(processed, offsets):
+            digest = image_hash(patches.reshape(grid[1], grid[2], -1))  # the grid is part of the content
+            n = self.tokens.num_image_tokens(grid)
+            features.append(MultiModalFeatureSpec(digest, PlaceholderRange(offset, n), data=(patches, grid)))
+        return ids, features

@@ -21,3 +21,5 @@ class RopeConfig:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0
+    # M-RoPE (Qwen2-VL, Qwen2.5-VL): the frequency runs driven by the (t, h, w) position axes; empty: plain.
+    mrope_section: tuple[int, ...] = ()

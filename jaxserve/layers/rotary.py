@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.layers.mrope_rotary import mrope_cos_sin
 from jaxserve.layers.rope_config import RopeConfig
 
 
@@ -81,7 +82,14 @@ class RotaryEmbedding(nnx.Module):
         self.head_dim = head_dim
 
     def __call__(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        cos, sin = rope_cos_sin(positions, jnp.asarray(rope_inv_freq(self.rope, self.head_dim)))
+        """``positions [T]``, or ``[3, T]`` (t, h, w) for an M-RoPE model."""
+        inv_freq = jnp.asarray(rope_inv_freq(self.rope, self.head_dim))
+        if positions.ndim == 2:
+            if not self.rope.mrope_section:
+                raise ValueError("positions [3, T] need a rope config with mrope_section")
+            cos, sin = mrope_cos_sin(positions, inv_freq, self.rope.mrope_section)
+        else:
+            cos, sin = rope_cos_sin(positions, inv_freq)
         if self.rope.attention_factor != 1.0:  # yarn scales the rotated q and k, hence the scores
             cos, sin = cos * self.rope.attention_factor, sin * self.rope.attention_factor
         return cos, sin

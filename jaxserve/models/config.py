@@ -47,6 +47,19 @@ def llava_text_config(hf: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
+def qwen2_5_vl_text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen2.5-VL ``config.json``'s language model as a Qwen2 config dict: transformers 5 nests it
+    in ``text_config``, the hub's older files keep its fields at the top level."""
+    text = {**hf, **(hf.get("text_config") or {})}
+    text.pop("text_config", None)
+    text.pop("vision_config", None)
+    text["architectures"] = ["Qwen2ForCausalLM"]  # the same decoder (q/k/v bias), with M-RoPE
+    for key in ("torch_dtype", "dtype", "tie_word_embeddings"):
+        if key in hf:
+            text.setdefault(key, hf[key])
+    return text
+
+
 def normalize_dtype_name(name: Any) -> str:
     """Map the spellings found in configs and CLI flags (``torch.bfloat16``, ``bf16``) to one name."""
     text = str(name).removeprefix("torch.").lower()
@@ -125,6 +138,8 @@ class ModelConfig:
         cfg = json.loads(file.read_text())
         if "LlavaForConditionalGeneration" in (cfg.get("architectures") or []):
             cfg = llava_text_config(cfg)  # a LLaVA folder: its language model's config
+        elif "Qwen2_5_VLForConditionalGeneration" in (cfg.get("architectures") or []):
+            cfg = qwen2_5_vl_text_config(cfg)
         return cls.from_dict(cfg)
 
     @classmethod
@@ -288,11 +303,14 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     params = {**scaling, **params}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    mrope_section = tuple(int(n) for n in params.get("mrope_section") or ())
+    if rope_type == "mrope":  # the hub's older spelling of Qwen2-VL's default rotary with sections
+        rope_type = "default"
     if rope_type not in ("default", "llama3", "linear", "yarn"):
         raise ConfigError(f"config.json: rope type {rope_type!r} is not supported (supported: default, llama3, linear, "
                           "yarn)")
     if rope_type == "default":
-        return RopeConfig(theta=float(theta))
+        return RopeConfig(theta=float(theta), mrope_section=mrope_section)
     if rope_type == "linear":
         return RopeConfig(theta=float(theta), rope_type="linear", factor=float(params["factor"]))
     if rope_type == "yarn":

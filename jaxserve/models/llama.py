@@ -256,28 +256,35 @@ class LlamaForCausalLM(nnx.Module):
     def __call__(self, input_ids: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
                  attn_fn: AttentionFn, mesh: Mesh | None = None, lora: LoRABatch | None = None,
                  mm_embeds: jax.Array | None = None, mm_mask: jax.Array | None = None,
-                 kv_groups: KVGroups | None = None) -> tuple[jax.Array, KVCache]:
+                 kv_groups: KVGroups | None = None,
+                 mrope_positions: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """Hidden states ``[T, hidden]`` of every scheduled token (replicated), and the updated KV
         cache. ``mesh``: the tensor-parallel mesh the arrays live on (its axes split the heads).
         ``lora``: this step's adapter slots (None: the base program, with no LoRA op in it).
         ``mm_embeds [T, hidden]``, where ``mm_mask [T]`` is set, replace the token embeddings: an
         image's encoder output at its placeholder tokens (a vision-language model). ``kv_groups``:
         the per-group block tables when the layers' attention differs (the cache's first axis is
-        then the KV slots, not the layers)."""
-        hidden, kv, _ = self.forward(input_ids, kv_cache, md, attn_fn, mesh, lora, mm_embeds, mm_mask, kv_groups)
+        then the KV slots, not the layers). ``mrope_positions [3, T]``: an M-RoPE model's (t, h, w)
+        rotary positions; without them a token's three are its sequence position (text only)."""
+        hidden, kv, _ = self.forward(input_ids, kv_cache, md, attn_fn, mesh, lora, mm_embeds, mm_mask, kv_groups,
+                                     mrope_positions)
         return hidden, kv
 
     def forward(self, input_ids: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
                 attn_fn: AttentionFn, mesh: Mesh | None = None, lora: LoRABatch | None = None,
                 mm_embeds: jax.Array | None = None,
                 mm_mask: jax.Array | None = None,
-                kv_groups: KVGroups | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
+                kv_groups: KVGroups | None = None,
+                mrope_positions: jax.Array | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
         """``__call__``'s outputs and, for a MoE model, the routed (token, expert) pairs per layer
         and expert ``[L, E]`` int32 over the step's real tokens (None for a dense model)."""
         k_cache, v_cache = kv_cache
         num_slots, num_blocks = k_cache.shape[:2]  # a slot per layer, or per layer of a KV group
         pool_shape = (num_slots * num_blocks, *k_cache.shape[2:])
-        cos, sin = self.rotary_emb(md.positions)
+        rope_positions = md.positions
+        if self.config.rope.mrope_section:
+            rope_positions = mrope_positions if mrope_positions is not None else jnp.stack([md.positions] * 3)
+        cos, sin = self.rotary_emb(rope_positions)
         local = None if self.local_rotary_emb is None else self.local_rotary_emb(md.positions)
         ctx = ForwardContext(md=md, attn_fn=attn_fn, cos=cos, sin=sin, num_blocks=num_blocks, mesh=mesh,
                              lora=lora, kv_groups=kv_groups, local_rope=local)

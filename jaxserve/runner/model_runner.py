@@ -206,6 +206,10 @@ class ModelRunner:
         # data-dependent loop in the compiled step.
         self.cond_free = self.target.cond_free
         self.mc = model.config
+        # An M-RoPE model (Qwen2.5-VL): each request's prompt positions [3, prompt_len] and the
+        # delta its later tokens add (all three axes at i + delta), computed once at admission.
+        self.mrope = bool(model.config.rope.mrope_section)
+        self._mrope: dict[str, tuple[np.ndarray, int]] = {}
         # The weights' storage format: the flag's, else the model's own (a pre-quantized checkpoint's int8/fp8).
         self.weight_format = config.quantization or getattr(model, "quantization", None) or "none"
         self.max_model_len = max_model_len
@@ -438,6 +442,8 @@ class ModelRunner:
             extra["lora"] = LoRABatch(slot_ids=inputs.lora_slot_ids, a=lora_tables[0], b=lora_tables[1])
         if use_mm:  # encoder outputs replace the image placeholders' token embeddings
             extra["mm_embeds"], extra["mm_mask"] = mm_inputs
+        if inputs.mrope_positions is not None:
+            extra["mrope_positions"] = inputs.mrope_positions
         expert_load = None
         if self.mc.is_moe:  # the routed pairs per expert, summed over the layers
             hidden, kv_cache, loads = model.forward(input_ids, state.kv_cache, x.attention_metadata(), attn_fn,
@@ -489,8 +495,31 @@ class ModelRunner:
                                      self.slots.padding_slot)
         lora_slots = np.full(bucket, -1, np.int32) if self.lora is not None else None
         spec = build_spec_inputs(model.query_start_loc, [], rows, self.num_spec, bucket) if self.num_spec else None
+        mrope = np.zeros((3, bucket), np.int32) if self.mrope else None
         return StepArrays(model, SamplingMetadata.from_arrays(self.sampling_table.padding(rows)),
-                          need_logprobs=flag(False), use_bitmask=flag(False), lora_slot_ids=lora_slots, spec=spec)
+                          need_logprobs=flag(False), use_bitmask=flag(False), lora_slot_ids=lora_slots, spec=spec,
+                          mrope_positions=mrope)
+
+    def _mrope_of(self, prompt_len: int, features: Sequence[MultiModalFeatureSpec]) -> tuple[np.ndarray, int]:
+        """A prompt's M-RoPE positions and decode delta from its images' offsets and grids."""
+        from jaxserve.models.mrope import mrope_positions
+
+        images = [(f.placeholder.offset, f.data[1]) for f in features]
+        merge = getattr(self.encoder, "merge_size", 1)
+        return mrope_positions(prompt_len, images, merge)
+
+    def _mrope_inputs(self, req_ids: Sequence[str], starts: Sequence[int], counts: Sequence[int],
+                      bucket: int) -> np.ndarray:
+        """The step's [3, bucket] rotary positions, rows laid end to end (padding: 0)."""
+        out = np.zeros((3, bucket), np.int32)
+        row = 0
+        for r, start, count in zip(req_ids, starts, counts):
+            pos, delta = self._mrope[r]
+            p = np.arange(start, start + count)
+            in_prompt = p < pos.shape[1]
+            out[:, row:row + count] = np.where(in_prompt, pos[:, np.minimum(p, pos.shape[1] - 1)], p + delta)
+            row += count
+        return out
 
     def variants(self) -> list[StepVariant]:
         """Every step variant compiled at warm-up: per token bucket, a decode-only one for the
@@ -609,6 +638,7 @@ class ModelRunner:
         for req_id in list(so.finished_req_ids) + list(so.preempted_req_ids):
             state = self.requests.pop(req_id, None)
             self._mm_features.pop(req_id, None)
+            self._mrope.pop(req_id, None)
             if state is not None:
                 self.slots.release(state.slot)
             if self.lora is not None:
@@ -627,6 +657,8 @@ class ModelRunner:
             PromptLogprobsWorker.start_rows(self.requests[new.req_id])
             if new.mm_features:
                 self._mm_features[new.req_id] = list(new.mm_features)
+            if self.mrope:
+                self._mrope[new.req_id] = self._mrope_of(len(new.prompt_token_ids), new.mm_features or [])
             if self.lora is not None:
                 self.lora.add_request(new.req_id, new.lora_name, new.lora_weights)
             self.batch.add_request(slot, new.prompt_token_ids, new.output_token_ids or [],
@@ -768,8 +800,9 @@ class ModelRunner:
         # use_bitmask stays off until launch knows whether a bitmask comes with the step.
         spec = (None if drafts is None else
                 build_spec_inputs(model.query_start_loc, drafts, rows, self.num_spec, bucket))
+        mrope = self._mrope_inputs(req_ids, starts, counts, bucket) if self.mrope else None
         inputs = StepArrays(model, sampling, need_logprobs=flag(want_logprobs), use_bitmask=flag(False),
-                            lora_slot_ids=lora_slots, spec=spec)
+                            lora_slot_ids=lora_slots, spec=spec, mrope_positions=mrope)
         plan = StepPlan(req_ids, total, bucket, samples, want_logprobs)
         return inputs, plan, states
 

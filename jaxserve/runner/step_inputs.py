@@ -93,6 +93,7 @@ class StepArrays(Generic[Array]):
     use_bitmask: Array  # bool[1] the bitmask argument holds real masks (set at launch)
     lora_slot_ids: Array | None = None  # i32[T] each token's adapter slot, -1: the base model; None without LoRA
     spec: SpecInputs[Array] | None = None  # None: speculative decoding off
+    mrope_positions: Array | None = None  # i32[3, T] (t, h, w) rotary positions of an M-RoPE model; None otherwise
 
     @property
     def num_rows(self) -> int:

@@ -1,0 +1,163 @@
+"""Qwen2.5-VL end to end offline: a tiny random ``Qwen2_5_VLForConditionalGeneration`` written as
+a real HF folder (weights, config, preprocessor config, a trained tokenizer with its vision tokens)
+served by ``LLM`` with images as PIL objects. Greedy tokens and logprobs equal transformers' (fed
+the same patches, computing its own M-RoPE positions) in one chunk and in chunks of 8 that cut
+through the image; the same image again is a prefix hit with the same tokens."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+
+from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve.exceptions import InvalidRequestError  # noqa: E402
+
+MAX_TOKENS = 6
+PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+@pytest.fixture(scope="module")
+def qwen_folder(tmp_path_factory):
+    from jaxserve.models.demo import build_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-qwen25vl")
+    tok = build_tokenizer(folder, vocab_size=320, added_tokens=VISION_TOKENS)
+    start, end, pad, video = (tok.convert_tokens_to_ids(t) for t in VISION_TOKENS)
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, eos_token_id=tok.eos_token_id, bos_token_id=tok.pad_token_id,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64,
+                           patch_size=2, temporal_patch_size=2, spatial_merge_size=2, window_size=8,
+                           fullatt_block_indexes=[1]),
+        image_token_id=pad, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    model.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(
+        {"min_pixels": 64, "max_pixels": 576, "patch_size": 2, "merge_size": 2, "temporal_patch_size": 2}))
+    return str(folder), model, pad
+
+
+def hf_greedy(model, ids: list[int], image=None, pad: int = -1, max_tokens: int = MAX_TOKENS
+              ) -> tuple[list[int], list[float]]:
+    """Transformers' greedy tokens and logprobs (full forward per token), fed our patches."""
+    from jaxserve.models.qwen2_vl_image_processor import Qwen2VLImageProcessorConfig, preprocess_qwen2_vl_image
+
+    extra = {}
+    images = [] if image is None else image if isinstance(image, list) else [image]
+    if images:
+        cfg = Qwen2VLImageProcessorConfig(min_pixels=64, max_pixels=576, patch_size=2, merge_size=2)
+        done = [preprocess_qwen2_vl_image(im, cfg) for im in images]
+        extra = {"pixel_values": torch.from_numpy(np.concatenate([p for p, _ in done])),
+                 "image_grid_thw": torch.tensor([list(g) for _, g in done])}
+    ids = list(ids)
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            t_ids = torch.tensor([ids])
+            kw = dict(extra, mm_token_type_ids=(t_ids == pad).int()) if extra else {}
+            lp = torch.log_softmax(model(input_ids=t_ids, **kw).logits[0, -1].double(), -1)
+            t = int(lp.argmax())
+            tokens.append(t)
+            logprobs.append(float(lp[t]))
+            ids.append(t)
+    return tokens, logprobs
+
+
+def make_image(seed: int, h: int = 20, w: int = 28):
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def image_prompt(text: str, image) -> dict:
+    return {"prompt": f"<|vision_start|><|image_pad|><|vision_end|>{text}", "multi_modal_data": {"image": image}}
+
+
+def check(model, pad, outs, images, max_tokens: int = MAX_TOKENS):
+    for out, image in zip(outs, images):
+        ref_tokens, ref_lps = hf_greedy(model, out.prompt_token_ids, image, pad, max_tokens)
+        comp = out.outputs[0]
+        assert list(comp.token_ids) == ref_tokens
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)], ref_lps,
+                                   atol=2e-4)
+
+
+@pytest.mark.parametrize("budget", [64, 8], ids=["one-chunk", "chunks-of-8"])
+def test_greedy_equals_transformers_with_images(qwen_folder, budget):
+    folder, model, pad = qwen_folder
+    llm = LLM(folder, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=budget,
+              max_num_encoder_input_tokens=64, enable_prefix_caching=True, record_steps=True)
+    try:
+        assert llm.llm_engine.core.model_config.rope.mrope_section == (2, 3, 3)
+        images = [make_image(1), make_image(2, 28, 16), None]
+        outs = llm.generate([image_prompt("describe it", images[0]), image_prompt("what is this", images[1]),
+                             "a text-only prompt with words"], PARAMS, use_tqdm=False)
+        assert outs[0].prompt_token_ids.count(pad) == 35 and outs[1].prompt_token_ids.count(pad) == 28
+        check(model, pad, outs, images)
+        if budget == 8:  # the first chunk ends inside the first image
+            records = llm.get_step_records()
+            assert next(r.scheduled[outs[0].request_id] for r in records if outs[0].request_id in r.scheduled) == 8
+        again = llm.generate([image_prompt("describe it", images[0])], PARAMS, use_tqdm=False)[0]
+        assert again.num_cached_tokens >= 32
+        assert again.outputs[0].token_ids == outs[0].outputs[0].token_ids
+        other = llm.generate([image_prompt("describe it", make_image(3))], PARAMS, use_tqdm=False)[0]
+        assert other.num_cached_tokens == 0  # another image: no block past the image start is shared
+        check(model, pad, [other], [make_image(3)])
+        if budget == 64:  # LLM.chat: an image part becomes <|vision_start|><|image_pad|><|vision_end|>
+            chat = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": images[1]},
+                                                          {"type": "text", "text": "what is this"}]}],
+                            PARAMS, use_tqdm=False)[0]
+            assert chat.prompt_token_ids.count(pad) == 28
+            check(model, pad, [chat], [images[1]])
+        with pytest.raises(InvalidRequestError, match="multi_modal_data"):
+            llm.generate([{"prompt": "no placeholder", "multi_modal_data": {"image": images[0]}}], PARAMS,
+                         use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_processor_refuses_naming_the_image(qwen_folder):
+    from jaxserve.engine.mm_processor import Qwen25VLMultiModalProcessor
+
+    folder, _, pad = qwen_folder
+    proc = Qwen25VLMultiModalProcessor.from_qwen_folder(folder, 2, max_image_tokens=30)
+    ids, feats = proc.process([5, pad, 7], [make_image(1, 16, 16)])  # 8 x 8 patches: 16 tokens
+    assert ids == [5] + [pad] * 16 + [7] and feats[0].placeholder.offset == 1 and feats[0].data[1] == (1, 8, 8)
+    with pytest.raises(InvalidRequestError, match=r"image\[0\].*35 image tokens.*budget of 30"):
+        proc.process([5, pad, 7], [make_image(1)])
+    with pytest.raises(InvalidRequestError, match="2 images"):
+        proc.process([5, pad, 7], [make_image(1, 16, 16)] * 2)
+    with pytest.raises(InvalidRequestError, match="3 images, more than the limit"):
+        proc.process([5, pad, 7], [make_image(1, 16, 16)] * 3)
+    # Equal pixels in another grid are another image.
+    assert proc.process([pad], [make_image(1, 16, 24)])[1][0].identifier != feats[0].identifier
+
+
+@pytest.mark.slow  # its own engine and 32 full transformers forwards (~80 s at load 11)
+def test_preempted_request_recomputes_its_positions(qwen_folder):
+    """Preemption drops a request's runner state; re-admitted, its M-RoPE positions and delta are
+    computed again from its images, and its tokens still equal transformers'. Two requests (one
+    image, two images) grow past the few KV blocks, so the later one is preempted."""
+    folder, model, pad = qwen_folder
+    llm = LLM(folder, max_model_len=96, max_num_seqs=2, max_num_batched_tokens=64, num_gpu_blocks_override=7,
+              block_size=16, max_num_encoder_input_tokens=64, enable_prefix_caching=False, async_scheduling=False)
+    try:
+        params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=0, ignore_eos=True)
+        images = [[make_image(10, 16, 16)], [make_image(11, 16, 16), make_image(12, 16, 24)]]
+        tag = "<|vision_start|><|image_pad|><|vision_end|>"
+        outs = llm.generate([{"prompt": f"{tag}what is it", "multi_modal_data": {"image": images[0]}},
+                             {"prompt": f"{tag}and {tag}what are they", "multi_modal_data": {"image": images[1]}}],
+                            params, use_tqdm=False)
+        assert llm.stats()["num_preemptions"] > 0
+        check(model, pad, outs, images, max_tokens=16)
+        assert llm.llm_engine.core.kv_cache_usage() == 0
+    finally:
+        llm.llm_engine.shutdown()
