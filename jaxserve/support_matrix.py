@@ -81,8 +81,6 @@ FEATURES_BY_NAME = MappingProxyType({f.name: f for f in FEATURES})
 
 # Pairs refused by design, with why; the configuration raises a ConfigError naming both.
 REFUSED_PAIRS: Mapping[frozenset[str], str] = MappingProxyType({
-    frozenset(("gguf", "tp2")): "a GGUF file's kept blocks are served on one device (serve the file dequantized "
-                                "to split it)",
     frozenset(("lora", "tp2")): "LoRA slot tables are not sharded yet: adapters are served on one device",
     frozenset(("pooling", "tp2")): "a pooling model runs on one device for now",
     frozenset(("pooling", "lora")): "a pooling model serves no LoRA adapters yet",
