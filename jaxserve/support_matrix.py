@@ -81,8 +81,6 @@ FEATURES_BY_NAME = MappingProxyType({f.name: f for f in FEATURES})
 
 # Pairs refused by design, with why; the configuration raises a ConfigError naming both.
 REFUSED_PAIRS: Mapping[frozenset[str], str] = MappingProxyType({
-    frozenset(("gguf", "tp2")): "a GGUF file's kept blocks are served on one device (serve the file dequantized "
-                                "to split it)",
     frozenset(("pooling", "tp2")): "a pooling model runs on one device for now",
     frozenset(("pooling", "lora")): "a pooling model serves no LoRA adapters yet",
     frozenset(("pooling", "dp2")): "a pooling model runs one engine for now (no replicas)",

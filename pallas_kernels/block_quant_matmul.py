@@ -8,7 +8,9 @@ a block holds element ``j`` in its low nibble and ``j + 16`` in its high one), b
 ``W[n, k] = d[n, k // 32] * (q[n, k] - offset) + m[n, k // 32]`` (``offset`` 8 for Q4_0).
 
 - :func:`block_quant_matmul_reference`: the weight dequantized, then a plain matmul (any backend;
-  on a GPU XLA fuses the dequantization into the dot's operand read).
+  XLA writes the dequantized weight whole before the dot).
+- :func:`.block_quant_matmul_triton.block_quant_matmul_triton`: a Pallas kernel for a GPU that
+  applies each block's scale to its partial product.
 - :func:`block_quant_matmul_cpu`: ``csrc/block_quant_matmul_cpu.cc`` through XLA's FFI, which
   reads the blocks as stored (XLA:CPU would write the whole float weight first).
 """

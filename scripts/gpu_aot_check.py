@@ -50,8 +50,11 @@ from jaxserve.bench.presets import PRESETS  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 
 SHARED_TARGET = REPO.parent / "shared" / "gpu" / "h200_target_config.txtpb"
+# --quantization's GGUF block formats -> the model-side method (projections kept in that format)
+GGUF_METHODS = {"gguf": "gguf:Q4_1", "gguf:Q8_0": "gguf:Q8_0", "gguf:Q4_0": "gguf:Q4_0", "gguf:Q4_1": "gguf:Q4_1"}
 HLO_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int32": "s32", "bool": "pred",
-              "float8_e4m3fn": "f8e4m3fn", "int8": "s8"}
+              "float8_e4m3fn": "f8e4m3fn", "int8": "s8",
+              "uint8": "u8"}
 
 
 def default_target_config() -> Path:
@@ -124,6 +127,21 @@ def check_variant(runner, variant, weight_shapes, pool_shapes, full_weight_shape
             "problems": problems}
 
 
+def block_dequantized_shapes(model, runner) -> set:
+    """GGUF blocks kept (``gguf:Q8_0``, ...): the float shapes of each device's block weight
+    dequantized whole: ``[out, in]``, ``[in, out]`` and the ``[out, in / 32, 32]`` of its blocks,
+    read from its scales ``d [out, in / 32]``."""
+    _, flat = nnx.flatten(model, with_paths=True)
+    shapes = set()
+    for (path, _), x in zip(flat, runner.model_state, strict=True):
+        if path[-1] != "d":
+            continue
+        out, blocks = x.sharding.shard_shape(x.shape)[-2:]
+        for dims in ((out, blocks * 32), (blocks * 32, out), (out, blocks, 32)):
+            shapes |= {(f, dims) for f in ("bf16", "f16", "f32")}
+    return shapes
+
+
 def check_pooling(preset: str, backend: str, args, sharding) -> list[dict]:
     """The pooling engine's decoder step (embed, last-token pooling) per token bucket of its table:
     host round trips, weight or pool copies, the pool aliased."""
@@ -188,7 +206,7 @@ def check_model(preset: str, backend: str, args, sharding, spec) -> list[dict]:
     pool_shapes |= {("bf16", shape) for dtype, shape in pool_shapes if dtype == "f8e4m3fn"}
     # a quantized weight's dims in a float dtype: a dequantized copy (the convert not fused into the dot)
     dequantized_shapes = {(f, dims) for dtype, dims in weight_shapes if dtype in ("s8", "f8e4m3fn")
-                          for f in ("bf16", "f16", "f32")}
+                          for f in ("bf16", "f16", "f32")} | block_dequantized_shapes(model, runner)
     variants = [v for v in runner.variants() if (not args.buckets or v.bucket in args.buckets)
                 and (args.decode_only is None or v.decode_only == args.decode_only)
                 and (v.all_greedy or not args.greedy_only) and (v.lora or not args.lora_only)]
@@ -249,9 +267,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's (40960)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                     help="fp8: e4m3 pools, read by the kernels as stored")
-    ap.add_argument("--quantization", choices=["fp8", "int8"], default=None,
-                    help="weights kept in fp8 / int8 (one scale per output column), converted inside the dot; "
-                         "a dequantized weight-shaped buffer fails the check")
+    ap.add_argument("--quantization", choices=["fp8", "int8", *GGUF_METHODS], default=None,
+                    help="weights kept in fp8 / int8 (one scale per output column), converted inside the dot, or "
+                         "in a GGUF file's 32-wide blocks (gguf: Q4_1, as SmolLM2's file; gguf:Q8_0, gguf:Q4_0), "
+                         "dequantized inside the dot; a dequantized weight-shaped buffer fails the check")
     ap.add_argument("--decode-only", choices=["true", "false"], default=None,
                     help="only the decode-only variants (true) or only the mixed ones (false)")
     ap.add_argument("--num-layers", type=int, default=None,
@@ -276,6 +295,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1],
                     help="compile split over this many of 8 H200s on one host (default: 1)")
     args = ap.parse_args(argv)
+    args.quantization = GGUF_METHODS.get(args.quantization, args.quantization)
     args.decode_only = None if args.decode_only is None else args.decode_only == "true"
     target = args.target_config.read_text()
     spec = gpu_targets.gpu_spec("h200", args.target_config.read_text())

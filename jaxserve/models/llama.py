@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.attention import AttentionFn, AttentionMetadata, paged_attention, to_cache_dtype
-from jaxserve.layers.block_quant_linear import BlockQuantEmbedding, embedding_block_format_of
+from jaxserve.layers.block_quant_linear import BlockQuantEmbedding, embedding_block_format_of, project
 from jaxserve.layers.embedding import Embedding
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.lora import LoRABatch
@@ -104,7 +104,7 @@ class LlamaAttention(nnx.Module):
         """``x [T, hidden]`` -> ``[T, hidden]``; this step's K/V are written into layer ``layer``'s pages."""
         n = self.num_shards
         q_size, kv_size = self.num_heads * self.head_dim // n, self.num_kv_heads * self.head_dim // n
-        qkv = self.qkv_proj(x)
+        qkv = project(self.qkv_proj, x, ctx.mesh, "column")
         if ctx.lora is not None:  # its columns in the layout's order, split as the base's (models.lora_slots)
             qkv = qkv + ctx.lora.delta("qkv", x, layer)
         qkv = qkv.reshape(x.shape[0], n, -1)  # [T, shard, q_s | k_s | v_s]
@@ -127,7 +127,7 @@ class LlamaAttention(nnx.Module):
             mesh=ctx.mesh, sinks=None if self.sinks is None else self.sinks[...],
         )
         out = out.reshape(out.shape[0], -1).astype(x.dtype)
-        o = self.o_proj(out)
+        o = project(self.o_proj, out, ctx.mesh, "row")
         if ctx.lora is not None:
             o = o + ctx.lora.delta("o", out, layer)
         return o, (k_pool, v_pool)
@@ -146,13 +146,14 @@ class LlamaMLP(nnx.Module):
         self.down_proj = make_linear(cfg.intermediate_size, cfg.hidden_size, use_bias=cfg.mlp_bias,
                                      param_dtype=dtype, quantization=quantization, rngs=rngs)
 
-    def __call__(self, x: jax.Array, lora: LoRABatch | None = None, layer: jax.Array | int = 0) -> jax.Array:
-        gate_up = self.gate_up_proj(x)
+    def __call__(self, x: jax.Array, lora: LoRABatch | None = None, layer: jax.Array | int = 0,
+                 mesh: Mesh | None = None) -> jax.Array:
+        gate_up = project(self.gate_up_proj, x, mesh, "column")
         if lora is not None:
             gate_up = gate_up + lora.delta("gate_up", x, layer)
         gate, up = jnp.split(gate_up.reshape(x.shape[0], self.num_shards, -1), 2, axis=-1)
         h = (self.act(gate) * up).reshape(x.shape[0], -1)
-        down = self.down_proj(h)
+        down = project(self.down_proj, h, mesh, "row")
         return down if lora is None else down + lora.delta("down", h, layer)
 
 
@@ -193,7 +194,7 @@ class LlamaDecoderLayer(nnx.Module):
             out, ids = self.mlp.forward(normed, ctx.mesh)
             real = jnp.arange(hidden.shape[0]) < ctx.md.query_start_loc[ctx.md.num_seqs[0]]
             return hidden + out, kv, expert_load(ids, real, self.mlp.experts.down_proj.shape[0])
-        return hidden + self.mlp(normed, ctx.lora, layer), kv, None
+        return hidden + self.mlp(normed, ctx.lora, layer, ctx.mesh), kv, None
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -331,7 +332,10 @@ class LlamaForCausalLM(nnx.Module):
         gathered."""
         axes = mesh.axis_names
         tied = self.lm_head is None
-        assert isinstance(self.embed_tokens, Embedding), "kept GGUF blocks are served on one device"
+        if isinstance(self.embed_tokens, BlockQuantEmbedding):  # kept blocks: the tied head, split on its rows
+            logits = self.embed_tokens.attend(h, mesh)
+            return jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, PartitionSpec()))
+        assert isinstance(self.embed_tokens, Embedding)
         weight = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.kernel[...]
         weight_spec = PartitionSpec(axes, None) if tied else PartitionSpec(None, axes)
 

@@ -19,7 +19,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import NamedTuple, cast
 
 import jax
 import numpy as np
@@ -42,7 +42,7 @@ from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.quantize import quantize_columns
 from jaxserve.models.safetensors_io import open_checkpoint_files
 from jaxserve.models.tp_layout import TPLayout, check_tensor_parallel_size, split_axis
-from pallas_kernels.block_quant_matmul import BLOCK_FORMATS, split_gguf_blocks
+from pallas_kernels.block_quant_matmul import BLOCK, BLOCK_FORMATS, split_gguf_blocks
 
 # Buffers some exporters write that carry no weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -154,12 +154,9 @@ GGUF_BLOCK_PROJECTIONS = tuple(f"{name}.weight" for name in (
 BLOCK_PARTS = ("qs", "d", "m")
 
 
-def _projection_block_format(tensor_types: dict[str, str], file_name: str, tensor_parallel_size: int) -> str:
+def _projection_block_format(tensor_types: dict[str, str], file_name: str) -> str:
     """The one GGUF block format every decoder projection of the file is stored in, or a
     ConfigError saying why its blocks cannot be kept."""
-    if tensor_parallel_size > 1:
-        raise ConfigError("quantization gguf keeps the file's blocks on one device; with tensor_parallel_size "
-                          f"{tensor_parallel_size} serve the file dequantized (no --quantization)")
     types = {qtype for name, qtype in tensor_types.items() if name.endswith(GGUF_BLOCK_PROJECTIONS)}
     if len(types) != 1 or not types <= set(BLOCK_FORMATS):
         raise ConfigError(f"quantization gguf keeps {', '.join(BLOCK_FORMATS)} blocks, one format for every "
@@ -168,17 +165,44 @@ def _projection_block_format(tensor_types: dict[str, str], file_name: str, tenso
     return types.pop()
 
 
-def _block_readers(get: Callable[[str], np.ndarray]) -> dict[ParamPath, Callable[[str, int], np.ndarray]]:
-    """The fused projections' quant blocks, rows concatenated as the float kernels' columns are
-    (one shard: tensor parallelism with kept blocks is refused before)."""
-    fused = {("self_attn", "qkv_proj"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-             ("self_attn", "o_proj"): ("self_attn.o_proj",), ("mlp", "gate_up_proj"): ("mlp.gate_proj", "mlp.up_proj"),
-             ("mlp", "down_proj"): ("mlp.down_proj",)}
+def _check_block_split(cfg: ModelConfig, tensor_parallel_size: int) -> None:
+    """A ConfigError naming the row-split projection whose input a ``tensor_parallel_size`` split
+    would cut inside a 32-wide block (each shard must hold whole blocks)."""
+    for name, width in (("self_attn.o_proj", cfg.num_attention_heads * cfg.head_dim),
+                        ("mlp.down_proj", cfg.intermediate_size)):
+        per = width // tensor_parallel_size
+        if per % BLOCK:
+            raise ConfigError(f"quantization gguf with tensor_parallel_size {tensor_parallel_size}: {name} splits "
+                              f"its {width} inputs into {per} a device, not a whole number of {BLOCK}-wide blocks; "
+                              "use a smaller tensor_parallel_size or serve the file dequantized (no --quantization)")
 
-    def reader(names: tuple[str, ...], part: str) -> Callable[[str, int], np.ndarray]:
-        return lambda p, s: np.concatenate([get(f"{p}{name}.weight.{part}") for name in names])
 
-    return {(*module, part): reader(names, part) for module, names in fused.items() for part in BLOCK_PARTS}
+def _block_readers(get: Callable[[str], np.ndarray],
+                   layout: TPLayout) -> dict[ParamPath, Callable[[str, int], np.ndarray]]:
+    """The projections' quant blocks (``qs``, ``d``, ``m``, each ``[out, ...]``), split as the float
+    kernels are: q|k|v and gate|up by output rows, fused shard-major (the float kernels' columns);
+    o and down by input in whole blocks (``_check_block_split`` vetted the widths)."""
+    fused = _fused_row_readers(get, layout)
+    n = layout.size
+
+    def in_blocks(p: str, name: str, s: int) -> np.ndarray:
+        full = get(p + name)
+        per = full.shape[1] // n
+        return full[:, s * per : (s + 1) * per]
+
+    readers: dict[ParamPath, Callable[[str, int], np.ndarray]] = {}
+    for part in BLOCK_PARTS:
+        kind = f"weight.{part}"
+        readers[("self_attn", "qkv_proj", part)] = functools.partial(fused.qkv, kind=kind)
+        readers[("mlp", "gate_up_proj", part)] = functools.partial(fused.gate_up, kind=kind)
+        for module in ("self_attn.o_proj", "mlp.down_proj"):
+            path = (*module.split("."), part)
+            readers[path] = functools.partial(_by_name, in_blocks, f"{module}.{kind}")
+    return readers
+
+
+def _by_name(read: Callable[[str, str, int], np.ndarray], name: str, p: str, s: int) -> np.ndarray:
+    return read(p, name, s)
 
 
 def _embedding_block_reader(get: Callable[[str], np.ndarray], part: str, layout: TPLayout) -> ShardReader:
@@ -197,11 +221,12 @@ def _load_gguf_blocks(path: str | Path, dtype: str | None, scan_layers: bool | N
     cfg = _with_dtype(ModelConfig.from_dict(cache.config(lambda: checkpoint().hf_config())), dtype)
     table = cache.metadata(lambda: {"types": checkpoint().tensor_types(),
                                     "shapes": {n: list(s) for n, s in checkpoint().tensor_shapes().items()}})
-    quantization = GGUF_PREFIX + _projection_block_format(table["types"], Path(path).name, tensor_parallel_size)
+    quantization = GGUF_PREFIX + _projection_block_format(table["types"], Path(path).name)
     embed_format = table["types"].get("model.embed_tokens.weight")
     if cfg.tie_word_embeddings and embed_format in BLOCK_FORMATS:  # the tied head reads it every step
         quantization += ":" + embed_format
     abstract, graphdef, shapes = _abstract_model(cfg, scan_layers, tensor_parallel_size, quantization)
+    _check_block_split(cfg, tensor_parallel_size)
     check_tensors(cfg, {n: tuple(s) for n, s in table["shapes"].items()})  # before any tensor is decoded
 
     def decode() -> dict[str, np.ndarray]:
@@ -278,7 +303,7 @@ def state_from_tensors(get: Callable[[str], np.ndarray], cfg: ModelConfig, shape
     top = _top_level_readers(get, layout)
     per_layer = _layer_readers(get, layout)
     if quantization is not None and block_format_of(quantization) is not None:
-        per_layer.update(_block_readers(get))
+        per_layer.update(_block_readers(get, layout))
         top.update({("embed_tokens", "head", part): _embedding_block_reader(get, part, layout)
                     for part in BLOCK_PARTS})
     elif prequantized:
@@ -365,11 +390,16 @@ def _top_level_readers(get: Callable[[str], np.ndarray], layout: TPLayout) -> di
     }
 
 
-def _layer_readers(get: Callable[[str], np.ndarray],
-                   layout: TPLayout) -> dict[ParamPath, Callable[[str, int], np.ndarray]]:
-    """A decoder layer parameter's path -> how to read shard ``s`` of it for the layer whose names
-    start with ``p``. Holds every optional parameter; the model's structure says which ones exist.
-    Every read slices the memory-mapped tensor first, so only the shard's bytes are copied."""
+class _FusedRows(NamedTuple):
+    """Shard ``s`` of the fused projections' rows, for the layer whose names start with ``p``:
+    ``qkv(p, s, kind=...)`` is ``[q_s | k_s | v_s]``, ``gate_up`` is ``[gate_s | up_s]``, of the HF
+    tensors ``...q_proj.{kind}`` (``kind``: "weight", "bias", or a kept block part, "weight.qs")."""
+
+    qkv: Callable[..., np.ndarray]
+    gate_up: Callable[..., np.ndarray]
+
+
+def _fused_row_readers(get: Callable[[str], np.ndarray], layout: TPLayout) -> _FusedRows:
     d, n = layout.head_dim, layout.size
 
     def rows(p: str, name: str, s: int) -> np.ndarray:
@@ -383,13 +413,30 @@ def _layer_readers(get: Callable[[str], np.ndarray],
         full = get(p + name)
         return np.concatenate([full[h * d : (h + 1) * d] for h in layout.kv_heads_of_shard(s)])
 
-    def qkv(p: str, kind: str, s: int) -> np.ndarray:
+    def qkv(p: str, s: int, *, kind: str) -> np.ndarray:
         parts = [rows(p, f"self_attn.q_proj.{kind}", s), kv_rows(p, f"self_attn.k_proj.{kind}", s),
                  kv_rows(p, f"self_attn.v_proj.{kind}", s)]
         return np.concatenate(parts)
 
-    def gate_up(p: str, kind: str, s: int) -> np.ndarray:
+    def gate_up(p: str, s: int, *, kind: str) -> np.ndarray:
         return np.concatenate([rows(p, f"mlp.gate_proj.{kind}", s), rows(p, f"mlp.up_proj.{kind}", s)])
+
+    return _FusedRows(qkv, gate_up)
+
+
+def _layer_readers(get: Callable[[str], np.ndarray],
+                   layout: TPLayout) -> dict[ParamPath, Callable[[str, int], np.ndarray]]:
+    """A decoder layer parameter's path -> how to read shard ``s`` of it for the layer whose names
+    start with ``p``. Holds every optional parameter; the model's structure says which ones exist.
+    Every read slices the memory-mapped tensor first, so only the shard's bytes are copied."""
+    n = layout.size
+    fused = _fused_row_readers(get, layout)
+
+    def qkv(p: str, kind: str, s: int) -> np.ndarray:
+        return fused.qkv(p, s, kind=kind)
+
+    def gate_up(p: str, kind: str, s: int) -> np.ndarray:
+        return fused.gate_up(p, s, kind=kind)
 
     def in_cols(p: str, name: str, s: int) -> np.ndarray:
         """Shard ``s`` of the input columns of an HF ``[out, in]`` weight, as ``[in / n, out]``."""

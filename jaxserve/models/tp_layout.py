@@ -37,6 +37,12 @@ SPLIT_AXES: dict[tuple[str, ...], int] = {
     ("mlp", "gate_up_proj", "bias"): 0,
     ("mlp", "gate_up_proj", "kernel_scale"): 0,
     ("mlp", "down_proj", "kernel"): 0,
+    # GGUF blocks kept (``--quantization gguf``) are stored ``[out, in...]``: the column-split
+    # projections split their rows, the row-split ones their input in whole 32-wide blocks, the
+    # tied embedding (also the LM head) its vocabulary rows.
+    **{(*module, part): 0 for module in (("self_attn", "qkv_proj"), ("mlp", "gate_up_proj"),
+                                         ("embed_tokens", "head")) for part in ("qs", "d", "m")},
+    **{(*module, part): 1 for module in (("self_attn", "o_proj"), ("mlp", "down_proj")) for part in ("qs", "d", "m")},
     # A mixture-of-experts layer's experts are split whole (expert parallelism): shard s holds
     # experts [s * E / size, (s + 1) * E / size); the router stays replicated.
     ("mlp", "experts", "gate_up_proj"): 0,

@@ -51,8 +51,9 @@ def test_settings_that_cannot_keep_blocks_are_refused_naming_why(tmp_path, qwen3
         load_gguf_model(mixed, quantization="gguf")
     with pytest.raises(ConfigError, match="F32"):
         load_gguf_model(write_tiny_gguf(tmp_path / "f32.gguf", "F32"), quantization="gguf")
-    with pytest.raises(ConfigError, match="tensor_parallel_size 2"):
-        load_gguf_model(write_tiny_gguf(tmp_path / "q8.gguf", "Q8_0"), quantization="gguf", tensor_parallel_size=2)
+    # four shards would cut o_proj's 64 inputs into 16 a device: half a block
+    with pytest.raises(ConfigError, match="tensor_parallel_size 4: self_attn.o_proj splits its 64 inputs into 16"):
+        load_gguf_model(write_tiny_gguf(tmp_path / "q8.gguf", "Q8_0"), quantization="gguf", tensor_parallel_size=4)
     with pytest.raises(ConfigError, match="not a .gguf"):
         load_model(qwen3_checkpoint, quantization="gguf")
 

@@ -53,3 +53,19 @@ def test_cpu_kernel_matches_the_reference(qtype, tokens):
     assert got.shape == (tokens, 70)
     np.testing.assert_allclose(np.asarray(got), np.asarray(args[0]) @ w.T, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
+def test_gpu_kernel_in_the_interpreter_matches_the_reference(qtype):
+    """The Pallas kernel for a GPU (each block's scale on its partial product), run by Pallas's
+    interpreter: 5 tokens pad to one 16-row tile, 96 outputs make three 32-wide column tiles."""
+    from pallas_kernels.block_quant_matmul_triton import block_quant_matmul_triton
+
+    raw, _ = blocks(qtype, 96, 128, seed=3)
+    bits, offset, _ = BLOCK_FORMATS[qtype]
+    args = (jnp.asarray(np.random.default_rng(2).standard_normal((5, 128), np.float32)),
+            *map(jnp.asarray, split_gguf_blocks(raw, qtype)))
+    expected = block_quant_matmul_reference(*args, bits=bits, offset=offset)
+    got = block_quant_matmul_triton(*args, bits=bits, offset=offset, interpret=True)
+    assert got.shape == (5, 96)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-4, atol=1e-4)
