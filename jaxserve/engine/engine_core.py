@@ -387,7 +387,8 @@ class EngineCore:
             token_bucket=runner.pick_bucket(tokens) if tokens else 0,
             decode_only=runner.decode_attn_fn is not None and 0 < tokens == len(so.num_scheduled_tokens),
             backend=runner.attention_backend, compiled=not self.config.enforce_eager, start=start,
-            idle_gap_s=max(0.0, start - self._last_step_end), schedule_s=scheduled - start)
+            idle_gap_s=max(0.0, start - self._last_step_end), schedule_s=scheduled - start,
+            spec_drafts={r: len(d) for r, d in so.scheduled_spec_decode_tokens.items() if d})
 
     def _close_record(self, record: StepRecord, ro: ModelRunnerOutput | None, outputs: list[EngineCoreOutput],
                       collect_start: float, collected: float, end: float) -> None:
@@ -401,6 +402,9 @@ class EngineCore:
             self._last_device_end = collected
         if ro is not None:
             record.sampled = {r: t for r, t in zip(ro.req_ids, ro.sampled_token_ids) if t}
+            # a accepted drafts come back as a+1 tokens (as the scheduler counts them).
+            record.spec_accepted = {r: min(len(record.sampled[r]) - 1, k) for r, k in record.spec_drafts.items()
+                                    if r in record.sampled}
         record.update_s = end - collected
         record.end = end
         record.finished = {o.request_id: o.finish_reason for o in outputs if o.finish_reason}

@@ -42,6 +42,9 @@ class StepRecord:
     sampled: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     finished: dict[str, str] = dataclasses.field(default_factory=dict)  # request id -> finish reason
     engine_index: int = 0  # the data-parallel replica that ran it (vLLM's ``engine`` label)
+    # Speculative decoding: draft tokens scheduled for verification and accepted, per request id.
+    spec_drafts: dict[str, int] = dataclasses.field(default_factory=dict)
+    spec_accepted: dict[str, int] = dataclasses.field(default_factory=dict)
 
     # Shortcuts to the scheduler's side, as notebooks read them.
     @property
@@ -74,6 +77,14 @@ class StepRecord:
         return s.num_blocks_used / s.num_blocks_total if s.num_blocks_total else 0.0
 
     @property
+    def num_draft_tokens(self) -> int:
+        return sum(self.spec_drafts.values())
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(self.spec_accepted.values())
+
+    @property
     def seconds(self) -> float:
         return self.schedule_s + self.prepare_s + self.wait_s + self.update_s
 
@@ -92,6 +103,9 @@ class StepRecord:
             "idle_gap_s": self.idle_gap_s, "schedule_s": self.schedule_s, "prepare_s": self.prepare_s,
             "wait_s": self.wait_s, "device_s": self.device_s, "update_s": self.update_s, "seconds": self.seconds,
             "sampled": self.sampled, "finished": self.finished,
+            "spec_decode": {"num_draft_tokens": self.num_draft_tokens,
+                            "num_accepted_tokens": self.num_accepted_tokens,
+                            "drafts": self.spec_drafts, "accepted": self.spec_accepted},
         }
 
 

@@ -169,3 +169,28 @@ def test_async_llm_streams_several_tokens_a_step(plain, spec):
     assert [t for d in deltas for t in d] == want.token_ids
     assert [sorted(lp) for lp in logprobs] == [sorted(lp) for lp in want.logprobs]
     assert max(map(len, deltas)) > 1  # some update carried several tokens
+
+
+def test_step_records_and_trace_count_drafts(spec):
+    """Each step's record holds its scheduled and accepted drafts per request; their sums equal
+    the scheduler's counters over the same steps, and the trace's step args carry them."""
+    last = spec.get_step_records(1)[0].step if spec.get_step_records(1) else -1
+    before = spec_stats(spec).copy()
+    spec.generate(repetitive_prompts(3, seed=5), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                  use_tqdm=False)
+    stats = spec_stats(spec)
+    records = [r for r in spec.get_step_records() if r.step > last]
+    drafts = sum(r.num_draft_tokens for r in records)
+    accepted = sum(r.num_accepted_tokens for r in records)
+    assert drafts == stats.num_draft_tokens - before.num_draft_tokens > 0
+    assert accepted == stats.num_accepted_tokens - before.num_accepted_tokens > 0
+    for r in records:
+        assert set(r.spec_accepted) <= set(r.spec_drafts) <= set(r.scheduled)
+        assert all(0 <= r.spec_accepted[i] <= n for i, n in r.spec_drafts.items() if i in r.spec_accepted)
+        assert all(len(r.sampled[i]) == r.spec_accepted[i] + 1 for i in r.spec_accepted)
+        d = r.as_dict()["spec_decode"]
+        assert (d["num_draft_tokens"], d["num_accepted_tokens"]) == (r.num_draft_tokens, r.num_accepted_tokens)
+    trace = spec.llm_engine.build_trace(num_steps=len(records))
+    steps = {e["name"]: e["args"] for e in trace["traceEvents"] if e["ph"] == "X" and e["name"].startswith("step ")}
+    assert sum(a["spec_draft_tokens"] for n, a in steps.items() if n.endswith("schedule+prepare")) == drafts
+    assert sum(a["spec_accepted_tokens"] for n, a in steps.items() if n.endswith("collect+update")) == accepted
