@@ -37,6 +37,7 @@ from jaxserve.engine.step_clock import StepClock
 from jaxserve.engine.step_records import StepRecord
 from jaxserve.exceptions import ConfigError, InvalidRequestError
 from jaxserve.models.hub import ModelSource, resolve_model
+from jaxserve.spec_decode.auto_off import SpecAutoOff
 
 if TYPE_CHECKING:
     from jaxserve.distributed.lockstep import LockstepLeader
@@ -161,6 +162,10 @@ class EngineCore:
         self._in_flight_record: StepRecord | None = None
         self._last_step_end = time.monotonic()
         self._last_device_end = 0.0
+        spec = config.spec_decode_config
+        # Speculation's auto-off rule (per step, from measured acceptance and step times).
+        self.spec_auto_off: SpecAutoOff | None = (
+            SpecAutoOff(spec.num_speculative_tokens) if spec.speculative_auto_off and spec.spec else None)
         self.runner.warm_up(show_progress)
         self.startup.add("compile", self.runner.stats.warm_up_compile_seconds)
         self.startup.add("first_runs", self.runner.stats.warm_up_run_seconds)
@@ -333,10 +338,18 @@ class EngineCore:
         (none on the first). A constrained row of N+1 needs its token from N for its bitmask: then
         N's sampled ids are read first."""
         clock = StepClock()
+        rule, spec_stats = self.spec_auto_off, self.scheduler.spec_decoding_stats
+        decision = None
+        if rule is not None and spec_stats is not None and self.scheduler.running:
+            decision = rule.decide(len(self.scheduler.running))
+            self.scheduler.speculate = decision.speculate
+            drafts_before, accepted_before = spec_stats.num_draft_tokens, spec_stats.num_accepted_tokens
         with clock.phase("schedule"):
             scheduler_output = self.scheduler.schedule()
         record = (self._open_record(scheduler_output, clock.start, clock.last)
                   if self.step_records is not None else None)
+        if record is not None and decision is not None:
+            record.spec_auto_off = decision.describe()
         with clock.phase("prepare"):
             prepared = self.executor.prepare(scheduler_output)  # an empty one only updates request states
         previous, previous_record = self._in_flight, self._in_flight_record
@@ -361,6 +374,11 @@ class EngineCore:
                 outputs = self._collect(previous, previous_record, dispatched_at)
             if ahead:
                 self.structured_outputs.settle()  # type: ignore[union-attr]
+        if decision is not None and ran and not pipelined:  # speculation schedules synchronously
+            assert rule is not None and spec_stats is not None
+            rule.observe_step(scheduler_output.total_num_scheduled_tokens, time.monotonic() - clock.start)
+            rule.observe_acceptance(spec_stats.num_draft_tokens - drafts_before,
+                                    spec_stats.num_accepted_tokens - accepted_before)
         self.last_stats = self.scheduler.make_stats()
         if pipelined and record is not None and not ran:
             self._close_record(record, None, [], dispatched_at, dispatched_at, dispatched_at)

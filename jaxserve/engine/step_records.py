@@ -45,6 +45,7 @@ class StepRecord:
     # Speculative decoding: draft tokens scheduled for verification and accepted, per request id.
     spec_drafts: dict[str, int] = dataclasses.field(default_factory=dict)
     spec_accepted: dict[str, int] = dataclasses.field(default_factory=dict)
+    spec_auto_off: str = ""  # the auto-off rule's decision for this step and why ("" without the rule)
 
     # Shortcuts to the scheduler's side, as notebooks read them.
     @property
@@ -105,7 +106,8 @@ class StepRecord:
             "sampled": self.sampled, "finished": self.finished,
             "spec_decode": {"num_draft_tokens": self.num_draft_tokens,
                             "num_accepted_tokens": self.num_accepted_tokens,
-                            "drafts": self.spec_drafts, "accepted": self.spec_accepted},
+                            "drafts": self.spec_drafts, "accepted": self.spec_accepted,
+                            "auto_off": self.spec_auto_off},
         }
 
 

@@ -58,7 +58,7 @@ def _step_args(r: StepRecord) -> dict:
             "blocks_used": s.num_blocks_used, "blocks_cached_free": s.num_blocks_cached_free,
             "blocks_free": s.num_blocks_free, "backend": r.backend, "compiled": r.compiled,
             "decode_only": r.decode_only, "idle_gap_ms": round(1e3 * r.idle_gap_s, 3),
-            "spec_draft_tokens": r.num_draft_tokens}
+            "spec_draft_tokens": r.num_draft_tokens, "spec_auto_off": r.spec_auto_off}
 
 
 def _add_step(ev: _Events, r: StepRecord) -> None:

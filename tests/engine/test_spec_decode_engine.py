@@ -194,3 +194,65 @@ def test_step_records_and_trace_count_drafts(spec):
     steps = {e["name"]: e["args"] for e in trace["traceEvents"] if e["ph"] == "X" and e["name"].startswith("step ")}
     assert sum(a["spec_draft_tokens"] for n, a in steps.items() if n.endswith("schedule+prepare")) == drafts
     assert sum(a["spec_accepted_tokens"] for n, a in steps.items() if n.endswith("collect+update")) == accepted
+
+
+@pytest.fixture(scope="module")
+def auto(demo_model):
+    return LLM(demo_model, show_progress=False, speculative_config=NGRAM, speculative_auto_off=True,
+               **ENGINE_TESTS_SHAPE)
+
+
+def new_records(llm: LLM, run):
+    last = llm.get_step_records(1)[0].step if llm.get_step_records(1) else -1
+    result = run()
+    return result, [r for r in llm.get_step_records() if r.step > last]
+
+
+def test_auto_off_rule_keeps_greedy_output_and_records_its_decisions(plain, auto):
+    prompts = repetitive_prompts(4, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got, records = new_records(auto, lambda: auto.generate(prompts, params, use_tqdm=False))
+    assert token_ids(got) == token_ids(plain.generate(prompts, params, use_tqdm=False))
+    decided = [r for r in records if r.spec_auto_off]
+    assert decided and all(r.spec_auto_off.startswith(("on (", "off (")) for r in decided)
+    # An "off" step verifies no draft; the first steps measure both step sizes.
+    assert all(r.num_draft_tokens == 0 for r in decided if r.spec_auto_off.startswith("off"))
+    assert any(r.num_draft_tokens for r in decided)
+    assert_pool_empty(auto)
+
+
+def test_auto_off_skips_drafts_when_speculation_does_not_pay_and_switches_back(plain, auto):
+    """A rule that has measured steep per-token cost and no acceptance turns drafts off; once
+    acceptance is measured high it turns them on again. Greedy output is the plain engine's."""
+    from jaxserve.spec_decode.auto_off import SpecAutoOff
+
+    def measured(a: float, b: float) -> None:  # many steps: the real ones barely move the fit
+        rule.steps.clear()
+        for _ in range(200):
+            rule.observe_step(1, a + b)
+            rule.observe_step(64, a + 64 * b)
+
+    rule = SpecAutoOff(3, probe_every=10**6, prior_alpha=0.0)
+    measured(0.0, 0.001)  # compute-bound: only accepted drafts could pay
+    core = auto.llm_engine.core
+    core.spec_auto_off = rule
+    prompts = repetitive_prompts(3, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = token_ids(plain.generate(prompts, params, use_tqdm=False))
+    try:
+        got, records = new_records(auto, lambda: auto.generate(prompts, params, use_tqdm=False))
+        assert token_ids(got) == want
+        decided = [r for r in records if r.spec_auto_off]
+        assert decided and all(r.spec_auto_off.startswith("off (gain") for r in decided)
+        assert sum(r.num_draft_tokens for r in records) == 0
+        for _ in range(100):
+            rule.observe_acceptance(10, 10)
+        measured(1.0, 0.001)  # a large fixed cost per step: speculation pays
+        got, records = new_records(auto, lambda: auto.generate(prompts, params, use_tqdm=False))
+        assert token_ids(got) == want
+        decided = [r for r in records if r.spec_auto_off]
+        assert decided and all(r.spec_auto_off.startswith("on (gain") for r in decided)
+        assert sum(r.num_accepted_tokens for r in records) > 0
+    finally:
+        core.spec_auto_off = SpecAutoOff(3)
+    assert_pool_empty(auto)
