@@ -48,7 +48,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "jaxserve.runner": ("jaxserve.config", "jaxserve.core", "jaxserve.models", "jaxserve.layers",
                         "jaxserve.sample", "jaxserve.spec_decode", "pallas_kernels"),
     "jaxserve.engine": ("jaxserve.config", "jaxserve.core", "jaxserve.models", "jaxserve.runner",
-                        "jaxserve.sample", "jaxserve.structured", "jaxserve.distributed"),
+                        "jaxserve.sample", "jaxserve.structured", "jaxserve.distributed", "jaxserve.spec_decode"),
     "jaxserve.bench": ("jaxserve.config", "jaxserve.core", "jaxserve.models", "jaxserve.runner",
                        "jaxserve.sample", "jaxserve.structured", "jaxserve.engine", "pallas_kernels"),
     # The server sees jaxserve's public API only (the package itself, envs, exceptions); its

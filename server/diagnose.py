@@ -9,6 +9,8 @@ Rows (the seed's failure-to-module map):
 * ``api_bound``: the API is slow while the device idles (tokenizer, API worker, CPU scheduling);
 * ``prefill_stall``: long inputs stall other requests (token budget, chunked prefill, queue);
 * ``kv_pressure``: memory tight, repeated preemption (cache usage, actual lengths, concurrency);
+* ``spec_not_paying``: speculative drafts are mostly rejected, or a speculating step costs more per
+  token than a plain one (acceptance, batch size, ``--speculative-auto-off``);
 * ``compiled_differs`` (``--compare-eager``): wrong output only when compiled;
 * tool fields or broken streams (template, tool/reasoning parser): not diagnosed yet, jaxserve has
   no tool or reasoning parser to blame.
@@ -32,6 +34,10 @@ PREFILL_SHARE_OF_BUDGET = 0.5  # a "large" prefill chunk: this share of the step
 STALL_RATIO = 1.5  # inter-token interval of steps with a large prefill chunk over decode-only ones
 MIN_MIXED_STEPS = 3
 KV_USED_SHARE = 0.9  # the pool this full at some step
+SPEC_MIN_ACCEPTANCE = 0.3  # share of the window's draft tokens accepted
+SPEC_MIN_DRAFTS = 20  # draft tokens in the window before acceptance is judged
+SPEC_COST_RATIO = 1.1  # time per output token of speculating decode steps over plain decode steps
+SPEC_MIN_STEPS = 5  # decode-only steps of each kind before their costs are compared
 
 
 @dataclasses.dataclass
@@ -133,11 +139,53 @@ def kv_pressure(steps: list[dict], requests: list[dict]) -> tuple[dict, Finding 
         "problem, and recomputation hides it as slowness", evidence)
 
 
+def spec_not_paying(steps: list[dict]) -> tuple[dict, Finding | None]:
+    """Speculation that does not pay: few drafts accepted, or decode-only steps that verify drafts
+    cost more time per output token than those that do not (a step's interval: its end to the
+    previous step's end)."""
+    drafts = accepted = 0
+    per_token: dict[bool, list[float]] = {True: [], False: []}
+    for prev, s in zip([None, *steps], steps):
+        spec = s.get("spec_decode") or {}
+        drafts += spec.get("num_draft_tokens", 0)
+        accepted += spec.get("num_accepted_tokens", 0)
+        out = sum(len(t) for t in s["sampled"].values())
+        # A decode step: every request computes its one token and its drafts (no prompt chunk).
+        decode = all(n == 1 + spec.get("drafts", {}).get(r, 0) for r, n in s["scheduled"].items())
+        if prev is None or s["step"] != prev["step"] + 1 or not decode or not out:
+            continue
+        per_token[bool(spec.get("num_draft_tokens"))].append((s["end"] - prev["end"]) / out)
+    acceptance = accepted / drafts if drafts else 0.0
+    spec_ms, plain_ms = _median(per_token[True]), _median(per_token[False])
+    enough = min(len(per_token[True]), len(per_token[False])) >= SPEC_MIN_STEPS
+    ratio = spec_ms / plain_ms if enough and plain_ms > 0 else 0.0
+    evidence = {"draft_tokens": drafts, "accepted_tokens": accepted, "acceptance": round(acceptance, 3),
+                "threshold_acceptance": SPEC_MIN_ACCEPTANCE,
+                "speculating_decode_steps": len(per_token[True]), "plain_decode_steps": len(per_token[False]),
+                "median_ms_per_token_speculating": round(1e3 * spec_ms, 3),
+                "median_ms_per_token_plain": round(1e3 * plain_ms, 3), "cost_ratio": round(ratio, 2),
+                "threshold_cost_ratio": SPEC_COST_RATIO,
+                "auto_off_steps_off": sum(1 for s in steps
+                                          if (s.get("spec_decode") or {}).get("auto_off", "").startswith("off"))}
+    low = drafts >= SPEC_MIN_DRAFTS and acceptance < SPEC_MIN_ACCEPTANCE
+    if not (low or ratio > SPEC_COST_RATIO):
+        return evidence, None
+    return evidence, Finding(
+        "spec_not_paying", "Speculative decoding costs more than it saves",
+        "speculative decoding: the proposer (jaxserve/spec_decode/), the auto-off rule "
+        "(jaxserve/spec_decode/auto_off.py), the verification in the runner",
+        "--speculative-auto-off (skips drafts per step when acceptance and batch size say they do not pay), "
+        "fewer num_speculative_tokens or a larger prompt_lookup_min in --speculative-config, or no "
+        "speculation for this workload (it pays on copy-heavy prompts at low concurrency)",
+        "do not raise --max-num-batched-tokens or --max-num-seqs first: more concurrency makes each "
+        "verified draft cost more, and rejected drafts are pure waste", evidence)
+
+
 def analyse(steps: list[dict], requests: list[dict]) -> tuple[dict[str, dict], list[Finding]]:
     """Every rule's measurements, and the findings, of a window's step records (in step order) and
     finished requests' timelines (JSON dicts)."""
     checks = {"api_bound": api_bound(steps, requests), "prefill_stall": prefill_stall(steps),
-              "kv_pressure": kv_pressure(steps, requests)}
+              "kv_pressure": kv_pressure(steps, requests), "spec_not_paying": spec_not_paying(steps)}
     return ({name: evidence for name, (evidence, _) in checks.items()},
             [finding for _, finding in checks.values() if finding is not None])
 

@@ -351,7 +351,8 @@ def run_throughput_cli(args) -> dict:
         benches["jaxserve"] = JaxserveBench(model, workload, engine_args, args.ignore_eos, args.profile,
                                             detokenize=not args.disable_detokenize)
         if config.spec_decode_config.spec is not None:  # alternated against the same engine without it
-            benches["jaxserve_no_spec"] = JaxserveBench(model, workload, {**engine_args, "speculative_config": None},
+            benches["jaxserve_no_spec"] = JaxserveBench(model, workload, {**engine_args, "speculative_config": None,
+                                                                                 "speculative_auto_off": False},
                                                         args.ignore_eos, detokenize=not args.disable_detokenize)
         if args.structured:
             from jaxserve import StructuredOutputsParams

@@ -70,11 +70,17 @@ class SpecDecodeConfig(SubConfig):
     speculative_config: str | dict[str, Any] | None = None
     """Speculative decoding as vLLM's JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_min": 2, "prompt_lookup_max": 5}; default: off. Only ngram is built."""
+    speculative_auto_off: bool = False
+    """Beyond vLLM: per step, skip verifying drafts when the measured acceptance and a fitted
+    step-cost model say speculation costs more than it saves at the current batch size (probing
+    now and then, so it switches back on). Only with speculative_config."""
 
     def validate(self) -> None:
         parsed = SpeculativeConfig.parse(self.speculative_config)
         # Kept as canonical JSON text: one form for the flag, the copies and the comparisons.
         self.speculative_config = None if parsed is None else json.dumps(dataclasses.asdict(parsed))
+        if self.speculative_auto_off and parsed is None:
+            raise ConfigError("speculative_auto_off needs speculative_config (speculation is off)")
 
     @property
     def spec(self) -> SpeculativeConfig | None:

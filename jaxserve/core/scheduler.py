@@ -159,6 +159,9 @@ class Scheduler:
         self.num_finished_reqs = 0
         self.spec_decoding_stats: SpecDecodingStats | None = (
             SpecDecodingStats(cfg.num_speculative_tokens) if cfg.num_speculative_tokens else None)
+        # Set per step by the engine's auto-off rule: False schedules no drafts (they are dropped
+        # and proposed again after the step), so the step runs as a plain decode.
+        self.speculate = True
         self._last_num_scheduled_tokens = 0
         self._last_num_scheduled_reqs = 0
         self._last_num_preempted = 0
@@ -285,6 +288,8 @@ class Scheduler:
                 continue
             num_new = len(request.all_token_ids) + pending - request.num_computed_tokens
             drafts = request.spec_token_ids
+            if drafts and not self.speculate:
+                request.spec_token_ids = drafts = []
             if drafts:
                 drafts = self._trim_drafts(request, drafts)
                 num_new += len(drafts)

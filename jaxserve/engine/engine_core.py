@@ -37,6 +37,7 @@ from jaxserve.engine.step_clock import StepClock
 from jaxserve.engine.step_records import StepRecord
 from jaxserve.exceptions import ConfigError, InvalidRequestError
 from jaxserve.models.hub import ModelSource, resolve_model
+from jaxserve.spec_decode.auto_off import SpecAutoOff
 
 if TYPE_CHECKING:
     from jaxserve.distributed.lockstep import LockstepLeader
@@ -182,6 +183,10 @@ class EngineCore:
         self._in_flight_record: StepRecord | None = None
         self._last_step_end = time.monotonic()
         self._last_device_end = 0.0
+        spec = config.spec_decode_config
+        # Speculation's auto-off rule (per step, from measured acceptance and step times).
+        self.spec_auto_off: SpecAutoOff | None = (
+            SpecAutoOff(spec.num_speculative_tokens) if spec.speculative_auto_off and spec.spec else None)
         self.runner.warm_up(show_progress)
         self.startup.add("compile", self.runner.stats.warm_up_compile_seconds)
         self.startup.add("first_runs", self.runner.stats.warm_up_run_seconds)
@@ -408,10 +413,18 @@ class EngineCore:
         (none on the first). A constrained row of N+1 needs its token from N for its bitmask: then
         N's sampled ids are read first."""
         clock = StepClock()
+        rule, spec_stats = self.spec_auto_off, self.scheduler.spec_decoding_stats
+        decision = None
+        if rule is not None and spec_stats is not None and self.scheduler.running:
+            decision = rule.decide(len(self.scheduler.running))
+            self.scheduler.speculate = decision.speculate
+            drafts_before, accepted_before = spec_stats.num_draft_tokens, spec_stats.num_accepted_tokens
         with clock.phase("schedule"):
             scheduler_output = self.scheduler.schedule()
         record = (self._open_record(scheduler_output, clock.start, clock.last)
                   if self.step_records is not None else None)
+        if record is not None and decision is not None:
+            record.spec_auto_off = decision.describe()
         with clock.phase("prepare"):
             prepared = self.executor.prepare(scheduler_output)  # an empty one only updates request states
         if scheduler_output.scheduled_encoder_inputs:
@@ -438,6 +451,11 @@ class EngineCore:
                 outputs = self._collect(previous, previous_record, dispatched_at)
             if ahead:
                 self.structured_outputs.settle()  # type: ignore[union-attr]
+        if decision is not None and ran and not pipelined:  # speculation schedules synchronously
+            assert rule is not None and spec_stats is not None
+            rule.observe_step(scheduler_output.total_num_scheduled_tokens, time.monotonic() - clock.start)
+            rule.observe_acceptance(spec_stats.num_draft_tokens - drafts_before,
+                                    spec_stats.num_accepted_tokens - accepted_before)
         self.last_stats = self.scheduler.make_stats()
         if pipelined and record is not None and not ran:
             self._close_record(record, None, [], dispatched_at, dispatched_at, dispatched_at)
@@ -477,7 +495,8 @@ class EngineCore:
             token_bucket=runner.pick_bucket(tokens) if tokens else 0,
             decode_only=runner.decode_attn_fn is not None and 0 < tokens == len(so.num_scheduled_tokens),
             backend=runner.attention_backend, compiled=not self.config.enforce_eager, start=start,
-            idle_gap_s=max(0.0, start - self._last_step_end), schedule_s=scheduled - start)
+            idle_gap_s=max(0.0, start - self._last_step_end), schedule_s=scheduled - start,
+            spec_drafts={r: len(d) for r, d in so.scheduled_spec_decode_tokens.items() if d})
 
     def _close_record(self, record: StepRecord, ro: ModelRunnerOutput | None, outputs: list[EngineCoreOutput],
                       collect_start: float, collected: float, end: float) -> None:
@@ -492,6 +511,9 @@ class EngineCore:
         if ro is not None:
             record.sampled = {r: t for r, t in zip(ro.req_ids, ro.sampled_token_ids) if t}
             record.expert_load = ro.expert_load
+            # a accepted drafts come back as a+1 tokens (as the scheduler counts them).
+            record.spec_accepted = {r: min(len(record.sampled[r]) - 1, k) for r, k in record.spec_drafts.items()
+                                    if r in record.sampled}
         record.update_s = end - collected
         record.end = end
         record.finished = {o.request_id: o.finish_reason for o in outputs if o.finish_reason}

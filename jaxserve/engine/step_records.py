@@ -46,6 +46,10 @@ class StepRecord:
     encoder_s: float = 0.0  # their encoder time, part of prepare_s
     # A MoE model: routed (token, expert) pairs per expert, summed over the layers (real tokens only).
     expert_load: list[int] | None = None
+    # Speculative decoding: draft tokens scheduled for verification and accepted, per request id.
+    spec_drafts: dict[str, int] = dataclasses.field(default_factory=dict)
+    spec_accepted: dict[str, int] = dataclasses.field(default_factory=dict)
+    spec_auto_off: str = ""  # the auto-off rule's decision for this step and why ("" without the rule)
 
     # Shortcuts to the scheduler's side, as notebooks read them.
     @property
@@ -78,6 +82,14 @@ class StepRecord:
         return s.num_blocks_used / s.num_blocks_total if s.num_blocks_total else 0.0
 
     @property
+    def num_draft_tokens(self) -> int:
+        return sum(self.spec_drafts.values())
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(self.spec_accepted.values())
+
+    @property
     def seconds(self) -> float:
         return self.schedule_s + self.prepare_s + self.wait_s + self.update_s
 
@@ -97,6 +109,10 @@ class StepRecord:
             "wait_s": self.wait_s, "device_s": self.device_s, "update_s": self.update_s, "seconds": self.seconds,
             "sampled": self.sampled, "finished": self.finished, "expert_load": self.expert_load,
             "encoder_images": self.encoder_images, "encoder_s": self.encoder_s,
+            "spec_decode": {"num_draft_tokens": self.num_draft_tokens,
+                            "num_accepted_tokens": self.num_accepted_tokens,
+                            "drafts": self.spec_drafts, "accepted": self.spec_accepted,
+                            "auto_off": self.spec_auto_off},
         }
 
 

@@ -59,6 +59,7 @@ def _step_args(r: StepRecord) -> dict:
             "blocks_free": s.num_blocks_free, "backend": r.backend, "compiled": r.compiled,
             "decode_only": r.decode_only, "idle_gap_ms": round(1e3 * r.idle_gap_s, 3),
             "lora_adapters": sorted({k.split("@")[0] for k in s.lora_adapters.values()}),
+            "spec_draft_tokens": r.num_draft_tokens, "spec_auto_off": r.spec_auto_off,
             **({} if r.expert_load is None else {"expert_load": r.expert_load})}
 
 
@@ -70,7 +71,8 @@ def _add_step(ev: _Events, r: StepRecord) -> None:
     if r.end > r.collect_start:
         ev.span(ENGINE_PID, HOST_TID, f"step {r.step}: collect+update", r.collect_start, r.end,
                 {"wait_ms": round(1e3 * r.wait_s, 3), "update_ms": round(1e3 * r.update_s, 3),
-                 "finished": r.finished})
+                 "finished": r.finished, "spec_accepted_tokens": r.num_accepted_tokens,
+                 "spec_drafts": r.spec_drafts, "spec_accepted": r.spec_accepted})
     if r.device_s > 0:
         ev.span(ENGINE_PID, DEVICE_TID, f"step {r.step}", r.device_end - r.device_s, r.device_end,
                 {"tokens": r.num_tokens, "token_bucket": r.token_bucket})

@@ -27,6 +27,11 @@ def expected_tokens(alpha: float, k: int) -> float:
 class AutoOffDecision:
     speculate: bool
     gain: float  # predicted tokens-per-second ratio of speculating over not
+    reason: str = "gain"  # "gain": the model decided; "measure": b unknown yet; "probe": the other way
+
+    def describe(self) -> str:
+        """One line for the step record: the decision, why, and the predicted gain."""
+        return f"{'on' if self.speculate else 'off'} ({self.reason}, gain {self.gain:.2f})"
 
 
 class SpecAutoOff:
@@ -68,14 +73,15 @@ class SpecAutoOff:
         spec = a + b * batch_size * (self.k + 1)
         gain = expected_tokens(self.alpha, self.k) * plain / spec if spec > 0 else 1.0
         speculate = gain >= 1.0
+        reason = "gain"
         self._since_probe += 1
         if self.steps and len({t for t, _ in self.steps}) < 2:
             # One step size seen: b is unknown, so the next step tries the other size.
-            speculate = not self._last
+            speculate, reason = not self._last, "measure"
         elif self._since_probe >= self.probe_every:
             # Every probe_every-th step does the other thing: off, it keeps acceptance measured;
             # on, it keeps the cost of a plain step (b needs two step sizes) measured.
             self._since_probe = 0
-            speculate = not speculate
+            speculate, reason = not speculate, "probe"
         self._last = speculate
-        return AutoOffDecision(speculate, gain)
+        return AutoOffDecision(speculate, gain, reason)

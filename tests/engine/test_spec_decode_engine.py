@@ -169,3 +169,90 @@ def test_async_llm_streams_several_tokens_a_step(plain, spec):
     assert [t for d in deltas for t in d] == want.token_ids
     assert [sorted(lp) for lp in logprobs] == [sorted(lp) for lp in want.logprobs]
     assert max(map(len, deltas)) > 1  # some update carried several tokens
+
+
+def test_step_records_and_trace_count_drafts(spec):
+    """Each step's record holds its scheduled and accepted drafts per request; their sums equal
+    the scheduler's counters over the same steps, and the trace's step args carry them."""
+    last = spec.get_step_records(1)[0].step if spec.get_step_records(1) else -1
+    before = spec_stats(spec).copy()
+    spec.generate(repetitive_prompts(3, seed=5), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                  use_tqdm=False)
+    stats = spec_stats(spec)
+    records = [r for r in spec.get_step_records() if r.step > last]
+    drafts = sum(r.num_draft_tokens for r in records)
+    accepted = sum(r.num_accepted_tokens for r in records)
+    assert drafts == stats.num_draft_tokens - before.num_draft_tokens > 0
+    assert accepted == stats.num_accepted_tokens - before.num_accepted_tokens > 0
+    for r in records:
+        assert set(r.spec_accepted) <= set(r.spec_drafts) <= set(r.scheduled)
+        assert all(0 <= r.spec_accepted[i] <= n for i, n in r.spec_drafts.items() if i in r.spec_accepted)
+        assert all(len(r.sampled[i]) == r.spec_accepted[i] + 1 for i in r.spec_accepted)
+        d = r.as_dict()["spec_decode"]
+        assert (d["num_draft_tokens"], d["num_accepted_tokens"]) == (r.num_draft_tokens, r.num_accepted_tokens)
+    trace = spec.llm_engine.build_trace(num_steps=len(records))
+    steps = {e["name"]: e["args"] for e in trace["traceEvents"] if e["ph"] == "X" and e["name"].startswith("step ")}
+    assert sum(a["spec_draft_tokens"] for n, a in steps.items() if n.endswith("schedule+prepare")) == drafts
+    assert sum(a["spec_accepted_tokens"] for n, a in steps.items() if n.endswith("collect+update")) == accepted
+
+
+@pytest.fixture(scope="module")
+def auto(demo_model):
+    return LLM(demo_model, show_progress=False, speculative_config=NGRAM, speculative_auto_off=True,
+               **ENGINE_TESTS_SHAPE)
+
+
+def new_records(llm: LLM, run):
+    last = llm.get_step_records(1)[0].step if llm.get_step_records(1) else -1
+    result = run()
+    return result, [r for r in llm.get_step_records() if r.step > last]
+
+
+def test_auto_off_rule_keeps_greedy_output_and_records_its_decisions(plain, auto):
+    prompts = repetitive_prompts(4, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got, records = new_records(auto, lambda: auto.generate(prompts, params, use_tqdm=False))
+    assert token_ids(got) == token_ids(plain.generate(prompts, params, use_tqdm=False))
+    decided = [r for r in records if r.spec_auto_off]
+    assert decided and all(r.spec_auto_off.startswith(("on (", "off (")) for r in decided)
+    # An "off" step verifies no draft; the first steps measure both step sizes.
+    assert all(r.num_draft_tokens == 0 for r in decided if r.spec_auto_off.startswith("off"))
+    assert any(r.num_draft_tokens for r in decided)
+    assert_pool_empty(auto)
+
+
+def test_auto_off_skips_drafts_when_speculation_does_not_pay_and_switches_back(plain, auto):
+    """A rule that has measured steep per-token cost and no acceptance turns drafts off; once
+    acceptance is measured high it turns them on again. Greedy output is the plain engine's."""
+    from jaxserve.spec_decode.auto_off import SpecAutoOff
+
+    def measured(a: float, b: float) -> None:  # many steps: the real ones barely move the fit
+        rule.steps.clear()
+        for _ in range(200):
+            rule.observe_step(1, a + b)
+            rule.observe_step(64, a + 64 * b)
+
+    rule = SpecAutoOff(3, probe_every=10**6, prior_alpha=0.0)
+    measured(0.0, 0.001)  # compute-bound: only accepted drafts could pay
+    core = auto.llm_engine.core
+    core.spec_auto_off = rule
+    prompts = repetitive_prompts(3, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = token_ids(plain.generate(prompts, params, use_tqdm=False))
+    try:
+        got, records = new_records(auto, lambda: auto.generate(prompts, params, use_tqdm=False))
+        assert token_ids(got) == want
+        decided = [r for r in records if r.spec_auto_off]
+        assert decided and all(r.spec_auto_off.startswith("off (gain") for r in decided)
+        assert sum(r.num_draft_tokens for r in records) == 0
+        for _ in range(100):
+            rule.observe_acceptance(10, 10)
+        measured(1.0, 0.001)  # a large fixed cost per step: speculation pays
+        got, records = new_records(auto, lambda: auto.generate(prompts, params, use_tqdm=False))
+        assert token_ids(got) == want
+        decided = [r for r in records if r.spec_auto_off]
+        assert decided and all(r.spec_auto_off.startswith("on (gain") for r in decided)
+        assert sum(r.num_accepted_tokens for r in records) > 0
+    finally:
+        core.spec_auto_off = SpecAutoOff(3)
+    assert_pool_empty(auto)

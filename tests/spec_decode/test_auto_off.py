@@ -68,3 +68,13 @@ def test_switches_back_on_when_acceptance_recovers():
     for _ in range(60):
         rule.observe_acceptance(256, 250)
     assert rule.decide(64).speculate
+
+
+def test_decisions_name_their_reason():
+    rule = SpecAutoOff(4, probe_every=3)
+    rule.observe_step(8, 0.05)
+    first = rule.decide(8)
+    assert first.reason == "measure" and first.describe().startswith(("on (measure", "off (measure"))
+    rule.observe_step(40, 0.09)
+    reasons = [rule.decide(8).reason for _ in range(6)]
+    assert reasons.count("probe") == 2 and reasons.count("gain") == 4

@@ -44,3 +44,13 @@ def test_bad_values_are_refused_by_name(value, words):
 def test_pooling_runner_refuses_speculation():
     with pytest.raises(ConfigError, match="speculative_config.*pooling"):
         EngineConfig(speculative_config=NGRAM, runner="pooling")
+
+
+def test_auto_off_flag_needs_speculation():
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args(["--speculative-config", json.dumps(NGRAM), "--speculative-auto-off"])
+    assert EngineConfig.from_cli_args(args).spec_decode_config.speculative_auto_off is True
+    assert EngineConfig(speculative_config=NGRAM).spec_decode_config.speculative_auto_off is False
+    with pytest.raises(ConfigError, match="speculative_auto_off needs speculative_config"):
+        EngineConfig(speculative_auto_off=True)
