@@ -94,7 +94,8 @@ def test_healthy_window_is_quiet(server):
     result = during(server, healthy)
     assert result["requests"] >= 4 and result["steps"] > 0
     assert result["findings"] == [], result
-    assert set(result["checks"]) == {"api_bound", "prefill_stall", "kv_pressure", "spec_not_paying"}  # measured all the same
+    # measured all the same
+    assert set(result["checks"]) == {"api_bound", "prefill_stall", "kv_pressure", "spec_not_paying"}
     assert result["checks"]["kv_pressure"]["preemptions"] == 0
 
 
