@@ -11,7 +11,9 @@ Two equivalent forms:
 - :func:`lora_delta_ragged` sorts tokens by slot and runs ``jax.lax.ragged_dot`` (a grouped
   matmul); cost independent of ``max_loras`` but it pays a sort and two gathers.
 ``scripts/lora_matmul_bench.py`` measures both; the runner uses the one-hot form (see
-docs/benchmarks.md).
+docs/benchmarks.md) for large token buckets, and for small ones (decode)
+:func:`lora_delta_gathered`, which gathers each token's own slot and multiplies the fused
+projections' B part by part (no block-diagonal zeros).
 """
 
 from __future__ import annotations
@@ -37,6 +39,31 @@ def lora_delta_packed(x: jax.Array, slot_ids: jax.Array, a: jax.Array, b: jax.Ar
     xa = (xa.reshape(-1, slots, rank) * mask[:, :, None]).reshape(-1, slots * rank)
     out = jnp.dot(xa.astype(b.dtype), b.reshape(slots * rank, -1), preferred_element_type=jnp.float32)
     return out.astype(x.dtype)
+
+
+# Token buckets up to this size take the gathered form (static per bucket: one program each).
+GATHER_MAX_TOKENS = 32
+
+
+def lora_delta_gathered(x: jax.Array, slot_ids: jax.Array, a: jax.Array, b: jax.Array,
+                        part_widths: tuple[int, ...] | None = None) -> jax.Array:
+    """:func:`lora_delta_packed` by gathering each token's slot: ``a`` ``(in, slots, parts*rank)``,
+    ``b`` ``(slots, parts*rank, out)`` block-diagonal with ``part_widths`` output columns per part
+    (in order; None: one part). Reads and multiplies only the token's own slot and, per part, its own
+    rank block and columns, so its cost is ``tokens`` slots rather than ``max_loras`` per token."""
+    parts = part_widths or (b.shape[-1],)
+    rank = a.shape[-1] // len(parts)
+    safe = jnp.maximum(slot_ids, 0)
+    a_t = jnp.take(a, safe, axis=1)  # (in, T, parts*rank)
+    xa = jnp.einsum("ti,itr->tr", x, a_t, preferred_element_type=jnp.float32)
+    xa = jnp.where((slot_ids >= 0)[:, None], xa, 0.0).astype(b.dtype)  # a base token adds nothing
+    outs, col = [], 0
+    for p, width in enumerate(parts):
+        b_p = b[:, p * rank:(p + 1) * rank, col:col + width][safe]  # (T, rank, width)
+        outs.append(jnp.einsum("tr,tro->to", xa[:, p * rank:(p + 1) * rank], b_p,
+                               preferred_element_type=jnp.float32))
+        col += width
+    return jnp.concatenate(outs, axis=-1).astype(x.dtype)
 
 
 def lora_delta_ragged(x: jax.Array, slot_ids: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -73,11 +100,18 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
 class LoRABatch:
     """One step's adapters: every token's slot and the slot tables of the fused projections,
     ``a[name]``: ``(layers, in, slots, parts*rank)``, ``b[name]``: ``(layers, slots, parts*rank, out)``
-    (block-diagonal over the fused parts, so one delta covers q|k|v and gate|up)."""
+    (block-diagonal over the fused parts, so one delta covers q|k|v and gate|up). ``parts`` gives each
+    fused projection's part widths in ``b``'s column order; with it, a small token bucket takes the
+    gathered form (None, as under tensor parallelism's shard-major columns: the one-hot form always)."""
 
     slot_ids: jax.Array  # (tokens,) int32, -1 for a base-model token
     a: dict[str, jax.Array]
     b: dict[str, jax.Array]
+    # (name, part widths) pairs, hashable as a static field must be
+    parts: tuple[tuple[str, tuple[int, ...]], ...] | None = dataclasses.field(default=None, metadata={"static": True})
 
     def delta(self, name: str, x: jax.Array, layer: jax.Array | int) -> jax.Array:
-        return lora_delta_packed(x, self.slot_ids, self.a[name][layer], self.b[name][layer])
+        a, b = self.a[name][layer], self.b[name][layer]
+        if self.parts is not None and x.shape[0] <= GATHER_MAX_TOKENS:  # static: the bucket's size
+            return lora_delta_gathered(x, self.slot_ids, a, b, dict(self.parts)[name])
+        return lora_delta_packed(x, self.slot_ids, a, b)
