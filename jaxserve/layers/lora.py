@@ -11,9 +11,9 @@ Two equivalent forms:
 - :func:`lora_delta_ragged` sorts tokens by slot and runs ``jax.lax.ragged_dot`` (a grouped
   matmul); cost independent of ``max_loras`` but it pays a sort and two gathers.
 ``scripts/lora_matmul_bench.py`` measures both; the runner uses the one-hot form (see
-docs/benchmarks.md) for large token buckets, and for small ones (decode)
-:func:`lora_delta_gathered`, which gathers each token's own slot and multiplies the fused
-projections' B part by part (no block-diagonal zeros).
+docs/benchmarks.md) for every bucket. :func:`lora_delta_gathered` (each token's own slot, the fused
+projections' B part by part, no block-diagonal zeros) was tried for the decode buckets and measured
+no faster on CPU, so no step uses it.
 """
 
 from __future__ import annotations
@@ -39,10 +39,6 @@ def lora_delta_packed(x: jax.Array, slot_ids: jax.Array, a: jax.Array, b: jax.Ar
     xa = (xa.reshape(-1, slots, rank) * mask[:, :, None]).reshape(-1, slots * rank)
     out = jnp.dot(xa.astype(b.dtype), b.reshape(slots * rank, -1), preferred_element_type=jnp.float32)
     return out.astype(x.dtype)
-
-
-# Token buckets up to this size take the gathered form (static per bucket: one program each).
-GATHER_MAX_TOKENS = 32
 
 
 def lora_delta_gathered(x: jax.Array, slot_ids: jax.Array, a: jax.Array, b: jax.Array,
@@ -100,18 +96,11 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
 class LoRABatch:
     """One step's adapters: every token's slot and the slot tables of the fused projections,
     ``a[name]``: ``(layers, in, slots, parts*rank)``, ``b[name]``: ``(layers, slots, parts*rank, out)``
-    (block-diagonal over the fused parts, so one delta covers q|k|v and gate|up). ``parts`` gives each
-    fused projection's part widths in ``b``'s column order; with it, a small token bucket takes the
-    gathered form (None, as under tensor parallelism's shard-major columns: the one-hot form always)."""
+    (block-diagonal over the fused parts, so one delta covers q|k|v and gate|up)."""
 
     slot_ids: jax.Array  # (tokens,) int32, -1 for a base-model token
     a: dict[str, jax.Array]
     b: dict[str, jax.Array]
-    # (name, part widths) pairs, hashable as a static field must be
-    parts: tuple[tuple[str, tuple[int, ...]], ...] | None = dataclasses.field(default=None, metadata={"static": True})
 
     def delta(self, name: str, x: jax.Array, layer: jax.Array | int) -> jax.Array:
-        a, b = self.a[name][layer], self.b[name][layer]
-        if self.parts is not None and x.shape[0] <= GATHER_MAX_TOKENS:  # static: the bucket's size
-            return lora_delta_gathered(x, self.slot_ids, a, b, dict(self.parts)[name])
-        return lora_delta_packed(x, self.slot_ids, a, b)
+        return lora_delta_packed(x, self.slot_ids, self.a[name][layer], self.b[name][layer])

@@ -63,14 +63,6 @@ def fused_shapes(cfg: ModelConfig, max_rank: int, layout: TPLayout | None = None
     return out
 
 
-def part_widths(cfg: ModelConfig, layout: TPLayout | None = None) -> tuple[tuple[str, tuple[int, ...]], ...] | None:
-    """Each fused projection's part widths in its ``b`` columns, for :class:`LoRABatch`'s gathered
-    form; None under tensor parallelism (shard-major columns: parts are not contiguous there)."""
-    if layout is not None and layout.size > 1:
-        return None
-    return tuple((name, tuple(projection_shape(cfg, p)[1] for p in parts)) for name, parts in FUSED_PROJECTIONS.items())
-
-
 def adapter_slot_arrays(adapter: LoRAAdapter, cfg: ModelConfig, max_rank: int, layout: TPLayout | None = None
                         ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """One slot's ``a``/``b`` arrays per fused projection, ``(layers, in, R)`` and ``(layers, R, out)``."""
@@ -144,4 +136,4 @@ class LoRASlotTable:
         self.b = _write_slot(self.b, jnp.int32(slot), b, axis=B_SLOT_AXIS)
 
     def batch(self, slot_ids: jax.Array) -> LoRABatch:
-        return LoRABatch(slot_ids=slot_ids, a=self.a, b=self.b, parts=part_widths(self.cfg, self.layout))
+        return LoRABatch(slot_ids=slot_ids, a=self.a, b=self.b)

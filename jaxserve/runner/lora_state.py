@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxserve.core.lora_slots import LoRASlotAssigner
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.lora_adapter import LoRAAdapter
-from jaxserve.models.lora_slots import LoRASlotTable, part_widths
+from jaxserve.models.lora_slots import LoRASlotTable
 from jaxserve.models.tp_layout import TPLayout
 from jaxserve.runner.mesh import lora_table_specs
 
@@ -39,7 +39,6 @@ class RunnerLoRA:
         self.key_of: dict[str, str] = {}  # request id -> adapter key (name@sha256)
         self.adapters: dict[str, LoRAAdapter] = {}  # adapter key -> weights, while a request uses it
         self.num_slot_writes = 0
-        self.parts = part_widths(cfg, layout)  # the LoRABatch's static part widths (None under TP)
 
     @property
     def tables(self) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:

@@ -394,9 +394,7 @@ class ModelRunner:
         lora: dict[str, Any] = {}
         if use_lora:  # the slot tables and each token's slot (-1: the base model)
             assert inputs.lora_slot_ids is not None
-            assert self.lora is not None
-            lora["lora"] = LoRABatch(slot_ids=inputs.lora_slot_ids, a=lora_tables[0], b=lora_tables[1],
-                                     parts=self.lora.parts)
+            lora["lora"] = LoRABatch(slot_ids=inputs.lora_slot_ids, a=lora_tables[0], b=lora_tables[1])
         hidden, kv_cache = model(input_ids, state.kv_cache, x.attention_metadata(), attn_fn, *self._split_args,
                                  **lora)
         logits = model.compute_logits(hidden[x.logits_indices], *self._split_args)

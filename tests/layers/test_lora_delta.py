@@ -7,8 +7,6 @@ import numpy as np
 import pytest
 
 from jaxserve.layers.lora import (
-    GATHER_MAX_TOKENS,
-    LoRABatch,
     lora_delta_gathered,
     lora_delta_one_hot,
     lora_delta_packed,
@@ -48,10 +46,10 @@ def test_one_program_serves_every_slot_assignment():
     assert fn._cache_size() == compiled
 
 
-@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("tokens", [2, 9])
 def test_gathered_form_equals_one_hot_on_fused_tables(tokens):
     """The decode form (each token's own slot, B part by part) against the one-hot form over a
-    random block-diagonal fused table, base tokens included; through LoRABatch's bucket choice too."""
+    random block-diagonal fused table, base tokens included."""
     rng = np.random.default_rng(tokens)
     slots, d_in, rank, widths = 4, 24, 8, (16, 8, 8)
     a = rng.standard_normal((d_in, slots, len(widths) * rank), np.float32)
@@ -62,16 +60,9 @@ def test_gathered_form_equals_one_hot_on_fused_tables(tokens):
         col += w
     x = rng.standard_normal((tokens, d_in), np.float32)
     ids = rng.integers(-1, slots, tokens).astype(np.int32)
-    ids[0] = -1
+    ids[0], ids[1] = -1, slots - 1  # a base token and an adapter token at least
     want = np.asarray(jax.jit(lora_delta_packed)(x, ids, a, b))
-    assert np.abs(want).max() > 0 or tokens == 1
+    assert np.abs(want[1]).max() > 0
     got = np.asarray(jax.jit(lora_delta_gathered, static_argnums=4)(x, ids, a, b, widths))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert not got[ids == -1].any()
-    batch = LoRABatch(slot_ids=ids, a={"qkv": a[None]}, b={"qkv": b[None]}, parts=(("qkv", widths),))
-    np.testing.assert_allclose(np.asarray(batch.delta("qkv", x, 0)), want, rtol=1e-4, atol=1e-4)
-    big = np.repeat(x, GATHER_MAX_TOKENS, axis=0)  # past the threshold: the one-hot form, same numbers
-    big_ids = np.repeat(ids, GATHER_MAX_TOKENS)
-    batch = LoRABatch(slot_ids=big_ids, a={"qkv": a[None]}, b={"qkv": b[None]}, parts=(("qkv", widths),))
-    np.testing.assert_allclose(np.asarray(batch.delta("qkv", big, 0)), np.repeat(want, GATHER_MAX_TOKENS, axis=0),
-                               rtol=1e-4, atol=1e-4)
