@@ -11,7 +11,9 @@ Two equivalent forms:
 - :func:`lora_delta_ragged` sorts tokens by slot and runs ``jax.lax.ragged_dot`` (a grouped
   matmul); cost independent of ``max_loras`` but it pays a sort and two gathers.
 ``scripts/lora_matmul_bench.py`` measures both; the runner uses the one-hot form (see
-docs/benchmarks.md).
+docs/benchmarks.md) for every bucket. :func:`lora_delta_gathered` (each token's own slot, the fused
+projections' B part by part, no block-diagonal zeros) was tried for the decode buckets and measured
+no faster on CPU, so no step uses it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,27 @@ def lora_delta_packed(x: jax.Array, slot_ids: jax.Array, a: jax.Array, b: jax.Ar
     xa = (xa.reshape(-1, slots, rank) * mask[:, :, None]).reshape(-1, slots * rank)
     out = jnp.dot(xa.astype(b.dtype), b.reshape(slots * rank, -1), preferred_element_type=jnp.float32)
     return out.astype(x.dtype)
+
+
+def lora_delta_gathered(x: jax.Array, slot_ids: jax.Array, a: jax.Array, b: jax.Array,
+                        part_widths: tuple[int, ...] | None = None) -> jax.Array:
+    """:func:`lora_delta_packed` by gathering each token's slot: ``a`` ``(in, slots, parts*rank)``,
+    ``b`` ``(slots, parts*rank, out)`` block-diagonal with ``part_widths`` output columns per part
+    (in order; None: one part). Reads and multiplies only the token's own slot and, per part, its own
+    rank block and columns, so its cost is ``tokens`` slots rather than ``max_loras`` per token."""
+    parts = part_widths or (b.shape[-1],)
+    rank = a.shape[-1] // len(parts)
+    safe = jnp.maximum(slot_ids, 0)
+    a_t = jnp.take(a, safe, axis=1)  # (in, T, parts*rank)
+    xa = jnp.einsum("ti,itr->tr", x, a_t, preferred_element_type=jnp.float32)
+    xa = jnp.where((slot_ids >= 0)[:, None], xa, 0.0).astype(b.dtype)  # a base token adds nothing
+    outs, col = [], 0
+    for p, width in enumerate(parts):
+        b_p = b[:, p * rank:(p + 1) * rank, col:col + width][safe]  # (T, rank, width)
+        outs.append(jnp.einsum("tr,tro->to", xa[:, p * rank:(p + 1) * rank], b_p,
+                               preferred_element_type=jnp.float32))
+        col += width
+    return jnp.concatenate(outs, axis=-1).astype(x.dtype)
 
 
 def lora_delta_ragged(x: jax.Array, slot_ids: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:

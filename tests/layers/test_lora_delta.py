@@ -6,7 +6,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.layers.lora import lora_delta_one_hot, lora_delta_packed, lora_delta_ragged, lora_delta_reference
+from jaxserve.layers.lora import (
+    lora_delta_gathered,
+    lora_delta_one_hot,
+    lora_delta_packed,
+    lora_delta_ragged,
+    lora_delta_reference,
+)
 
 
 def packed(x, slot_ids, a, b):
@@ -38,3 +44,25 @@ def test_one_program_serves_every_slot_assignment():
     for ids in ([0, 1, -1, 0], [1, 1, 1, 1]):
         fn(x, np.array(ids, np.int32), a * ids[0], b)  # other slots, other weights
     assert fn._cache_size() == compiled
+
+
+@pytest.mark.parametrize("tokens", [2, 9])
+def test_gathered_form_equals_one_hot_on_fused_tables(tokens):
+    """The decode form (each token's own slot, B part by part) against the one-hot form over a
+    random block-diagonal fused table, base tokens included."""
+    rng = np.random.default_rng(tokens)
+    slots, d_in, rank, widths = 4, 24, 8, (16, 8, 8)
+    a = rng.standard_normal((d_in, slots, len(widths) * rank), np.float32)
+    b = np.zeros((slots, len(widths) * rank, sum(widths)), np.float32)
+    col = 0
+    for p, w in enumerate(widths):  # block-diagonal: part p's rank block writes only its own columns
+        b[:, p * rank:(p + 1) * rank, col:col + w] = rng.standard_normal((slots, rank, w), np.float32)
+        col += w
+    x = rng.standard_normal((tokens, d_in), np.float32)
+    ids = rng.integers(-1, slots, tokens).astype(np.int32)
+    ids[0], ids[1] = -1, slots - 1  # a base token and an adapter token at least
+    want = np.asarray(jax.jit(lora_delta_packed)(x, ids, a, b))
+    assert np.abs(want[1]).max() > 0
+    got = np.asarray(jax.jit(lora_delta_gathered, static_argnums=4)(x, ids, a, b, widths))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert not got[ids == -1].any()
