@@ -281,9 +281,7 @@ class EngineCore:
         from jaxserve.models.llava_vision import load_llava_image_encoder_from_folder
         from jaxserve.runner.encoder_runner import EncoderRunner
 
-        if config.tensor_parallel_size > 1 or config.quantization is not None or config.enable_lora:
-            raise ConfigError("a vision-language model (LLaVA) is served on one device, unquantized and without "
-                              "LoRA: tensor_parallel_size, quantization and enable_lora are not supported with it")
+        _refuse_vlm_options(config, "a vision-language model (LLaVA)")
         dtype = self._serving_dtype(path, platform)
         with self.startup.phase("weights"):
             model = load_llava_language_model(path, dtype, config.scan_layers)
@@ -305,9 +303,7 @@ class EngineCore:
         from jaxserve.models.qwen2_5_vl import load_qwen2_5_vl_language_model, load_qwen2_5_vl_vision_from_folder
         from jaxserve.runner.grid_encoder_runner import GridEncoderRunner
 
-        if config.tensor_parallel_size > 1 or config.quantization is not None or config.enable_lora:
-            raise ConfigError("Qwen2.5-VL is served on one device, unquantized and without LoRA: "
-                              "tensor_parallel_size, quantization and enable_lora are not supported with it")
+        _refuse_vlm_options(config, "Qwen2.5-VL")
         dtype = self._serving_dtype(path, platform)
         with self.startup.phase("weights"):
             model = load_qwen2_5_vl_language_model(path, dtype, config.scan_layers)
@@ -578,3 +574,10 @@ def _start_leader(core: EngineCore) -> LockstepLeader:
     # JAX's own exit hook, registered earlier, stops the coordination service).
     atexit.register(leader.shutdown)
     return leader
+
+
+def _refuse_vlm_options(config: EngineConfig, model: str) -> None:
+    """A vision-language model is served on one device, unquantized and without LoRA."""
+    if config.tensor_parallel_size > 1 or config.quantization is not None or config.enable_lora:
+        raise ConfigError(f"{model} is served on one device, unquantized and without LoRA: "
+                          "tensor_parallel_size, quantization and enable_lora are not supported with it")

@@ -250,3 +250,11 @@ def test_mm_bench_reports_every_mode(llava_folder):
     assert out["images_encoded"] == 2 + 2
     assert out["modes"]["text_only"]["encoder_share"]["median"] == 0
     assert all(r["requests_per_s"]["median"] > 0 for r in out["modes"].values())
+
+
+@pytest.mark.parametrize("option", [dict(quantization="int8"), dict(enable_lora=True)])
+def test_unsupported_engine_options_are_refused_by_name(llava_folder, option):
+    from jaxserve.exceptions import ConfigError
+
+    with pytest.raises(ConfigError, match=r"LLaVA.*tensor_parallel_size, quantization and enable_lora"):
+        LLM(llava_folder[0], max_model_len=128, **option)

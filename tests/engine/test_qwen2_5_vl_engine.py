@@ -161,3 +161,10 @@ def test_preempted_request_recomputes_its_positions(qwen_folder):
         assert llm.llm_engine.core.kv_cache_usage() == 0
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_quantization_is_refused_by_name(qwen_folder):
+    from jaxserve.exceptions import ConfigError
+
+    with pytest.raises(ConfigError, match=r"Qwen2.5-VL.*tensor_parallel_size, quantization and enable_lora"):
+        LLM(qwen_folder[0], max_model_len=128, quantization="int8")

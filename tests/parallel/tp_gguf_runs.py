@@ -14,11 +14,11 @@ the blocks.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from tests.parallel.device_runs import run_module
 
 DEVICES = 2
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
@@ -76,12 +76,7 @@ def main(out: str) -> None:
 
 
 def run_in_subprocess(out: Path, timeout: float) -> list[dict]:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "tests.parallel.tp_gguf_runs", str(out)], env=env,
-                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=timeout)
-    if proc.returncode:
-        raise AssertionError(f"tp_gguf_runs failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+    return run_module("tests.parallel.tp_gguf_runs", out, DEVICES, timeout)
 
 
 if __name__ == "__main__":

@@ -12,11 +12,11 @@ and the collectives of the compiled LoRA step.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from tests.parallel.device_runs import run_module
 
 DEVICES = 2
 # Qwen3: q/k norms and a head_dim apart from hidden; Mistral: one key/value head, stored twice at TP=2.
@@ -84,12 +84,7 @@ def main(out: str) -> None:
 
 
 def run_in_subprocess(out: Path, timeout: float) -> list[dict]:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "tests.parallel.tp_lora_runs", str(out)], env=env,
-                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=timeout)
-    if proc.returncode:
-        raise AssertionError(f"tp_lora_runs failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+    return run_module("tests.parallel.tp_lora_runs", out, DEVICES, timeout)
 
 
 if __name__ == "__main__":

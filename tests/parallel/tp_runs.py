@@ -15,11 +15,11 @@ collectives of one compiled step.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from tests.parallel.device_runs import run_module
 
 DEVICES = 8
 XLA_FLAGS = f"--xla_force_host_platform_device_count={DEVICES}"
@@ -112,13 +112,7 @@ def main(out: str, full: bool) -> None:
 
 def run_in_subprocess(out: Path, timeout: float, full: bool = False) -> list[dict]:
     """This module in a fresh process with :data:`DEVICES` CPU devices; its results."""
-    env = {**os.environ, "XLA_FLAGS": XLA_FLAGS, "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "-m", "tests.parallel.tp_runs", str(out)] + (["--full"] if full else [])
-    proc = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
-                          timeout=timeout)
-    if proc.returncode:
-        raise AssertionError(f"tp_runs failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+    return run_module("tests.parallel.tp_runs", out, DEVICES, timeout, *(["--full"] if full else []))
 
 
 if __name__ == "__main__":
