@@ -292,7 +292,10 @@ class LlamaForCausalLM(nnx.Module):
 
         def run_layer(layer, index, carry):
             hidden, kv, loads = carry
-            hidden, kv, load = layer(hidden, kv, index, ctx)
+            out = layer(hidden, kv, index, ctx)
+            # A dense layer may return (hidden, kv), as a user's replacement layer does; a MoE
+            # layer adds its per-expert load.
+            hidden, kv, load = out if len(out) == 3 else (*out, None)
             return hidden, kv, (None if load is None else loads.at[index].set(load))
 
         embeds = self.embed_tokens(input_ids, mesh)
