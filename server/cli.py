@@ -135,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxserve.bench.lora_bench import add_lora_bench_args
 
     add_lora_bench_args(lora_bench)
-    mm_bench = _engine_parser(bsub, "mm", "a vision-language model (a LLaVA folder): images/s and time to first "
-                              "token with distinct images, one repeated image and no image, alternated in rounds")
+    mm_bench = _engine_parser(bsub, "mm", "a vision-language model (a LLaVA or Qwen2.5-VL folder): images/s and "
+                              "time to first token with distinct images, one repeated image and no image, "
+                              "alternated in rounds")
     from jaxserve.bench.mm_bench import add_mm_bench_args
 
     add_mm_bench_args(mm_bench)

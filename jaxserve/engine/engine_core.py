@@ -249,11 +249,9 @@ class EngineCore:
         with self.startup.phase("runner"):
             self.runner = ModelRunner(config, model, self.max_model_len, devices=devices, encoder=encoder)
         scheduler_config = config.scheduler_config.for_scheduler(self.max_model_len)
-        if encoder is not None:  # vLLM's default encoder budget: the step's token budget
-            mm = config.multimodal_config
-            scheduler_config.max_num_encoder_input_tokens = (mm.max_num_encoder_input_tokens
-                                                             or config.max_num_batched_tokens)
-            scheduler_config.encoder_cache_size = mm.encoder_cache_size
+        if encoder is not None:
+            scheduler_config.max_num_encoder_input_tokens = _encoder_budget(config)
+            scheduler_config.encoder_cache_size = config.multimodal_config.encoder_cache_size
         if config.enable_lora:  # the running requests' adapters never outnumber the runner's slots
             scheduler_config.max_loras = config.lora_config.max_loras
         num_spec = config.spec_decode_config.num_speculative_tokens
@@ -287,7 +285,7 @@ class EngineCore:
             model = load_llava_language_model(path, dtype, config.scan_layers)
             vision, image_encoder = load_llava_image_encoder_from_folder(path)
         self.mm_processor = MultiModalProcessor.from_folder(path, config.multimodal_config.limit_mm_per_prompt)
-        budget = config.multimodal_config.max_num_encoder_input_tokens or config.max_num_batched_tokens
+        budget = _encoder_budget(config)
         if budget < vision.tokens_per_image:
             raise ConfigError(f"max_num_encoder_input_tokens: {budget} is fewer than one image's "
                               f"{vision.tokens_per_image} tokens")
@@ -308,7 +306,7 @@ class EngineCore:
         with self.startup.phase("weights"):
             model = load_qwen2_5_vl_language_model(path, dtype, config.scan_layers)
             vision, tower = load_qwen2_5_vl_vision_from_folder(path)
-        budget = config.multimodal_config.max_num_encoder_input_tokens or config.max_num_batched_tokens
+        budget = _encoder_budget(config)
         self.mm_processor = Qwen25VLMultiModalProcessor.from_qwen_folder(
             path, config.multimodal_config.limit_mm_per_prompt, max_image_tokens=budget)
         return model, GridEncoderRunner(tower, vision.spatial_merge_size)
@@ -581,3 +579,8 @@ def _refuse_vlm_options(config: EngineConfig, model: str) -> None:
     if config.tensor_parallel_size > 1 or config.quantization is not None or config.enable_lora:
         raise ConfigError(f"{model} is served on one device, unquantized and without LoRA: "
                           "tensor_parallel_size, quantization and enable_lora are not supported with it")
+
+
+def _encoder_budget(config: EngineConfig) -> int:
+    """Encoder tokens one step may encode: the flag, else (vLLM's default) the step's token budget."""
+    return config.multimodal_config.max_num_encoder_input_tokens or config.max_num_batched_tokens

@@ -247,14 +247,3 @@ def build_spec_inputs(query_start_loc: np.ndarray, drafts: list[list[int]], num_
     flat = start[:, None] + np.minimum(j[None, :], num[:, None])
     return SpecInputs(logits_indices=indices, position_rows=rows, position_offsets=offsets,
                       flat_index=flat.astype(np.int32), draft_token_ids=ids, num_draft_tokens=num)
-
-
-def single_group_block_ids(block_ids: list[int] | tuple[list[int], ...]) -> list[int]:
-    """A request's block ids as the one block table the runner keeps: a ``KVCacheManager``'s
-    list, or a ``HybridKVCacheManager``'s tuple of one group (one sliding window over all layers;
-    the ids it replaced by the null block stay in the table, never read: outside the window)."""
-    if isinstance(block_ids, tuple):
-        if len(block_ids) != 1:
-            raise NotImplementedError(f"{len(block_ids)} KV cache groups: the runner keeps one block table")
-        return block_ids[0]
-    return block_ids

@@ -127,15 +127,15 @@ def resolve_attention_backend(requested: str, platform: str | None = None, dtype
     run it (not a compile-only target: ``abstract``), passes its self-check over the pool's dtype
     (``--kv-cache-dtype``) or is refused at start-up. A model with attention sinks (gpt-oss) runs
     on the backends that fold them in, and ``auto`` picks one of those."""
-    on_gpu = (platform or jax.default_backend()) == "gpu"
+    platform = platform or jax.default_backend()
+    on_gpu = platform == "gpu"
     if mc is not None and mc.attention_sinks:  # gpt-oss: only some backends fold the sinks in
         if requested not in ("auto", *SINK_BACKENDS):
             raise ConfigError(f"attention_backend: {requested} has no attention sinks, which this model "
                               f"({mc.architecture}) needs; use one of {', '.join(SINK_BACKENDS)}")
         if requested != "auto":
             return requested
-        on_cpu = (platform or jax.default_backend()) == "cpu"
-        ok = on_cpu and pallas_kernels.cpu_attention_available(envs.kernel_build_dir())[0]
+        ok = platform == "cpu" and pallas_kernels.cpu_attention_available(envs.kernel_build_dir())[0]
         return "cpu" if ok and backend_takes("cpu", dtype) else "xla"
     if requested != "auto":
         if requested not in pallas_kernels.available_backends():
@@ -444,15 +444,9 @@ class ModelRunner:
             extra["mm_embeds"], extra["mm_mask"] = mm_inputs
         if inputs.mrope_positions is not None:
             extra["mrope_positions"] = inputs.mrope_positions
-        expert_load = None
-        if self.mc.is_moe:  # the routed pairs per expert, summed over the layers
-            hidden, kv_cache, loads = model.forward(input_ids, state.kv_cache, x.attention_metadata(), attn_fn,
-                                                    *self._split_args, **extra)
-            assert loads is not None
-            expert_load = loads.sum(axis=0)
-        else:
-            hidden, kv_cache = model(input_ids, state.kv_cache, x.attention_metadata(), attn_fn,
-                                     *self._split_args, **extra)
+        hidden, kv_cache, loads = model.forward(input_ids, state.kv_cache, x.attention_metadata(), attn_fn,
+                                                *self._split_args, **extra)
+        expert_load = None if loads is None else loads.sum(axis=0)  # a MoE model's pairs per expert
         spec = inputs.spec
         md, row_slots = inputs.sampling, x.row_slots
         if spec is None:

@@ -33,7 +33,7 @@ from jaxserve.exceptions import ConfigError
 from jaxserve.models.bert import BERT_ARCHITECTURES, load_bert
 from jaxserve.models.pooling_config import PoolerConfig
 from jaxserve.runner.compile_stats import CompileStats
-from jaxserve.runner.input_batch import single_group_block_ids
+from jaxserve.runner.input_batch import group_block_ids
 from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks
 from jaxserve.runner.pooling_step import make_decoder_step, make_encoder_step
 
@@ -174,12 +174,12 @@ class PoolingModelRunner:
             if params is None:
                 raise ValueError(f"request {new.req_id}: a pooling model serves pooling requests only")
             self.requests[new.req_id] = _PoolingRequest(
-                list(new.prompt_token_ids), params.token_type_ids, list(single_group_block_ids(new.block_ids)),
+                list(new.prompt_token_ids), params.token_type_ids, list(group_block_ids(new.block_ids, 1)[0]),
                 new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.requests[req_id]
-            state.blocks += single_group_block_ids(new_blocks)
+            state.blocks += group_block_ids(new_blocks, 1)[0]
             state.num_computed_tokens = num_computed
         if so.total_num_scheduled_tokens == 0:
             return PoolingStep(so)
