@@ -444,8 +444,11 @@ class ModelRunner:
             extra["mm_embeds"], extra["mm_mask"] = mm_inputs
         if inputs.mrope_positions is not None:
             extra["mrope_positions"] = inputs.mrope_positions
-        hidden, kv_cache, loads = model.forward(input_ids, state.kv_cache, x.attention_metadata(), attn_fn,
-                                                *self._split_args, **extra)
+        args = (input_ids, state.kv_cache, x.attention_metadata(), attn_fn, *self._split_args)
+        if hasattr(model, "forward"):  # ours: (hidden, kv, per-expert load or None)
+            hidden, kv_cache, loads = model.forward(*args, **extra)
+        else:  # a user's model object keeps the plain protocol: __call__ gives (hidden, kv)
+            (hidden, kv_cache), loads = model(*args, **extra), None
         expert_load = None if loads is None else loads.sum(axis=0)  # a MoE model's pairs per expert
         spec = inputs.spec
         md, row_slots = inputs.sampling, x.row_slots
