@@ -3,7 +3,7 @@ decode bucket, per fused projection of SmolLM2-135M (JSON out).
 
     python scripts/lora_gather_bench.py [--repeats 3] [--calls 200] [--tokens 16] [--dtype float32]
 
-Tables as the runner stores them (``a`` ``(in, slots, parts*rank)``, ``b`` block-diagonal), 4 slots
+Tables as the runner stores them (``a`` ``(in, slots, parts*rank)``, ``b`` compact ``(slots, rank, out)``), 4 slots
 of rank 16; the two forms run alternately, ``repeats`` turns of ``calls`` calls each; prints the
 microseconds per call of every turn.
 """
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.layers.lora import lora_delta_gathered, lora_delta_packed
+from jaxserve.layers.lora import lora_delta_gathered, lora_delta_parts
 
 # (in, part widths) of SmolLM2-135M's fused projections
 SHAPES = {"qkv": (576, (576, 192, 192)), "gate_up": (576, (1536, 1536)), "down": (1536, (576,))}
@@ -42,16 +42,16 @@ def main() -> None:
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     slots, rank, dt = 4, 16, jnp.dtype(args.dtype)
-    packed, gathered = jax.jit(lora_delta_packed), jax.jit(lora_delta_gathered, static_argnums=4)
+    one_hot, gathered = jax.jit(lora_delta_parts, static_argnums=4), jax.jit(lora_delta_gathered, static_argnums=4)
     results = {}
     for name, (d_in, widths) in SHAPES.items():
         a = jnp.asarray(rng.standard_normal((d_in, slots, len(widths) * rank)), dt)
-        b = jnp.asarray(rng.standard_normal((slots, len(widths) * rank, sum(widths))), dt)
+        b = jnp.asarray(rng.standard_normal((slots, rank, sum(widths))), dt)
         x = jnp.asarray(rng.standard_normal((args.tokens, d_in)), dt)
         ids = jnp.asarray(rng.integers(0, slots, args.tokens), jnp.int32)
         turns: dict[str, list[int]] = {"one_hot": [], "gathered": []}
         for _ in range(args.repeats):
-            turns["one_hot"].append(round(_us(packed, (x, ids, a, b), args.calls)))
+            turns["one_hot"].append(round(_us(one_hot, (x, ids, a, b, widths), args.calls)))
             turns["gathered"].append(round(_us(gathered, (x, ids, a, b, widths), args.calls)))
         results[name] = turns
     print(json.dumps({"device": jax.devices()[0].platform, "tokens": args.tokens, "dtype": args.dtype,

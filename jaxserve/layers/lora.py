@@ -5,15 +5,16 @@ The adapters sit in a fixed table of ``max_loras`` slots, ``a``: ``(slots, in, r
 ``slot_ids[t]`` is token ``t``'s slot, ``-1`` for a base-model token. Shapes never depend on
 which adapters are loaded, so writing a slot compiles nothing.
 
-Two equivalent forms:
+Equivalent forms:
 - :func:`lora_delta_one_hot` multiplies by every slot at once (``in x slots*rank``) and masks the
   rank block of the token's slot; two dense matmuls, no sort, cost linear in ``max_loras``.
 - :func:`lora_delta_ragged` sorts tokens by slot and runs ``jax.lax.ragged_dot`` (a grouped
   matmul); cost independent of ``max_loras`` but it pays a sort and two gathers.
 ``scripts/lora_matmul_bench.py`` measures both; the runner uses the one-hot form (see
-docs/benchmarks.md) for every bucket. :func:`lora_delta_gathered` (each token's own slot, the fused
-projections' B part by part, no block-diagonal zeros) was tried for the decode buckets and measured
-no faster on CPU, so no step uses it.
+docs/benchmarks.md) for every bucket, as :func:`lora_delta_parts` on the fused projections (q|k|v,
+gate|up: one ``x @ A`` over all slots and parts, then each part's rank block times its own columns
+of a compact ``B``). :func:`lora_delta_gathered` (each token's own slot) was tried for the decode
+buckets and measured no faster on CPU, so no step uses it.
 """
 
 from __future__ import annotations
@@ -41,21 +42,45 @@ def lora_delta_packed(x: jax.Array, slot_ids: jax.Array, a: jax.Array, b: jax.Ar
     return out.astype(x.dtype)
 
 
+def lora_delta_parts(x: jax.Array, slot_ids: jax.Array, a: jax.Array, b: jax.Array,
+                     part_widths: tuple[int, ...] | None = None, shards: int = 1) -> jax.Array:
+    """The one-hot delta of a fused projection with ``b`` stored compact: ``a`` ``(in, slots,
+    parts*rank)`` (part ``p``'s rank block at ``p*rank``), ``b`` ``(slots, rank, out)``, whose
+    columns are ``shards`` groups of ``part_widths`` (the base's ``[q_s | k_s | v_s]`` per shard;
+    None: one part). Each part's rank block multiplies only its own columns, so no block-diagonal
+    zeros are read or multiplied; one part is :func:`lora_delta_packed`."""
+    d_in, slots, width = a.shape
+    rank = b.shape[1]
+    parts = part_widths or (b.shape[-1] // shards,)
+    if len(parts) == 1:
+        return lora_delta_packed(x, slot_ids, a, b)
+    xa = jnp.dot(x, a.reshape(d_in, slots * width), preferred_element_type=jnp.float32)
+    mask = jax.nn.one_hot(slot_ids, slots, dtype=xa.dtype)  # -1 -> a zero row
+    xa = (xa.reshape(-1, slots, len(parts), rank) * mask[:, :, None, None]).astype(b.dtype)
+    b = b.reshape(slots, rank, shards, sum(parts))  # a shard's columns stay on its device under TP
+    outs, col = [], 0
+    for p, w in enumerate(parts):
+        outs.append(jnp.einsum("tsr,srnw->tnw", xa[:, :, p], b[..., col:col + w],
+                               preferred_element_type=jnp.float32))
+        col += w
+    return jnp.concatenate(outs, axis=-1).reshape(x.shape[0], -1).astype(x.dtype)
+
+
 def lora_delta_gathered(x: jax.Array, slot_ids: jax.Array, a: jax.Array, b: jax.Array,
                         part_widths: tuple[int, ...] | None = None) -> jax.Array:
-    """:func:`lora_delta_packed` by gathering each token's slot: ``a`` ``(in, slots, parts*rank)``,
-    ``b`` ``(slots, parts*rank, out)`` block-diagonal with ``part_widths`` output columns per part
+    """:func:`lora_delta_parts` (one shard) by gathering each token's slot: ``a`` ``(in, slots,
+    parts*rank)``, ``b`` ``(slots, rank, out)`` compact with ``part_widths`` output columns per part
     (in order; None: one part). Reads and multiplies only the token's own slot and, per part, its own
     rank block and columns, so its cost is ``tokens`` slots rather than ``max_loras`` per token."""
     parts = part_widths or (b.shape[-1],)
-    rank = a.shape[-1] // len(parts)
+    rank = b.shape[1]
     safe = jnp.maximum(slot_ids, 0)
     a_t = jnp.take(a, safe, axis=1)  # (in, T, parts*rank)
     xa = jnp.einsum("ti,itr->tr", x, a_t, preferred_element_type=jnp.float32)
     xa = jnp.where((slot_ids >= 0)[:, None], xa, 0.0).astype(b.dtype)  # a base token adds nothing
     outs, col = [], 0
     for p, width in enumerate(parts):
-        b_p = b[:, p * rank:(p + 1) * rank, col:col + width][safe]  # (T, rank, width)
+        b_p = b[:, :, col:col + width][safe]  # (T, rank, width)
         outs.append(jnp.einsum("tr,tro->to", xa[:, p * rank:(p + 1) * rank], b_p,
                                preferred_element_type=jnp.float32))
         col += width
@@ -95,12 +120,14 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
 @dataclasses.dataclass(frozen=True)
 class LoRABatch:
     """One step's adapters: every token's slot and the slot tables of the fused projections,
-    ``a[name]``: ``(layers, in, slots, parts*rank)``, ``b[name]``: ``(layers, slots, parts*rank, out)``
-    (block-diagonal over the fused parts, so one delta covers q|k|v and gate|up)."""
+    ``a[name]``: ``(layers, in, slots, parts*rank)``, ``b[name]``: ``(layers, slots, rank, out)``
+    (compact: each part's rows over its own columns, so one delta covers q|k|v and gate|up)."""
 
     slot_ids: jax.Array  # (tokens,) int32, -1 for a base-model token
     a: dict[str, jax.Array]
     b: dict[str, jax.Array]
 
-    def delta(self, name: str, x: jax.Array, layer: jax.Array | int) -> jax.Array:
-        return lora_delta_packed(x, self.slot_ids, self.a[name][layer], self.b[name][layer])
+    def delta(self, name: str, x: jax.Array, layer: jax.Array | int, part_widths: tuple[int, ...] | None = None,
+              shards: int = 1) -> jax.Array:
+        """``part_widths``/``shards``: the fused output's columns, as :func:`lora_delta_parts`."""
+        return lora_delta_parts(x, self.slot_ids, self.a[name][layer], self.b[name][layer], part_widths, shards)

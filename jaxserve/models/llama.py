@@ -106,7 +106,7 @@ class LlamaAttention(nnx.Module):
         q_size, kv_size = self.num_heads * self.head_dim // n, self.num_kv_heads * self.head_dim // n
         qkv = project(self.qkv_proj, x, ctx.mesh, "column")
         if ctx.lora is not None:  # its columns in the layout's order, split as the base's (models.lora_slots)
-            qkv = qkv + ctx.lora.delta("qkv", x, layer)
+            qkv = qkv + ctx.lora.delta("qkv", x, layer, (q_size, kv_size, kv_size), n)
         qkv = qkv.reshape(x.shape[0], n, -1)  # [T, shard, q_s | k_s | v_s]
         q, k, v = jnp.split(qkv, [q_size, q_size + kv_size], axis=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
@@ -150,7 +150,8 @@ class LlamaMLP(nnx.Module):
                  mesh: Mesh | None = None) -> jax.Array:
         gate_up = project(self.gate_up_proj, x, mesh, "column")
         if lora is not None:
-            gate_up = gate_up + lora.delta("gate_up", x, layer)
+            per = gate_up.shape[-1] // (2 * self.num_shards)  # [gate_s | up_s] per shard
+            gate_up = gate_up + lora.delta("gate_up", x, layer, (per, per), self.num_shards)
         gate, up = jnp.split(gate_up.reshape(x.shape[0], self.num_shards, -1), 2, axis=-1)
         h = (self.act(gate) * up).reshape(x.shape[0], -1)
         down = project(self.down_proj, h, mesh, "row")

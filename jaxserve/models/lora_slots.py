@@ -1,9 +1,11 @@
 """The device table of ``max_loras`` adapter slots that one compiled step reads.
 
 Each fused projection (q|k|v, o, gate|up, down) has an ``a`` table ``(layers, in, slots,
-parts*max_rank)`` and a ``b`` table ``(layers, slots, parts*max_rank, out)``, block-diagonal
-over the fused parts (``a`` keeps the slots inside, so that one layer's ``x @ a`` over every slot
-reads it as stored); an adapter's smaller rank and missing projections are zeros. Writing a slot
+parts*max_rank)`` (part ``p``'s rank block at ``p*max_rank``; the slots inside, so that one
+layer's ``x @ a`` over every slot reads it as stored) and a compact ``b`` table ``(layers, slots,
+max_rank, out)``: each part's rows sit above its own columns only, with no block-diagonal zeros
+(:func:`~jaxserve.layers.lora.lora_delta_parts`); an adapter's smaller rank and missing projections
+are zeros. Writing a slot
 is one jitted update whose slot index is traced, so loading or swapping an adapter compiles
 nothing after the first write.
 
@@ -53,7 +55,8 @@ def layout_columns(cfg: ModelConfig, layout: TPLayout | None, name: str) -> np.n
 
 
 def fused_shapes(cfg: ModelConfig, max_rank: int, layout: TPLayout | None = None) -> dict[str, tuple[int, int, int]]:
-    """``(in, parts*max_rank, out)`` of each fused projection's slot (``out`` as ``layout`` stores it)."""
+    """``(in, parts*max_rank, out)`` of each fused projection's slot: ``a``'s width and ``b``'s
+    columns (``out`` as ``layout`` stores it; ``b`` has ``max_rank`` rows)."""
     out = {}
     for name, parts in FUSED_PROJECTIONS.items():
         d_in = projection_shape(cfg, parts[0])[0]
@@ -65,12 +68,13 @@ def fused_shapes(cfg: ModelConfig, max_rank: int, layout: TPLayout | None = None
 
 def adapter_slot_arrays(adapter: LoRAAdapter, cfg: ModelConfig, max_rank: int, layout: TPLayout | None = None
                         ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """One slot's ``a``/``b`` arrays per fused projection, ``(layers, in, R)`` and ``(layers, R, out)``."""
+    """One slot's ``a``/``b`` arrays per fused projection, ``(layers, in, parts*max_rank)`` and
+    ``(layers, max_rank, out)``."""
     a_out, b_out = {}, {}
     for name, (d_in, width, _) in fused_shapes(cfg, max_rank).items():
         a = np.zeros((cfg.num_hidden_layers, d_in, width), np.float32)
-        b = np.zeros((cfg.num_hidden_layers, width, sum(projection_shape(cfg, p)[1] for p in FUSED_PROJECTIONS[name])),
-                     np.float32)
+        d_out = sum(projection_shape(cfg, p)[1] for p in FUSED_PROJECTIONS[name])
+        b = np.zeros((cfg.num_hidden_layers, max_rank, d_out), np.float32)
         col = 0
         for i, proj in enumerate(FUSED_PROJECTIONS[name]):
             width_out = projection_shape(cfg, proj)[1]
@@ -79,7 +83,7 @@ def adapter_slot_arrays(adapter: LoRAAdapter, cfg: ModelConfig, max_rank: int, l
                 if w is not None:
                     r0 = i * max_rank
                     a[layer, :, r0:r0 + w.rank] = w.a.T
-                    b[layer, r0:r0 + w.rank, col:col + width_out] = w.b.T
+                    b[layer, :w.rank, col:col + width_out] = w.b.T  # its own columns: no other part's rows
             col += width_out
         cols = layout_columns(cfg, layout, name)
         a_out[name], b_out[name] = a, (b if cols is None else b[:, :, cols])
@@ -122,7 +126,7 @@ class LoRASlotTable:
         make = (lambda shape: jax.ShapeDtypeStruct(shape, dt)) if abstract else (lambda shape: jnp.zeros(shape, dt))
         # jax arrays (ShapeDtypeStructs when abstract)
         self.a: dict[str, Any] = {k: make((layers, d_in, max_loras, w)) for k, (d_in, w, _) in shapes.items()}
-        self.b: dict[str, Any] = {k: make((layers, max_loras, w, d_out)) for k, (_, w, d_out) in shapes.items()}
+        self.b: dict[str, Any] = {k: make((layers, max_loras, max_rank, d_out)) for k, (_, _, d_out) in shapes.items()}
 
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
         if not 0 <= slot < self.max_loras:

@@ -1,4 +1,4 @@
-"""The mixed-batch LoRA delta: both forms equal the row-by-row reference, base tokens get nothing."""
+"""The mixed-batch LoRA delta: every form equals the row-by-row reference, base tokens get nothing."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from jaxserve.layers.lora import (
     lora_delta_gathered,
     lora_delta_one_hot,
     lora_delta_packed,
+    lora_delta_parts,
     lora_delta_ragged,
     lora_delta_reference,
 )
@@ -46,22 +47,52 @@ def test_one_program_serves_every_slot_assignment():
     assert fn._cache_size() == compiled
 
 
+def fused_tables(rng, slots, d_in, rank, widths, shards):
+    """A fused projection's tables as the slot table stores them (``a`` ``(in, slots, parts*rank)``,
+    compact ``b`` ``(slots, rank, out)`` with ``shards`` groups of ``widths`` columns) and the
+    row-by-row reference's unfused per-part tables, with each part's columns in the fused order."""
+    a_parts = [rng.standard_normal((slots, d_in, rank), np.float32) for _ in widths]
+    b_parts = [rng.standard_normal((slots, rank, shards * w), np.float32) for w in widths]
+    a = np.concatenate([np.transpose(ap, (1, 0, 2)) for ap in a_parts], axis=-1)
+    b = np.concatenate([bp.reshape(slots, rank, shards, w) for bp, w in zip(b_parts, widths)], axis=-1)
+    return a, b.reshape(slots, rank, -1), a_parts, b_parts
+
+
+def fused_reference(x, ids, a_parts, b_parts, widths, shards):
+    outs = [lora_delta_reference(x, ids, ap, bp).reshape(len(x), shards, w)
+            for ap, bp, w in zip(a_parts, b_parts, widths)]
+    return np.concatenate(outs, axis=-1).reshape(len(x), -1)
+
+
+@pytest.mark.parametrize("widths", [(16, 8, 8), (12, 12), (20,)])
+@pytest.mark.parametrize("shards", [1, 2])
+def test_parts_form_equals_reference(widths, shards):
+    """The runner's form on a compact fused table (q|k|v-like, gate|up-like, one part), columns in
+    one or two shards' order: each part's delta lands in its own columns only."""
+    rng = np.random.default_rng(len(widths) * 10 + shards)
+    slots, d_in, rank, tokens = 4, 24, 8, 11
+    a, b, a_parts, b_parts = fused_tables(rng, slots, d_in, rank, widths, shards)
+    x = rng.standard_normal((tokens, d_in), np.float32)
+    ids = rng.integers(-1, slots, tokens).astype(np.int32)
+    ids[0], ids[1] = -1, slots - 1
+    got = np.asarray(jax.jit(lora_delta_parts, static_argnums=(4, 5))(x, ids, a, b, widths, shards))
+    want = fused_reference(x, ids, a_parts, b_parts, widths, shards)
+    assert np.abs(want[1]).max() > 0
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert not got[ids == -1].any()
+
+
 @pytest.mark.parametrize("tokens", [2, 9])
-def test_gathered_form_equals_one_hot_on_fused_tables(tokens):
-    """The decode form (each token's own slot, B part by part) against the one-hot form over a
-    random block-diagonal fused table, base tokens included."""
+def test_gathered_form_equals_parts_form(tokens):
+    """The decode form (each token's own slot, B part by part) against the runner's form on a
+    random compact fused table, base tokens included."""
     rng = np.random.default_rng(tokens)
     slots, d_in, rank, widths = 4, 24, 8, (16, 8, 8)
-    a = rng.standard_normal((d_in, slots, len(widths) * rank), np.float32)
-    b = np.zeros((slots, len(widths) * rank, sum(widths)), np.float32)
-    col = 0
-    for p, w in enumerate(widths):  # block-diagonal: part p's rank block writes only its own columns
-        b[:, p * rank:(p + 1) * rank, col:col + w] = rng.standard_normal((slots, rank, w), np.float32)
-        col += w
+    a, b, a_parts, b_parts = fused_tables(rng, slots, d_in, rank, widths, 1)
     x = rng.standard_normal((tokens, d_in), np.float32)
     ids = rng.integers(-1, slots, tokens).astype(np.int32)
     ids[0], ids[1] = -1, slots - 1  # a base token and an adapter token at least
-    want = np.asarray(jax.jit(lora_delta_packed)(x, ids, a, b))
+    want = fused_reference(x, ids, a_parts, b_parts, widths, 1)
     assert np.abs(want[1]).max() > 0
     got = np.asarray(jax.jit(lora_delta_gathered, static_argnums=4)(x, ids, a, b, widths))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
