@@ -3,7 +3,9 @@
 Two engines in one process, built from the same flags: a plain one, and one with
 ``enable_lora``. Each round times, in turn, the plain engine on the base model, the LoRA engine on
 the base model (what ``--enable-lora`` costs requests that use no adapter), the LoRA engine with
-every request on one adapter, and with the requests spread over ``--num-loras`` adapters. The
+every request on one adapter, and with the requests spread over ``--num-loras`` adapters; and a
+third engine started as a user serving one adapter would start it (``--max-loras 1``, vLLM's
+default) times every request on that adapter (``lora_1_adapter_1_slot``). The
 adapters are random, in PEFT's format, over every projection at ``--max-lora-rank``, written under
 the cache folder. Ratios are taken within a round (the same machine state) and reported with their
 spread over the rounds.
@@ -24,7 +26,7 @@ import numpy as np
 
 from jaxserve.bench.throughput import random_workload
 
-MODES = ("plain_base", "lora_engine_base", "lora_1_adapter", "lora_n_adapters")
+MODES = ("plain_base", "lora_engine_base", "lora_1_adapter", "lora_n_adapters", "lora_1_adapter_1_slot")
 
 
 def add_lora_bench_args(p: argparse.ArgumentParser) -> None:
@@ -78,6 +80,9 @@ def run_lora_bench(args, model: str, engine_args: dict[str, Any]) -> dict:
     start = time.perf_counter()
     lora = LLM(model, show_progress=False, **lora_args)
     lora_startup = time.perf_counter() - start
+    start = time.perf_counter()
+    one_slot = LLM(model, show_progress=False, **{**lora_args, "max_loras": 1})
+    one_slot_startup = time.perf_counter() - start
     rank = lora.config.lora_config.max_lora_rank
     root = cache_dir() / "bench-loras" / f"{Path(model).name}-r{rank}-s{args.bench_seed}"
     cfg = lora.llm_engine.model_config
@@ -90,27 +95,37 @@ def run_lora_bench(args, model: str, engine_args: dict[str, Any]) -> dict:
                 for i in range(args.num_loras)]
     plans = {"plain_base": (plain, None), "lora_engine_base": (lora, None),
              "lora_1_adapter": (lora, [adapters[0]] * len(prompts)),
-             "lora_n_adapters": (lora, [adapters[i % len(adapters)] for i in range(len(prompts))])}
+             "lora_n_adapters": (lora, [adapters[i % len(adapters)] for i in range(len(prompts))]),
+             "lora_1_adapter_1_slot": (one_slot, [adapters[0]] * len(prompts))}
     for llm, loras in plans.values():  # warm: adapters read, slots written, first runs done
         llm.generate(prompts[:4], params, use_tqdm=False, lora_request=None if loras is None else loras[:4])
     rates: dict[str, list[float]] = {m: [] for m in MODES}
+    # tokens per CPU second of this process: on a machine shared with other jobs, the cost of the
+    # work itself, less skewed by the time the scheduler gives other processes than wall time
+    cpu_rates: dict[str, list[float]] = {m: [] for m in MODES}
     for _ in range(args.num_iters):
         for mode in MODES:  # the modes take turns within a round
             llm, loras = plans[mode]
             llm.reset_prefix_cache()
             gc.collect()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-            elapsed = time.perf_counter() - t0
-            rates[mode].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+            elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            rates[mode].append(tokens / elapsed)
+            cpu_rates[mode].append(tokens / cpu)
     ratios = {f"{m}_vs_plain": _spread([r / p for r, p in zip(rates[m], rates["plain_base"])])
               for m in MODES[1:]}
+    cpu_ratios = {f"{m}_vs_plain": _spread([r / p for r, p in zip(cpu_rates[m], cpu_rates["plain_base"])])
+                  for m in MODES[1:]}
     return {
         "model": model, "num_loras": args.num_loras, "max_lora_rank": rank, "max_loras": lora_args["max_loras"],
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "num_iters": args.num_iters, "cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()),
-        "startup_s": {"plain": plain_startup, "lora": lora_startup},
+        "startup_s": {"plain": plain_startup, "lora": lora_startup, "lora_1_slot": one_slot_startup},
         "output_tokens_per_s": {m: _spread(v) for m, v in rates.items()}, "ratios": ratios,
+        "output_tokens_per_cpu_s": {m: _spread(v) for m, v in cpu_rates.items()}, "cpu_ratios": cpu_ratios,
         "unexpected_compiles": {"plain": plain.stats()["compile_unexpected_compiles"],
-                                "lora": lora.stats()["compile_unexpected_compiles"]},
+                                "lora": lora.stats()["compile_unexpected_compiles"],
+                                "lora_1_slot": one_slot.stats()["compile_unexpected_compiles"]},
     }
