@@ -7,8 +7,8 @@ every request on one adapter, and with the requests spread over ``--num-loras`` 
 third engine started as a user serving one adapter would start it (``--max-loras 1``, vLLM's
 default) times every request on that adapter (``lora_1_adapter_1_slot``). The
 adapters are random, in PEFT's format, over every projection at ``--max-lora-rank``, written under
-the cache folder. Ratios are taken within a round (the same machine state) and reported with their
-spread over the rounds.
+the cache folder. Ratios are taken within a round (the same machine state; the order of the modes
+rotates from round to round) and reported with their spread over the rounds.
 """
 
 from __future__ import annotations
@@ -103,8 +103,10 @@ def run_lora_bench(args, model: str, engine_args: dict[str, Any]) -> dict:
     # tokens per CPU second of this process: on a machine shared with other jobs, the cost of the
     # work itself, less skewed by the time the scheduler gives other processes than wall time
     cpu_rates: dict[str, list[float]] = {m: [] for m in MODES}
-    for _ in range(args.num_iters):
-        for mode in MODES:  # the modes take turns within a round
+    for i in range(args.num_iters):
+        # the modes take turns within a round, each round starting one mode later, so that no mode
+        # always runs first (after the previous round's last) or last
+        for mode in MODES[i % len(MODES):] + MODES[:i % len(MODES)]:
             llm, loras = plans[mode]
             llm.reset_prefix_cache()
             gc.collect()
