@@ -295,8 +295,9 @@ class EngineCore:
         return model, EncoderRunner(image_encoder, shape, max_images_per_batch=max_images)
 
     def _load_qwen2_5_vl(self, config: EngineConfig, path: str, platform: str) -> tuple[Any, Any]:
-        """A Qwen2.5-VL folder: its M-RoPE language model, its vision tower (compiled per image
-        grid) and the prompt processing that expands ``<|image_pad|>`` by each image's grid."""
+        """A Qwen2.5-VL folder: its M-RoPE language model, its vision tower (compiled per
+        patch-count bucket up to the encoder budget, by the runner's warm-up) and the prompt
+        processing that expands ``<|image_pad|>`` by each image's grid."""
         from jaxserve.engine.mm_processor import Qwen25VLMultiModalProcessor
         from jaxserve.models.qwen2_5_vl import load_qwen2_5_vl_language_model, load_qwen2_5_vl_vision_from_folder
         from jaxserve.runner.grid_encoder_runner import GridEncoderRunner
@@ -309,7 +310,7 @@ class EngineCore:
         budget = _encoder_budget(config)
         self.mm_processor = Qwen25VLMultiModalProcessor.from_qwen_folder(
             path, config.multimodal_config.limit_mm_per_prompt, max_image_tokens=budget)
-        return model, GridEncoderRunner(tower, vision.spatial_merge_size)
+        return model, GridEncoderRunner(tower, budget)
 
     def _serving_dtype(self, path: str, platform: str) -> str:
         """``config.dtype`` made concrete for the checkpoint and the device, before any weight is read."""

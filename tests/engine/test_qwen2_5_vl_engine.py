@@ -124,6 +124,40 @@ def test_greedy_equals_transformers_with_images(qwen_folder, budget):
         llm.llm_engine.shutdown()
 
 
+def test_images_of_new_grids_compile_nothing_after_warm_up(qwen_folder):
+    """The tower is compiled at start per patch-count bucket (16, 32, 64 tokens: the encoder budget
+    bounds the largest); five images of five grids, packed several to a step, then compile nothing
+    (counted at XLA's backend) and still equal transformers."""
+    import jax
+
+    folder, model, pad = qwen_folder
+    llm = LLM(folder, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+              max_num_encoder_input_tokens=64, enable_prefix_caching=False, record_steps=True)
+    compiles = []
+
+    def count(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    try:
+        runner = llm.llm_engine.core.runner
+        assert runner.encoder.buckets == [16, 32, 64] and runner.encoder.num_compiled == 3
+        sizes = [(16, 16), (20, 28), (12, 20), (28, 16), (8, 36)]  # grids 8x8, 10x14, 6x10, 14x8, 4x18
+        images = [make_image(20 + i, h, w) for i, (h, w) in enumerate(sizes)]
+        jax.monitoring.register_event_duration_secs_listener(count)
+        try:
+            outs = llm.generate([image_prompt(f"picture {i}", im) for i, im in enumerate(images)], PARAMS,
+                                use_tqdm=False)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(count)
+        assert compiles == [] and runner.stats.unexpected_compiles == 0 and runner.encoder.num_compiled == 3
+        assert max(r.encoder_images for r in llm.get_step_records()) >= 2  # some step packs several images
+        assert sorted(o.prompt_token_ids.count(pad) for o in outs) == [15, 16, 18, 28, 35]
+        check(model, pad, outs, images)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_processor_refuses_naming_the_image(qwen_folder):
     from jaxserve.engine.mm_processor import Qwen25VLMultiModalProcessor
 
