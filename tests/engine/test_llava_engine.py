@@ -151,6 +151,29 @@ def test_greedy_equals_transformers_with_prefix_hits(llava_folder, budget):
     assert runner.encoder.num_compiled == len(runner.encoder.buckets)
 
 
+def test_prompt_logprobs_of_image_prompts_equal_transformers(llava_folder):
+    """As vLLM: a value at every prompt position after the first, ``<image>`` positions included,
+    from the forward that saw the image rows (chunks of 8 cut through the image)."""
+    folder, model, tok = llava_folder
+    image = make_image(6)
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
+    out = engine(folder, 8).generate([{"prompt": "look: <image>\nwhat is it", "multi_modal_data": {"image": image}}],
+                                     params, use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    assert ids.count(tok.convert_tokens_to_ids("<image>")) == 16 and out.prompt_logprobs[0] is None
+    processor = transformers.CLIPImageProcessor.from_pretrained(folder)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids]),
+                       pixel_values=torch.from_numpy(processor(images=image, return_tensors="np")["pixel_values"]))
+    ref = torch.log_softmax(logits.logits[0].double(), -1).numpy()
+    assert len(out.prompt_logprobs) == len(ids)
+    for p in range(1, len(ids)):
+        entry = out.prompt_logprobs[p]
+        assert entry[ids[p]].logprob == pytest.approx(ref[p - 1, ids[p]], abs=2e-4)
+        assert entry[ids[p]].rank == int((ref[p - 1] > ref[p - 1, ids[p]]).sum()) + 1
+        assert int(np.argmax(ref[p - 1])) in entry
+
+
 def test_bad_images_are_named(llava_folder):
     folder = llava_folder[0]
     llm = engine(folder, 64)

@@ -158,6 +158,39 @@ def test_images_of_new_grids_compile_nothing_after_warm_up(qwen_folder):
         llm.llm_engine.shutdown()
 
 
+def test_prompt_logprobs_of_image_prompts_equal_transformers(qwen_folder):
+    """As vLLM: every prompt position after the first has a value, placeholder positions included
+    (the logprob of ``<|image_pad|>`` given what precedes it), read from the forward that saw the
+    image rows, in chunks of 8 cutting through the image; the same image twice."""
+    from jaxserve.models.qwen2_vl_image_processor import Qwen2VLImageProcessorConfig, preprocess_qwen2_vl_image
+
+    folder, model, pad = qwen_folder
+    llm = LLM(folder, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=8,
+              max_num_encoder_input_tokens=64, enable_prefix_caching=True)
+    try:
+        image = make_image(5, 16, 24)
+        params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2, ignore_eos=True)
+        outs = llm.generate([image_prompt("what is in the picture", image), image_prompt("again", image)],
+                            params, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    cfg = Qwen2VLImageProcessorConfig(min_pixels=64, max_pixels=576, patch_size=2, merge_size=2)
+    patches, grid = preprocess_qwen2_vl_image(image, cfg)
+    for out in outs:
+        ids = out.prompt_token_ids
+        assert ids.count(pad) == 24 and len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+        t_ids = torch.tensor([ids])
+        with torch.no_grad():
+            logits = model(input_ids=t_ids, pixel_values=torch.from_numpy(patches),
+                           image_grid_thw=torch.tensor([list(grid)]), mm_token_type_ids=(t_ids == pad).int()).logits
+        ref = torch.log_softmax(logits[0].double(), -1).numpy()
+        for p in range(1, len(ids)):
+            entry = out.prompt_logprobs[p]
+            assert entry[ids[p]].logprob == pytest.approx(ref[p - 1, ids[p]], abs=2e-4)
+            assert entry[ids[p]].rank == int((ref[p - 1] > ref[p - 1, ids[p]]).sum()) + 1
+            assert set(np.argsort(-ref[p - 1])[:2].tolist()) <= set(entry)
+
+
 def test_processor_refuses_naming_the_image(qwen_folder):
     from jaxserve.engine.mm_processor import Qwen25VLMultiModalProcessor
 
