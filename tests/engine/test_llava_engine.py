@@ -27,25 +27,10 @@ def make_image(seed: int, h: int = 33, w: int = 41):
 
 @pytest.fixture(scope="module")
 def llava_folder(tmp_path_factory):
-    from jaxserve.models.demo import build_tokenizer
+    from tests.tiny_vlms import build_tiny_llava
 
     folder = tmp_path_factory.mktemp("tiny-llava")
-    tok = build_tokenizer(folder, vocab_size=320, added_tokens=("<image>",))
-    image_id = tok.convert_tokens_to_ids("<image>")
-    torch.manual_seed(0)
-    cfg = transformers.LlavaConfig(
-        vision_config=transformers.CLIPVisionConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            image_size=28, patch_size=7, projection_dim=16, initializer_range=0.2),
-        text_config=transformers.LlamaConfig(
-            vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-            initializer_range=0.2, eos_token_id=tok.eos_token_id, bos_token_id=tok.pad_token_id),
-        image_token_index=image_id)
-    model = transformers.LlavaForConditionalGeneration(cfg).eval()
-    model.save_pretrained(folder)
-    transformers.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
-                                    ).save_pretrained(folder)
+    model, tok = build_tiny_llava(folder)
     return str(folder), model, tok
 
 
@@ -279,5 +264,5 @@ def test_mm_bench_reports_every_mode(llava_folder):
 def test_unsupported_engine_options_are_refused_by_name(llava_folder, option):
     from jaxserve.exceptions import ConfigError
 
-    with pytest.raises(ConfigError, match=r"LLaVA.*tensor_parallel_size, quantization and enable_lora"):
+    with pytest.raises(ConfigError, match=r"LLaVA.*quantization and enable_lora are not supported"):
         LLM(llava_folder[0], max_model_len=128, **option)

@@ -6,8 +6,6 @@ through the image; the same image again is a prefix hit with the same tokens."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -20,30 +18,14 @@ from jaxserve.exceptions import InvalidRequestError  # noqa: E402
 
 MAX_TOKENS = 6
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
 @pytest.fixture(scope="module")
 def qwen_folder(tmp_path_factory):
-    from jaxserve.models.demo import build_tokenizer
+    from tests.tiny_vlms import build_tiny_qwen2_5_vl
 
     folder = tmp_path_factory.mktemp("tiny-qwen25vl")
-    tok = build_tokenizer(folder, vocab_size=320, added_tokens=VISION_TOKENS)
-    start, end, pad, video = (tok.convert_tokens_to_ids(t) for t in VISION_TOKENS)
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.2, eos_token_id=tok.eos_token_id, bos_token_id=tok.pad_token_id,
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4}),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64,
-                           patch_size=2, temporal_patch_size=2, spatial_merge_size=2, window_size=8,
-                           fullatt_block_indexes=[1]),
-        image_token_id=pad, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
-    model.save_pretrained(folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps(
-        {"min_pixels": 64, "max_pixels": 576, "patch_size": 2, "merge_size": 2, "temporal_patch_size": 2}))
+    model, pad = build_tiny_qwen2_5_vl(folder)
     return str(folder), model, pad
 
 
@@ -233,5 +215,5 @@ def test_preempted_request_recomputes_its_positions(qwen_folder):
 def test_quantization_is_refused_by_name(qwen_folder):
     from jaxserve.exceptions import ConfigError
 
-    with pytest.raises(ConfigError, match=r"Qwen2.5-VL.*tensor_parallel_size, quantization and enable_lora"):
+    with pytest.raises(ConfigError, match=r"Qwen2.5-VL.*quantization and enable_lora are not supported"):
         LLM(qwen_folder[0], max_model_len=128, quantization="int8")
