@@ -1,9 +1,10 @@
 """The image side of a model whose encoder takes each image's own patch grid (Qwen2.5-VL).
 
-A step's images are packed (patches one image after another) and padded to a patch-count bucket;
-what their grids fix (window order, rotary angles, window and image ids, merged-token order) is
-computed on the host and passed as data (:func:`.pack_plan`), so there is one program per bucket,
-all compiled ahead of time at warm-up, and an image of a new grid never compiles. The buckets are
+A step's images are packed (patches one image after another; a pack needs no larger bucket than
+its largest image alone) and padded to a patch-count bucket; what their grids fix (window order,
+rotary angles, window and image ids, merged-token order) is computed on the host and passed as
+data (:func:`.pack_plan`), so there is one program per bucket, all compiled ahead of time at
+warm-up, and an image of a new grid never compiles. The buckets are
 16, 32, 64, ... merged tokens up to the encoder budget (an image above it is refused by the
 processor, and the scheduler encodes at most the budget a step). The outputs are held and
 gathered by content hash as :class:`.EncoderRunner` does.
@@ -55,6 +56,7 @@ class GridEncoderRunner(EncoderRunner):
         self._compiled: dict[int, Any] = {}
         self.outputs: dict[str, np.ndarray] = {}
         self.num_images_encoded = 0
+        self.num_calls = 0  # packs run: fewer than the images when small ones share a call
         self.encoder_seconds = 0.0
 
     def warm_up(self) -> None:
@@ -66,19 +68,25 @@ class GridEncoderRunner(EncoderRunner):
                 px = jax.ShapeDtypeStruct((tokens * self.unit, self.patch_dim), jnp.float32)
                 self._compiled[tokens] = self._jitted.lower(self.state, px, *specs).compile()
 
+    def _bucket(self, tokens: int) -> int | None:
+        return next((b for b in self.buckets if b >= tokens), None)
+
     def _packs(self, todo: list[tuple[str, Any]]) -> list[list[tuple[str, Any]]]:
-        """Images in order, cut into packs of at most the largest bucket's tokens."""
-        packs: list[list[tuple[str, Any]]] = [[]]
-        used = 0
+        """Images in order, cut into packs that need no larger bucket than their largest image
+        alone: attention is dense over the bucket, so a pack only fills padding that image's call
+        would compute anyway (small images share a call; large ones run one a call)."""
+        packs: list[list[tuple[str, Any]]] = []
+        used = largest = 0
         for item in todo:
             _, (_, gh, gw) = item[1]
             n = gh * gw // self.unit
-            if packs[-1] and used + n > self.buckets[-1]:
+            grown = self._bucket(used + n)
+            if not packs or grown is None or grown > (self._bucket(max(largest, n)) or 0):
                 packs.append([])
-                used = 0
+                used = largest = 0
             packs[-1].append(item)
-            used += n
-        return [p for p in packs if p]
+            used, largest = used + n, max(largest, n)
+        return packs
 
     def encode(self, items: Sequence[tuple[str, Any]]) -> None:
         """Encode ``(hash, (patches, (t, grid_h, grid_w)))`` pairs not held yet, packed per bucket."""
@@ -87,7 +95,7 @@ class GridEncoderRunner(EncoderRunner):
         for pack in self._packs(todo):
             grids = [(gh, gw) for _, (_, (_, gh, gw)) in pack]
             need = sum(gh * gw for gh, gw in grids) // self.unit
-            bucket = next((b for b in self.buckets if b >= need), None)
+            bucket = self._bucket(need)
             if bucket is None or bucket not in self._compiled:
                 raise RuntimeError(f"no encoder program compiled at warm-up for {need} image tokens "
                                    f"(buckets {self.buckets})")
@@ -103,4 +111,5 @@ class GridEncoderRunner(EncoderRunner):
                 self.outputs[h] = out[row:row + n].copy()  # not a view holding the pack
                 row += n
             self.num_images_encoded += len(pack)
+            self.num_calls += 1
         self.encoder_seconds += time.perf_counter() - start

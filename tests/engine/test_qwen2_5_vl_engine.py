@@ -108,8 +108,8 @@ def test_greedy_equals_transformers_with_images(qwen_folder, budget):
 
 def test_images_of_new_grids_compile_nothing_after_warm_up(qwen_folder):
     """The tower is compiled at start per patch-count bucket (16, 32, 64 tokens: the encoder budget
-    bounds the largest); five images of five grids, packed several to a step, then compile nothing
-    (counted at XLA's backend) and still equal transformers."""
+    bounds the largest); seven images of seven grids, several to a step (the two small ones in one
+    call), then compile nothing (counted at XLA's backend) and still equal transformers."""
     import jax
 
     folder, model, pad = qwen_folder
@@ -124,7 +124,9 @@ def test_images_of_new_grids_compile_nothing_after_warm_up(qwen_folder):
     try:
         runner = llm.llm_engine.core.runner
         assert runner.encoder.buckets == [16, 32, 64] and runner.encoder.num_compiled == 3
-        sizes = [(16, 16), (20, 28), (12, 20), (28, 16), (8, 36)]  # grids 8x8, 10x14, 6x10, 14x8, 4x18
+        # two small grids (4x4, 4x6: first, so one step encodes both, in one call), then 8x8, 10x14,
+        # 6x10, 14x8 and 4x18
+        sizes = [(8, 8), (8, 12), (16, 16), (20, 28), (12, 20), (28, 16), (8, 36)]
         images = [make_image(20 + i, h, w) for i, (h, w) in enumerate(sizes)]
         jax.monitoring.register_event_duration_secs_listener(count)
         try:
@@ -134,7 +136,8 @@ def test_images_of_new_grids_compile_nothing_after_warm_up(qwen_folder):
             jax.monitoring.unregister_event_duration_listener(count)
         assert compiles == [] and runner.stats.unexpected_compiles == 0 and runner.encoder.num_compiled == 3
         assert max(r.encoder_images for r in llm.get_step_records()) >= 2  # some step packs several images
-        assert sorted(o.prompt_token_ids.count(pad) for o in outs) == [15, 16, 18, 28, 35]
+        assert sorted(o.prompt_token_ids.count(pad) for o in outs) == [4, 6, 15, 16, 18, 28, 35]
+        assert runner.encoder.num_calls < runner.encoder.num_images_encoded == 7
         check(model, pad, outs, images)
     finally:
         llm.llm_engine.shutdown()
