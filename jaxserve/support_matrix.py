@@ -76,6 +76,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("pooling", "pooling model (embed)", _kw(), group="model", numerics=True, model="pooling", pools=True),
     # The workload then spreads its requests over the base model and two random adapters.
     Feature("lora", "LoRA adapters (2 slots)", _kw(enable_lora=True, max_loras=2, max_lora_rank=8), numerics=True),
+    # Qwen2.5-VL: each workload prompt starts with an image (a repeated prefix repeats its image).
+    Feature("vlm", "vision-language model (images)", _kw(), group="model", numerics=True, model="vlm"),
 )
 FEATURES_BY_NAME = MappingProxyType({f.name: f for f in FEATURES})
 
@@ -84,6 +86,9 @@ REFUSED_PAIRS: Mapping[frozenset[str], str] = MappingProxyType({
     frozenset(("pooling", "tp2")): "a pooling model runs on one device for now",
     frozenset(("pooling", "lora")): "a pooling model serves no LoRA adapters yet",
     frozenset(("pooling", "dp2")): "a pooling model runs one engine for now (no replicas)",
+    frozenset(("vlm", "int8")): "a vision-language model is served unquantized for now",
+    frozenset(("vlm", "fp8")): "a vision-language model is served unquantized for now",
+    frozenset(("vlm", "lora")): "a vision-language model serves no LoRA adapters yet",
 })
 
 # Pairs that exist but that no engine of this matrix can show, with why; drawn as alternatives.

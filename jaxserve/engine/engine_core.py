@@ -225,9 +225,9 @@ class EngineCore:
         mesh = make_mesh(devices, tp)
         encoder = None
         if model is None and self.model_source is not None and _is_llava(str(self.model_source.path)):
-            model, encoder = self._load_llava(config, str(self.model_source.path), devices[0].platform)
+            model, encoder = self._load_llava(config, str(self.model_source.path), devices[0].platform, mesh)
         elif model is None and self.model_source is not None and _is_qwen2_5_vl(str(self.model_source.path)):
-            model, encoder = self._load_qwen2_5_vl(config, str(self.model_source.path), devices[0].platform)
+            model, encoder = self._load_qwen2_5_vl(config, str(self.model_source.path), devices[0].platform, mesh)
         elif model is None:
             assert self.model_source is not None
             dtype = self._serving_dtype(str(self.model_source.path), devices[0].platform)
@@ -271,7 +271,7 @@ class EngineCore:
             num_blocks=self.runner.num_blocks, block_size=config.block_size,
             enable_caching=config.enable_prefix_caching)
 
-    def _load_llava(self, config: EngineConfig, path: str, platform: str) -> tuple[Any, Any]:
+    def _load_llava(self, config: EngineConfig, path: str, platform: str, mesh: Any) -> tuple[Any, Any]:
         """A LLaVA folder: its language model, its image encoder (compiled per image-count bucket
         by the runner's warm-up) and the prompt processing that expands its image placeholders."""
         from jaxserve.engine.mm_processor import MultiModalProcessor
@@ -282,7 +282,7 @@ class EngineCore:
         _refuse_vlm_options(config, "a vision-language model (LLaVA)")
         dtype = self._serving_dtype(path, platform)
         with self.startup.phase("weights"):
-            model = load_llava_language_model(path, dtype, config.scan_layers)
+            model = load_llava_language_model(path, dtype, config.scan_layers, **_split_over(mesh, config))
             vision, image_encoder = load_llava_image_encoder_from_folder(path)
         self.mm_processor = MultiModalProcessor.from_folder(path, config.multimodal_config.limit_mm_per_prompt)
         budget = _encoder_budget(config)
@@ -294,22 +294,23 @@ class EngineCore:
         shape = (vision.num_channels, vision.image_size, vision.image_size)
         return model, EncoderRunner(image_encoder, shape, max_images_per_batch=max_images)
 
-    def _load_qwen2_5_vl(self, config: EngineConfig, path: str, platform: str) -> tuple[Any, Any]:
-        """A Qwen2.5-VL folder: its M-RoPE language model, its vision tower (compiled per image
-        grid) and the prompt processing that expands ``<|image_pad|>`` by each image's grid."""
+    def _load_qwen2_5_vl(self, config: EngineConfig, path: str, platform: str, mesh: Any) -> tuple[Any, Any]:
+        """A Qwen2.5-VL folder: its M-RoPE language model, its vision tower (compiled per
+        patch-count bucket up to the encoder budget, by the runner's warm-up) and the prompt
+        processing that expands ``<|image_pad|>`` by each image's grid."""
         from jaxserve.engine.mm_processor import Qwen25VLMultiModalProcessor
         from jaxserve.models.qwen2_5_vl import load_qwen2_5_vl_language_model, load_qwen2_5_vl_vision_from_folder
         from jaxserve.runner.grid_encoder_runner import GridEncoderRunner
 
-        _refuse_vlm_options(config, "Qwen2.5-VL")
+        _refuse_vlm_options(config, "a vision-language model (Qwen2.5-VL)")
         dtype = self._serving_dtype(path, platform)
         with self.startup.phase("weights"):
-            model = load_qwen2_5_vl_language_model(path, dtype, config.scan_layers)
+            model = load_qwen2_5_vl_language_model(path, dtype, config.scan_layers, **_split_over(mesh, config))
             vision, tower = load_qwen2_5_vl_vision_from_folder(path)
         budget = _encoder_budget(config)
         self.mm_processor = Qwen25VLMultiModalProcessor.from_qwen_folder(
             path, config.multimodal_config.limit_mm_per_prompt, max_image_tokens=budget)
-        return model, GridEncoderRunner(tower, vision.spatial_merge_size)
+        return model, GridEncoderRunner(tower, budget)
 
     def _serving_dtype(self, path: str, platform: str) -> str:
         """``config.dtype`` made concrete for the checkpoint and the device, before any weight is read."""
@@ -575,10 +576,19 @@ def _start_leader(core: EngineCore) -> LockstepLeader:
 
 
 def _refuse_vlm_options(config: EngineConfig, model: str) -> None:
-    """A vision-language model is served on one device, unquantized and without LoRA."""
-    if config.tensor_parallel_size > 1 or config.quantization is not None or config.enable_lora:
-        raise ConfigError(f"{model} is served on one device, unquantized and without LoRA: "
-                          "tensor_parallel_size, quantization and enable_lora are not supported with it")
+    """A vision-language model is served unquantized and without LoRA."""
+    if config.quantization is not None or config.enable_lora:
+        raise ConfigError(f"{model} is served unquantized and without LoRA: "
+                          "quantization and enable_lora are not supported with it")
+
+
+def _split_over(mesh: Any, config: EngineConfig) -> dict[str, Any]:
+    """A vision-language model's language model split as the text models are (its tower runs on
+    one device, its outputs replicated into the step)."""
+    from jaxserve.runner.mesh import param_sharding
+
+    return dict(tensor_parallel_size=config.tensor_parallel_size,
+                place=lambda path, shape: param_sharding(mesh, path, len(shape)))
 
 
 def _encoder_budget(config: EngineConfig) -> int:

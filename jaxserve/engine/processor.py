@@ -231,8 +231,6 @@ class InputProcessor:
         features = None
         if self.mm_processor is not None:
             ids, features = self.mm_processor.process(ids, images)
-            if features and params.prompt_logprobs is not None:
-                raise InvalidRequestError("prompt_logprobs", "not served for prompts with images")
         self.validate(ids, params, cache_salt)
         lora_key, lora_weights = self.resolve_lora(lora_request)
         core = [self._core_request(child_request_id(i, request_id) if params.n > 1 else request_id,

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxserve.models.config import ModelConfig, llava_text_config
 from jaxserve.models.llama import LlamaForCausalLM
-from jaxserve.models.loader import _abstract_model, _with_dtype, check_tensors, state_from_tensors
+from jaxserve.models.loader import Placement, _abstract_model, _with_dtype, check_tensors, state_from_tensors
 from jaxserve.models.safetensors_io import open_checkpoint_files
 
 VLM_ARCHITECTURES = ("LlavaForConditionalGeneration",)
@@ -36,12 +36,14 @@ def _text_name(name: str) -> str | None:
 
 
 def load_llava_language_model(folder: str | Path, dtype: str | None = None,
-                              scan_layers: bool | None = None) -> LlamaForCausalLM:
+                              scan_layers: bool | None = None, *, tensor_parallel_size: int = 1,
+                              place: Placement | None = None) -> LlamaForCausalLM:
     hf = json.loads((Path(folder) / "config.json").read_text())
     cfg = _with_dtype(text_model_config(hf), dtype)
     files = open_checkpoint_files(folder)
     names = {new: old for old in files if (new := _text_name(old)) is not None}
     check_tensors(cfg, {new: files[old].shape(old) for new, old in names.items()})
-    abstract, graphdef, shapes = _abstract_model(cfg, scan_layers, 1)
-    state = state_from_tensors(lambda n: files[names[n]].get(names[n]), cfg, shapes, abstract.scan_layers)
+    abstract, graphdef, shapes = _abstract_model(cfg, scan_layers, tensor_parallel_size)
+    state = state_from_tensors(lambda n: files[names[n]].get(names[n]), cfg, shapes, abstract.scan_layers,
+                               layout=abstract.layout, place=place)
     return nnx.merge(graphdef, state)

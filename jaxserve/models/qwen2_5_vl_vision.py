@@ -1,9 +1,11 @@
 """Qwen2.5-VL's vision tower as Flax NNX modules: patch embedding, 2D rotary, window attention
 (full attention in ``fullatt_block_indexes``), and the patch merger.
 
-One image per call, of a fixed ``(1, grid_h, grid_w)`` grid: the token order (windows), rotary
-angles and attention masks depend only on the grid, so they are computed once in numpy and the
-call is a static-shape program per grid (the runner compiles one per grid bucket).
+The tower runs on a *pack*: the patches of one or more images, padded to a patch-count bucket.
+Everything an image's grid fixes (the window order of its patches, their rotary angles, which
+window and which image each patch is in, the merged tokens' output order) is computed on the host
+in numpy (:func:`pack_plan`) and passed as data, so the compiled program depends only on the
+bucket. Padding rows form their own window and image: real rows never attend to them.
 """
 
 from __future__ import annotations
@@ -78,6 +80,53 @@ def grid_plan(grid_h: int, grid_w: int, cfg: Qwen25VisionConfig) -> GridPlan:
     return GridPlan(order, window_of, hw[order], np.argsort(group_order))
 
 
+@dataclass(frozen=True)
+class PackPlan:
+    """The data a pack of images passes to the tower beside its padded patches."""
+
+    order: np.ndarray      # [P] int32 padded patch row at each ordered position
+    cos: np.ndarray        # [P, head_dim] float32 rotary of each ordered position
+    sin: np.ndarray        # [P, head_dim]
+    window_id: np.ndarray  # [P] int32 window attention is within (unique across images; -1 padding)
+    image_id: np.ndarray   # [P] int32 image full attention is within (-1 padding)
+    unorder: np.ndarray    # [P / m^2] int32 merged row at each output position
+    num_tokens: tuple[int, ...]  # merged tokens of each image, in pack order (outputs lead, then padding)
+
+
+def pack_plan(grids: list[tuple[int, int]], num_patches: int, cfg: Qwen25VisionConfig) -> PackPlan:
+    """The plan of images of ``grids`` ``(grid_h, grid_w)`` laid one after another (their patches
+    in that order) and padded to ``num_patches`` (a multiple of ``merge^2``)."""
+    unit = cfg.spatial_merge_size ** 2
+    total = sum(h * w for h, w in grids)
+    if total > num_patches or num_patches % unit:
+        raise ValueError(f"{total} patches do not pack into a bucket of {num_patches}")
+    order, window, image, hw, unorder = [], [], [], [], []
+    patches = windows = tokens = 0
+    for i, (gh, gw) in enumerate(grids):
+        plan = grid_plan(gh, gw, cfg)
+        order.append(plan.order + patches)
+        window.append(plan.window_of + windows)
+        image.append(np.full(len(plan.order), i))
+        hw.append(plan.hw)
+        unorder.append(plan.unorder + tokens)
+        patches, windows, tokens = patches + len(plan.order), windows + int(plan.window_of.max()) + 1, \
+            tokens + len(plan.unorder)
+    pad = num_patches - total
+    order.append(np.arange(total, num_patches))
+    window.append(np.full(pad, -1))
+    image.append(np.full(pad, -1))
+    hw.append(np.zeros((pad, 2), np.int64))
+    unorder.append(np.arange(tokens, num_patches // unit))
+    d = cfg.hidden_size // cfg.num_heads
+    inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, d // 2, 2, dtype=np.float32) / (d // 2))
+    freqs = (np.concatenate(hw)[:, :, None].astype(np.float32) * inv_freq).reshape(num_patches, -1)
+    angles = np.concatenate([freqs, freqs], axis=-1)
+    i32 = np.int32
+    return PackPlan(np.concatenate(order).astype(i32), np.cos(angles), np.sin(angles),
+                    np.concatenate(window).astype(i32), np.concatenate(image).astype(i32),
+                    np.concatenate(unorder).astype(i32), tuple(h * w // unit for h, w in grids))
+
+
 def _rotate_half(x: jax.Array) -> jax.Array:
     a, b = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([-b, a], axis=-1)
@@ -124,21 +173,28 @@ class Qwen25VisionTower(nnx.Module):
         self.mlp_2 = Linear(ctx, cfg.out_hidden_size, use_bias=True, rngs=rngs)
 
     def __call__(self, patches: jax.Array, grid_h: int, grid_w: int) -> jax.Array:
+        """One image, unpadded (the tests' reference path): ``[grid_h * grid_w / m^2, out_hidden]``."""
+        plan = pack_plan([(grid_h, grid_w)], grid_h * grid_w, self.cfg)
+        return self.packed(patches, *map(jnp.asarray, pack_arrays(plan)))
+
+    def packed(self, patches: jax.Array, order: jax.Array, cos: jax.Array, sin: jax.Array,
+               window_id: jax.Array, image_id: jax.Array, unorder: jax.Array) -> jax.Array:
+        """A pack (:class:`PackPlan`'s arrays): ``[P / m^2, out_hidden]``, the images' merged
+        tokens first, in pack order, then the padding's."""
         cfg = self.cfg
-        plan = grid_plan(grid_h, grid_w, cfg)
-        d = cfg.hidden_size // cfg.num_heads
-        inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, d // 2, 2, dtype=np.float32) / (d // 2))
-        freqs = (plan.hw[:, :, None].astype(np.float32) * inv_freq).reshape(len(plan.order), -1)  # [N, d/2]
-        angles = np.concatenate([freqs, freqs], axis=-1)
-        cos, sin = jnp.asarray(np.cos(angles)), jnp.asarray(np.sin(angles))
-        window_mask = jnp.asarray(plan.window_of[:, None] == plan.window_of[None, :])
-        full_mask = jnp.ones_like(window_mask)
-        x = self.patch_embed(patches.astype(jnp.float32))[plan.order]
+        window_mask = window_id[:, None] == window_id[None, :]
+        full_mask = image_id[:, None] == image_id[None, :]
+        x = self.patch_embed(patches.astype(jnp.float32))[order]
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, full_mask if i in cfg.fullatt_block_indexes else window_mask)
         x = self.ln_q(x).reshape(-1, cfg.hidden_size * cfg.spatial_merge_size**2)
         x = self.mlp_2(jax.nn.gelu(self.mlp_0(x), approximate=False))
-        return x[plan.unorder]
+        return x[unorder]
+
+
+def pack_arrays(plan: PackPlan) -> tuple[np.ndarray, ...]:
+    """The plan's arrays in :meth:`Qwen25VisionTower.packed`'s argument order (after the patches)."""
+    return plan.order, plan.cos, plan.sin, plan.window_id, plan.image_id, plan.unorder
 
 
 def load_qwen25_vision_tower(cfg: Qwen25VisionConfig, tensors: Mapping[str, np.ndarray]) -> Qwen25VisionTower:

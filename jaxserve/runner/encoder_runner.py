@@ -64,7 +64,8 @@ class EncoderRunner:
             px = np.zeros((bucket, *self.image_shape), np.float32)
             for i, (_, p) in enumerate(batch):
                 px[i] = p
-            out = np.asarray(self._compiled[bucket](self.state, jnp.asarray(px)))  # type: ignore[operator]
+            # numpy in: a jnp.asarray here would compile a staging program per new shape
+            out = np.asarray(self._compiled[bucket](self.state, px))  # type: ignore[operator]
             for i, (h, _) in enumerate(batch):
                 self.outputs[h] = out[i]
             self.num_images_encoded += len(batch)

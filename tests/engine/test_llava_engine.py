@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import numpy as np
 import pytest
 
@@ -27,25 +28,10 @@ def make_image(seed: int, h: int = 33, w: int = 41):
 
 @pytest.fixture(scope="module")
 def llava_folder(tmp_path_factory):
-    from jaxserve.models.demo import build_tokenizer
+    from tests.tiny_vlms import build_tiny_llava
 
     folder = tmp_path_factory.mktemp("tiny-llava")
-    tok = build_tokenizer(folder, vocab_size=320, added_tokens=("<image>",))
-    image_id = tok.convert_tokens_to_ids("<image>")
-    torch.manual_seed(0)
-    cfg = transformers.LlavaConfig(
-        vision_config=transformers.CLIPVisionConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            image_size=28, patch_size=7, projection_dim=16, initializer_range=0.2),
-        text_config=transformers.LlamaConfig(
-            vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-            initializer_range=0.2, eos_token_id=tok.eos_token_id, bos_token_id=tok.pad_token_id),
-        image_token_index=image_id)
-    model = transformers.LlavaForConditionalGeneration(cfg).eval()
-    model.save_pretrained(folder)
-    transformers.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
-                                    ).save_pretrained(folder)
+    model, tok = build_tiny_llava(folder)
     return str(folder), model, tok
 
 
@@ -111,8 +97,19 @@ def test_greedy_equals_transformers_with_prefix_hits(llava_folder, budget):
     llm = engine(folder, budget)
     runner = llm.llm_engine.core.runner
     images = [make_image(1), make_image(2, 50, 30), None]
-    first = llm.generate([prompt("what is it", images[0]), prompt("describe this", images[1]),
-                          "a text-only prompt"], PARAMS, use_tqdm=False)
+    compiles = []
+
+    def count(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        first = llm.generate([prompt("what is it", images[0]), prompt("describe this", images[1]),
+                              "a text-only prompt"], PARAMS, use_tqdm=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert compiles == []  # the engine's first requests, images included, compile nothing (XLA's count)
     image_id = tok.convert_tokens_to_ids("<image>")
     assert first[0].prompt_token_ids.count(image_id) == 16  # (28 / 7) ** 2 patches
     check_against_hf(llava_folder, first, images)
@@ -149,6 +146,29 @@ def test_greedy_equals_transformers_with_prefix_hits(llava_folder, budget):
     assert runner.stats.unexpected_compiles == 0
     assert any(v.mm for v in runner.variants()) and any(not v.mm for v in runner.variants())
     assert runner.encoder.num_compiled == len(runner.encoder.buckets)
+
+
+def test_prompt_logprobs_of_image_prompts_equal_transformers(llava_folder):
+    """As vLLM: a value at every prompt position after the first, ``<image>`` positions included,
+    from the forward that saw the image rows (chunks of 8 cut through the image)."""
+    folder, model, tok = llava_folder
+    image = make_image(6)
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
+    out = engine(folder, 8).generate([{"prompt": "look: <image>\nwhat is it", "multi_modal_data": {"image": image}}],
+                                     params, use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    assert ids.count(tok.convert_tokens_to_ids("<image>")) == 16 and out.prompt_logprobs[0] is None
+    processor = transformers.CLIPImageProcessor.from_pretrained(folder)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids]),
+                       pixel_values=torch.from_numpy(processor(images=image, return_tensors="np")["pixel_values"]))
+    ref = torch.log_softmax(logits.logits[0].double(), -1).numpy()
+    assert len(out.prompt_logprobs) == len(ids)
+    for p in range(1, len(ids)):
+        entry = out.prompt_logprobs[p]
+        assert entry[ids[p]].logprob == pytest.approx(ref[p - 1, ids[p]], abs=2e-4)
+        assert entry[ids[p]].rank == int((ref[p - 1] > ref[p - 1, ids[p]]).sum()) + 1
+        assert int(np.argmax(ref[p - 1])) in entry
 
 
 def test_bad_images_are_named(llava_folder):
@@ -256,5 +276,5 @@ def test_mm_bench_reports_every_mode(llava_folder):
 def test_unsupported_engine_options_are_refused_by_name(llava_folder, option):
     from jaxserve.exceptions import ConfigError
 
-    with pytest.raises(ConfigError, match=r"LLaVA.*tensor_parallel_size, quantization and enable_lora"):
+    with pytest.raises(ConfigError, match=r"LLaVA.*quantization and enable_lora are not supported"):
         LLM(llava_folder[0], max_model_len=128, **option)

@@ -6,8 +6,6 @@ through the image; the same image again is a prefix hit with the same tokens."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -20,30 +18,14 @@ from jaxserve.exceptions import InvalidRequestError  # noqa: E402
 
 MAX_TOKENS = 6
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
 @pytest.fixture(scope="module")
 def qwen_folder(tmp_path_factory):
-    from jaxserve.models.demo import build_tokenizer
+    from tests.tiny_vlms import build_tiny_qwen2_5_vl
 
     folder = tmp_path_factory.mktemp("tiny-qwen25vl")
-    tok = build_tokenizer(folder, vocab_size=320, added_tokens=VISION_TOKENS)
-    start, end, pad, video = (tok.convert_tokens_to_ids(t) for t in VISION_TOKENS)
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.2, eos_token_id=tok.eos_token_id, bos_token_id=tok.pad_token_id,
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4}),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64,
-                           patch_size=2, temporal_patch_size=2, spatial_merge_size=2, window_size=8,
-                           fullatt_block_indexes=[1]),
-        image_token_id=pad, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
-    model.save_pretrained(folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps(
-        {"min_pixels": 64, "max_pixels": 576, "patch_size": 2, "merge_size": 2, "temporal_patch_size": 2}))
+    model, pad = build_tiny_qwen2_5_vl(folder)
     return str(folder), model, pad
 
 
@@ -124,6 +106,76 @@ def test_greedy_equals_transformers_with_images(qwen_folder, budget):
         llm.llm_engine.shutdown()
 
 
+def test_images_of_new_grids_compile_nothing_after_warm_up(qwen_folder):
+    """The tower is compiled at start per patch-count bucket (16, 32, 64 tokens: the encoder budget
+    bounds the largest); seven images of seven grids, several to a step (the two small ones in one
+    call), then compile nothing (counted at XLA's backend) and still equal transformers."""
+    import jax
+
+    folder, model, pad = qwen_folder
+    llm = LLM(folder, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+              max_num_encoder_input_tokens=64, enable_prefix_caching=False, record_steps=True)
+    compiles = []
+
+    def count(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    try:
+        runner = llm.llm_engine.core.runner
+        assert runner.encoder.buckets == [16, 32, 64] and runner.encoder.num_compiled == 3
+        # two small grids (4x4, 4x6: first, so one step encodes both, in one call), then 8x8, 10x14,
+        # 6x10, 14x8 and 4x18
+        sizes = [(8, 8), (8, 12), (16, 16), (20, 28), (12, 20), (28, 16), (8, 36)]
+        images = [make_image(20 + i, h, w) for i, (h, w) in enumerate(sizes)]
+        jax.monitoring.register_event_duration_secs_listener(count)
+        try:
+            outs = llm.generate([image_prompt(f"picture {i}", im) for i, im in enumerate(images)], PARAMS,
+                                use_tqdm=False)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(count)
+        assert compiles == [] and runner.stats.unexpected_compiles == 0 and runner.encoder.num_compiled == 3
+        assert max(r.encoder_images for r in llm.get_step_records()) >= 2  # some step packs several images
+        assert sorted(o.prompt_token_ids.count(pad) for o in outs) == [4, 6, 15, 16, 18, 28, 35]
+        assert runner.encoder.num_calls < runner.encoder.num_images_encoded == 7
+        check(model, pad, outs, images)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_prompt_logprobs_of_image_prompts_equal_transformers(qwen_folder):
+    """As vLLM: every prompt position after the first has a value, placeholder positions included
+    (the logprob of ``<|image_pad|>`` given what precedes it), read from the forward that saw the
+    image rows, in chunks of 8 cutting through the image; the same image twice."""
+    from jaxserve.models.qwen2_vl_image_processor import Qwen2VLImageProcessorConfig, preprocess_qwen2_vl_image
+
+    folder, model, pad = qwen_folder
+    llm = LLM(folder, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=8,
+              max_num_encoder_input_tokens=64, enable_prefix_caching=True)
+    try:
+        image = make_image(5, 16, 24)
+        params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2, ignore_eos=True)
+        outs = llm.generate([image_prompt("what is in the picture", image), image_prompt("again", image)],
+                            params, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    cfg = Qwen2VLImageProcessorConfig(min_pixels=64, max_pixels=576, patch_size=2, merge_size=2)
+    patches, grid = preprocess_qwen2_vl_image(image, cfg)
+    for out in outs:
+        ids = out.prompt_token_ids
+        assert ids.count(pad) == 24 and len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+        t_ids = torch.tensor([ids])
+        with torch.no_grad():
+            logits = model(input_ids=t_ids, pixel_values=torch.from_numpy(patches),
+                           image_grid_thw=torch.tensor([list(grid)]), mm_token_type_ids=(t_ids == pad).int()).logits
+        ref = torch.log_softmax(logits[0].double(), -1).numpy()
+        for p in range(1, len(ids)):
+            entry = out.prompt_logprobs[p]
+            assert entry[ids[p]].logprob == pytest.approx(ref[p - 1, ids[p]], abs=2e-4)
+            assert entry[ids[p]].rank == int((ref[p - 1] > ref[p - 1, ids[p]]).sum()) + 1
+            assert set(np.argsort(-ref[p - 1])[:2].tolist()) <= set(entry)
+
+
 def test_processor_refuses_naming_the_image(qwen_folder):
     from jaxserve.engine.mm_processor import Qwen25VLMultiModalProcessor
 
@@ -166,5 +218,5 @@ def test_preempted_request_recomputes_its_positions(qwen_folder):
 def test_quantization_is_refused_by_name(qwen_folder):
     from jaxserve.exceptions import ConfigError
 
-    with pytest.raises(ConfigError, match=r"Qwen2.5-VL.*tensor_parallel_size, quantization and enable_lora"):
+    with pytest.raises(ConfigError, match=r"Qwen2.5-VL.*quantization and enable_lora are not supported"):
         LLM(qwen_folder[0], max_model_len=128, quantization="int8")

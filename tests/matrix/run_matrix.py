@@ -49,7 +49,39 @@ def build_models(root: Path) -> dict[str, dict[str, str]]:
         "gguf": {"model": str(write_tiny_gguf(root / "tiny.gguf", "Q4_1", seed=3, vocab=512)), "tokenizer": dense},
         "moe": {"model": str(build_tiny_checkpoint(root / "moe", "Qwen3MoeForCausalLM", seed=3))},
         "pooling": {"model": str(embedder)},  # a Sentence-Transformers folder, last-token pooling
+        "vlm": {"model": _tiny_vlm(root / "vlm")},
     }
+
+
+def _tiny_vlm(folder: Path) -> str:
+    from tests.tiny_vlms import build_tiny_qwen2_5_vl
+
+    folder.mkdir(parents=True)
+    build_tiny_qwen2_5_vl(folder)
+    return str(folder)
+
+
+# A vision-language engine's images, of 4 and 6 image tokens (Qwen2.5-VL's 2x2-merged patches):
+# small enough that the longest prompt and its output fit max_model_len and the preempting pool.
+VLM_IMAGE_SIZES = ((8, 8), (8, 12), (12, 8))
+
+
+def with_images(llm: Any, inputs: list[dict]) -> list[dict]:
+    """A vision-language engine's inputs: each prompt's ids folded into its small vocabulary and an
+    image put first, chosen by the first id (prompts of one prefix share their image, so the
+    prefix cache still hits)."""
+    from PIL import Image
+
+    tok = llm.get_tokenizer()
+    start, pad, end = (tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"))
+    images = [Image.fromarray(np.random.default_rng(i).integers(0, 256, (h, w, 3), dtype=np.uint8))
+              for i, (h, w) in enumerate(VLM_IMAGE_SIZES)]
+    out = []
+    for x in inputs:
+        ids = [3 + t % 300 for t in x["prompt_token_ids"]]
+        out.append({"prompt_token_ids": [start, pad, end, *ids],
+                    "multi_modal_data": {"image": images[ids[0] % len(images)]}})
+    return out
 
 
 def workload() -> tuple[list[list[int]], list[list[int]]]:
@@ -122,8 +154,11 @@ def run_engine(model: dict[str, str], kwargs: dict[str, Any]) -> dict[str, Any]:
     compiled_before = [r.stats.num_compiles - r.stats.background_compiles for r in runners]
     outputs = []
     adapters_root = Path(tempfile.mkdtemp(prefix="jaxserve-matrix-loras-"))
+    takes_images = runners[0].encoder is not None
     for prompts in workload():
         inputs, params = wave_params(prompts)
+        if takes_images:
+            inputs = with_images(llm, inputs)
         outputs += llm.generate(inputs, params, use_tqdm=False,
                                 lora_request=lora_requests(llm, adapters_root, len(inputs)))
     stats = [e.stats() for e in engines]
@@ -144,6 +179,7 @@ def run_engine(model: dict[str, str], kwargs: dict[str, Any]) -> dict[str, Any]:
                                 for r in runners],
         "backend": [s["attention_backend"] for s in stats],
         "lora_steps": sum(1 for r in records if r.schedule.lora_adapters),
+        "images_encoded": sum(r.encoder.num_images_encoded for r in runners if r.encoder is not None),
         "leaks": [f"replica {i}: {s['num_requests_running']} running, {s['num_requests_waiting']} waiting, "
                   f"{s['num_gpu_blocks'] - 1 - s['num_free_blocks']} blocks held, "
                   f"{e.core.structured_outputs.num_active} grammar matchers"
@@ -179,6 +215,7 @@ def compare(features: tuple[str, ...], got: dict[str, Any], ref: dict[str, Any])
         "chunked_prefill": got["chunked_prefills"] > 0, "dp2": got["replicas_used"] == 2,
         "tp2": got["devices_per_replica"] == [2], "cpu_backend": set(got["backend"]) == {"cpu"},
         "lora": got.get("lora_steps", 0) > 0,
+        "vlm": got.get("images_encoded", 0) > 0,
     }
     failures += [f"{name} claimed but not seen" for name, seen in claims.items() if name in features and not seen]
     return failures
