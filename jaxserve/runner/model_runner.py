@@ -52,6 +52,7 @@ from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.compilation import CompiledSteps, StepVariant
 from jaxserve.runner.compile_stats import CompileStats
 from jaxserve.runner.device_state import DeviceState, StepOutput
+from jaxserve.runner.draft_runner import DraftModelProposer, load_draft_model
 from jaxserve.runner.encoder_runner import EncoderRunner
 from jaxserve.runner.input_batch import (
     CachedRequestState,
@@ -225,6 +226,7 @@ class ModelRunner:
         self._init_request_state()
         self._init_step()
         self._init_kv_cache()
+        self._init_draft_model()
         self._log_layout(model)
 
     def _init_mesh_and_weights(self, model: LlamaForCausalLM, devices: Sequence[jax.Device] | None) -> None:
@@ -286,11 +288,13 @@ class ModelRunner:
                                 TPLayout.of(self.mc, self.config.tensor_parallel_size), self._place,
                                 abstract=self.target.is_abstract)
                      if lora.enable_lora else None)
-        # Speculative decoding: K (static, 0: off) and the n-gram proposer run after each step.
+        # Speculative decoding: K (static, 0: off) and the proposer run after each step (the
+        # draft model's is built once the attention backend and the pool are known).
         spec = config.spec_decode_config.spec
         self.num_spec = 0 if spec is None else spec.num_speculative_tokens
-        self.proposer = (None if spec is None else
+        self.proposer = (None if spec is None or spec.method != "ngram" else
                          NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max))
+        self.drafter: DraftModelProposer | None = None
         self.prompt_logprobs = PromptLogprobsWorker(self.graphdef, self._split_args, self.num_logprobs,
                                                     self.target.sampler_policy(), self._replicated,
                                                     config.enforce_eager)
@@ -322,6 +326,19 @@ class ModelRunner:
         # What a step is traced with: the state's shapes and placement, never its arrays, which
         # each step donates (a background compile may trace while a step runs).
         self._state_spec = self._state_shapes(self.num_blocks)
+
+    def _init_draft_model(self) -> None:
+        """speculative_config's draft model, its pool and programs (compiled at warm-up)."""
+        spec = self.config.spec_decode_config.spec
+        if spec is None or spec.method != "draft_model":
+            return
+        if self.target.is_abstract:
+            raise ConfigError("speculative_config.method=draft_model: a compile-only runner has no draft")
+        draft = load_draft_model(self.config, self.mc)
+        self.drafter = DraftModelProposer(self.config, draft, self.max_model_len, spec.num_speculative_tokens,
+                                          self.attn_fn, self.devices[0], self.num_blocks)
+        logger.info("draft model %s: %d KV blocks, %d token buckets, %d row buckets", spec.model,
+                    self.drafter.num_blocks, len(self.drafter.token_buckets), len(self.drafter.row_buckets))
 
     def _log_layout(self, model: LlamaForCausalLM) -> None:
         max_concurrency = self.num_blocks * self.block_size / self.max_model_len
@@ -577,6 +594,8 @@ class ModelRunner:
         """Compile every variant of the table now, so no request ever waits for a compile."""
         if self.encoder is not None:
             self.encoder.warm_up()
+        if self.drafter is not None:  # compiled even in eager mode: its own few programs
+            self.drafter.warm_up()
         if self.config.enforce_eager:
             return
         # Every host of a multi-node group must run the same program each step, so none defers.
@@ -638,12 +657,16 @@ class ModelRunner:
             self._mrope.pop(req_id, None)
             if state is not None:
                 self.slots.release(state.slot)
+            if self.drafter is not None:
+                self.drafter.free(req_id)
             if self.lora is not None:
                 self.lora.remove_request(req_id)
         for new in so.scheduled_new_reqs:
             old = self.requests.pop(new.req_id, None)
             if old is not None:
                 self.slots.release(old.slot)
+            if self.drafter is not None:  # a resumed request: the draft recomputes it from its tokens
+                self.drafter.free(new.req_id)
             params = new.sampling_params
             seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
             slot = self.slots.allocate()
@@ -850,19 +873,24 @@ class ModelRunner:
             req_ids=plan.req_ids, req_id_to_index={r: i for i, r in enumerate(plan.req_ids)},
             sampled_token_ids=sampled_lists, logprobs=logprob_rows if want_logprobs else None,
             prompt_logprobs_dict=prompt_logprobs,
-            spec_token_ids=self._propose(states, sampled_lists) if self.proposer is not None else None)
+            spec_token_ids=self._propose(states, sampled_lists) if self.num_spec else None)
 
     def _propose(self, states: list[CachedRequestState], sampled: list[list[int]]) -> list[list[int]]:
-        """The n-gram drafts for the next step, from each live row's known tokens (prompt and
-        outputs). Rows whose next token depends on more than its position get none (penalties
-        count the tokens before it; a grammar's bitmask is known for the first position only)."""
-        assert self.proposer is not None
+        """The drafts for the next step (n-gram or the draft model), from each live row's known
+        tokens (prompt and outputs). Rows whose next token depends on more than its position get
+        none (penalties count the tokens before it; a grammar's bitmask is known for the first
+        position only)."""
         out: list[list[int]] = [[] for _ in states]
         rows = [i for i, (state, toks) in enumerate(zip(states, sampled))
                 if toks and self.requests.get(state.req_id) is state and _can_draft(state.sampling_params)]
         if rows:
             slots = [states[i].slot for i in rows]
             contexts = [self.batch.token_ids[s, : self.batch.num_tokens[s]] for s in slots]
-            for i, drafts in zip(rows, self.proposer.propose(contexts)):
+            if self.drafter is not None:
+                proposed = self.drafter.propose([states[i].req_id for i in rows], contexts)
+            else:
+                assert self.proposer is not None
+                proposed = self.proposer.propose(contexts)
+            for i, drafts in zip(rows, proposed):
                 out[i] = drafts
         return out
