@@ -63,6 +63,8 @@ def load_draft_model(config: EngineConfig, target: ModelConfig) -> Any:
                           "is not supported; use a full-attention draft")
     if mc.rope.mrope_section:
         raise ConfigError("speculative_config.model: an M-RoPE (vision-language) draft is not supported")
+    # The target's scan_layers flag (None: by depth). Unrolled, SmolLM2's Q4_1 draft proposed 8x
+    # slower on this CPU (docs/benchmarks.md, the draft-model section).
     return load_model(str(source.path), target.dtype, config.scan_layers, quantization=spec.quantization)
 
 
@@ -109,7 +111,8 @@ class DraftModelProposer:
         self.kv = jax.device_put(allocate_kv_cache(self.mc, self.num_blocks, bs, 1, config.kv_cache_dtype, slots),
                                  device)
         top = min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len)
-        self.token_buckets = _pow2_buckets(top, min(8, top))
+        # From 1: after full acceptance a catch-up is 2 tokens a row (the last draft, the target's).
+        self.token_buckets = _pow2_buckets(top)
         self.row_buckets = _pow2_buckets(config.max_num_seqs)
         self._catch_up = jax.jit(self._catch_up_fn, donate_argnums=(1,))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
