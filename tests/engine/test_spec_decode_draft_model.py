@@ -150,3 +150,26 @@ def test_a_draft_with_another_vocabulary_is_refused_by_name(demo_model, qwen3_ch
     with pytest.raises(ConfigError, match=r"speculative_config\.model"):
         LLM(demo_model, show_progress=False, **ENGINE_TESTS_SHAPE,
             speculative_config={"method": "draft_model", "model": "/no/such/folder", "num_speculative_tokens": 2})
+
+
+def test_aborted_requests_free_the_draft_blocks(plain, self_draft):
+    """Requests aborted mid-generation return their blocks to both pools; the others finish
+    with the plain engine's tokens."""
+    engine = self_draft.llm_engine
+    ps = prompts(4, seed=6, lo=30, hi=60)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = token_ids(plain.generate(ps[2:], params, use_tqdm=False))
+    for i, p in enumerate(ps):
+        engine.add_request(f"abort-{i}", p, params)
+    drafter = engine.core.runner.drafter
+    while not drafter.seqs:  # until the draft holds KV for some requests
+        engine.step()
+    engine.abort_request(["abort-0", "abort-1"])
+    done = {}
+    while engine.has_unfinished_requests():
+        for _, out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert [done["abort-2"], done["abort-3"]] == want
+    engine.step()  # the last finished ids reach the runner with the next step
+    assert_pools_empty(self_draft)
