@@ -14,6 +14,8 @@ from jaxserve.exceptions import ConfigError
 from tests.shapes import ENGINE_TESTS_SHAPE
 
 K = 3
+# The different draft is a third engine (about 15-25 s to build and compile on a loaded 2-core machine).
+BOTH_DRAFTS = ["self_draft", pytest.param("low_draft", marks=pytest.mark.slow)]
 # The speculating engines get a smaller pool (the same buckets): requests are preempted sooner.
 SPEC_SHAPE = {**ENGINE_TESTS_SHAPE, "num_gpu_blocks_override": 80}
 
@@ -69,7 +71,7 @@ def assert_pools_empty(llm: LLM) -> None:
     assert drafter.unexpected_compiles == 0
 
 
-@pytest.mark.parametrize("which", ["self_draft", "low_draft"])
+@pytest.mark.parametrize("which", BOTH_DRAFTS)
 def test_greedy_tokens_and_logprobs_equal_plain(which, plain, request):
     llm = request.getfixturevalue(which)
     compiles = llm.stats()["compile_num_compiles"]
@@ -102,7 +104,7 @@ def test_seeded_random_rows_draw_the_plain_tokens(plain, self_draft):
     assert_pools_empty(self_draft)
 
 
-@pytest.mark.parametrize("which", ["self_draft", "low_draft"])
+@pytest.mark.parametrize("which", BOTH_DRAFTS)
 def test_chunked_prefill_and_preemption(which, plain, request):
     # Prompts of 90-110 tokens are chunked by the 64-token budget; 16 of them overflow the
     # 80-block pool, so requests are preempted, then recomputed by both models.
