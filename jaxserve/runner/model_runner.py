@@ -81,9 +81,15 @@ from jaxserve.runner.serving_dtype import backend_takes
 from jaxserve.runner.step_inputs import StepArrays, flag
 from jaxserve.runner.target import StepTarget
 from jaxserve.sample.metadata import SamplingMetadata, SamplingTable
-from jaxserve.sample.penalties import PenaltyTables, update_penalty_tables, uses_penalties, write_penalty_row
+from jaxserve.sample.penalties import (
+    PenaltyTables,
+    add_accepted_drafts,
+    update_penalty_tables,
+    uses_penalties,
+    write_penalty_row,
+)
 from jaxserve.sample.sampler import SamplerOutput, sample
-from jaxserve.sample.spec_verify import position_rows, verified_output
+from jaxserve.sample.spec_verify import earlier_drafts, position_rows, verified_output
 from jaxserve.spec_decode import NgramProposer
 
 logger = logging.getLogger("jaxserve")
@@ -182,7 +188,7 @@ def _with_shardings(tree, shardings):
 
 
 def _can_draft(params: Any) -> bool:
-    return not uses_penalties(params) and getattr(params, "structured_outputs", None) is None
+    return getattr(params, "structured_outputs", None) is None
 
 
 class ModelRunner:
@@ -469,22 +475,26 @@ class ModelRunner:
         expert_load = None if loads is None else loads.sum(axis=0)  # a MoE model's pairs per expert
         spec = inputs.spec
         md, row_slots = inputs.sampling, x.row_slots
+        extra_outputs = None
         if spec is None:
             logits = model.compute_logits(hidden[x.logits_indices], *self._split_args)
         else:  # each row at its d+1 positions: one sampler row each (jaxserve.sample.spec_verify)
             logits = model.compute_logits(hidden[spec.logits_indices], *self._split_args)
             md = position_rows(md, spec.position_rows, spec.position_offsets)
             row_slots, bitmask = row_slots[spec.position_rows], bitmask[spec.position_rows]
+            extra_outputs = earlier_drafts(spec.draft_token_ids, spec.position_rows, spec.position_offsets)
+        # The drafts' token slots are the padding slot (build_step_arrays): accepted ones are added below.
         penalties = update_penalty_tables(state.penalties, token_slots=x.token_slots, input_ids=input_ids,
                                           token_is_output=x.token_is_output)
         out = sample(logits, md, penalties.output_counts,
                      penalties.prompt_mask, max_num_logprobs=self.num_logprobs, row_slots=row_slots,
                      need_logprobs=inputs.need_logprobs[0], token_bitmask=bitmask, use_bitmask=inputs.use_bitmask[0],
-                     policy=self.target.sampler_policy(all_greedy))
+                     policy=self.target.sampler_policy(all_greedy), extra_outputs=extra_outputs)
         last = out.sampled_token_ids
         if spec is not None:
             out, num = verified_output(out, spec.flat_index, spec.draft_token_ids, spec.num_draft_tokens)
             last = jnp.take_along_axis(out.sampled_token_ids, (num - 1)[:, None], axis=1)[:, 0]
+            penalties = add_accepted_drafts(penalties, x.row_slots, spec.draft_token_ids, num - 1)
         prev_sampled = state.prev_sampled.at[: last.shape[0]].set(last)
         return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden, expert_load)
 
@@ -877,9 +887,8 @@ class ModelRunner:
 
     def _propose(self, states: list[CachedRequestState], sampled: list[list[int]]) -> list[list[int]]:
         """The drafts for the next step (n-gram or the draft model), from each live row's known
-        tokens (prompt and outputs). Rows whose next token depends on more than its position get
-        none (penalties count the tokens before it; a grammar's bitmask is known for the first
-        position only)."""
+        tokens (prompt and outputs). Constrained rows get none: a grammar's bitmask is known for
+        the first position only. (Penalised rows do: the step counts each position's earlier drafts.)"""
         out: list[list[int]] = [[] for _ in states]
         rows = [i for i, (state, toks) in enumerate(zip(states, sampled))
                 if toks and self.requests.get(state.req_id) is state and _can_draft(state.sampling_params)]

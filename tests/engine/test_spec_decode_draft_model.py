@@ -104,6 +104,21 @@ def test_seeded_random_rows_draw_the_plain_tokens(plain, self_draft):
     assert_pools_empty(self_draft)
 
 
+def test_penalised_rows_take_the_drafts_with_the_plain_tokens(plain, self_draft):
+    """The self-draft proposes the unpenalised greedy tokens: a penalised row accepts those its
+    penalties leave first and rejects the rest, and emits the plain engine's tokens."""
+    ps = prompts(4, seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, **kw)
+              for kw in (dict(repetition_penalty=1.2), dict(frequency_penalty=0.1), dict(presence_penalty=0.5),
+                         dict(frequency_penalty=0.05, presence_penalty=0.1))]
+    stats = stats_of(self_draft)
+    drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+    assert token_ids(self_draft.generate(ps, params, use_tqdm=False)) == \
+        token_ids(plain.generate(ps, params, use_tqdm=False))
+    assert 0 < stats.num_accepted_tokens - accepted < stats.num_draft_tokens - drafted
+    assert_pools_empty(self_draft)
+
+
 @pytest.mark.parametrize("which", BOTH_DRAFTS)
 def test_chunked_prefill_and_preemption(which, plain, request):
     # Prompts of 90-110 tokens are chunked by the 64-token budget; 16 of them overflow the
