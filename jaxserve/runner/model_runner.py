@@ -113,8 +113,13 @@ class RunnerStep:
 
     @property
     def num_rows(self) -> int:
-        """Rows of the step's padded batch (the bitmask's first dimension)."""
+        """Rows of the step's padded batch."""
         return 0 if self.inputs is None else self.inputs.num_rows
+
+    @property
+    def num_mask_rows(self) -> int:
+        """The bitmask's first dimension: the rows, or with speculation the verified positions."""
+        return 0 if self.inputs is None else self.inputs.num_mask_rows
 
 
 # The two stages' names, kept for the engine, lockstep and their readers: one type.
@@ -185,10 +190,6 @@ def _with_shardings(tree, shardings):
     """Shapes of ``tree``'s arrays carrying ``shardings`` (a prefix of ``tree``); no memory."""
     return jax.tree.map(lambda s, sub: jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), sub), shardings, tree)
-
-
-def _can_draft(params: Any) -> bool:
-    return getattr(params, "structured_outputs", None) is None
 
 
 class ModelRunner:
@@ -481,7 +482,7 @@ class ModelRunner:
         else:  # each row at its d+1 positions: one sampler row each (jaxserve.sample.spec_verify)
             logits = model.compute_logits(hidden[spec.logits_indices], *self._split_args)
             md = position_rows(md, spec.position_rows, spec.position_offsets)
-            row_slots, bitmask = row_slots[spec.position_rows], bitmask[spec.position_rows]
+            row_slots = row_slots[spec.position_rows]  # the bitmask has a row per position already
             extra_outputs = earlier_drafts(spec.draft_token_ids, spec.position_rows, spec.position_offsets)
         # The drafts' token slots are the padding slot (build_step_arrays): accepted ones are added below.
         penalties = update_penalty_tables(state.penalties, token_slots=x.token_slots, input_ids=input_ids,
@@ -507,6 +508,11 @@ class ModelRunner:
     def _num_rows(self, bucket: int) -> int:
         """Rows of a step of ``bucket`` tokens (the table's rule; also before the table is built)."""
         return BucketTable.rows_of(bucket, self.config.max_num_seqs)
+
+    def _mask_rows(self, bucket: int) -> int:
+        """The bitmask's rows in a step of this bucket: one per verified position with speculation."""
+        rows = self._num_rows(bucket)
+        return rows if not self.num_spec else min(bucket, rows * (self.num_spec + 1))
 
     def _layout_for(self, bucket: int) -> PackLayout:
         if bucket not in self._layouts:
@@ -572,7 +578,7 @@ class ModelRunner:
 
     def _step_args(self, variant: StepVariant, state) -> tuple:
         buf = jax.ShapeDtypeStruct((self._layout_for(variant.bucket).total,), jnp.int32)
-        bitmask = jax.ShapeDtypeStruct((self._num_rows(variant.bucket), self.bitmask_width), jnp.int32)
+        bitmask = jax.ShapeDtypeStruct((self._mask_rows(variant.bucket), self.bitmask_width), jnp.int32)
         buf, bitmask = _with_shardings((buf, bitmask), (self._replicated, self._replicated))
         mm = None
         if variant.mm:
@@ -629,7 +635,7 @@ class ModelRunner:
     def _run_padding_step(self, variant: StepVariant) -> None:
         """Execute a compiled variant once on padding only: no request, no KV write, no sample used."""
         buf = pack(self._padding_inputs(variant.bucket), self._layout_for(variant.bucket))
-        bitmask = self._allowed_all_bitmask(self._num_rows(variant.bucket))
+        bitmask = self._allowed_all_bitmask(self._mask_rows(variant.bucket))
         mm = self._padding_mm(variant.bucket) if variant.mm else None
         jax.block_until_ready(self._launch(self.steps.get(variant), buf, bitmask, mm).sampler)
 
@@ -750,8 +756,9 @@ class ModelRunner:
         return (embeds, mask) if mask.any() else None
 
     def launch(self, prepared: PreparedStep, bitmask: np.ndarray | None = None) -> InFlightStep:
-        """Launch a prepared step without waiting for it. ``bitmask`` [num_rows, bitmask_width]:
-        the structured-output masks of its rows (all ones for an unconstrained row), or None."""
+        """Launch a prepared step without waiting for it. ``bitmask`` [num_mask_rows, bitmask_width]:
+        the structured-output masks of its rows, or with speculation of its verified positions
+        (all ones for an unconstrained row), or None."""
         so, plan, states = prepared.scheduler_output, prepared.plan, prepared.states
         if prepared.inputs is None or plan is None:
             return prepared
@@ -760,7 +767,7 @@ class ModelRunner:
         buf = pack(inputs, self._layout_for(plan.token_bucket))
         self.last_packed = PackedStep(buf, self._layout_for(plan.token_bucket), plan.token_bucket, plan.num_tokens,
                                       tuple(plan.req_ids), self.block_size)
-        device_mask: Any = self._allowed_all_bitmask(prepared.num_rows) if bitmask is None else bitmask
+        device_mask: Any = self._allowed_all_bitmask(prepared.num_mask_rows) if bitmask is None else bitmask
         if self.config.enforce_eager:  # op by op, every numpy slice would be its own transfer
             buf, device_mask = jax.device_put((buf, device_mask), self._replicated)
         # Compiled: the executable takes the fresh numpy buffer as its one transfer (an explicit
@@ -887,11 +894,12 @@ class ModelRunner:
 
     def _propose(self, states: list[CachedRequestState], sampled: list[list[int]]) -> list[list[int]]:
         """The drafts for the next step (n-gram or the draft model), from each live row's known
-        tokens (prompt and outputs). Constrained rows get none: a grammar's bitmask is known for
-        the first position only. (Penalised rows do: the step counts each position's earlier drafts.)"""
+        tokens (prompt and outputs). Penalised and constrained rows too: the step counts each
+        position's earlier drafts, and the scheduler cuts a constrained row's drafts at the first
+        one its grammar refuses (the bitmask then has a row per verified position)."""
         out: list[list[int]] = [[] for _ in states]
         rows = [i for i, (state, toks) in enumerate(zip(states, sampled))
-                if toks and self.requests.get(state.req_id) is state and _can_draft(state.sampling_params)]
+                if toks and self.requests.get(state.req_id) is state]
         if rows:
             slots = [states[i].slot for i in rows]
             contexts = [self.batch.token_ids[s, : self.batch.num_tokens[s]] for s in slots]

@@ -135,8 +135,7 @@ def test_penalised_seeded_random_rows_speculate(plain, spec):
 
 def test_min_tokens_parallel_sampling_and_a_grammar(plain, spec):
     """min_tokens masks each scored position by its own count; n=2 children speculate apart; a
-    constrained request (no drafts: its bitmask is known for the first position only) follows
-    its grammar as in the plain engine."""
+    constrained request follows its grammar as in the plain engine."""
     from jaxserve import StructuredOutputsParams
 
     prompts = repetitive_prompts(3, seed=5)
@@ -150,6 +149,29 @@ def test_min_tokens_parallel_sampling_and_a_grammar(plain, spec):
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
     assert len(got[0].outputs[0].token_ids) >= 12
     assert len(got[2].outputs[0].text) == 8 and got[2].outputs[0].text[3] == "-"
+    assert_pool_empty(spec)
+
+
+def test_constrained_rows_speculate_within_their_grammar(plain, spec):
+    """A constrained row gets drafts cut at the first token its grammar refuses, and each verified
+    position is masked by the grammar after the drafts before it: greedy tokens and logprobs equal
+    the plain engine's, with drafts accepted; every output matches its regex."""
+    import re
+
+    from jaxserve import StructuredOutputsParams
+
+    regexes = ["(ab ){6,9}", "[a-c]{2}( [a-c]{2}){5,8}", "(12-){4}[0-9]{4}"]
+    prompts = repetitive_prompts(len(regexes), seed=13, period=5, repeats=3)
+    params = [SamplingParams(temperature=0, max_tokens=40, logprobs=2,
+                             structured_outputs=StructuredOutputsParams(regex=r)) for r in regexes]
+    stats = spec_stats(spec)
+    drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+    want, got = plain.generate(prompts, params, use_tqdm=False), spec.generate(prompts, params, use_tqdm=False)
+    assert token_ids(got) == token_ids(want)
+    assert_same_logprobs(want, got)
+    assert all(re.fullmatch(r, o.outputs[0].text) for r, o in zip(regexes, got)), [o.outputs[0].text for o in got]
+    assert stats.num_accepted_tokens - accepted > 0 and stats.num_draft_tokens > drafted
+    assert spec.stats()["compile_unexpected_compiles"] == 0
     assert_pool_empty(spec)
 
 
