@@ -91,6 +91,10 @@ class EngineConfig:
         if self.spec_decode_config.spec is not None and self.pooling_config.runner == "pooling":
             raise ConfigError("speculative_config with runner='pooling': a pooling model generates no "
                               "tokens to speculate on")
+        spec = self.spec_decode_config.spec
+        if spec is not None and spec.method == "draft_model" and self.parallel_config.tensor_parallel_size > 1:
+            raise ConfigError("speculative_config.method=draft_model runs the draft on one device; "
+                              f"tensor_parallel_size {self.parallel_config.tensor_parallel_size} is not supported")
 
     # ---- the flat view -------------------------------------------------------------------------
 

@@ -14,9 +14,12 @@ from typing import Any
 
 from jaxserve.config.base import SubConfig
 from jaxserve.exceptions import ConfigError
+from jaxserve.models.config import QUANTIZATION_METHODS
 
-METHODS = ("ngram",)  # draft_model, eagle, eagle3, mtp: not built yet, refused by name
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+METHODS = ("ngram", "draft_model")  # eagle, eagle3, mtp: not built yet, refused by name
+_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "quantization")
+_NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
+_DRAFT_KEYS = ("model", "quantization")
 
 
 @dataclass(frozen=True)
@@ -25,11 +28,14 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
+    model: str | None = None  # draft_model: the draft's folder, .gguf file or hub id
+    quantization: str | None = None  # draft_model: the draft's weight format (the engine flag's values)
 
     @classmethod
     def parse(cls, value: None | str | dict[str, Any]) -> SpeculativeConfig | None:
         """From the flag's JSON text or a dict; None/empty means off. As vLLM: ``method``
-        defaults to ngram when prompt_lookup_max is given, prompt_lookup_min to max and max to min."""
+        defaults to ngram when prompt_lookup_max is given and to draft_model when model is (vLLM's
+        older form), prompt_lookup_min to max and max to min."""
         if value is None or value == "" or value == {}:
             return None
         if isinstance(value, str):
@@ -43,7 +49,8 @@ class SpeculativeConfig:
         if unknown:
             raise ConfigError(f"speculative_config: unsupported key(s) {', '.join(unknown)}; "
                               f"jaxserve reads {', '.join(_KEYS)}")
-        method = value.get("method") or ("ngram" if "prompt_lookup_max" in value else None)
+        method = value.get("method") or ("ngram" if "prompt_lookup_max" in value else
+                                         "draft_model" if value.get("model") else None)
         if method not in METHODS:
             raise ConfigError(f"speculative_config.method={method!r} is not supported; "
                               f"jaxserve has {', '.join(METHODS)}")
@@ -51,6 +58,11 @@ class SpeculativeConfig:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ConfigError("speculative_config.num_speculative_tokens must be an integer >= 1, "
                               f"got {k!r}")
+        if method == "draft_model":
+            return cls._draft_model(value, k)
+        stray = sorted(set(value) & set(_DRAFT_KEYS))
+        if stray:
+            raise ConfigError(f"speculative_config.{stray[0]} is for method draft_model, not {method}")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         lo, hi = lo if lo is not None else hi, hi if hi is not None else lo
         if lo is None:
@@ -64,12 +76,37 @@ class SpeculativeConfig:
                               f"prompt_lookup_max={hi}")
         return cls(method, k, hi, lo)
 
+    @classmethod
+    def _draft_model(cls, value: dict[str, Any], k: int) -> SpeculativeConfig:
+        model = value.get("model")
+        if not isinstance(model, str) or not model:
+            raise ConfigError("speculative_config.model: method draft_model needs the draft's folder, "
+                              f".gguf file or hub id, got {model!r}")
+        stray = sorted(set(value) & set(_NGRAM_KEYS))
+        if stray:
+            raise ConfigError(f"speculative_config.{stray[0]} is for method ngram, not draft_model")
+        quantization = value.get("quantization")
+        if quantization is not None:
+            if quantization not in QUANTIZATION_METHODS:
+                raise ConfigError(f"speculative_config.quantization must be one of "
+                                  f"{', '.join(QUANTIZATION_METHODS)}, got {quantization!r}")
+        return cls("draft_model", k, 0, 0, model, quantization)
+
+    def to_dict(self) -> dict[str, Any]:
+        """vLLM's JSON keys of this method (parse gives this configuration back)."""
+        out = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+        if self.method == "ngram":
+            return {**out, "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min}
+        return {**out, "model": self.model, **({} if self.quantization is None else
+                                               {"quantization": self.quantization})}
+
 
 @dataclasses.dataclass
 class SpecDecodeConfig(SubConfig):
     speculative_config: str | dict[str, Any] | None = None
     """Speculative decoding as vLLM's JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4,
-    "prompt_lookup_min": 2, "prompt_lookup_max": 5}; default: off. Only ngram is built."""
+    "prompt_lookup_min": 2, "prompt_lookup_max": 5}, or {"method": "draft_model", "model": PATH_OR_NAME,
+    "num_speculative_tokens": 4} (a smaller model with the target's vocabulary); default: off."""
     speculative_auto_off: bool = False
     """Beyond vLLM: per step, skip verifying drafts when the measured acceptance and a fitted
     step-cost model say speculation costs more than it saves at the current batch size (probing
@@ -78,7 +115,7 @@ class SpecDecodeConfig(SubConfig):
     def validate(self) -> None:
         parsed = SpeculativeConfig.parse(self.speculative_config)
         # Kept as canonical JSON text: one form for the flag, the copies and the comparisons.
-        self.speculative_config = None if parsed is None else json.dumps(dataclasses.asdict(parsed))
+        self.speculative_config = None if parsed is None else json.dumps(parsed.to_dict())
         if self.speculative_auto_off and parsed is None:
             raise ConfigError("speculative_auto_off needs speculative_config (speculation is off)")
 

@@ -386,7 +386,11 @@ class EngineCore:
         so = self.structured_outputs
         if so is None or prepared.plan is None or not so.num_active:
             return None
-        return so.grammar_bitmask(prepared.plan.req_ids, prepared.num_rows)
+        drafts = None
+        if prepared.inputs is not None and prepared.inputs.spec is not None:  # a mask row per verified position
+            spec = prepared.scheduler_output.scheduled_spec_decode_tokens
+            drafts = [spec.get(r, []) for r in prepared.plan.req_ids]
+        return so.grammar_bitmask(prepared.plan.req_ids, prepared.num_mask_rows, drafts)
 
     def _needs_previous_tokens(self, prepared: PreparedStep, previous: InFlightStep) -> bool:
         """True if a constrained row of ``prepared`` still waits for its token from ``previous``."""

@@ -183,6 +183,10 @@ def build_step_arrays(
     group_slots[:, :total] = group_tables[:, row, pos // block_size] * block_size + pos % block_size
     slot_mapping[:total] = group_slots[0, :total]
     token_slots[:total] = tok_slot
+    if num_drafts is not None:  # drafts may be rejected: the step counts the accepted ones itself
+        base = batch.num_tokens[tok_slot]
+        is_draft = (pos >= base) & (pos < known_len)
+        token_slots[:total] = np.where(is_draft, padding_slot, tok_slot)
     token_is_output[:total] = pos >= batch.num_prompt_tokens[tok_slot]
 
     kv_lens = np.zeros(r_pad, np.int32)

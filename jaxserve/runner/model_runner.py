@@ -52,6 +52,7 @@ from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.compilation import CompiledSteps, StepVariant
 from jaxserve.runner.compile_stats import CompileStats
 from jaxserve.runner.device_state import DeviceState, StepOutput
+from jaxserve.runner.draft_runner import DraftModelProposer, load_draft_model
 from jaxserve.runner.encoder_runner import EncoderRunner
 from jaxserve.runner.input_batch import (
     CachedRequestState,
@@ -80,9 +81,15 @@ from jaxserve.runner.serving_dtype import backend_takes
 from jaxserve.runner.step_inputs import StepArrays, flag
 from jaxserve.runner.target import StepTarget
 from jaxserve.sample.metadata import SamplingMetadata, SamplingTable
-from jaxserve.sample.penalties import PenaltyTables, update_penalty_tables, uses_penalties, write_penalty_row
+from jaxserve.sample.penalties import (
+    PenaltyTables,
+    add_accepted_drafts,
+    update_penalty_tables,
+    uses_penalties,
+    write_penalty_row,
+)
 from jaxserve.sample.sampler import SamplerOutput, sample
-from jaxserve.sample.spec_verify import position_rows, verified_output
+from jaxserve.sample.spec_verify import earlier_drafts, position_rows, verified_output
 from jaxserve.spec_decode import NgramProposer
 
 logger = logging.getLogger("jaxserve")
@@ -106,8 +113,13 @@ class RunnerStep:
 
     @property
     def num_rows(self) -> int:
-        """Rows of the step's padded batch (the bitmask's first dimension)."""
+        """Rows of the step's padded batch."""
         return 0 if self.inputs is None else self.inputs.num_rows
+
+    @property
+    def num_mask_rows(self) -> int:
+        """The bitmask's first dimension: the rows, or with speculation the verified positions."""
+        return 0 if self.inputs is None else self.inputs.num_mask_rows
 
 
 # The two stages' names, kept for the engine, lockstep and their readers: one type.
@@ -180,10 +192,6 @@ def _with_shardings(tree, shardings):
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), sub), shardings, tree)
 
 
-def _can_draft(params: Any) -> bool:
-    return not uses_penalties(params) and getattr(params, "structured_outputs", None) is None
-
-
 class ModelRunner:
     """``target`` (default: the local device) decides the step's control flow (``cond_free``, see
     :mod:`.target`); an abstract target builds a runner that only lowers and compiles, on the
@@ -225,6 +233,7 @@ class ModelRunner:
         self._init_request_state()
         self._init_step()
         self._init_kv_cache()
+        self._init_draft_model()
         self._log_layout(model)
 
     def _init_mesh_and_weights(self, model: LlamaForCausalLM, devices: Sequence[jax.Device] | None) -> None:
@@ -286,11 +295,13 @@ class ModelRunner:
                                 TPLayout.of(self.mc, self.config.tensor_parallel_size), self._place,
                                 abstract=self.target.is_abstract)
                      if lora.enable_lora else None)
-        # Speculative decoding: K (static, 0: off) and the n-gram proposer run after each step.
+        # Speculative decoding: K (static, 0: off) and the proposer run after each step (the
+        # draft model's is built once the attention backend and the pool are known).
         spec = config.spec_decode_config.spec
         self.num_spec = 0 if spec is None else spec.num_speculative_tokens
-        self.proposer = (None if spec is None else
+        self.proposer = (None if spec is None or spec.method != "ngram" else
                          NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max))
+        self.drafter: DraftModelProposer | None = None
         self.prompt_logprobs = PromptLogprobsWorker(self.graphdef, self._split_args, self.num_logprobs,
                                                     self.target.sampler_policy(), self._replicated,
                                                     config.enforce_eager)
@@ -322,6 +333,19 @@ class ModelRunner:
         # What a step is traced with: the state's shapes and placement, never its arrays, which
         # each step donates (a background compile may trace while a step runs).
         self._state_spec = self._state_shapes(self.num_blocks)
+
+    def _init_draft_model(self) -> None:
+        """speculative_config's draft model, its pool and programs (compiled at warm-up)."""
+        spec = self.config.spec_decode_config.spec
+        if spec is None or spec.method != "draft_model":
+            return
+        if self.target.is_abstract:
+            raise ConfigError("speculative_config.method=draft_model: a compile-only runner has no draft")
+        draft = load_draft_model(self.config, self.mc)
+        self.drafter = DraftModelProposer(self.config, draft, self.max_model_len, spec.num_speculative_tokens,
+                                          self.attn_fn, self.devices[0], self.num_blocks)
+        logger.info("draft model %s: %d KV blocks, %d token buckets, %d row buckets", spec.model,
+                    self.drafter.num_blocks, len(self.drafter.token_buckets), len(self.drafter.row_buckets))
 
     def _log_layout(self, model: LlamaForCausalLM) -> None:
         max_concurrency = self.num_blocks * self.block_size / self.max_model_len
@@ -452,22 +476,26 @@ class ModelRunner:
         expert_load = None if loads is None else loads.sum(axis=0)  # a MoE model's pairs per expert
         spec = inputs.spec
         md, row_slots = inputs.sampling, x.row_slots
+        extra_outputs = None
         if spec is None:
             logits = model.compute_logits(hidden[x.logits_indices], *self._split_args)
         else:  # each row at its d+1 positions: one sampler row each (jaxserve.sample.spec_verify)
             logits = model.compute_logits(hidden[spec.logits_indices], *self._split_args)
             md = position_rows(md, spec.position_rows, spec.position_offsets)
-            row_slots, bitmask = row_slots[spec.position_rows], bitmask[spec.position_rows]
+            row_slots = row_slots[spec.position_rows]  # the bitmask has a row per position already
+            extra_outputs = earlier_drafts(spec.draft_token_ids, spec.position_rows, spec.position_offsets)
+        # The drafts' token slots are the padding slot (build_step_arrays): accepted ones are added below.
         penalties = update_penalty_tables(state.penalties, token_slots=x.token_slots, input_ids=input_ids,
                                           token_is_output=x.token_is_output)
         out = sample(logits, md, penalties.output_counts,
                      penalties.prompt_mask, max_num_logprobs=self.num_logprobs, row_slots=row_slots,
                      need_logprobs=inputs.need_logprobs[0], token_bitmask=bitmask, use_bitmask=inputs.use_bitmask[0],
-                     policy=self.target.sampler_policy(all_greedy))
+                     policy=self.target.sampler_policy(all_greedy), extra_outputs=extra_outputs)
         last = out.sampled_token_ids
         if spec is not None:
             out, num = verified_output(out, spec.flat_index, spec.draft_token_ids, spec.num_draft_tokens)
             last = jnp.take_along_axis(out.sampled_token_ids, (num - 1)[:, None], axis=1)[:, 0]
+            penalties = add_accepted_drafts(penalties, x.row_slots, spec.draft_token_ids, num - 1)
         prev_sampled = state.prev_sampled.at[: last.shape[0]].set(last)
         return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden, expert_load)
 
@@ -480,6 +508,11 @@ class ModelRunner:
     def _num_rows(self, bucket: int) -> int:
         """Rows of a step of ``bucket`` tokens (the table's rule; also before the table is built)."""
         return BucketTable.rows_of(bucket, self.config.max_num_seqs)
+
+    def _mask_rows(self, bucket: int) -> int:
+        """The bitmask's rows in a step of this bucket: one per verified position with speculation."""
+        rows = self._num_rows(bucket)
+        return rows if not self.num_spec else min(bucket, rows * (self.num_spec + 1))
 
     def _layout_for(self, bucket: int) -> PackLayout:
         if bucket not in self._layouts:
@@ -545,7 +578,7 @@ class ModelRunner:
 
     def _step_args(self, variant: StepVariant, state) -> tuple:
         buf = jax.ShapeDtypeStruct((self._layout_for(variant.bucket).total,), jnp.int32)
-        bitmask = jax.ShapeDtypeStruct((self._num_rows(variant.bucket), self.bitmask_width), jnp.int32)
+        bitmask = jax.ShapeDtypeStruct((self._mask_rows(variant.bucket), self.bitmask_width), jnp.int32)
         buf, bitmask = _with_shardings((buf, bitmask), (self._replicated, self._replicated))
         mm = None
         if variant.mm:
@@ -577,6 +610,8 @@ class ModelRunner:
         """Compile every variant of the table now, so no request ever waits for a compile."""
         if self.encoder is not None:
             self.encoder.warm_up()
+        if self.drafter is not None:  # compiled even in eager mode: its own few programs
+            self.drafter.warm_up()
         if self.config.enforce_eager:
             return
         # Every host of a multi-node group must run the same program each step, so none defers.
@@ -600,7 +635,7 @@ class ModelRunner:
     def _run_padding_step(self, variant: StepVariant) -> None:
         """Execute a compiled variant once on padding only: no request, no KV write, no sample used."""
         buf = pack(self._padding_inputs(variant.bucket), self._layout_for(variant.bucket))
-        bitmask = self._allowed_all_bitmask(self._num_rows(variant.bucket))
+        bitmask = self._allowed_all_bitmask(self._mask_rows(variant.bucket))
         mm = self._padding_mm(variant.bucket) if variant.mm else None
         jax.block_until_ready(self._launch(self.steps.get(variant), buf, bitmask, mm).sampler)
 
@@ -638,12 +673,16 @@ class ModelRunner:
             self._mrope.pop(req_id, None)
             if state is not None:
                 self.slots.release(state.slot)
+            if self.drafter is not None:
+                self.drafter.free(req_id)
             if self.lora is not None:
                 self.lora.remove_request(req_id)
         for new in so.scheduled_new_reqs:
             old = self.requests.pop(new.req_id, None)
             if old is not None:
                 self.slots.release(old.slot)
+            if self.drafter is not None:  # a resumed request: the draft recomputes it from its tokens
+                self.drafter.free(new.req_id)
             params = new.sampling_params
             seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
             slot = self.slots.allocate()
@@ -717,8 +756,9 @@ class ModelRunner:
         return (embeds, mask) if mask.any() else None
 
     def launch(self, prepared: PreparedStep, bitmask: np.ndarray | None = None) -> InFlightStep:
-        """Launch a prepared step without waiting for it. ``bitmask`` [num_rows, bitmask_width]:
-        the structured-output masks of its rows (all ones for an unconstrained row), or None."""
+        """Launch a prepared step without waiting for it. ``bitmask`` [num_mask_rows, bitmask_width]:
+        the structured-output masks of its rows, or with speculation of its verified positions
+        (all ones for an unconstrained row), or None."""
         so, plan, states = prepared.scheduler_output, prepared.plan, prepared.states
         if prepared.inputs is None or plan is None:
             return prepared
@@ -727,7 +767,7 @@ class ModelRunner:
         buf = pack(inputs, self._layout_for(plan.token_bucket))
         self.last_packed = PackedStep(buf, self._layout_for(plan.token_bucket), plan.token_bucket, plan.num_tokens,
                                       tuple(plan.req_ids), self.block_size)
-        device_mask: Any = self._allowed_all_bitmask(prepared.num_rows) if bitmask is None else bitmask
+        device_mask: Any = self._allowed_all_bitmask(prepared.num_mask_rows) if bitmask is None else bitmask
         if self.config.enforce_eager:  # op by op, every numpy slice would be its own transfer
             buf, device_mask = jax.device_put((buf, device_mask), self._replicated)
         # Compiled: the executable takes the fresh numpy buffer as its one transfer (an explicit
@@ -850,19 +890,24 @@ class ModelRunner:
             req_ids=plan.req_ids, req_id_to_index={r: i for i, r in enumerate(plan.req_ids)},
             sampled_token_ids=sampled_lists, logprobs=logprob_rows if want_logprobs else None,
             prompt_logprobs_dict=prompt_logprobs,
-            spec_token_ids=self._propose(states, sampled_lists) if self.proposer is not None else None)
+            spec_token_ids=self._propose(states, sampled_lists) if self.num_spec else None)
 
     def _propose(self, states: list[CachedRequestState], sampled: list[list[int]]) -> list[list[int]]:
-        """The n-gram drafts for the next step, from each live row's known tokens (prompt and
-        outputs). Rows whose next token depends on more than its position get none (penalties
-        count the tokens before it; a grammar's bitmask is known for the first position only)."""
-        assert self.proposer is not None
+        """The drafts for the next step (n-gram or the draft model), from each live row's known
+        tokens (prompt and outputs). Penalised and constrained rows too: the step counts each
+        position's earlier drafts, and the scheduler cuts a constrained row's drafts at the first
+        one its grammar refuses (the bitmask then has a row per verified position)."""
         out: list[list[int]] = [[] for _ in states]
         rows = [i for i, (state, toks) in enumerate(zip(states, sampled))
-                if toks and self.requests.get(state.req_id) is state and _can_draft(state.sampling_params)]
+                if toks and self.requests.get(state.req_id) is state]
         if rows:
             slots = [states[i].slot for i in rows]
             contexts = [self.batch.token_ids[s, : self.batch.num_tokens[s]] for s in slots]
-            for i, drafts in zip(rows, self.proposer.propose(contexts)):
+            if self.drafter is not None:
+                proposed = self.drafter.propose([states[i].req_id for i in rows], contexts)
+            else:
+                assert self.proposer is not None
+                proposed = self.proposer.propose(contexts)
+            for i, drafts in zip(rows, proposed):
                 out[i] = drafts
         return out

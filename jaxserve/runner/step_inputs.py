@@ -99,6 +99,11 @@ class StepArrays(Generic[Array]):
     def num_rows(self) -> int:
         return int(self.model.row_slots.shape[0])
 
+    @property
+    def num_mask_rows(self) -> int:
+        """The structured-output bitmask's rows: one per row, or per verified position (speculative)."""
+        return self.num_rows if self.spec is None else int(self.spec.logits_indices.shape[0])
+
 
 def flag(value: bool) -> np.ndarray:
     """A step flag as the packed layout holds it: a bool[1] leaf."""

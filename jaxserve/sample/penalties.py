@@ -8,7 +8,10 @@ the request in its slot, whatever the prefix cache served and across preemption:
   preemption), ``write_penalty_row`` replaces the row with the tokens the model will not be fed:
   those whose KV the prefix cache already holds (``num_computed_tokens`` of them);
 * every compiled step adds the tokens it feeds (``update_penalty_tables``): the rest of the
-  prompt, recomputed outputs, and each new output as the next step's input.
+  prompt, recomputed outputs, and each new output as the next step's input;
+* speculative drafts are fed to the padding slot instead (they may be rejected); after the
+  verification the step adds the accepted ones (``add_accepted_drafts``), and while sampling a
+  verified position counts the drafts before it on top of the row (``spec_verify.earlier_drafts``).
 
 So by the time a row samples, all of its earlier tokens are counted exactly once. Rows of requests
 without penalties are never written from the host and hold whatever their slot accumulated; the
@@ -50,6 +53,17 @@ def update_penalty_tables(tables: PenaltyTables, *, token_slots: jax.Array, inpu
     counts = tables.output_counts.at[token_slots, input_ids].add(token_is_output.astype(jnp.int32))
     prompt_mask = tables.prompt_mask.at[token_slots, input_ids].max(~token_is_output)
     return PenaltyTables(counts, prompt_mask)
+
+
+def add_accepted_drafts(tables: PenaltyTables, row_slots: jax.Array, draft_token_ids: jax.Array,
+                        num_accepted: jax.Array) -> PenaltyTables:
+    """Count each row's accepted drafts as outputs: row r (slot ``row_slots[r]``) accepted its
+    first ``num_accepted[r]`` of ``draft_token_ids[r]`` (i32[R, K]). The emitted token after them
+    is counted when the next step feeds it, as without speculation."""
+    k = draft_token_ids.shape[1]
+    accepted = jnp.arange(k, dtype=jnp.int32)[None, :] < num_accepted[:, None]
+    counts = tables.output_counts.at[row_slots[:, None], draft_token_ids].add(accepted.astype(jnp.int32))
+    return PenaltyTables(counts, tables.prompt_mask)
 
 
 def write_penalty_row(tables: PenaltyTables, slot: jax.Array, token_ids: jax.Array,

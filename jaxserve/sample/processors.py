@@ -135,11 +135,14 @@ def apply_penalties(
     repetition: jax.Array,
     row_slots: jax.Array | None = None,
     policy: SamplerPolicy = WITH_CONDS,
+    extra_outputs: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """`penalize`, skipped (with the reads of the [R, V] count and mask tables) when all are off.
 
     With ``row_slots``, ``output_counts``/``prompt_mask`` are the runner's per-slot tables and
     the rows are gathered inside the taken branch, so a batch without penalties never reads them.
+    ``extra_outputs`` (ids i32[R, K], mask bool[R, K]): more output tokens per row, counted on top
+    of the tables (a verified position's earlier drafts, which the tables do not hold yet).
     Neutral penalties (0, 0, 1) leave a row unchanged, so a cond-free policy always applies it.
     """
 
@@ -147,6 +150,9 @@ def apply_penalties(
         counts, mask = output_counts, prompt_mask
         if row_slots is not None:
             counts, mask = counts[row_slots], mask[row_slots]
+        if extra_outputs is not None:
+            ids, valid = extra_outputs
+            counts = counts.at[jnp.arange(ids.shape[0])[:, None], ids].add(valid.astype(counts.dtype))
         return penalize(logits, counts, mask, presence, frequency, repetition)
 
     return policy.skip_unless(lambda: penalties_active(presence, frequency, repetition), on, lambda: logits)

@@ -66,6 +66,7 @@ def process_logits(
     logits: jax.Array, md: SamplingMetadata, output_counts: jax.Array, prompt_mask: jax.Array,
     row_slots: jax.Array | None = None, token_bitmask: jax.Array | None = None,
     use_bitmask: jax.Array | None = None, policy: SamplerPolicy = WITH_CONDS,
+    extra_outputs: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Steps 2-3: the logits both greedy and random rows choose from."""
     if token_bitmask is not None:
@@ -74,7 +75,7 @@ def process_logits(
                                 md.positions, md.min_tokens, md.min_tokens_stop_ids, policy)
     return apply_penalties(
         logits, output_counts, prompt_mask, md.presence_penalty, md.frequency_penalty, md.repetition_penalty,
-        row_slots, policy,
+        row_slots, policy, extra_outputs,
     )
 
 
@@ -174,6 +175,7 @@ def sample(
     token_bitmask: jax.Array | None = None,
     use_bitmask: jax.Array | None = None,
     policy: SamplerPolicy = WITH_CONDS,
+    extra_outputs: tuple[jax.Array, jax.Array] | None = None,
 ) -> SamplerOutput:
     """Sample one token per row of logits [R, V] (any float dtype; computed in f32).
 
@@ -184,6 +186,8 @@ def sample(
     False the logprob outputs are zeros (with conds their [R, V] passes are skipped).
     ``token_bitmask`` (i32[R, ceil(V/32)], structured outputs) masks each row's logits first when
     ``use_bitmask`` (traced bool) is True; logprobs stay those of the raw logits.
+    ``extra_outputs`` (ids i32[R, K], mask bool[R, K]): output tokens each row's penalties count on
+    top of ``output_counts`` (a speculative position's earlier drafts).
     `max_num_logprobs` and `top_k_cap` are static; ``policy`` (static) decides the control flow
     (:mod:`.policy`), never the result.
     """
@@ -196,7 +200,7 @@ def sample(
 
     def full() -> SamplerOutput:
         processed = process_logits(logits, md, output_counts, prompt_mask, row_slots, token_bitmask, use_bitmask,
-                                   policy)
+                                   policy, extra_outputs)
         sampled = choose_tokens(processed, md, top_k_cap, policy)
         with_logprobs = lambda: gather_logprobs(logits, sampled, max_num_logprobs, policy)  # noqa: E731
         if need_logprobs is None:

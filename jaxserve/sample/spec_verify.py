@@ -36,6 +36,15 @@ def position_rows(md: SamplingMetadata, rows: jax.Array, offsets: jax.Array) -> 
     return dataclasses.replace(gathered, positions=gathered.positions + offsets)
 
 
+def earlier_drafts(draft_token_ids: jax.Array, rows: jax.Array, offsets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each scored position's earlier drafts, as the sampler's ``extra_outputs``: position p (row
+    ``rows[p]``, j = ``offsets[p]``) is sampled as if ``d_0 .. d_{j-1}`` were generated, which they
+    are whenever p's token is emitted (the accepted prefix is exactly those drafts). Returns the
+    row's drafts i32[P, K] and which of them count bool[P, K]."""
+    k = draft_token_ids.shape[1]
+    return draft_token_ids[rows], jnp.arange(k, dtype=jnp.int32)[None, :] < offsets[:, None]
+
+
 def expand_rows(md: SamplingMetadata, k1: int) -> SamplingMetadata:
     """Every row at ``k1`` positions (row r's at ``r*k1 .. r*k1 + k1-1``)."""
     r = md.positions.shape[0]

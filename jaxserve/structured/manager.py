@@ -262,22 +262,55 @@ class StructuredOutputManager:
     def _warn_rejected(request_id: str, token_id: int, why: str) -> None:
         logger.warning("request %s: the grammar rejected token %d (%s); the request stops", request_id, token_id, why)
 
-    def grammar_bitmask(self, req_ids: list[str], num_rows: int) -> np.ndarray | None:
+    def grammar_bitmask(self, req_ids: list[str], num_rows: int,
+                        drafts: Sequence[Sequence[int]] | None = None) -> np.ndarray | None:
         """The step's bitmask [num_rows, width] for rows ``req_ids`` (then padding rows), or None
-        when no row is constrained (the step then needs none)."""
+        when no row is constrained (the step then needs none).
+
+        With ``drafts`` (a speculative step: each row's drafts), the step has one mask row per
+        verified position, the rows' d+1 positions end to end: position j of a row is masked by
+        its grammar after its drafts before j (fed to the matcher, then rolled back). The
+        scheduler keeps only drafts the grammar accepts (``validate_tokens``)."""
         if not self._matchers:
             return None
         matchers, thinking = self._matchers, self._thinking
-        rows = [(matchers[r], i) for i, r in enumerate(req_ids) if r in matchers and r not in thinking]
+        where = list(range(len(req_ids)))
+        if drafts is not None:  # each row's first position
+            where = np.concatenate([[0], np.cumsum([len(d) + 1 for d in drafts])[:-1]]).astype(int).tolist()
+        rows = [(matchers[r], where[i]) for i, r in enumerate(req_ids) if r in matchers and r not in thinking]
         if not rows:
             return None
         bitmask = np.full((num_rows, self.width), -1, np.int32)
+        # constrained rows with drafts: (matcher, drafts, first position)
+        drafted = [] if drafts is None else [
+            (matchers[r], list(d), where[i]) for i, (r, d) in enumerate(zip(req_ids, drafts))
+            if d and r in matchers and r not in thinking]
+        for _, d, first in drafted:  # their later positions (the first ones are in ``rows``)
+            bitmask[first + 1 : first + 1 + len(d)] = 0
         bitmask[[i for _, i in rows]] = 0  # ids past the tokenizer's vocabulary stay illegal
         if len(rows) < PARALLEL_FILL_MIN_ROWS:
             self._fill_here(rows, bitmask)
         else:
             self._fill_parallel(rows, bitmask)
+        for matcher, d, first in drafted:
+            self._fill_after_drafts(matcher, d, first, bitmask)
         return bitmask
+
+    def _fill_after_drafts(self, matcher: llguidance.LLMatcher, drafts: list[int], first: int,
+                           bitmask: np.ndarray) -> None:
+        """Rows ``first + 1 ..``: the masks after each prefix of ``drafts``; the matcher is rolled
+        back to where it was."""
+        consumed = 0
+        try:
+            for j, token_id in enumerate(drafts):
+                if not matcher.consume_token(token_id):  # validated before: a bug, not the request's
+                    bitmask[first + 1 + j : first + 1 + len(drafts)] = 0  # nothing allowed past it
+                    break
+                consumed += 1
+                self._fill_here([(matcher, first + 1 + j)], bitmask)
+        finally:
+            if consumed:
+                matcher.rollback(consumed)
 
     def _fill_here(self, rows: list[tuple[llguidance.LLMatcher, int]], bitmask: np.ndarray) -> None:
         """Each row's mask computed on this thread, written straight into the row's first words

@@ -23,12 +23,13 @@ def spec(demo_model):
     return LLM(demo_model, show_progress=False, speculative_config=NGRAM, **ENGINE_TESTS_SHAPE)
 
 
-def repetitive_prompts(n: int, seed: int, period: int = 7, repeats: int = 3) -> list[dict]:
-    """Copy-heavy prompts (a random phrase said again), so the proposer finds drafts."""
+def repetitive_prompts(n: int, seed: int, period: int = 7, repeats: int = 3, alphabet: int = 1000) -> list[dict]:
+    """Copy-heavy prompts (a random phrase said again), so the proposer finds drafts; a small
+    ``alphabet`` repeats tokens inside the phrase (and so inside one step's drafts)."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        phrase = rng.integers(3, 1000, period).tolist()
+        phrase = rng.integers(3, 3 + alphabet, period).tolist()
         out.append({"prompt_token_ids": phrase * repeats + phrase[: int(rng.integers(1, period))]})
     return out
 
@@ -72,8 +73,8 @@ def test_greedy_and_logprobs_equal_plain_without_recompiles(plain, spec):
 
 
 def test_mixed_batch_seeded_random_and_penalties(plain, spec):
-    """Seeded random rows draw each token with the plain step's key; a penalised row gets no
-    drafts (its penalties count the tokens before each position) and is served plainly."""
+    """Seeded random rows draw each token with the plain step's key; a penalised row among them
+    speculates too (its penalties count the drafts before each position)."""
     prompts = repetitive_prompts(4, seed=1)
     params = [SamplingParams(temperature=0.8, seed=7 + i, max_tokens=25, ignore_eos=True) for i in range(3)]
     params.append(SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=25, ignore_eos=True))
@@ -82,10 +83,59 @@ def test_mixed_batch_seeded_random_and_penalties(plain, spec):
     assert_pool_empty(spec)
 
 
+PENALTIES = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.7), dict(presence_penalty=0.9),
+             dict(repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.2),
+             dict(frequency_penalty=0.2), dict(presence_penalty=0.3), dict(frequency_penalty=0.05),
+             dict(repetition_penalty=1.05, frequency_penalty=0.1)]
+
+
+def assert_same_logprobs(want, got) -> None:
+    for w, g in zip(want, got):
+        wl, gl = w.outputs[0].logprobs, g.outputs[0].logprobs
+        assert len(gl) == len(wl)
+        for a, b in zip(wl, gl):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank for t in a)
+
+
+def test_penalised_rows_speculate_with_the_plain_tokens_and_logprobs(plain, spec):
+    """Repetition, frequency and presence penalties at each verified position count the drafts
+    before it: greedy tokens and logprobs equal the plain engine's while penalised rows get
+    drafts, some accepted and some rejected (a rejected draft must not stay counted, an accepted
+    one must), with no new compiled program."""
+    stats, compiles = spec_stats(spec), spec.stats()["compile_num_compiles"]
+    drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+    prompts = repetitive_prompts(len(PENALTIES), seed=11, period=6, repeats=4, alphabet=3)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2, **kw) for kw in PENALTIES]
+    want, got = plain.generate(prompts, params, use_tqdm=False), spec.generate(prompts, params, use_tqdm=False)
+    assert token_ids(got) == token_ids(want)
+    assert_same_logprobs(want, got)
+    num_accepted = stats.num_accepted_tokens - accepted
+    assert 0 < num_accepted < stats.num_draft_tokens - drafted
+    assert spec.stats()["compile_num_compiles"] == compiles  # no new step variant
+    assert spec.stats()["compile_unexpected_compiles"] == 0
+    assert_pool_empty(spec)
+
+
+def test_penalised_seeded_random_rows_speculate(plain, spec):
+    """Seeded random rows with penalties draw the plain engine's tokens, all together and one
+    alone (the draws and the counts are per position, whatever shares the step). A low
+    temperature, so the random demo model's draws match some drafts."""
+    stats = spec_stats(spec)
+    accepted = stats.num_accepted_tokens
+    prompts = repetitive_prompts(len(PENALTIES), seed=11, period=6, repeats=4, alphabet=3)
+    params = [SamplingParams(temperature=0.05, seed=20 + i, max_tokens=30, ignore_eos=True, **kw)
+              for i, kw in enumerate(PENALTIES)]
+    want = token_ids(plain.generate(prompts, params, use_tqdm=False))
+    assert token_ids(spec.generate(prompts, params, use_tqdm=False)) == want
+    assert token_ids(spec.generate(prompts[:1], params[:1], use_tqdm=False)) == want[:1]
+    assert stats.num_accepted_tokens > accepted
+    assert_pool_empty(spec)
+
+
 def test_min_tokens_parallel_sampling_and_a_grammar(plain, spec):
     """min_tokens masks each scored position by its own count; n=2 children speculate apart; a
-    constrained request (no drafts: its bitmask is known for the first position only) follows
-    its grammar as in the plain engine."""
+    constrained request follows its grammar as in the plain engine."""
     from jaxserve import StructuredOutputsParams
 
     prompts = repetitive_prompts(3, seed=5)
@@ -99,6 +149,29 @@ def test_min_tokens_parallel_sampling_and_a_grammar(plain, spec):
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
     assert len(got[0].outputs[0].token_ids) >= 12
     assert len(got[2].outputs[0].text) == 8 and got[2].outputs[0].text[3] == "-"
+    assert_pool_empty(spec)
+
+
+def test_constrained_rows_speculate_within_their_grammar(plain, spec):
+    """A constrained row gets drafts cut at the first token its grammar refuses, and each verified
+    position is masked by the grammar after the drafts before it: greedy tokens and logprobs equal
+    the plain engine's, with drafts accepted; every output matches its regex."""
+    import re
+
+    from jaxserve import StructuredOutputsParams
+
+    regexes = ["(ab ){6,9}", "[a-c]{2}( [a-c]{2}){5,8}", "(12-){4}[0-9]{4}"]
+    prompts = repetitive_prompts(len(regexes), seed=13, period=5, repeats=3)
+    params = [SamplingParams(temperature=0, max_tokens=40, logprobs=2,
+                             structured_outputs=StructuredOutputsParams(regex=r)) for r in regexes]
+    stats = spec_stats(spec)
+    drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+    want, got = plain.generate(prompts, params, use_tqdm=False), spec.generate(prompts, params, use_tqdm=False)
+    assert token_ids(got) == token_ids(want)
+    assert_same_logprobs(want, got)
+    assert all(re.fullmatch(r, o.outputs[0].text) for r, o in zip(regexes, got)), [o.outputs[0].text for o in got]
+    assert stats.num_accepted_tokens - accepted > 0 and stats.num_draft_tokens > drafted
+    assert spec.stats()["compile_unexpected_compiles"] == 0
     assert_pool_empty(spec)
 
 

@@ -105,3 +105,42 @@ def test_verify_point_mass_prefix_rule():
     out, num = verify_point_mass(sampled, drafts, jnp.asarray([2, 2, 2, 1], jnp.int32))
     assert np.asarray(num).tolist() == [3, 2, 1, 2]
     assert np.asarray(out).tolist() == [[1, 2, 3], [1, 4, -1], [0, -1, -1], [1, 2, -1]]
+
+
+def test_penalties_count_the_drafts_before_each_position_and_only_accepted_ones_stay():
+    """Position j of a row is penalised as if its drafts d_0..d_{j-1} were generated (the sampler's
+    ``extra_outputs``, on top of the slot's table); after verification only the accepted drafts
+    are added to the table."""
+    from jaxserve.sample.penalties import PenaltyTables, add_accepted_drafts
+    from jaxserve.sample.sampler import process_logits
+    from jaxserve.sample.spec_verify import earlier_drafts
+
+    vocab, slots = 8, 3
+    rng = np.random.default_rng(0)
+    tables = PenaltyTables(jnp.asarray(rng.integers(0, 3, (slots + 1, vocab)), jnp.int32),
+                           jnp.asarray(rng.random((slots + 1, vocab)) < 0.3))
+    drafts = np.array([[5, 5, 2], [1, 0, 0]], np.int32)  # row 0 (slot 2): 3 drafts; row 1 (slot 0): 1
+    rows, offsets = np.array([0, 0, 0, 0, 1, 1]), np.array([0, 1, 2, 3, 0, 1])
+    row_slots = np.array([2, 0])
+    pen = SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.25)
+    arrays = sampling_arrays([pen] * len(rows), len(rows), positions=[0] * len(rows))
+    md = SamplingMetadata.from_arrays({k: jnp.asarray(v) for k, v in arrays.items()})
+    logits = jnp.asarray(rng.normal(size=(len(rows), vocab)), jnp.float32)
+    extra = earlier_drafts(jnp.asarray(drafts), jnp.asarray(rows), jnp.asarray(offsets))
+    got = process_logits(logits, md, tables.output_counts, tables.prompt_mask, jnp.asarray(row_slots[rows]),
+                         extra_outputs=extra)
+    counts = np.asarray(tables.output_counts)[row_slots[rows]].copy()
+    for p, (r, j) in enumerate(zip(rows, offsets)):
+        for d in drafts[r, :j]:
+            counts[p, d] += 1
+    want = process_logits(logits, md, jnp.asarray(counts), np.asarray(tables.prompt_mask)[row_slots[rows]])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+    plain = process_logits(logits, md, tables.output_counts, tables.prompt_mask, jnp.asarray(row_slots[rows]))
+    differs = ~np.isclose(np.asarray(got), np.asarray(plain)).all(axis=1)
+    assert differs.tolist() == [False, True, True, True, False, True]  # positions after a draft
+
+    after = add_accepted_drafts(tables, jnp.asarray(row_slots), jnp.asarray(drafts), jnp.asarray([2, 0]))
+    expected = np.asarray(tables.output_counts).copy()
+    expected[2, 5] += 2  # row 0 accepted 5, 5 (not 2); row 1 accepted nothing
+    np.testing.assert_array_equal(np.asarray(after.output_counts), expected)
+    np.testing.assert_array_equal(np.asarray(after.prompt_mask), np.asarray(tables.prompt_mask))

@@ -54,3 +54,36 @@ def test_auto_off_flag_needs_speculation():
     assert EngineConfig(speculative_config=NGRAM).spec_decode_config.speculative_auto_off is False
     with pytest.raises(ConfigError, match="speculative_auto_off needs speculative_config"):
         EngineConfig(speculative_auto_off=True)
+
+
+def test_draft_model_config_and_vllm_older_form():
+    new = EngineConfig(speculative_config={"method": "draft_model", "model": "/m/draft", "num_speculative_tokens": 4})
+    spec = new.spec_decode_config.spec
+    assert (spec.method, spec.model, spec.num_speculative_tokens, spec.quantization) == \
+        ("draft_model", "/m/draft", 4, None)
+    # vLLM's older form: no method, a model; the canonical JSON parses back to the same config.
+    old = EngineConfig(speculative_config=json.dumps({"model": "/m/draft", "num_speculative_tokens": 4}))
+    assert old.spec_decode_config.spec == spec
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    again = EngineConfig.from_cli_args(parser.parse_args(new.cli_flags()))
+    assert again.spec_decode_config.spec == spec
+    q = EngineConfig(speculative_config={"model": "/m/d.gguf", "num_speculative_tokens": 2, "quantization": "gguf"})
+    assert q.spec_decode_config.spec.quantization == "gguf"
+
+
+@pytest.mark.parametrize("value, words", [
+    ({"method": "draft_model", "num_speculative_tokens": 2}, r"speculative_config\.model"),
+    ({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+     r"speculative_config\.prompt_lookup_max"),
+    ({"method": "ngram", "model": "/m", "num_speculative_tokens": 2}, r"speculative_config\.model"),
+    ({"model": "/m", "num_speculative_tokens": 2, "quantization": "q3"}, r"speculative_config\.quantization"),
+])
+def test_draft_model_bad_values_are_refused_by_name(value, words):
+    with pytest.raises(ConfigError, match=words):
+        EngineConfig(speculative_config=value)
+
+
+def test_draft_model_refuses_tensor_parallel():
+    with pytest.raises(ConfigError, match="draft_model.*tensor_parallel_size"):
+        EngineConfig(speculative_config={"model": "/m", "num_speculative_tokens": 2}, tensor_parallel_size=2)

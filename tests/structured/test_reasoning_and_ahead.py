@@ -191,3 +191,25 @@ def test_an_end_token_fed_ahead_is_undone(tokenizer):
     manager.settle()
     np.testing.assert_array_equal(manager.grammar_bitmask(["r"], 1), before)
     assert manager.accept_tokens("r", a + [eos]) is True
+
+
+def test_a_speculative_bitmask_masks_each_position_after_the_drafts_before_it(tokenizer):
+    """With drafts, each row has d+1 mask rows end to end: row j is the grammar's mask after the
+    first j drafts (as a manager that took them would give), and the matcher is rolled back."""
+    params = StructuredOutputsParams(choice=["alpha beta gamma", "alpha delta"])
+    spec = manager_with(tokenizer, {"a": (params, []), "b": (params, [])}, None)
+    words = tokenizer.encode("alpha beta gamma", add_special_tokens=False)
+    assert len(words) >= 3
+    drafts = [words[:3], [], []]  # "a" drafts three tokens, "b" none, "free" is unconstrained
+    before = spec.grammar_bitmask(["a", "b"], 2).copy()
+    mask = spec.grammar_bitmask(["a", "b", "free"], 8, drafts)
+    assert mask.shape[0] == 8
+    for j in range(4):  # "a"'s positions 0..3
+        taken = manager_with(tokenizer, {"a": (params, [])}, None)
+        if j:
+            taken.accept_tokens("a", words[:j])
+        np.testing.assert_array_equal(mask[j], taken.grammar_bitmask(["a"], 1)[0])
+    assert not np.array_equal(mask[0], mask[1])
+    np.testing.assert_array_equal(mask[4], before[1])  # "b": one position, its own mask
+    assert (mask[5:] == -1).all()  # the unconstrained row and padding allow everything
+    np.testing.assert_array_equal(spec.grammar_bitmask(["a", "b"], 2), before)  # rolled back
