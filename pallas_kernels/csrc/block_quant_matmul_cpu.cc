@@ -7,12 +7,15 @@
 // weight once, so its time is the bytes read: this kernel reads each block as stored, expands a
 // few rows into L1-resident floats and multiplies them with every token's activations there.
 //
-// Layout (one row per output feature, blocks along the input):
-//   x  f32 [T, K]            activations
-//   qs u8  [N, K * bits / 8] the quants: bits 8 -> int8 values; bits 4 -> byte j of a block holds
-//                            element j in its low nibble and element j + 16 in its high one
-//   d  f32 [N, K / 32]       block scales;  m f32 [N, K / 32] block minimums (0 without one)
-//   w[n, k] = d[n, k/32] * (q[n, k] - offset) + m[n, k/32]   (offset 8 for Q4_0, else 0)
+// Layout (one row per output feature, blocks along the input), for a stack of L weights:
+//   x     f32 [T, K]               activations
+//   qs    u8  [L, N, K * bits / 8] the quants: bits 8 -> int8 values; bits 4 -> byte j of a block
+//                                  holds element j in its low nibble and element j + 16 in its high one
+//   d     f32 [L, N, K / 32]       block scales;  m f32 [L, N, K / 32] block minimums (0 without one)
+//   layer s32 []                   which weight of the stack to multiply by
+//   w[n, k] = d[l, n, k/32] * (q[l, n, k] - offset) + m[l, n, k/32]   (offset 8 for Q4_0, else 0)
+// The stack and the index: a scanned model's layer reads its own blocks in place, where slicing
+// them out first would copy every layer's blocks each step (a lone weight is a stack of one).
 // Work items are tiles of kRows output rows; the calling thread and helpers scheduled on XLA's
 // intra-op pool claim them from an atomic counter, and each writes only its own columns of y.
 
@@ -142,21 +145,25 @@ struct Job {
 };
 
 ffi::Error BlockQuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> qs,
-                            ffi::Buffer<ffi::F32> d, ffi::Buffer<ffi::F32> m,
+                            ffi::Buffer<ffi::F32> d, ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::S32> layer,
                             ffi::Result<ffi::Buffer<ffi::F32>> y, int32_t bits, int32_t offset) {
   const auto xd = x.dimensions();
   const auto qd = qs.dimensions();
   const auto dd = d.dimensions();
-  if (xd.size() != 2 || qd.size() != 2 || dd.size() != 2 || m.dimensions().size() != 2)
-    return ffi::Error::InvalidArgument("expected x [T, K], qs [N, K*bits/8], d and m [N, K/32]");
+  const auto md = m.dimensions();
+  if (xd.size() != 2 || qd.size() != 3 || dd.size() != 3 || md.size() != 3 || layer.dimensions().size() != 0)
+    return ffi::Error::InvalidArgument("expected x [T, K], qs [L, N, K*bits/8], d and m [L, N, K/32], layer []");
   if (bits != 4 && bits != 8) return ffi::Error::InvalidArgument("bits must be 4 or 8");
-  const int64_t t = xd[0], k = xd[1], n = qd[0];
-  if (k % kBlock != 0 || qd[1] != k * bits / 8 || dd[0] != n || dd[1] != k / kBlock ||
-      m.dimensions()[0] != n || m.dimensions()[1] != k / kBlock)
+  const int64_t t = xd[0], k = xd[1], stack = qd[0], n = qd[1];
+  if (k % kBlock != 0 || qd[2] != k * bits / 8 || dd[0] != stack || dd[1] != n || dd[2] != k / kBlock ||
+      md[0] != stack || md[1] != n || md[2] != k / kBlock)
     return ffi::Error::InvalidArgument("shapes of x, qs, d and m do not agree (K must be a multiple of 32)");
+  const int64_t l = *layer.typed_data();
+  if (l < 0 || l >= stack) return ffi::Error::InvalidArgument("layer index outside the stack");
+  const int64_t nb = k / kBlock;
   auto job = std::make_shared<Job>();
-  job->problem = Problem{x.typed_data(), qs.typed_data(), d.typed_data(), m.typed_data(),
-                         y->typed_data(), t, k, n, bits, offset};
+  job->problem = Problem{x.typed_data(), qs.typed_data() + l * n * (k * bits / 8), d.typed_data() + l * n * nb,
+                         m.typed_data() + l * n * nb, y->typed_data(), t, k, n, bits, offset};
   job->items = (n + kRowsPerItem - 1) / kRowsPerItem;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->items) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
@@ -174,6 +181,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveBlockQuantMatmulCpu, BlockQuantMatmul,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("bits")
                                   .Attr<int32_t>("offset"));

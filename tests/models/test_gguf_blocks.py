@@ -77,3 +77,26 @@ def test_kept_blocks_come_from_the_start_up_cache_without_parsing_the_file(tmp_p
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(nnx.state(again)), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_scanned_step_reads_each_layers_blocks_in_place(tmp_path):
+    """A scanned model's block matmuls get the whole (layers, ...) stack and the layer index: the
+    compiled decode step copies no layer's blocks out of the stack (on XLA:CPU the scan's slice
+    feeding a custom call is a copy of the blocks, every layer, every step)."""
+    import re
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", "Q4_1")
+    model = load_gguf_model(path, scan_layers=True, quantization="gguf")
+    seq = PagedSequence(model)
+    ids, md = seq.inputs([5])
+    hlo = seq.step.lower(seq.state, ids, seq.kv, md).compile().as_text()
+    stacked = model.layers.stacked
+    shapes = [tuple(p.qs.shape) for p in (stacked.self_attn.qkv_proj, stacked.self_attn.o_proj,
+                                           stacked.mlp.gate_up_proj, stacked.mlp.down_proj)]
+    assert all(s[0] == SHAPE["layers"] for s in shapes)
+    operands = re.findall(r"custom_call_target=\"jaxserve_block_quant_matmul_cpu\".*?"
+                          r"operand_layout_constraints=\{f32\[[\d,]+\]\{[\d,]+\}, u8\[([\d,]+)\]", hlo)
+    read = {tuple(int(v) for v in s.split(",")) for s in operands}
+    assert set(shapes) <= read, (shapes, read)  # each projection's kernel reads the stack itself
+    for _, n, width in shapes:  # and no layer's blocks are sliced out (copied) anywhere
+        assert not re.search(rf"= u8\[(1,)?{n},{width}\]", hlo), f"a [{n}, {width}] slice of the blocks"

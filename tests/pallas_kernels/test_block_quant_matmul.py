@@ -69,3 +69,24 @@ def test_gpu_kernel_in_the_interpreter_matches_the_reference(qtype):
     got = block_quant_matmul_triton(*args, bits=bits, offset=offset, interpret=True)
     assert got.shape == (5, 96)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_cpu_kernel_reads_one_layer_of_a_stack_in_place(qtype):
+    """A scanned model hands the kernel the whole stack and the layer index (traced, as in a
+    scan): each layer's product is that layer's weight's, and an index outside the stack fails."""
+    import jax
+
+    bits, offset, _ = BLOCK_FORMATS[qtype]
+    layers = [split_gguf_blocks(blocks(qtype, 40, 96, seed=s)[0], qtype) for s in range(3)]
+    qs, d, m = (jnp.asarray(np.stack(parts)) for parts in zip(*layers, strict=True))
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 96), np.float32))
+    product = jax.jit(lambda layer: block_quant_matmul_cpu(x, qs, d, m, bits=bits, offset=offset, layer=layer))
+    for i, (q, dd, mm) in enumerate(layers):
+        expected = block_quant_matmul_reference(x, *map(jnp.asarray, (q, dd, mm)), bits=bits, offset=offset)
+        np.testing.assert_allclose(np.asarray(product(jnp.int32(i))), np.asarray(expected), rtol=1e-5, atol=1e-5)
+        stacked_ref = block_quant_matmul_reference(x, qs, d, m, bits=bits, offset=offset, layer=i)
+        np.testing.assert_allclose(np.asarray(stacked_ref), np.asarray(expected), rtol=1e-6, atol=1e-6)
+    with pytest.raises(Exception, match="layer index outside the stack"):
+        np.asarray(product(jnp.int32(3)))
