@@ -68,9 +68,12 @@ def block_quant_matmul_reference(x: jax.Array, qs: jax.Array, d: jax.Array, m: j
 
 
 def block_quant_matmul_cpu(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, *, bits: int,
-                           offset: int, layer: jax.Array | int | None = None) -> jax.Array:
+                           offset: int, layer: jax.Array | int | None = None,
+                           int8_activations: bool = False) -> jax.Array:
     """The same product by the C++ kernel (float32 out), reading weight ``layer`` of a stack in
-    place; the kernel must be registered."""
+    place; the kernel must be registered. ``int8_activations``: llama.cpp's path, each token's
+    activations quantized per block of 32 to int8 and multiplied by VNNI's int8 dots, where the
+    CPU has them (:func:`int8_dots_available`; without them the float path runs)."""
     KERNEL.register()
     if layer is None:  # a stack of one: a reshape, no copy
         qs, d, m, layer = qs[None], d[None], m[None], 0
@@ -80,8 +83,19 @@ def block_quant_matmul_cpu(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Arr
     n = qs.shape[1]
     call = jax.ffi.ffi_call(KERNEL.target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
     y = call(rows, qs, d.astype(jnp.float32), m.astype(jnp.float32), jnp.asarray(layer, jnp.int32),
-             bits=np.int32(bits), offset=np.int32(offset))
+             bits=np.int32(bits), offset=np.int32(offset), int8_activations=np.int32(int8_activations))
     return y.reshape(*x.shape[:-1], n)
+
+
+def int8_dots_available() -> bool:
+    """True when this CPU has AVX-512 VNNI (and BW), which the kernel, built for the machine it
+    runs on, then uses for ``int8_activations``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_vnni" in flags and "avx512bw" in flags
 
 
 def block_quant_kernel_available(build_dir: Path | None = None) -> tuple[bool, str]:
