@@ -13,6 +13,10 @@ a block holds element ``j`` in its low nibble and ``j + 16`` in its high one), b
   applies each block's scale to its partial product.
 - :func:`block_quant_matmul_cpu`: ``csrc/block_quant_matmul_cpu.cc`` through XLA's FFI, which
   reads the blocks as stored (XLA:CPU would write the whole float weight first).
+
+Each also takes a stack of weights (``qs [L, N, ...]``, ``d`` and ``m`` ``[L, N, K / 32]``) and a
+``layer`` index: a scanned model's layer multiplies by its own weight of the stack, which the C++
+kernel reads in place (slicing it out first is a copy of the blocks every layer, every step).
 """
 
 from __future__ import annotations
@@ -43,21 +47,55 @@ def dequantize_blocks(qs: jax.Array, d: jax.Array, m: jax.Array, *, bits: int, o
     return w.reshape(n, nb * BLOCK)
 
 
+def layer_of(qs: jax.Array, d: jax.Array, m: jax.Array,
+             layer: jax.Array | int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Weight ``layer`` of a stack (``qs [L, N, ...]``); a lone weight (``layer`` None) as it is."""
+    if layer is None:
+        return qs, d, m
+    def pick(a: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
+
+    return pick(qs), pick(d), pick(m)
+
+
 def block_quant_matmul_reference(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, *, bits: int,
-                                 offset: int) -> jax.Array:
-    """The oracle: ``x [..., K] @ W.T`` with ``W`` dequantized in float32; float32 out."""
+                                 offset: int, layer: jax.Array | int | None = None) -> jax.Array:
+    """The oracle: ``x [..., K] @ W.T`` with ``W`` (weight ``layer`` of a stack) dequantized in
+    float32; float32 out."""
+    qs, d, m = layer_of(qs, d, m, layer)
     w = dequantize_blocks(qs, d, m, bits=bits, offset=offset)
     return jax.lax.dot_general(x.astype(jnp.float32), w, (((x.ndim - 1,), (1,)), ((), ())))
 
 
 def block_quant_matmul_cpu(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, *, bits: int,
-                           offset: int) -> jax.Array:
-    """The same product by the C++ kernel (float32 out); the kernel must be registered."""
+                           offset: int, layer: jax.Array | int | None = None,
+                           int8_activations: bool = False) -> jax.Array:
+    """The same product by the C++ kernel (float32 out), reading weight ``layer`` of a stack in
+    place; the kernel must be registered. ``int8_activations``: llama.cpp's path, each token's
+    activations quantized per block of 32 to int8 and multiplied by VNNI's int8 dots, where the
+    CPU has them (:func:`int8_dots_available`; without them the float path runs)."""
     KERNEL.register()
+    if layer is None:  # a stack of one: a reshape, no copy
+        qs, d, m, layer = qs[None], d[None], m[None], 0
+    if qs.ndim != 3:
+        raise ValueError(f"block_quant_matmul_cpu: a layer index needs a stack qs [L, N, bytes], got {qs.shape}")
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    call = jax.ffi.ffi_call(KERNEL.target, jax.ShapeDtypeStruct((rows.shape[0], qs.shape[0]), jnp.float32))
-    y = call(rows, qs, d.astype(jnp.float32), m.astype(jnp.float32), bits=np.int32(bits), offset=np.int32(offset))
-    return y.reshape(*x.shape[:-1], qs.shape[0])
+    n = qs.shape[1]
+    call = jax.ffi.ffi_call(KERNEL.target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
+    y = call(rows, qs, d.astype(jnp.float32), m.astype(jnp.float32), jnp.asarray(layer, jnp.int32),
+             bits=np.int32(bits), offset=np.int32(offset), int8_activations=np.int32(int8_activations))
+    return y.reshape(*x.shape[:-1], n)
+
+
+def int8_dots_available() -> bool:
+    """True when this CPU has AVX-512 VNNI (and BW), which the kernel, built for the machine it
+    runs on, then uses for ``int8_activations``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_vnni" in flags and "avx512bw" in flags
 
 
 def block_quant_kernel_available(build_dir: Path | None = None) -> tuple[bool, str]:

@@ -1,6 +1,7 @@
 """The GGUF block matmul against a float32 matmul, cache-cold: ``L`` different weights of one
 shape (more bytes than the last-level cache holds) multiplied in one compiled program, so each
-product reads its weight from memory as a decode step does. JSON out (docs/benchmarks.md).
+product reads its weight from memory as a decode step does; ``kernel_int8`` is the kernel with
+int8 activations (VNNI dots). JSON out (docs/benchmarks.md).
 
     python scripts/block_quant_bench.py [--rows 1 8 32] [--shape 1536 576] [--format Q4_1] [--layers 100]
 """
@@ -8,6 +9,7 @@ product reads its weight from memory as a decode step does. JSON out (docs/bench
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -47,6 +49,7 @@ def main() -> None:
         return jax.jit(lambda x, qs, d, m: sum(matmul(x, *w, bits=bits, offset=offset).sum() for w in zip(qs, d, m)))
 
     kernel, dequantized = chain(block_quant_matmul_cpu), chain(block_quant_matmul_reference)
+    kernel_int8 = chain(functools.partial(block_quant_matmul_cpu, int8_activations=True))
     f32 = jax.jit(lambda x, ws: sum((x @ w).sum() for w in ws))
     result = {"format": args.format, "shape": [n, k], "layers": args.layers,
               "bytes_per_weight_matrix": {"blocks": qs[0].nbytes + d[0].nbytes + m[0].nbytes, "float32": n * k * 4},
@@ -55,8 +58,8 @@ def main() -> None:
         x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
         result["microseconds_per_matrix"][str(rows)] = {
             name: round(best_seconds(fn, a) / args.layers * 1e6, 1)
-            for name, fn, a in (("kernel", kernel, (x, qs, d, m)), ("dequantize_then_dot", dequantized, (x, qs, d, m)),
-                                ("float32", f32, (x, floats)))}
+            for name, fn, a in (("kernel", kernel, (x, qs, d, m)), ("kernel_int8", kernel_int8, (x, qs, d, m)),
+                                ("dequantize_then_dot", dequantized, (x, qs, d, m)), ("float32", f32, (x, floats)))}
     print(json.dumps(result, indent=1))
 
 

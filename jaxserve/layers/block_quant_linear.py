@@ -5,9 +5,15 @@ The weight is held one row per output feature (``qs [out, in * bits / 8]``, ``d`
 ``[out, in / 32]`` in float32; :mod:`pallas_kernels.block_quant_matmul` has the layout). Which
 product runs is fixed per compiled step by its row count: up to :data:`KERNEL_MAX_ROWS` rows on
 a CPU, the C++ kernel, which reads the blocks as stored (a decode step's cost is the bytes it
-reads); above that, the weight dequantized in the step and a float dot, where the arithmetic per
+reads), with int8 activations up to :data:`INT8_MAX_ROWS` rows of a 4-bit format; above that, the weight
+dequantized in the step and a float dot, where the arithmetic per
 weight byte is high enough that the dequantization is cheap. On a GPU, a Pallas kernel
 (:mod:`pallas_kernels.block_quant_matmul_triton`) that reads the blocks as stored.
+
+In a scanned model (:class:`jaxserve.models.layer_stack.ScannedLayers`) a layer's ``qs``/``d``/``m``
+stay the whole stack (``READS_STACK_IN_PLACE``) and the product is given the layer index: the
+kernel reads that layer's blocks where they are, where the scan's slice would copy them all, every
+layer, every step (a quarter of a decode step's time on SmolLM2's Q4_1 file).
 
 Under tensor parallelism the blocks are split as the float kernels are (:mod:`jaxserve.models.tp_layout`)
 and each device multiplies by its own blocks under ``shard_map`` (:func:`project`): a custom call
@@ -32,10 +38,16 @@ from pallas_kernels.block_quant_matmul import (
     block_quant_matmul_cpu,
     block_quant_matmul_reference,
     dequantize_blocks,
+    layer_of,
 )
 from pallas_kernels.block_quant_matmul_triton import block_quant_matmul_triton
 
 KERNEL_MAX_ROWS = 128  # the kernel is faster or even up to here (docs/benchmarks.md, "GGUF blocks kept")
+# Up to this many rows a 4-bit format's kernel quantizes the activations to int8 per block of 32
+# and uses VNNI's int8 dots (llama.cpp's path; the float path where the CPU lacks them): 1.6-2x
+# faster at 1-4 Q4_1 rows, slower from 16 on, and no faster for Q8_0 (twice the bytes) at one row
+# (docs/benchmarks.md, "int8 activations").
+INT8_MAX_ROWS = 4
 # The model-side method name: "gguf:Q4_1" for a file whose projections are Q4_1 blocks, and
 # "gguf:Q4_1:Q8_0" when its (tied) token embedding is kept as Q8_0 blocks too.
 GGUF_PREFIX = "gguf:"
@@ -57,6 +69,10 @@ class BlockQuantLinear(nnx.Module):
     """``y = x @ W.T (+ bias)`` with ``W [out, in]`` in ``qtype`` blocks; built with zeros, filled by
     the GGUF loader (:func:`jaxserve.models.loader.load_gguf_model`)."""
 
+    # A scanned stack leaves this module's parameters whole (with their layer axis): the call
+    # is given the layer index instead (module doc).
+    READS_STACK_IN_PLACE = True
+
     def __init__(self, in_features: int, out_features: int, *, qtype: str, use_bias: bool = False,
                  param_dtype: jnp.dtype = jnp.float32):
         if qtype not in BLOCK_FORMATS:
@@ -71,35 +87,46 @@ class BlockQuantLinear(nnx.Module):
         self.m = nnx.Param(jnp.zeros((out_features, blocks), jnp.float32))
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else nnx.data(None)
 
-    def __call__(self, x: jax.Array, mesh: Mesh | None = None, split: str | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, mesh: Mesh | None = None, split: str | None = None,
+                 layer: jax.Array | int | None = None) -> jax.Array:
         """``x [T, in]`` -> ``[T, out]``. With a ``mesh`` of several devices, ``split`` says how the
         blocks are split over it: "column" (by output rows: each device computes its output columns),
-        "row" (by input, in whole blocks: each device's partial product, summed over the devices)."""
+        "row" (by input, in whole blocks: each device's partial product, summed over the devices).
+        ``layer``: which weight of a scanned stack this is (the parameters then carry the layer axis)."""
         qs, d, m = self.qs[...], self.d[...], self.m[...]
+        stacked = qs.ndim == 3
+        if stacked and layer is None:
+            raise ValueError(f"BlockQuantLinear: blocks stacked over {qs.shape[0]} layers need the layer index")
+        layer = layer if stacked else None
         if mesh is None or mesh.size == 1:
-            y = _block_matmul(x, qs, d, m, self.bits, self.offset)
+            y = _block_matmul(x, qs, d, m, self.bits, self.offset, layer)
         else:
-            y = _split_block_matmul(x, qs, d, m, self.bits, self.offset, mesh, split)
+            y = _split_block_matmul(x, qs, d, m, self.bits, self.offset, mesh, split, layer)
         y = y.astype(x.dtype)
-        return y if self.bias is None else y + self.bias[...]
+        if self.bias is None:
+            return y
+        bias = self.bias[...]
+        return y + (jax.lax.dynamic_index_in_dim(bias, layer, 0, keepdims=False) if stacked else bias)
 
 
-def project(linear: nnx.Module, x: jax.Array, mesh: Mesh | None, split: str) -> jax.Array:
-    """``linear(x)``; a :class:`BlockQuantLinear` is told the mesh and how its blocks are split
-    ("column" or "row"; the float kernels' split is in their shardings already)."""
+def project(linear: nnx.Module, x: jax.Array, mesh: Mesh | None, split: str,
+            layer: jax.Array | int | None = None) -> jax.Array:
+    """``linear(x)``; a :class:`BlockQuantLinear` is told the mesh, how its blocks are split
+    ("column" or "row"; the float kernels' split is in their shardings already) and the layer
+    index (which it needs when its parameters are a scanned stack's)."""
     if isinstance(linear, BlockQuantLinear):
-        return linear(x, mesh, split)
+        return linear(x, mesh, split, layer)
     return linear(x)
 
 
 def _split_block_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, bits: int, offset: int,
-                        mesh: Mesh, split: str | None) -> jax.Array:
+                        mesh: Mesh, split: str | None, layer: jax.Array | int | None) -> jax.Array:
     """The product on each device's own blocks (module doc), the result replicated ("row") or
     split on its columns ("column"), as the float kernels' products are."""
     axes = mesh.axis_names
 
-    def local(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array) -> jax.Array:
-        y = _block_matmul(x, qs, d, m, bits, offset)
+    def local(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, index: jax.Array) -> jax.Array:
+        y = _block_matmul(x, qs, d, m, bits, offset, None if layer is None else index)
         return jax.lax.psum(y, axes) if split == "row" else y
 
     if split == "column":
@@ -108,7 +135,11 @@ def _split_block_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array,
         weight, x_spec, out_spec = PartitionSpec(None, axes), PartitionSpec(None, axes), PartitionSpec()
     else:
         raise ValueError(f"split: 'column' or 'row' for GGUF blocks over {mesh.size} devices, got {split!r}")
-    return shard_map(local, mesh, in_specs=(x_spec, weight, weight, weight), out_specs=out_spec)(x, qs, d, m)
+    if layer is not None:  # the stack's layer axis is not split
+        weight = PartitionSpec(None, *weight)
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    return shard_map(local, mesh, in_specs=(x_spec, weight, weight, weight, PartitionSpec()),
+                     out_specs=out_spec)(x, qs, d, m, index)
 
 
 class BlockQuantEmbedding(nnx.Module):
@@ -149,21 +180,29 @@ class BlockQuantEmbedding(nnx.Module):
         return self.head(hidden, mesh, "column")
 
 
-def _block_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, bits: int, offset: int) -> jax.Array:
+def _block_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, bits: int, offset: int,
+                  layer: jax.Array | int | None = None) -> jax.Array:
     """The kernel for few rows on a CPU, else the weight dequantized and a float dot; on a GPU the
     dequantization fused into the dot (module doc). The platform is the one the step is lowered
     for (``platform_dependent`` keeps that branch alone), not the process's default backend: the
-    deviceless GPU compile runs on a CPU."""
+    deviceless GPU compile runs on a CPU. ``layer``: weight ``layer`` of stacked blocks."""
+    stacked = layer is not None
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32)
 
-    def on_cpu(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array) -> jax.Array:
-        if math.prod(x.shape[:-1]) <= KERNEL_MAX_ROWS and _kernel_usable():
-            return block_quant_matmul_cpu(x, qs, d, m, bits=bits, offset=offset)
-        return block_quant_matmul_reference(x, qs, d, m, bits=bits, offset=offset)
+    def on_cpu(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, index: jax.Array) -> jax.Array:
+        at = index if stacked else None
+        rows = math.prod(x.shape[:-1])
+        if rows <= KERNEL_MAX_ROWS and _kernel_usable():
+            return block_quant_matmul_cpu(x, qs, d, m, bits=bits, offset=offset, layer=at,
+                                          int8_activations=bits == 4 and rows <= INT8_MAX_ROWS)
+        return block_quant_matmul_reference(x, qs, d, m, bits=bits, offset=offset, layer=at)
 
-    def on_gpu(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array) -> jax.Array:
+    def on_gpu(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, index: jax.Array) -> jax.Array:
+        # a GPU unrolls its layers (llama.default_scan_layers): a stack here is sliced first
+        qs, d, m = layer_of(qs, d, m, index if stacked else None)
         return block_quant_matmul_triton(x, qs, d, m, bits=bits, offset=offset)
 
-    return jax.lax.platform_dependent(x, qs, d, m, cpu=on_cpu, cuda=on_gpu, rocm=on_gpu)
+    return jax.lax.platform_dependent(x, qs, d, m, index, cpu=on_cpu, cuda=on_gpu, rocm=on_gpu)
 
 
 def _kernel_usable() -> bool:

@@ -43,12 +43,21 @@ class ScannedLayers(nnx.Module):
 
         The scan slices each parameter's stack per iteration and rebuilds the layer module from
         the slices inside the traced body; whatever must be updated in place belongs in ``carry``.
+        A submodule whose class sets ``READS_STACK_IN_PLACE`` keeps its parameters whole, layer
+        axis included, and is handed the index by its caller: on XLA:CPU a slice feeding a custom
+        call is a copy, so reading the layer in place saves copying it every step.
         """
-        graphdef, state = nnx.split(self.stacked)
+        in_place = {path for path, module in nnx.iter_modules(self.stacked)
+                    if getattr(type(module), "READS_STACK_IN_PLACE", False)}
+
+        def sliced(path: tuple, _value: object) -> bool:  # a variable's path: its owner's, then its name
+            return tuple(path[:-1]) not in in_place
+
+        graphdef, state, whole = nnx.split(self.stacked, sliced, ...)  # type: ignore[misc]
 
         def step(carry, xs):
             layer_state, index = xs
-            return body(nnx.merge(graphdef, layer_state), index, carry), None
+            return body(nnx.merge(graphdef, layer_state, whole), index, carry), None
 
         carry, _ = jax.lax.scan(step, carry, (state, jnp.arange(self.num_layers, dtype=jnp.int32)))
         return carry

@@ -104,7 +104,7 @@ class LlamaAttention(nnx.Module):
         """``x [T, hidden]`` -> ``[T, hidden]``; this step's K/V are written into layer ``layer``'s pages."""
         n = self.num_shards
         q_size, kv_size = self.num_heads * self.head_dim // n, self.num_kv_heads * self.head_dim // n
-        qkv = project(self.qkv_proj, x, ctx.mesh, "column")
+        qkv = project(self.qkv_proj, x, ctx.mesh, "column", layer)
         if ctx.lora is not None:  # its columns in the layout's order, split as the base's (models.lora_slots)
             qkv = qkv + ctx.lora.delta("qkv", x, layer, (q_size, kv_size, kv_size), n)
         qkv = qkv.reshape(x.shape[0], n, -1)  # [T, shard, q_s | k_s | v_s]
@@ -127,7 +127,7 @@ class LlamaAttention(nnx.Module):
             mesh=ctx.mesh, sinks=None if self.sinks is None else self.sinks[...],
         )
         out = out.reshape(out.shape[0], -1).astype(x.dtype)
-        o = project(self.o_proj, out, ctx.mesh, "row")
+        o = project(self.o_proj, out, ctx.mesh, "row", layer)
         if ctx.lora is not None:
             o = o + ctx.lora.delta("o", out, layer)
         return o, (k_pool, v_pool)
@@ -148,13 +148,13 @@ class LlamaMLP(nnx.Module):
 
     def __call__(self, x: jax.Array, lora: LoRABatch | None = None, layer: jax.Array | int = 0,
                  mesh: Mesh | None = None) -> jax.Array:
-        gate_up = project(self.gate_up_proj, x, mesh, "column")
+        gate_up = project(self.gate_up_proj, x, mesh, "column", layer)
         if lora is not None:
             per = gate_up.shape[-1] // (2 * self.num_shards)  # [gate_s | up_s] per shard
             gate_up = gate_up + lora.delta("gate_up", x, layer, (per, per), self.num_shards)
         gate, up = jnp.split(gate_up.reshape(x.shape[0], self.num_shards, -1), 2, axis=-1)
         h = (self.act(gate) * up).reshape(x.shape[0], -1)
-        down = project(self.down_proj, h, mesh, "row")
+        down = project(self.down_proj, h, mesh, "row", layer)
         return down if lora is None else down + lora.delta("down", h, layer)
 
 

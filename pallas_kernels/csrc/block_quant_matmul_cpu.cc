@@ -7,16 +7,20 @@
 // weight once, so its time is the bytes read: this kernel reads each block as stored, expands a
 // few rows into L1-resident floats and multiplies them with every token's activations there.
 //
-// Layout (one row per output feature, blocks along the input):
-//   x  f32 [T, K]            activations
-//   qs u8  [N, K * bits / 8] the quants: bits 8 -> int8 values; bits 4 -> byte j of a block holds
-//                            element j in its low nibble and element j + 16 in its high one
-//   d  f32 [N, K / 32]       block scales;  m f32 [N, K / 32] block minimums (0 without one)
-//   w[n, k] = d[n, k/32] * (q[n, k] - offset) + m[n, k/32]   (offset 8 for Q4_0, else 0)
+// Layout (one row per output feature, blocks along the input), for a stack of L weights:
+//   x     f32 [T, K]               activations
+//   qs    u8  [L, N, K * bits / 8] the quants: bits 8 -> int8 values; bits 4 -> byte j of a block
+//                                  holds element j in its low nibble and element j + 16 in its high one
+//   d     f32 [L, N, K / 32]       block scales;  m f32 [L, N, K / 32] block minimums (0 without one)
+//   layer s32 []                   which weight of the stack to multiply by
+//   w[n, k] = d[l, n, k/32] * (q[l, n, k] - offset) + m[l, n, k/32]   (offset 8 for Q4_0, else 0)
+// The stack and the index: a scanned model's layer reads its own blocks in place, where slicing
+// them out first would copy every layer's blocks each step (a lone weight is a stack of one).
 // Work items are tiles of kRows output rows; the calling thread and helpers scheduled on XLA's
 // intra-op pool claim them from an atomic counter, and each writes only its own columns of y.
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -43,6 +47,11 @@ struct Problem {
   const float* m;
   float* y;
   int64_t t, k, n, bits, offset;
+  // int8 activations (see run_rows_int8): per token, K rounded up to whole block pairs
+  const int8_t* xq = nullptr;  // [T, kp] the activations in int8, one scale per block of 32
+  const float* dx = nullptr;   // [T, kp / 32 * 8] those scales, each 8 times (a vector per block pair)
+  const float* xs = nullptr;   // [T, kp / 32] each block's scale times its int8 sum
+  int64_t kp = 0;
 };
 
 // Row n's weights as floats into w[0, k).
@@ -126,6 +135,115 @@ void run_rows(const Problem& p, int64_t first, int64_t last) {
   }
 }
 
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kInt8Dots = true;
+#else
+constexpr bool kInt8Dots = false;
+#endif
+
+// llama.cpp's path for a block format: each token's activations quantized per block of 32 to
+// int8 (scale = the block's absolute maximum / 127, as its Q8_0 activations), each weight block
+// made unsigned (Q8_0's int8 plus 128, then an offset of 128; Q4's nibbles as they are) and
+// multiplied by VNNI's u8 x s8 dot, 64 products an instruction against a float FMA's 16:
+//   y[t, n] = sum_b d[b] dx[b] sum_j u[b, j] xq[b, j]  +  sum_b (m[b] - offset d[b]) dx[b] sum_j xq[b, j]
+// dx: [T, kp / 32 * 8], each block's scale 8 times (the int8 path's vector per block pair)
+void quantize_activations(const Problem& p, int8_t* xq, float* dx, float* xs) {
+  const int64_t nb = p.k / kBlock, nbp = p.kp / kBlock;
+  for (int64_t t = 0; t < p.t; ++t) {
+    const float* x = p.x + t * p.k;
+    for (int64_t b = 0; b < nbp; ++b) {
+      int8_t* q = xq + t * p.kp + b * kBlock;
+      if (b >= nb) {  // the pad block of an odd block count
+        std::fill(q, q + kBlock, int8_t(0));
+        std::fill(dx + (t * nbp + b) * 8, dx + (t * nbp + b + 1) * 8, 0.f);
+        xs[t * nbp + b] = 0.f;
+        continue;
+      }
+      float amax = 0.f;
+      for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[b * kBlock + j]));
+      const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const int32_t v = int32_t(std::nearbyint(x[b * kBlock + j] * inv));
+        q[j] = int8_t(v);
+        sum += v;
+      }
+      std::fill(dx + (t * nbp + b) * 8, dx + (t * nbp + b + 1) * 8, scale);
+      xs[t * nbp + b] = scale * float(sum);
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Block pair j of a row (64 weights) as unsigned bytes in x's order, read straight from the
+// blocks; `one` when only its first block exists (an odd block count's last pair).
+inline __m512i weights_u8(const uint8_t* q, int64_t j, int bits, bool one) {
+  if (bits == 8) {
+    const __m512i v = one ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, q + j * 64) : _mm512_loadu_si512(q + j * 64);
+    return _mm512_xor_si512(v, _mm512_set1_epi8(char(0x80)));
+  }
+  const __m256i raw = one ? _mm256_maskz_loadu_epi8(0xFFFFu, q + j * 32)
+                          : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * 32));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+  // [lo b0 | lo b1 | hi b0 | hi b1] -> [lo b0 | hi b0 | lo b1 | hi b1]: elements 0-15, 16-31 of each block
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+// [d[2j] x 8, d[2j+1] x 8]
+inline __m512 pair_scales(const float* d, int64_t j, bool one) {
+  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512 two = _mm512_maskz_loadu_ps(one ? 0x1 : 0x3, d + 2 * j);
+  return _mm512_permutexvar_ps(idx, two);
+}
+
+void run_rows_int8(const Problem& p, int64_t first, int64_t last) {
+  const int64_t nb = p.k / kBlock, nbp = p.kp / kBlock, pairs = nbp / 2;
+  const int64_t row_bytes = p.k * p.bits / 8;
+  const __m512 offset = _mm512_set1_ps(p.bits == 8 ? 128.f : float(p.offset));
+  for (int64_t n0 = first; n0 < last; n0 += kRows) {
+    const int64_t rows = std::min(kRows, last - n0);
+    const uint8_t* q[kRows];
+    const float* d[kRows];
+    const float* m[kRows];
+    for (int r = 0; r < kRows; ++r) {  // a short tile repeats its last row, never written out
+      const int64_t n = n0 + std::min<int64_t>(r, rows - 1);
+      q[r] = p.qs + n * row_bytes;
+      d[r] = p.d + n * nb;
+      m[r] = p.m + n * nb;
+    }
+    for (int64_t t = 0; t < p.t; ++t) {
+      const int8_t* xq = p.xq + t * p.kp;
+      const float* sxv = p.dx + t * nbp * 8;  // per block pair [dx x 8, dx x 8]
+      __m512 acc[kRows];
+      for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < pairs; ++j) {
+        const bool one = 2 * j + 1 >= nb;
+        const __m512i xv = _mm512_loadu_si512(xq + j * 64);
+        const __m512 sx = _mm512_loadu_ps(sxv + j * 16);
+        for (int r = 0; r < kRows; ++r) {
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), weights_u8(q[r], j, int(p.bits), one), xv);
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), sx), pair_scales(d[r], j, one), acc[r]);
+        }
+      }
+      const float* xs = p.xs + t * nbp;
+      for (int64_t i = 0; i < nb; i += 16) {  // the zero terms: sum_b (m[b] - offset d[b]) xs[b]
+        const __mmask16 keep = nb - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nb - i)) - 1);
+        const __m512 xsv = _mm512_maskz_loadu_ps(keep, xs + i);
+        for (int r = 0; r < kRows; ++r) {
+          const __m512 low = _mm512_fnmadd_ps(offset, _mm512_maskz_loadu_ps(keep, d[r] + i),
+                                              _mm512_maskz_loadu_ps(keep, m[r] + i));
+          acc[r] = _mm512_fmadd_ps(low, xsv, acc[r]);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) p.y[t * p.n + n0 + r] = _mm512_reduce_add_ps(acc[r]);
+    }
+  }
+}
+#endif
+
 struct Job {
   Problem problem;
   int64_t items = 0;
@@ -135,28 +253,56 @@ struct Job {
   void work() {
     for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
       const int64_t first = i * kRowsPerItem;
-      run_rows(problem, first, std::min(first + kRowsPerItem, problem.n));
+      const int64_t last = std::min(first + kRowsPerItem, problem.n);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if (problem.xq != nullptr) {
+        run_rows_int8(problem, first, last);
+      } else {
+        run_rows(problem, first, last);
+      }
+#else
+      run_rows(problem, first, last);
+#endif
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
 ffi::Error BlockQuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> qs,
-                            ffi::Buffer<ffi::F32> d, ffi::Buffer<ffi::F32> m,
-                            ffi::Result<ffi::Buffer<ffi::F32>> y, int32_t bits, int32_t offset) {
+                            ffi::Buffer<ffi::F32> d, ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::S32> layer,
+                            ffi::Result<ffi::Buffer<ffi::F32>> y, int32_t bits, int32_t offset,
+                            int32_t int8_activations) {
   const auto xd = x.dimensions();
   const auto qd = qs.dimensions();
   const auto dd = d.dimensions();
-  if (xd.size() != 2 || qd.size() != 2 || dd.size() != 2 || m.dimensions().size() != 2)
-    return ffi::Error::InvalidArgument("expected x [T, K], qs [N, K*bits/8], d and m [N, K/32]");
+  const auto md = m.dimensions();
+  if (xd.size() != 2 || qd.size() != 3 || dd.size() != 3 || md.size() != 3 || layer.dimensions().size() != 0)
+    return ffi::Error::InvalidArgument("expected x [T, K], qs [L, N, K*bits/8], d and m [L, N, K/32], layer []");
   if (bits != 4 && bits != 8) return ffi::Error::InvalidArgument("bits must be 4 or 8");
-  const int64_t t = xd[0], k = xd[1], n = qd[0];
-  if (k % kBlock != 0 || qd[1] != k * bits / 8 || dd[0] != n || dd[1] != k / kBlock ||
-      m.dimensions()[0] != n || m.dimensions()[1] != k / kBlock)
+  const int64_t t = xd[0], k = xd[1], stack = qd[0], n = qd[1];
+  if (k % kBlock != 0 || qd[2] != k * bits / 8 || dd[0] != stack || dd[1] != n || dd[2] != k / kBlock ||
+      md[0] != stack || md[1] != n || md[2] != k / kBlock)
     return ffi::Error::InvalidArgument("shapes of x, qs, d and m do not agree (K must be a multiple of 32)");
+  const int64_t l = *layer.typed_data();
+  if (l < 0 || l >= stack) return ffi::Error::InvalidArgument("layer index outside the stack");
+  const int64_t nb = k / kBlock;
   auto job = std::make_shared<Job>();
-  job->problem = Problem{x.typed_data(), qs.typed_data(), d.typed_data(), m.typed_data(),
-                         y->typed_data(), t, k, n, bits, offset};
+  job->problem = Problem{x.typed_data(), qs.typed_data() + l * n * (k * bits / 8), d.typed_data() + l * n * nb,
+                         m.typed_data() + l * n * nb, y->typed_data(), t, k, n, bits, offset};
+  // the int8 path's activations: quantized once here, read by every thread
+  std::vector<int8_t> xq;
+  std::vector<float> dx, xs;
+  if (int8_activations != 0 && kInt8Dots) {
+    Problem& p = job->problem;
+    p.kp = (k + 2 * kBlock - 1) / (2 * kBlock) * (2 * kBlock);
+    xq.resize(size_t(t * p.kp));
+    dx.resize(size_t(t * p.kp / kBlock * 8));
+    xs.resize(size_t(t * p.kp / kBlock));
+    quantize_activations(p, xq.data(), dx.data(), xs.data());
+    p.xq = xq.data();
+    p.dx = dx.data();
+    p.xs = xs.data();
+  }
   job->items = (n + kRowsPerItem - 1) / kRowsPerItem;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->items) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
@@ -174,6 +320,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveBlockQuantMatmulCpu, BlockQuantMatmul,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("bits")
-                                  .Attr<int32_t>("offset"));
+                                  .Attr<int32_t>("offset")
+                                  .Attr<int32_t>("int8_activations"));

@@ -10,17 +10,21 @@ import numpy as np
 import pytest
 
 from jaxserve.exceptions import ConfigError
-from jaxserve.layers.block_quant_linear import KERNEL_MAX_ROWS, BlockQuantEmbedding, BlockQuantLinear
+from jaxserve.layers import block_quant_linear
+from jaxserve.layers.block_quant_linear import INT8_MAX_ROWS, KERNEL_MAX_ROWS, BlockQuantEmbedding, BlockQuantLinear
 from jaxserve.models.loader import load_gguf_model, load_model
+from pallas_kernels.block_quant_matmul import int8_dots_available
 from tests.models.paged_sequence import PagedSequence
 from tests.models.tiny_gguf import SHAPE, write_tiny_gguf
 
 
 @pytest.mark.parametrize("qtype, embedding", [("Q8_0", "F32"), ("Q4_0", "Q8_0"), ("Q4_1", "Q4_1")])
 @pytest.mark.parametrize("scan_layers", [False, True])
-def test_kept_blocks_give_the_dequantized_files_logits(tmp_path, qtype, embedding, scan_layers):
+def test_kept_blocks_give_the_dequantized_files_logits(tmp_path, monkeypatch, qtype, embedding, scan_layers):
     """The projections' blocks, and the tied embedding's when it is a block format (it is the LM
-    head too), give the logits of the file dequantized at load."""
+    head too), give the logits of the file dequantized at load (float activations: the int8 ones
+    are the next test's)."""
+    monkeypatch.setattr(block_quant_linear, "INT8_MAX_ROWS", 0)
     path = write_tiny_gguf(tmp_path / "m.gguf", qtype, overrides={"token_embd.weight": embedding})
     kept = load_gguf_model(path, scan_layers=scan_layers, quantization="gguf")
     floats = load_gguf_model(path, scan_layers=scan_layers)
@@ -35,6 +39,23 @@ def test_kept_blocks_give_the_dequantized_files_logits(tmp_path, qtype, embeddin
     kept_seq, float_seq = PagedSequence(kept), PagedSequence(floats)
     for chunk in chunks:
         np.testing.assert_allclose(kept_seq.feed(chunk), float_seq.feed(chunk), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not int8_dots_available(), reason="no AVX-512 VNNI: the kernel keeps float activations")
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_decode_rows_with_int8_activations_stay_close_to_the_dequantized_files(tmp_path, qtype):
+    """Steps of up to INT8_MAX_ROWS rows of a 4-bit format multiply by int8 activations (llama.cpp's path): their
+    logits differ from the float ones by the activations' rounding, a few thousandths of their
+    range, not more (a wrong scale would be of order one), and not less (the path ran)."""
+    path = write_tiny_gguf(tmp_path / "m.gguf", qtype, overrides={"token_embd.weight": "Q8_0"})
+    kept_seq = PagedSequence(load_gguf_model(path, scan_layers=True, quantization="gguf"))
+    float_seq = PagedSequence(load_gguf_model(path, scan_layers=True))
+    tokens = np.random.default_rng(2).integers(0, SHAPE["vocab"], 20).tolist()
+    kept_seq.feed(tokens[:16]), float_seq.feed(tokens[:16])
+    for i in range(16, 20, INT8_MAX_ROWS):
+        want = float_seq.feed(tokens[i:i + INT8_MAX_ROWS])
+        error = np.abs(kept_seq.feed(tokens[i:i + INT8_MAX_ROWS]) - want).max() / np.abs(want).max()
+        assert 1e-6 < error < 0.02
 
 
 def test_kept_blocks_hold_a_quarter_of_the_float_bytes(tmp_path):
@@ -77,3 +98,26 @@ def test_kept_blocks_come_from_the_start_up_cache_without_parsing_the_file(tmp_p
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(nnx.state(again)), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_scanned_step_reads_each_layers_blocks_in_place(tmp_path):
+    """A scanned model's block matmuls get the whole (layers, ...) stack and the layer index: the
+    compiled decode step copies no layer's blocks out of the stack (on XLA:CPU the scan's slice
+    feeding a custom call is a copy of the blocks, every layer, every step)."""
+    import re
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", "Q4_1")
+    model = load_gguf_model(path, scan_layers=True, quantization="gguf")
+    seq = PagedSequence(model)
+    ids, md = seq.inputs([5])
+    hlo = seq.step.lower(seq.state, ids, seq.kv, md).compile().as_text()
+    stacked = model.layers.stacked
+    shapes = [tuple(p.qs.shape) for p in (stacked.self_attn.qkv_proj, stacked.self_attn.o_proj,
+                                           stacked.mlp.gate_up_proj, stacked.mlp.down_proj)]
+    assert all(s[0] == SHAPE["layers"] for s in shapes)
+    operands = re.findall(r"custom_call_target=\"jaxserve_block_quant_matmul_cpu\".*?"
+                          r"operand_layout_constraints=\{f32\[[\d,]+\]\{[\d,]+\}, u8\[([\d,]+)\]", hlo)
+    read = {tuple(int(v) for v in s.split(",")) for s in operands}
+    assert set(shapes) <= read, (shapes, read)  # each projection's kernel reads the stack itself
+    for _, n, width in shapes:  # and no layer's blocks are sliced out (copied) anywhere
+        assert not re.search(rf"= u8\[(1,)?{n},{width}\]", hlo), f"a [{n}, {width}] slice of the blocks"

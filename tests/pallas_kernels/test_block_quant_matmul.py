@@ -18,6 +18,7 @@ from pallas_kernels.block_quant_matmul import (
     block_quant_matmul_cpu,
     block_quant_matmul_reference,
     dequantize_blocks,
+    int8_dots_available,
     split_gguf_blocks,
 )
 
@@ -69,3 +70,62 @@ def test_gpu_kernel_in_the_interpreter_matches_the_reference(qtype):
     got = block_quant_matmul_triton(*args, bits=bits, offset=offset, interpret=True)
     assert got.shape == (5, 96)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_cpu_kernel_reads_one_layer_of_a_stack_in_place(qtype):
+    """A scanned model hands the kernel the whole stack and the layer index (traced, as in a
+    scan): each layer's product is that layer's weight's, and an index outside the stack fails."""
+    import jax
+
+    bits, offset, _ = BLOCK_FORMATS[qtype]
+    layers = [split_gguf_blocks(blocks(qtype, 40, 96, seed=s)[0], qtype) for s in range(3)]
+    qs, d, m = (jnp.asarray(np.stack(parts)) for parts in zip(*layers, strict=True))
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 96), np.float32))
+    product = jax.jit(lambda layer: block_quant_matmul_cpu(x, qs, d, m, bits=bits, offset=offset, layer=layer))
+    for i, (q, dd, mm) in enumerate(layers):
+        expected = block_quant_matmul_reference(x, *map(jnp.asarray, (q, dd, mm)), bits=bits, offset=offset)
+        np.testing.assert_allclose(np.asarray(product(jnp.int32(i))), np.asarray(expected), rtol=1e-5, atol=1e-5)
+        stacked_ref = block_quant_matmul_reference(x, qs, d, m, bits=bits, offset=offset, layer=i)
+        np.testing.assert_allclose(np.asarray(stacked_ref), np.asarray(expected), rtol=1e-6, atol=1e-6)
+    with pytest.raises(Exception, match="layer index outside the stack"):
+        np.asarray(product(jnp.int32(3)))
+
+
+def int8_emulation(x: np.ndarray, qs: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int, offset: int) -> np.ndarray:
+    """llama.cpp's int8-activation product in numpy: each token's blocks of 32 rounded to int8 at
+    the block's absolute maximum / 127, multiplied exactly by the weights' integer values."""
+    t, k = x.shape
+    blocks = x.reshape(t, k // 32, 32).astype(np.float64)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    dx = amax / 127
+    xq = np.rint(blocks * np.where(amax > 0, 127 / np.where(amax > 0, amax, 1), 0))
+    if bits == 8:
+        q = qs.view(np.int8).astype(np.float64).reshape(qs.shape[0], -1, 32)
+    else:
+        packed = qs.reshape(qs.shape[0], -1, 16)
+        q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.float64)
+    dots = np.einsum("tbj,nbj->tnb", xq, q - offset)  # exact integers
+    return (np.einsum("tnb,tb,nb->tn", dots, dx[..., 0], d) + np.einsum("tb,nb->tn", (dx[..., 0] * xq.sum(-1)), m))
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None or not int8_dots_available(),
+                    reason="no C++ compiler, or no AVX-512 VNNI")
+@pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_int8_activations_are_llama_cpps_product(qtype, tokens):
+    """The int8 path computes exactly the int8-activation product (a wrong block scale, nibble order
+    or Q8_0's sign would be off by far more than float rounding), and stays within the int8
+    rounding of the float product; 160 inputs: an odd count of blocks (the last pair has one)."""
+    raw, w = blocks(qtype, 70, 160, seed=tokens + 7)
+    bits, offset, _ = BLOCK_FORMATS[qtype]
+    x = np.random.default_rng(5).standard_normal((tokens, 160)).astype(np.float32)
+    x[0, :32] = 0  # an all-zero block: scale 0
+    qs, d, m = split_gguf_blocks(raw, qtype)
+    got = np.asarray(block_quant_matmul_cpu(jnp.asarray(x), *map(jnp.asarray, (qs, d, m)), bits=bits, offset=offset,
+                                            int8_activations=True))
+    scale = np.abs(x @ w.T).max()
+    np.testing.assert_allclose(got, int8_emulation(x, qs, d, m, bits, offset), rtol=0, atol=1e-5 * scale)
+    error = np.abs(got - x @ w.T).max() / scale
+    assert 1e-5 < error < 0.02  # rounded to int8 (not the float path), by at most a few hundredths

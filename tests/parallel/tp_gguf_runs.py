@@ -8,7 +8,8 @@ through the C++ block kernel; Q4_1 projections and the tied embedding (the LM he
 blocks, through the dequantized dot (the kernel's row limit set to 0 in this process). Each is a
 tiny ``.gguf`` written by :mod:`tests.models.tiny_gguf`, served by an ``LLM`` with chunked prefill;
 the JSON holds each case's greedy tokens, their top logprobs, and the shapes each device holds of
-the blocks.
+the blocks. The Q8_0 file is also served scanned at tensor_parallel_size 2 (``"scanned": true``):
+each layer's kernel then reads its blocks from the split (layers, ...) stack in place.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ LOGPROBS = 4
 FILES = (("Q8_0", "F32", None), ("Q4_1", "Q4_1", 0))
 
 
-def run_case(path: str, tokenizer: str, tp: int) -> dict:
+def run_case(path: str, tokenizer: str, tp: int, scanned: bool = False) -> dict:
     from jaxserve import LLM, SamplingParams
 
-    llm = LLM(path, tokenizer=tokenizer, tensor_parallel_size=tp, show_progress=False, **ENGINE)
+    llm = LLM(path, tokenizer=tokenizer, tensor_parallel_size=tp, show_progress=False, scan_layers=scanned,
+              **ENGINE)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=LOGPROBS)
     prompts = [list(range(3, 40)), [5, 6, 7], list(range(100, 121))]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -40,6 +42,7 @@ def run_case(path: str, tokenizer: str, tp: int) -> dict:
               for path, x in _flat_blocks(runner)}
     return {
         "tp": tp,
+        "scanned": scanned,
         "tokens": [o.outputs[0].token_ids for o in outputs],
         "logprobs": [[{str(k): v.logprob for k, v in row.items()} for row in o.outputs[0].logprobs]
                      for o in outputs],
@@ -69,9 +72,10 @@ def main(out: str) -> None:
             block_quant_linear.KERNEL_MAX_ROWS = default_rows if kernel_rows is None else kernel_rows
             path = str(write_tiny_gguf(root / f"{qtype}.gguf", qtype, seed=3, vocab=512,
                                        overrides={"token_embd.weight": embedding}))
-            for tp in (1, 2):
+            runs = [(1, False), (2, False)] + ([(2, True)] if kernel_rows is None else [])
+            for tp, scanned in runs:
                 results.append({"file": f"{qtype}/{embedding}", "kernel_rows": block_quant_linear.KERNEL_MAX_ROWS,
-                                **run_case(path, tokenizer, tp)})
+                                **run_case(path, tokenizer, tp, scanned)})
     Path(out).write_text(json.dumps(results))
 
 
