@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import numpy as np
 import pytest
 
@@ -18,6 +17,7 @@ Image = pytest.importorskip("PIL.Image")
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.exceptions import InvalidRequestError  # noqa: E402
+from tests.compiles import backend_compiles  # noqa: E402
 
 MAX_TOKENS = 6
 
@@ -97,18 +97,9 @@ def test_greedy_equals_transformers_with_prefix_hits(llava_folder, budget):
     llm = engine(folder, budget)
     runner = llm.llm_engine.core.runner
     images = [make_image(1), make_image(2, 50, 30), None]
-    compiles = []
-
-    def count(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(count)
-    try:
+    with backend_compiles() as compiles:
         first = llm.generate([prompt("what is it", images[0]), prompt("describe this", images[1]),
                               "a text-only prompt"], PARAMS, use_tqdm=False)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(count)
     assert compiles == []  # the engine's first requests, images included, compile nothing (XLA's count)
     image_id = tok.convert_tokens_to_ids("<image>")
     assert first[0].prompt_token_ids.count(image_id) == 16  # (28 / 7) ** 2 patches

@@ -15,6 +15,7 @@ Image = pytest.importorskip("PIL.Image")
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.exceptions import InvalidRequestError  # noqa: E402
+from tests.compiles import backend_compiles  # noqa: E402
 
 MAX_TOKENS = 6
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
@@ -110,17 +111,10 @@ def test_images_of_new_grids_compile_nothing_after_warm_up(qwen_folder):
     """The tower is compiled at start per patch-count bucket (16, 32, 64 tokens: the encoder budget
     bounds the largest); seven images of seven grids, several to a step (the two small ones in one
     call), then compile nothing (counted at XLA's backend) and still equal transformers."""
-    import jax
 
     folder, model, pad = qwen_folder
     llm = LLM(folder, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
               max_num_encoder_input_tokens=64, enable_prefix_caching=False, record_steps=True)
-    compiles = []
-
-    def count(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
     try:
         runner = llm.llm_engine.core.runner
         assert runner.encoder.buckets == [16, 32, 64] and runner.encoder.num_compiled == 3
@@ -128,12 +122,9 @@ def test_images_of_new_grids_compile_nothing_after_warm_up(qwen_folder):
         # 6x10, 14x8 and 4x18
         sizes = [(8, 8), (8, 12), (16, 16), (20, 28), (12, 20), (28, 16), (8, 36)]
         images = [make_image(20 + i, h, w) for i, (h, w) in enumerate(sizes)]
-        jax.monitoring.register_event_duration_secs_listener(count)
-        try:
+        with backend_compiles() as compiles:
             outs = llm.generate([image_prompt(f"picture {i}", im) for i, im in enumerate(images)], PARAMS,
                                 use_tqdm=False)
-        finally:
-            jax.monitoring.unregister_event_duration_listener(count)
         assert compiles == [] and runner.stats.unexpected_compiles == 0 and runner.encoder.num_compiled == 3
         assert max(r.encoder_images for r in llm.get_step_records()) >= 2  # some step packs several images
         assert sorted(o.prompt_token_ids.count(pad) for o in outs) == [4, 6, 15, 16, 18, 28, 35]

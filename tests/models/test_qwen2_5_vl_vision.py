@@ -59,17 +59,8 @@ def test_pack_of_grids_padded_to_a_bucket_equals_each_image_alone(towers):
 
 
 @pytest.mark.parametrize("grid", [(8, 12), (6, 6), (4, 10)])
-def test_tower_equals_transformers(grid):
-    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-
-    torch.manual_seed(0)
-    hf_cfg = Qwen2_5_VLVisionConfig(depth=3, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=40,
-                                    patch_size=2, temporal_patch_size=2, spatial_merge_size=2, window_size=8,
-                                    fullatt_block_indexes=[1])
-    hf = Qwen2_5_VisionTransformerPretrainedModel(hf_cfg).eval()
-    cfg = Qwen25VisionConfig.from_hf(hf_cfg.to_dict())
-    tower = load_qwen25_vision_tower(cfg, {k: v.numpy() for k, v in hf.state_dict().items()})
+def test_tower_equals_transformers(towers, grid):
+    hf, _, tower = towers
     gh, gw = grid
     patches = np.random.default_rng(gh * gw).standard_normal((gh * gw, 3 * 2 * 2 * 2)).astype(np.float32)
     with torch.no_grad():

@@ -12,6 +12,7 @@ from jaxserve.runner.compilation import StepVariant
 from jaxserve.runner.kv_cache import kv_cache_shape
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.target import StepTarget
+from tests.compiles import backend_compiles
 
 CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=40)
 
@@ -62,17 +63,8 @@ def test_peak_temp_bytes_compiles_one_program_the_largest_variants_peak(demo_mod
     runner = _runner(demo_model, "gpu")
     largest = [v for v in runner.variants() if v.bucket == runner.buckets.token_buckets[-1]]
     assert len(largest) > 1  # a greedy and a random program: only one needs compiling
-    compiles = []
-
-    def count(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(count)
-    try:
+    with backend_compiles() as compiles:
         peak = runner.peak_temp_bytes(runner.num_blocks)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(count)
     assert len(compiles) == 1
     every = [runner.steps.lowered(v).compile().memory_analysis().temp_size_in_bytes for v in largest]
     assert peak == max(every) > 0
