@@ -302,6 +302,8 @@ class LlamaForCausalLM(nnx.Module):
         embeds = self.embed_tokens(input_ids, mesh)
         if self.config.embed_scale is not None:  # Gemma: the scale cast to the weights' dtype first
             embeds = embeds * jnp.asarray(self.config.embed_scale, embeds.dtype)
+        if lora is not None and "embed" in lora.a:  # after the scale: PEFT adds it to the scaled module's output
+            embeds = embeds + lora.embedding_delta(input_ids).astype(embeds.dtype)
         if mm_embeds is not None and mm_mask is not None:
             embeds = jnp.where(mm_mask[:, None], mm_embeds.astype(embeds.dtype), embeds)
         loads = (jnp.zeros((self.config.num_hidden_layers, self.config.num_experts), jnp.int32)

@@ -101,6 +101,17 @@ def lm_head_slot_arrays(adapter: LoRAAdapter, cfg: ModelConfig, max_rank: int) -
     return a, b
 
 
+def embedding_slot_arrays(adapter: LoRAAdapter, cfg: ModelConfig, max_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """One slot's embedding ``a`` ``(1, vocab, max_rank)`` and ``b`` ``(1, max_rank, hidden)``; zeros
+    when the adapter has no embedding LoRA."""
+    a = np.zeros((1, cfg.vocab_size, max_rank), np.float32)
+    b = np.zeros((1, max_rank, cfg.hidden_size), np.float32)
+    w = adapter.embedding
+    if w is not None:
+        a[0, :, :w.rank], b[0, :w.rank] = w.a.T, w.b.T
+    return a, b
+
+
 def _shardings(tables: dict[str, Any], slot_axis: int) -> dict[str, jax.sharding.Sharding]:
     """Each table's (named) sharding with its slot axis dropped (a slot's array has one axis less)."""
     out: dict[str, jax.sharding.Sharding] = {}
@@ -128,7 +139,8 @@ class LoRASlotTable:
     gives the step's :class:`LoRABatch` for the tokens' slot indices."""
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: str | None = None,
-                 layout: TPLayout | None = None, abstract: bool = False, lm_head: bool = False):
+                 layout: TPLayout | None = None, abstract: bool = False, lm_head: bool = False,
+                 embedding: bool = False):
         self.cfg, self.max_loras, self.max_rank, self.layout = cfg, max_loras, max_rank, layout
         dt = jnp.dtype(dtype or cfg.dtype)
         layers = cfg.num_hidden_layers
@@ -144,6 +156,9 @@ class LoRASlotTable:
                                  "(the head is vocabulary-split)")
             self.a["lm_head"] = make((1, cfg.hidden_size, max_loras, max_rank))
             self.b["lm_head"] = make((1, max_loras, max_rank, cfg.vocab_size))
+        if embedding:  # a: (1, vocab, slots, rank), gathered by token id (LoRABatch.embedding_delta)
+            self.a["embed"] = make((1, cfg.vocab_size, max_loras, max_rank))
+            self.b["embed"] = make((1, max_loras, max_rank, cfg.hidden_size))
 
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
         if not 0 <= slot < self.max_loras:
@@ -153,6 +168,11 @@ class LoRASlotTable:
             a["lm_head"], b["lm_head"] = lm_head_slot_arrays(adapter, self.cfg, self.max_rank)
         elif adapter.lm_head is not None:
             raise ValueError(f"LoRA adapter {adapter.path} has an LM-head LoRA; this slot table has no LM-head slots")
+        if "embed" in self.a:
+            a["embed"], b["embed"] = embedding_slot_arrays(adapter, self.cfg, self.max_rank)
+        elif adapter.embedding is not None:
+            raise ValueError(f"LoRA adapter {adapter.path} has an embedding LoRA; "
+                             "this slot table has no embedding slots")
         if isinstance(next(iter(self.a.values())).sharding, jax.sharding.NamedSharding):
             # On a mesh, the new slot goes to the tables' devices split as they are, so the update
             # keeps their placement.

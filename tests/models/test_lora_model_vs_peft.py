@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import pallas_kernels
+from jaxserve.exceptions import ConfigError
 from jaxserve.models import load_model
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.lora_adapter import load_lora_adapter
@@ -145,7 +146,6 @@ def test_lm_head_lora_matches_peft_in_a_mixed_step(tiny_checkpoints, tmp_path, a
 
 
 def test_lm_head_lora_is_refused_by_default_and_under_tp(tiny_checkpoints, tmp_path):
-    from jaxserve.exceptions import ConfigError
     from jaxserve.models.tp_layout import TPLayout
 
     folder = tiny_checkpoints["LlamaForCausalLM"]
@@ -162,3 +162,35 @@ def test_lm_head_lora_is_refused_by_default_and_under_tp(tiny_checkpoints, tmp_p
         LoRASlotTable(cfg, max_loras=1, max_rank=8).write(0, adapter)
     with pytest.raises(ValueError, match="tensor parallelism"):
         LoRASlotTable(cfg, max_loras=1, max_rank=8, layout=TPLayout.of(cfg, 2), abstract=True, lm_head=True)
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])  # untied and tied
+def test_embedding_and_lm_head_lora_match_peft(tiny_checkpoints, tmp_path, arch):
+    """An adapter on embed_tokens, lm_head and k: each slot equals peft, the base slot and a
+    layers-only slot are untouched by it, and writing a slot compiles nothing."""
+    folder = tiny_checkpoints[arch]
+    cfg = ModelConfig.from_pretrained(folder)
+    model = load_model(folder, scan_layers=True)
+    both = make_peft_adapter(folder, tmp_path / "e", seed=21, r=4, targets=["embed_tokens", "lm_head", "k_proj"],
+                             use_rslora=True, lora_alpha=6).eval()
+    both.save_pretrained(str(tmp_path / "e"), save_embedding_layers=False)
+    layers_only = make_peft_adapter(folder, tmp_path / "n", seed=22, r=8, targets=["up_proj"]).eval()
+    table = LoRASlotTable(cfg, max_loras=2, max_rank=8, lm_head=True, embedding=True)
+    adapter = load_lora_adapter(tmp_path / "e", cfg, 8, allow_lm_head=True, allow_embedding=True)
+    assert adapter.embedding is not None and adapter.embedding.a.shape == (4, cfg.vocab_size)
+    table.write(1, load_lora_adapter(tmp_path / "n", cfg, 8))
+    compiled = _write_slot._cache_size()
+    table.write(0, adapter)
+    assert _write_slot._cache_size() == compiled
+    ids = prompt(10, seed=4)
+    for slot, pm in ((0, both), (1, layers_only)):
+        seq = LoRASequence(model, table, slot)
+        ours = np.concatenate([seq.feed(ids[:4]), seq.feed(ids[4:])])
+        np.testing.assert_allclose(ours[:, :cfg.vocab_size], peft_logits(pm, ids), rtol=2e-4, atol=2e-4)
+    with both.disable_adapter():
+        base = peft_logits(both, ids)
+    np.testing.assert_allclose(LoRASequence(model, table, -1).feed(ids)[:, :cfg.vocab_size], base,
+                               rtol=2e-4, atol=2e-4)
+    with pytest.raises(ConfigError, match="embedding"):
+        load_lora_adapter(tmp_path / "e", cfg, 8, allow_lm_head=True)  # the engine's default still refuses it
+    jax.clear_caches()
