@@ -131,3 +131,11 @@ class LoRABatch:
               shards: int = 1) -> jax.Array:
         """``part_widths``/``shards``: the fused output's columns, as :func:`lora_delta_parts`."""
         return lora_delta_parts(x, self.slot_ids, self.a[name][layer], self.b[name][layer], part_widths, shards)
+
+    def embedding_delta(self, input_ids: jax.Array) -> jax.Array:
+        """``(tokens, hidden)``: each token's row of its slot's embedding A times that slot's B
+        (a gather, not a one-hot over the vocabulary); zero for a base token."""
+        a = self.a["embed"][0][input_ids]  # (T, slots, rank)
+        mask = jax.nn.one_hot(self.slot_ids, a.shape[1], dtype=jnp.float32)  # -1 -> a zero row
+        xa = (a.astype(jnp.float32) * mask[:, :, None]).astype(self.b["embed"].dtype)
+        return jnp.einsum("tsr,srh->th", xa, self.b["embed"][0], preferred_element_type=jnp.float32)

@@ -302,6 +302,8 @@ class LlamaForCausalLM(nnx.Module):
         embeds = self.embed_tokens(input_ids, mesh)
         if self.config.embed_scale is not None:  # Gemma: the scale cast to the weights' dtype first
             embeds = embeds * jnp.asarray(self.config.embed_scale, embeds.dtype)
+        if lora is not None and "embed" in lora.a:  # after the scale: PEFT adds it to the scaled module's output
+            embeds = embeds + lora.embedding_delta(input_ids).astype(embeds.dtype)
         if mm_embeds is not None and mm_mask is not None:
             embeds = jnp.where(mm_mask[:, None], mm_embeds.astype(embeds.dtype), embeds)
         loads = (jnp.zeros((self.config.num_hidden_layers, self.config.num_experts), jnp.int32)
@@ -315,7 +317,8 @@ class LlamaForCausalLM(nnx.Module):
         hidden, (k_pool, v_pool), loads = carry
         return hidden, (k_pool.reshape(k_cache.shape), v_pool.reshape(v_cache.shape)), loads
 
-    def compute_logits(self, hidden: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+    def compute_logits(self, hidden: jax.Array, mesh: Mesh | None = None, lora: LoRABatch | None = None
+                       ) -> jax.Array:
         """Final norm and LM head on the selected rows; logits in float32 over the vocabulary.
 
         Split, each shard computes its vocabulary slice and the slices are gathered (replicated):
@@ -327,6 +330,8 @@ class LlamaForCausalLM(nnx.Module):
         else:
             logits = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
         logits = logits[..., : self.config.vocab_size].astype(jnp.float32)
+        if lora is not None and "lm_head" in lora.a:  # slot_ids: one per row of hidden
+            logits = logits + lora.delta("lm_head", h, 0).astype(jnp.float32)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 

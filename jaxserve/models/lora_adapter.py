@@ -47,6 +47,8 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$")
+_LM_HEAD_KEY = re.compile(r"^base_model\.model\.lm_head\.lora_(A|B)\.weight$")
+_EMBED_KEY = re.compile(r"^base_model\.model\.model\.embed_tokens\.lora_embedding_(A|B)(\.weight)?$")
 
 
 def projection_shape(cfg: ModelConfig, proj: str) -> tuple[int, int]:
@@ -76,6 +78,8 @@ class LoRAAdapter:
     rank: int  # the largest rank over its projections
     weights: dict[tuple[int, str], LoRALayerWeights] = field(repr=False)
     digest: str  # sha256 of the config and the weight file: part of the prefix-cache key
+    lm_head: LoRALayerWeights | None = field(default=None, repr=False)  # a: (r, hidden), b: (vocab, r)
+    embedding: LoRALayerWeights | None = field(default=None, repr=False)  # a: (r, vocab), b: (hidden, r)
 
     @property
     def projections(self) -> tuple[str, ...]:
@@ -105,8 +109,11 @@ def _alpha_for(conf: dict[str, Any], key: str) -> float:
     return float(conf.get("lora_alpha", 8))
 
 
-def load_lora_adapter(path: str | Path, cfg: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
-    """Read and check a PEFT adapter folder against the base model ``cfg``."""
+def load_lora_adapter(path: str | Path, cfg: ModelConfig, max_lora_rank: int, allow_lm_head: bool = False,
+                      allow_embedding: bool = False) -> LoRAAdapter:
+    """Read and check a PEFT adapter folder against the base model ``cfg``. ``allow_lm_head`` /
+    ``allow_embedding``: read an LM-head / embedding LoRA (applied by the model when its slot table
+    has them; the engine does not pass them yet, so it refuses such adapters)."""
     folder = Path(path)
     conf_file, weights_file = folder / CONFIG_FILE, folder / WEIGHTS_FILE
     if not conf_file.is_file():
@@ -122,12 +129,28 @@ def load_lora_adapter(path: str | Path, cfg: ModelConfig, max_lora_rank: int) ->
 
     st = SafetensorsFile(weights_file)
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    head: dict[str, np.ndarray] = {}
+    embed: dict[str, np.ndarray] = {}
     for key in st.keys():
+        mh = _LM_HEAD_KEY.match(key)
+        if mh is not None and allow_lm_head:
+            head[mh[1]] = np.asarray(st.get(key), dtype=np.float32)
+            continue
+        me = _EMBED_KEY.match(key)
+        if me is not None and allow_embedding:
+            embed[me[1]] = np.asarray(st.get(key), dtype=np.float32)
+            continue
         m = _KEY.match(key)
         if m is None:
             what = "embedding" if "embed" in key else "LM head" if "lm_head" in key else "module"
+            if what != "module" and "lora_" not in key:
+                # PEFT's save_embedding_layers copy of a base weight: it may differ from the base's
+                # (a resized vocabulary), so it is refused rather than assumed equal.
+                raise ConfigError(f"{source}: tensor {key!r} is a full {what} weight, not a LoRA pair "
+                                  f"(save the adapter with save_embedding_layers=False)")
             raise ConfigError(f"{source}: tensor {key!r} targets an unsupported {what} "
-                              f"(supported: {', '.join(PROJECTIONS)} of the decoder layers)")
+                              f"(supported: {', '.join(PROJECTIONS)} of the decoder layers"
+                              f"{', lm_head' if allow_lm_head else ''}{', embed_tokens' if allow_embedding else ''})")
         layer, block, proj, ab = int(m[1]), m[2], m[3], m[4]
         if proj not in PROJECTIONS or PROJECTIONS[proj] != f"{block}.{proj}":
             raise ConfigError(f"{source}: tensor {key!r} targets {block}.{proj}, which is not supported")
@@ -135,7 +158,9 @@ def load_lora_adapter(path: str | Path, cfg: ModelConfig, max_lora_rank: int) ->
             raise ConfigError(f"{source}: tensor {key!r} names layer {layer}, the model has {cfg.num_hidden_layers}")
         pairs.setdefault((layer, proj), {})[ab] = np.asarray(st.get(key), dtype=np.float32)
 
-    if not pairs:
+    lm_head = _lm_head_weights(head, conf, cfg, max_lora_rank, source) if head else None
+    embedding = _embedding_weights(embed, conf, cfg, max_lora_rank, source) if embed else None
+    if not pairs and lm_head is None and embedding is None:
         raise ConfigError(f"{source}: {WEIGHTS_FILE} holds no LoRA weights")
     weights: dict[tuple[int, str], LoRALayerWeights] = {}
     for (layer, proj), ab in sorted(pairs.items()):
@@ -156,5 +181,44 @@ def load_lora_adapter(path: str | Path, cfg: ModelConfig, max_lora_rank: int) ->
                                                   b=np.ascontiguousarray(b * np.float32(scale)))
 
     digest = hashlib.sha256(raw_conf + weights_file.read_bytes()).hexdigest()
-    rank = max(w.rank for w in weights.values())
-    return LoRAAdapter(path=str(folder), rank=rank, weights=weights, digest=digest)
+    rank = max(w.rank for w in [*weights.values(), *(w for w in (lm_head, embedding) if w is not None)])
+    return LoRAAdapter(path=str(folder), rank=rank, weights=weights, digest=digest, lm_head=lm_head,
+                       embedding=embedding)
+
+
+def _scale(conf: dict[str, Any], key: str, r: int) -> float:
+    alpha = _alpha_for(conf, key)
+    return alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
+
+
+def _lm_head_weights(ab: dict[str, np.ndarray], conf: dict[str, Any], cfg: ModelConfig, max_lora_rank: int,
+                     source: str) -> LoRALayerWeights:
+    """The LM head's pair, a Linear LoRA over the (tied or untied) head: ``(r, hidden)`` and ``(vocab, r)``."""
+    if set(ab) != {"A", "B"}:
+        raise ConfigError(f"{source}: lm_head has lora_{'A' if 'A' in ab else 'B'} without its pair")
+    a, b = ab["A"], ab["B"]
+    r = a.shape[0]
+    if a.shape != (r, cfg.hidden_size) or b.shape != (cfg.vocab_size, r):
+        raise ConfigError(f"{source}: lm_head has lora_A {a.shape} and lora_B {b.shape}; the base model "
+                          f"needs ({r}, {cfg.hidden_size}) and ({cfg.vocab_size}, {r})")
+    if r > max_lora_rank:
+        raise ConfigError(f"{source}: lm_head has rank r={r} above max_lora_rank={max_lora_rank}")
+    scale = _scale(conf, "lm_head", r)
+    return LoRALayerWeights(a=np.ascontiguousarray(a), b=np.ascontiguousarray(b * np.float32(scale)))
+
+
+def _embedding_weights(ab: dict[str, np.ndarray], conf: dict[str, Any], cfg: ModelConfig, max_lora_rank: int,
+                       source: str) -> LoRALayerWeights:
+    """PEFT's embedding pair, ``lora_embedding_A`` ``(r, vocab)`` and ``lora_embedding_B`` ``(hidden, r)``:
+    ``delta(token) = a[:, token] @ b.T`` (``b`` scaled)."""
+    if set(ab) != {"A", "B"}:
+        raise ConfigError(f"{source}: embed_tokens has lora_embedding_{'A' if 'A' in ab else 'B'} without its pair")
+    a, b = ab["A"], ab["B"]
+    r = a.shape[0]
+    if a.shape != (r, cfg.vocab_size) or b.shape != (cfg.hidden_size, r):
+        raise ConfigError(f"{source}: embed_tokens has lora_embedding_A {a.shape} and lora_embedding_B {b.shape}; "
+                          f"the base model needs ({r}, {cfg.vocab_size}) and ({cfg.hidden_size}, {r})")
+    if r > max_lora_rank:
+        raise ConfigError(f"{source}: embed_tokens has rank r={r} above max_lora_rank={max_lora_rank}")
+    scale = _scale(conf, "embed_tokens", r)
+    return LoRALayerWeights(a=np.ascontiguousarray(a), b=np.ascontiguousarray(b * np.float32(scale)))

@@ -90,6 +90,28 @@ def adapter_slot_arrays(adapter: LoRAAdapter, cfg: ModelConfig, max_rank: int, l
     return a_out, b_out
 
 
+def lm_head_slot_arrays(adapter: LoRAAdapter, cfg: ModelConfig, max_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """One slot's LM-head ``a`` ``(1, hidden, max_rank)`` and ``b`` ``(1, max_rank, vocab)``; zeros
+    when the adapter has no LM-head LoRA."""
+    a = np.zeros((1, cfg.hidden_size, max_rank), np.float32)
+    b = np.zeros((1, max_rank, cfg.vocab_size), np.float32)
+    w = adapter.lm_head
+    if w is not None:
+        a[0, :, :w.rank], b[0, :w.rank] = w.a.T, w.b.T
+    return a, b
+
+
+def embedding_slot_arrays(adapter: LoRAAdapter, cfg: ModelConfig, max_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """One slot's embedding ``a`` ``(1, vocab, max_rank)`` and ``b`` ``(1, max_rank, hidden)``; zeros
+    when the adapter has no embedding LoRA."""
+    a = np.zeros((1, cfg.vocab_size, max_rank), np.float32)
+    b = np.zeros((1, max_rank, cfg.hidden_size), np.float32)
+    w = adapter.embedding
+    if w is not None:
+        a[0, :, :w.rank], b[0, :w.rank] = w.a.T, w.b.T
+    return a, b
+
+
 def _shardings(tables: dict[str, Any], slot_axis: int) -> dict[str, jax.sharding.Sharding]:
     """Each table's (named) sharding with its slot axis dropped (a slot's array has one axis less)."""
     out: dict[str, jax.sharding.Sharding] = {}
@@ -117,7 +139,8 @@ class LoRASlotTable:
     gives the step's :class:`LoRABatch` for the tokens' slot indices."""
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: str | None = None,
-                 layout: TPLayout | None = None, abstract: bool = False):
+                 layout: TPLayout | None = None, abstract: bool = False, lm_head: bool = False,
+                 embedding: bool = False):
         self.cfg, self.max_loras, self.max_rank, self.layout = cfg, max_loras, max_rank, layout
         dt = jnp.dtype(dtype or cfg.dtype)
         layers = cfg.num_hidden_layers
@@ -127,11 +150,29 @@ class LoRASlotTable:
         # jax arrays (ShapeDtypeStructs when abstract)
         self.a: dict[str, Any] = {k: make((layers, d_in, max_loras, w)) for k, (d_in, w, _) in shapes.items()}
         self.b: dict[str, Any] = {k: make((layers, max_loras, max_rank, d_out)) for k, (_, _, d_out) in shapes.items()}
+        if lm_head:  # the LM head's slots, one "layer" so they share the other tables' axes
+            if layout is not None and layout.size > 1:
+                raise ValueError("an LM-head LoRA table is not supported under tensor parallelism "
+                                 "(the head is vocabulary-split)")
+            self.a["lm_head"] = make((1, cfg.hidden_size, max_loras, max_rank))
+            self.b["lm_head"] = make((1, max_loras, max_rank, cfg.vocab_size))
+        if embedding:  # a: (1, vocab, slots, rank), gathered by token id (LoRABatch.embedding_delta)
+            self.a["embed"] = make((1, cfg.vocab_size, max_loras, max_rank))
+            self.b["embed"] = make((1, max_loras, max_rank, cfg.hidden_size))
 
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
         if not 0 <= slot < self.max_loras:
             raise IndexError(f"LoRA slot {slot} outside 0..{self.max_loras - 1}")
         a, b = adapter_slot_arrays(adapter, self.cfg, self.max_rank, self.layout)
+        if "lm_head" in self.a:
+            a["lm_head"], b["lm_head"] = lm_head_slot_arrays(adapter, self.cfg, self.max_rank)
+        elif adapter.lm_head is not None:
+            raise ValueError(f"LoRA adapter {adapter.path} has an LM-head LoRA; this slot table has no LM-head slots")
+        if "embed" in self.a:
+            a["embed"], b["embed"] = embedding_slot_arrays(adapter, self.cfg, self.max_rank)
+        elif adapter.embedding is not None:
+            raise ValueError(f"LoRA adapter {adapter.path} has an embedding LoRA; "
+                             "this slot table has no embedding slots")
         if isinstance(next(iter(self.a.values())).sharding, jax.sharding.NamedSharding):
             # On a mesh, the new slot goes to the tables' devices split as they are, so the update
             # keeps their placement.

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import pallas_kernels
+from jaxserve.exceptions import ConfigError
 from jaxserve.models import load_model
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.lora_adapter import load_lora_adapter
@@ -27,7 +28,7 @@ class LoRASequence(PagedSequence):
     def _step(self, state, ids, kv, md, lora):
         model = nnx.merge(self.graphdef, state)
         hidden, kv = model(ids, kv, md, pallas_kernels.ragged_paged_attention_reference, lora=lora)
-        return model.compute_logits(hidden), kv
+        return model.compute_logits(hidden, lora=lora), kv
 
     def feed(self, token_ids):
         ids, md = self.inputs(token_ids)
@@ -100,3 +101,96 @@ def test_one_step_mixes_an_adapter_and_the_base(tiny_checkpoints, tmp_path):
     np.testing.assert_allclose(logits[:len(seqs[0])], peft_logits(pm, seqs[0]), rtol=2e-4, atol=2e-4)
     with pm.disable_adapter():
         np.testing.assert_allclose(logits[len(seqs[0]):], peft_logits(pm, seqs[1]), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])  # untied and tied heads
+def test_lm_head_lora_matches_peft_in_a_mixed_step(tiny_checkpoints, tmp_path, arch):
+    """An adapter on the LM head (and q/v): its rows equal peft, a base row and a layers-only
+    adapter's row in the same step are untouched by it, and writing a slot compiles nothing."""
+    folder = tiny_checkpoints[arch]
+    cfg = ModelConfig.from_pretrained(folder)
+    model = load_model(folder, scan_layers=True)
+    with_head = make_peft_adapter(folder, tmp_path / "h", seed=11, r=4, targets=["q_proj", "v_proj", "lm_head"]).eval()
+    with_head.save_pretrained(str(tmp_path / "h"), save_embedding_layers=False)  # no copy of the base head
+    no_head = make_peft_adapter(folder, tmp_path / "n", seed=12, r=8, targets=["o_proj"]).eval()
+    table = LoRASlotTable(cfg, max_loras=2, max_rank=8, lm_head=True)
+    head_adapter = load_lora_adapter(tmp_path / "h", cfg, 8, allow_lm_head=True)
+    assert head_adapter.lm_head is not None and head_adapter.lm_head.b.shape == (cfg.vocab_size, 4)
+    table.write(0, load_lora_adapter(tmp_path / "n", cfg, 8, allow_lm_head=True))
+    compiled = _write_slot._cache_size()
+    table.write(1, head_adapter)
+    assert _write_slot._cache_size() == compiled
+    ids = prompt(9, seed=3)
+    for slot, pm in ((1, with_head), (0, no_head)):
+        seq = LoRASequence(model, table, slot)
+        ours = np.concatenate([seq.feed(ids[:5]), seq.feed(ids[5:])])
+        np.testing.assert_allclose(ours[:, :cfg.vocab_size], peft_logits(pm, ids), rtol=2e-4, atol=2e-4)
+    with with_head.disable_adapter():
+        base = peft_logits(with_head, ids)
+    np.testing.assert_allclose(LoRASequence(model, table, -1).feed(ids)[:, :cfg.vocab_size], base,
+                               rtol=2e-4, atol=2e-4)
+    # The head's delta alone changes the logits: peft with only its lm_head LoRA active differs from the base.
+    assert not np.allclose(peft_logits(with_head, ids), base, atol=1e-3)
+    # One step, rows on slot 1 then the base: compute_logits applies each row's own slot.
+    seq = LoRASequence(model, table, -1)
+    mixed = jnp.asarray([1] * 4 + [-1] * 5, jnp.int32)
+    state_model = nnx.merge(seq.graphdef, seq.state)
+    h = jnp.asarray(np.random.default_rng(0).standard_normal((9, cfg.hidden_size)), jnp.float32)
+    got = np.asarray(state_model.compute_logits(h, lora=table.batch(mixed)))
+    plain = np.asarray(state_model.compute_logits(h))
+    w = head_adapter.lm_head
+    normed = np.asarray(state_model.norm(h), np.float32)
+    want = plain + np.where(np.asarray(mixed)[:, None] >= 0, normed @ w.a.T @ w.b.T, 0.0)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    jax.clear_caches()
+
+
+def test_lm_head_lora_is_refused_by_default_and_under_tp(tiny_checkpoints, tmp_path):
+    from jaxserve.models.tp_layout import TPLayout
+
+    folder = tiny_checkpoints["LlamaForCausalLM"]
+    cfg = ModelConfig.from_pretrained(folder)
+    pm = make_peft_adapter(folder, tmp_path / "h", seed=1, r=4, targets=["lm_head"])
+    with pytest.raises(ConfigError, match="full LM head weight.*save_embedding_layers=False"):
+        load_lora_adapter(tmp_path / "h", cfg, 8, allow_lm_head=True)  # PEFT saved a copy of the base head
+    pm.save_pretrained(str(tmp_path / "h"), save_embedding_layers=False)
+    with pytest.raises(ConfigError, match="LM head"):
+        load_lora_adapter(tmp_path / "h", cfg, 8)
+    adapter = load_lora_adapter(tmp_path / "h", cfg, 8, allow_lm_head=True)
+    assert adapter.weights == {} and adapter.rank == 4
+    with pytest.raises(ValueError, match="no LM-head slots"):
+        LoRASlotTable(cfg, max_loras=1, max_rank=8).write(0, adapter)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        LoRASlotTable(cfg, max_loras=1, max_rank=8, layout=TPLayout.of(cfg, 2), abstract=True, lm_head=True)
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])  # untied and tied
+def test_embedding_and_lm_head_lora_match_peft(tiny_checkpoints, tmp_path, arch):
+    """An adapter on embed_tokens, lm_head and k: each slot equals peft, the base slot and a
+    layers-only slot are untouched by it, and writing a slot compiles nothing."""
+    folder = tiny_checkpoints[arch]
+    cfg = ModelConfig.from_pretrained(folder)
+    model = load_model(folder, scan_layers=True)
+    both = make_peft_adapter(folder, tmp_path / "e", seed=21, r=4, targets=["embed_tokens", "lm_head", "k_proj"],
+                             use_rslora=True, lora_alpha=6).eval()
+    both.save_pretrained(str(tmp_path / "e"), save_embedding_layers=False)
+    layers_only = make_peft_adapter(folder, tmp_path / "n", seed=22, r=8, targets=["up_proj"]).eval()
+    table = LoRASlotTable(cfg, max_loras=2, max_rank=8, lm_head=True, embedding=True)
+    adapter = load_lora_adapter(tmp_path / "e", cfg, 8, allow_lm_head=True, allow_embedding=True)
+    assert adapter.embedding is not None and adapter.embedding.a.shape == (4, cfg.vocab_size)
+    table.write(1, load_lora_adapter(tmp_path / "n", cfg, 8))
+    compiled = _write_slot._cache_size()
+    table.write(0, adapter)
+    assert _write_slot._cache_size() == compiled
+    ids = prompt(10, seed=4)
+    for slot, pm in ((0, both), (1, layers_only)):
+        seq = LoRASequence(model, table, slot)
+        ours = np.concatenate([seq.feed(ids[:4]), seq.feed(ids[4:])])
+        np.testing.assert_allclose(ours[:, :cfg.vocab_size], peft_logits(pm, ids), rtol=2e-4, atol=2e-4)
+    with both.disable_adapter():
+        base = peft_logits(both, ids)
+    np.testing.assert_allclose(LoRASequence(model, table, -1).feed(ids)[:, :cfg.vocab_size], base,
+                               rtol=2e-4, atol=2e-4)
+    with pytest.raises(ConfigError, match="embedding"):
+        load_lora_adapter(tmp_path / "e", cfg, 8, allow_lm_head=True)  # the engine's default still refuses it
+    jax.clear_caches()
