@@ -123,7 +123,9 @@ def check_against_reference(fn: AttentionFn, *, atol: float = 2e-3, sliding_wind
     kv_dtype = dtype if kv_dtype is None else jnp.dtype(kv_dtype)
     for i, case in enumerate(cases):
         args = make_check_batch(case, shape, seed=i, dtype=dtype, kv_dtype=kv_dtype)
-        got = candidate(*args)
+        # wait for the kernel before the reference runs: an interpreted kernel's host callbacks
+        # still in flight while the next program dispatches hung a CPU test run
+        got = jax.block_until_ready(candidate(*args))
         want = _reference_output(case, shape, i, tuple(sorted(options.items())), dtype, kv_dtype)
         if got.shape != want.shape:
             raise ValueError(f"case {case.name}: output shape {got.shape}, the contract's is {want.shape}")
