@@ -158,8 +158,11 @@ def load_lora_adapter(path: str | Path, cfg: ModelConfig, max_lora_rank: int, al
             raise ConfigError(f"{source}: tensor {key!r} names layer {layer}, the model has {cfg.num_hidden_layers}")
         pairs.setdefault((layer, proj), {})[ab] = np.asarray(st.get(key), dtype=np.float32)
 
-    lm_head = _lm_head_weights(head, conf, cfg, max_lora_rank, source) if head else None
-    embedding = _embedding_weights(embed, conf, cfg, max_lora_rank, source) if embed else None
+    h, v = cfg.hidden_size, cfg.vocab_size
+    lm_head = _pair_weights("lm_head", ("lora_A", "lora_B"), head, (h, v), conf, max_lora_rank,
+                            source) if head else None
+    embedding = _pair_weights("embed_tokens", ("lora_embedding_A", "lora_embedding_B"), embed, (v, h), conf,
+                              max_lora_rank, source) if embed else None
     if not pairs and lm_head is None and embedding is None:
         raise ConfigError(f"{source}: {WEIGHTS_FILE} holds no LoRA weights")
     weights: dict[tuple[int, str], LoRALayerWeights] = {}
@@ -191,34 +194,18 @@ def _scale(conf: dict[str, Any], key: str, r: int) -> float:
     return alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
 
 
-def _lm_head_weights(ab: dict[str, np.ndarray], conf: dict[str, Any], cfg: ModelConfig, max_lora_rank: int,
-                     source: str) -> LoRALayerWeights:
-    """The LM head's pair, a Linear LoRA over the (tied or untied) head: ``(r, hidden)`` and ``(vocab, r)``."""
+def _pair_weights(name: str, labels: tuple[str, str], ab: dict[str, np.ndarray], needs: tuple[int, int],
+                  conf: dict[str, Any], max_lora_rank: int, source: str) -> LoRALayerWeights:
+    """A whole-module pair, ``a`` ``(r, needs[0])`` and ``b`` ``(needs[1], r)`` (``b`` scaled): the LM
+    head (a Linear LoRA: hidden, vocab) or PEFT's embedding pair (vocab, hidden)."""
     if set(ab) != {"A", "B"}:
-        raise ConfigError(f"{source}: lm_head has lora_{'A' if 'A' in ab else 'B'} without its pair")
+        raise ConfigError(f"{source}: {name} has {labels[0 if 'A' in ab else 1]} without its pair")
     a, b = ab["A"], ab["B"]
     r = a.shape[0]
-    if a.shape != (r, cfg.hidden_size) or b.shape != (cfg.vocab_size, r):
-        raise ConfigError(f"{source}: lm_head has lora_A {a.shape} and lora_B {b.shape}; the base model "
-                          f"needs ({r}, {cfg.hidden_size}) and ({cfg.vocab_size}, {r})")
+    if a.shape != (r, needs[0]) or b.shape != (needs[1], r):
+        raise ConfigError(f"{source}: {name} has {labels[0]} {a.shape} and {labels[1]} {b.shape}; the base model "
+                          f"needs ({r}, {needs[0]}) and ({needs[1]}, {r})")
     if r > max_lora_rank:
-        raise ConfigError(f"{source}: lm_head has rank r={r} above max_lora_rank={max_lora_rank}")
-    scale = _scale(conf, "lm_head", r)
-    return LoRALayerWeights(a=np.ascontiguousarray(a), b=np.ascontiguousarray(b * np.float32(scale)))
-
-
-def _embedding_weights(ab: dict[str, np.ndarray], conf: dict[str, Any], cfg: ModelConfig, max_lora_rank: int,
-                       source: str) -> LoRALayerWeights:
-    """PEFT's embedding pair, ``lora_embedding_A`` ``(r, vocab)`` and ``lora_embedding_B`` ``(hidden, r)``:
-    ``delta(token) = a[:, token] @ b.T`` (``b`` scaled)."""
-    if set(ab) != {"A", "B"}:
-        raise ConfigError(f"{source}: embed_tokens has lora_embedding_{'A' if 'A' in ab else 'B'} without its pair")
-    a, b = ab["A"], ab["B"]
-    r = a.shape[0]
-    if a.shape != (r, cfg.vocab_size) or b.shape != (cfg.hidden_size, r):
-        raise ConfigError(f"{source}: embed_tokens has lora_embedding_A {a.shape} and lora_embedding_B {b.shape}; "
-                          f"the base model needs ({r}, {cfg.vocab_size}) and ({cfg.hidden_size}, {r})")
-    if r > max_lora_rank:
-        raise ConfigError(f"{source}: embed_tokens has rank r={r} above max_lora_rank={max_lora_rank}")
-    scale = _scale(conf, "embed_tokens", r)
+        raise ConfigError(f"{source}: {name} has rank r={r} above max_lora_rank={max_lora_rank}")
+    scale = _scale(conf, name, r)
     return LoRALayerWeights(a=np.ascontiguousarray(a), b=np.ascontiguousarray(b * np.float32(scale)))
