@@ -35,6 +35,7 @@ _LAZY = {
     "PromptType": "jaxserve.engine.processor",
     "StructuredOutputsParams": "jaxserve.core.structured_outputs",
     "LoRARequest": "jaxserve.core.lora_request",
+    "with_startup_lora_slots": "jaxserve.engine.lora_startup",  # the LM-head/embedding slots --lora-modules need
     "chat_images": "jaxserve.engine.media",  # chat image parts -> template text and images (LLM.chat, the server)
     "InvalidRequestError": "jaxserve.exceptions",
     "ConfigError": "jaxserve.exceptions",

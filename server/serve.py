@@ -121,16 +121,19 @@ def _serve(args: FrontendArgs, config: EngineConfig, sock: socket.socket, chat_t
            api_key: str | None, parsers, started: float) -> None:
     import uvicorn
 
-    from jaxserve import AsyncLLM, DPAsyncLLM, pooling_task_of
+    from jaxserve import AsyncLLM, DPAsyncLLM, pooling_task_of, with_startup_lora_slots
 
     from .app import build_app
     from .gc_heap import freeze_startup_heap
     from .header_timeout import header_timeout_protocol
+    from .lora import parse_lora_modules
 
     task = pooling_task_of(config)
     if task is not None:
         _serve_pooling(args, config, task, sock, api_key, started)
         return
+    # The LM-head / embedding LoRA slots a startup adapter needs are allocated with the engine.
+    config = with_startup_lora_slots(config, parse_lora_modules(args.lora_modules, ""))
     engine_class = DPAsyncLLM if config.data_parallel_size > 1 else AsyncLLM
     engine: EngineClient = engine_class.from_config(config, served_model_name=args.served_model_name,
                                       max_waiting=args.max_waiting, show_progress=True)

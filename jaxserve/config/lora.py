@@ -18,8 +18,20 @@ class LoRAConfig(SubConfig):
     max_lora_rank: int = 16
     """Largest adapter rank r accepted; the slots are padded to it (vLLM's flag)."""
 
+    lora_lm_head: bool = False
+    """Allocate LM-head LoRA slots, so adapters whose target_modules include lm_head are served
+    (each row's logits add its adapter's delta). Set by itself when a --lora-modules adapter has one;
+    off, such an adapter loaded later is refused naming this flag. Tensor parallelism 1 only."""
+    lora_embedding: bool = False
+    """Allocate token-embedding LoRA slots, so adapters whose target_modules include embed_tokens
+    are served. Set by itself when a --lora-modules adapter has one; off, such an adapter loaded
+    later is refused naming this flag. Tensor parallelism 1 only."""
+
     def validate(self) -> None:
         if not self.enable_lora:
+            for name in ("lora_lm_head", "lora_embedding"):
+                if getattr(self, name):
+                    raise self.bad(name, "needs enable_lora")
             return
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:

@@ -91,6 +91,7 @@ class InputProcessor:
         self.all_eos_ids = ([] if self.eos_token_id is None else [self.eos_token_id]) + self.extra_eos_ids
         lora = config.lora_config
         self.lora_adapters: LoRAAdapterCache | None = None  # LoRA off: a lora_request is refused
+        self.lora_config = lora
         if lora.enable_lora:
             from jaxserve.models.lora_cache import LoRAAdapterCache
 
@@ -122,6 +123,12 @@ class InputProcessor:
                                                       f"{', '.join(moe_targets)} target the mixture-of-experts MLP "
                                                       f"of {self.model_config.architecture}, which takes no LoRA "
                                                       "delta yet (q_proj, k_proj, v_proj, o_proj only)")
+        for module, weights, flag in (("lm_head", adapter.lm_head, "lora_lm_head"),
+                                      ("embed_tokens", adapter.embedding, "lora_embedding")):
+            if weights is not None and not getattr(self.lora_config, flag):  # no slots for it: refuse, never ignore
+                raise InvalidRequestError("lora_request", f"LoRA adapter {lora_request.lora_path}: target_modules "
+                                                          f"{module} needs {flag}=True (--{flag.replace('_', '-')}): "
+                                                          "this engine was started without those LoRA slots")
         return lora_cache_key(lora_request.lora_name, adapter.digest), adapter
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -51,6 +51,18 @@ _LM_HEAD_KEY = re.compile(r"^base_model\.model\.lm_head\.lora_(A|B)\.weight$")
 _EMBED_KEY = re.compile(r"^base_model\.model\.model\.embed_tokens\.lora_embedding_(A|B)(\.weight)?$")
 
 
+def whole_module_targets(path: str | Path) -> set[str]:
+    """Which of ``lm_head`` / ``embed_tokens`` the adapter folder holds LoRA pairs for, read from
+    the weight file's header alone (no tensor); empty when the folder has no weight file (loading
+    it then fails, naming what is missing)."""
+    weights_file = Path(path) / WEIGHTS_FILE
+    if not weights_file.is_file():
+        return set()
+    keys = SafetensorsFile(weights_file).keys()
+    return ({"lm_head"} if any(_LM_HEAD_KEY.match(k) for k in keys) else set()) | (
+        {"embed_tokens"} if any(_EMBED_KEY.match(k) for k in keys) else set())
+
+
 def projection_shape(cfg: ModelConfig, proj: str) -> tuple[int, int]:
     """``(in_features, out_features)`` of a base projection."""
     h, i = cfg.hidden_size, cfg.intermediate_size
@@ -113,7 +125,8 @@ def load_lora_adapter(path: str | Path, cfg: ModelConfig, max_lora_rank: int, al
                       allow_embedding: bool = False) -> LoRAAdapter:
     """Read and check a PEFT adapter folder against the base model ``cfg``. ``allow_lm_head`` /
     ``allow_embedding``: read an LM-head / embedding LoRA (applied by the model when its slot table
-    has them; the engine does not pass them yet, so it refuses such adapters)."""
+    has them); off, such a pair is refused naming the module. The engine reads both and checks
+    them against the slot tables it allocated."""
     folder = Path(path)
     conf_file, weights_file = folder / CONFIG_FILE, folder / WEIGHTS_FILE
     if not conf_file.is_file():

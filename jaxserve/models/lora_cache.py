@@ -42,7 +42,8 @@ class LoRAAdapterCache:
         sig = _signature(Path(path))
         held = self._adapters.get(name)
         if held is None or reload or held[0] != sig:
-            adapter = load_lora_adapter(path, self.cfg, self.max_lora_rank)
+            # LM-head and embedding pairs are read too: the engine checks them against its slot tables.
+            adapter = load_lora_adapter(path, self.cfg, self.max_lora_rank, allow_lm_head=True, allow_embedding=True)
             self.loads += 1
             self._adapters[name] = (sig, adapter)
         else:

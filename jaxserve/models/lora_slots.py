@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxserve.layers.lora import FUSED_PROJECTIONS, LoRABatch
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.lora_adapter import LoRAAdapter, projection_shape
+from jaxserve.models.lora_adapter import LoRAAdapter, LoRALayerWeights, projection_shape
 from jaxserve.models.tp_layout import TPLayout
 
 
@@ -90,23 +90,13 @@ def adapter_slot_arrays(adapter: LoRAAdapter, cfg: ModelConfig, max_rank: int, l
     return a_out, b_out
 
 
-def lm_head_slot_arrays(adapter: LoRAAdapter, cfg: ModelConfig, max_rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """One slot's LM-head ``a`` ``(1, hidden, max_rank)`` and ``b`` ``(1, max_rank, vocab)``; zeros
-    when the adapter has no LM-head LoRA."""
-    a = np.zeros((1, cfg.hidden_size, max_rank), np.float32)
-    b = np.zeros((1, max_rank, cfg.vocab_size), np.float32)
-    w = adapter.lm_head
-    if w is not None:
-        a[0, :, :w.rank], b[0, :w.rank] = w.a.T, w.b.T
-    return a, b
-
-
-def embedding_slot_arrays(adapter: LoRAAdapter, cfg: ModelConfig, max_rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """One slot's embedding ``a`` ``(1, vocab, max_rank)`` and ``b`` ``(1, max_rank, hidden)``; zeros
-    when the adapter has no embedding LoRA."""
-    a = np.zeros((1, cfg.vocab_size, max_rank), np.float32)
-    b = np.zeros((1, max_rank, cfg.hidden_size), np.float32)
-    w = adapter.embedding
+def module_slot_arrays(w: LoRALayerWeights | None, d_in: int, d_out: int, max_rank: int
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """One slot's arrays of a whole-module pair (the LM head: ``d_in`` hidden, ``d_out`` vocab; the
+    embedding: vocab, hidden): ``a`` ``(1, d_in, max_rank)`` and ``b`` ``(1, max_rank, d_out)``, one
+    "layer" so they share the fused tables' axes; zeros when the adapter has no such pair."""
+    a = np.zeros((1, d_in, max_rank), np.float32)
+    b = np.zeros((1, max_rank, d_out), np.float32)
     if w is not None:
         a[0, :, :w.rank], b[0, :w.rank] = w.a.T, w.b.T
     return a, b
@@ -150,10 +140,10 @@ class LoRASlotTable:
         # jax arrays (ShapeDtypeStructs when abstract)
         self.a: dict[str, Any] = {k: make((layers, d_in, max_loras, w)) for k, (d_in, w, _) in shapes.items()}
         self.b: dict[str, Any] = {k: make((layers, max_loras, max_rank, d_out)) for k, (_, _, d_out) in shapes.items()}
+        if (lm_head or embedding) and layout is not None and layout.size > 1:
+            raise ValueError("LM-head and embedding LoRA tables are not supported under tensor parallelism "
+                             "(the head and the embedding are vocabulary-split)")
         if lm_head:  # the LM head's slots, one "layer" so they share the other tables' axes
-            if layout is not None and layout.size > 1:
-                raise ValueError("an LM-head LoRA table is not supported under tensor parallelism "
-                                 "(the head is vocabulary-split)")
             self.a["lm_head"] = make((1, cfg.hidden_size, max_loras, max_rank))
             self.b["lm_head"] = make((1, max_loras, max_rank, cfg.vocab_size))
         if embedding:  # a: (1, vocab, slots, rank), gathered by token id (LoRABatch.embedding_delta)
@@ -165,11 +155,13 @@ class LoRASlotTable:
             raise IndexError(f"LoRA slot {slot} outside 0..{self.max_loras - 1}")
         a, b = adapter_slot_arrays(adapter, self.cfg, self.max_rank, self.layout)
         if "lm_head" in self.a:
-            a["lm_head"], b["lm_head"] = lm_head_slot_arrays(adapter, self.cfg, self.max_rank)
+            a["lm_head"], b["lm_head"] = module_slot_arrays(adapter.lm_head, self.cfg.hidden_size,
+                                                            self.cfg.vocab_size, self.max_rank)
         elif adapter.lm_head is not None:
             raise ValueError(f"LoRA adapter {adapter.path} has an LM-head LoRA; this slot table has no LM-head slots")
         if "embed" in self.a:
-            a["embed"], b["embed"] = embedding_slot_arrays(adapter, self.cfg, self.max_rank)
+            a["embed"], b["embed"] = module_slot_arrays(adapter.embedding, self.cfg.vocab_size,
+                                                        self.cfg.hidden_size, self.max_rank)
         elif adapter.embedding is not None:
             raise ValueError(f"LoRA adapter {adapter.path} has an embedding LoRA; "
                              "this slot table has no embedding slots")

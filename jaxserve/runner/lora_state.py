@@ -29,8 +29,9 @@ class RunnerLoRA:
     their shapes carrying the shardings)."""
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, mesh: Mesh, layout: TPLayout,
-                 place: Callable, abstract: bool = False):
-        self.table = LoRASlotTable(cfg, max_loras, max_rank, layout=layout, abstract=abstract)
+                 place: Callable, abstract: bool = False, lm_head: bool = False, embedding: bool = False):
+        self.table = LoRASlotTable(cfg, max_loras, max_rank, layout=layout, abstract=abstract, lm_head=lm_head,
+                                   embedding=embedding)
         a_specs, b_specs = lora_table_specs(self.table.a)
         self.shardings = ({k: NamedSharding(mesh, v) for k, v in a_specs.items()},
                           {k: NamedSharding(mesh, v) for k, v in b_specs.items()})
@@ -39,6 +40,11 @@ class RunnerLoRA:
         self.key_of: dict[str, str] = {}  # request id -> adapter key (name@sha256)
         self.adapters: dict[str, LoRAAdapter] = {}  # adapter key -> weights, while a request uses it
         self.num_slot_writes = 0
+
+    @property
+    def has_lm_head(self) -> bool:
+        """The LM head has slots: the logits rows (and prompt logprobs) carry their slot."""
+        return "lm_head" in self.table.a
 
     @property
     def tables(self) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:

@@ -81,6 +81,9 @@ def lora_table_specs(names) -> tuple[dict[str, PartitionSpec], dict[str, Partiti
     and down, where the base's own all-reduce follows."""
     specs: tuple[dict[str, PartitionSpec], dict[str, PartitionSpec]] = ({}, {})
     for name in names:
+        if name not in LORA_SPLIT:  # the LM head's and the embedding's slots: tensor parallelism 1 only
+            specs[0][name], specs[1][name] = REPLICATED, REPLICATED
+            continue
         which, axis = LORA_SPLIT[name]
         for table, spec in zip("ab", specs):
             spec[name] = (PartitionSpec(*(TP_AXIS if i == axis else None for i in range(4)))

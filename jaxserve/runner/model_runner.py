@@ -293,7 +293,8 @@ class ModelRunner:
         lora = config.lora_config
         self.lora = (RunnerLoRA(self.mc, lora.max_loras, lora.max_lora_rank, self.mesh,
                                 TPLayout.of(self.mc, self.config.tensor_parallel_size), self._place,
-                                abstract=self.target.is_abstract)
+                                abstract=self.target.is_abstract, lm_head=lora.lora_lm_head,
+                                embedding=lora.lora_embedding)
                      if lora.enable_lora else None)
         # Speculative decoding: K (static, 0: off) and the proposer run after each step (the
         # draft model's is built once the attention backend and the pool are known).
@@ -477,10 +478,14 @@ class ModelRunner:
         spec = inputs.spec
         md, row_slots = inputs.sampling, x.row_slots
         extra_outputs = None
-        if spec is None:
-            logits = model.compute_logits(hidden[x.logits_indices], *self._split_args)
-        else:  # each row at its d+1 positions: one sampler row each (jaxserve.sample.spec_verify)
-            logits = model.compute_logits(hidden[spec.logits_indices], *self._split_args)
+        # with speculation, each row at its d+1 positions: one sampler row each (jaxserve.sample.spec_verify)
+        logits_indices = x.logits_indices if spec is None else spec.logits_indices
+        head: dict[str, Any] = {}
+        if use_lora and "lm_head" in lora_tables[0]:  # a logits row is its token's: it carries that token's slot
+            assert inputs.lora_slot_ids is not None
+            head["lora"] = LoRABatch(slot_ids=inputs.lora_slot_ids[logits_indices], a=lora_tables[0], b=lora_tables[1])
+        logits = model.compute_logits(hidden[logits_indices], *self._split_args, **head)
+        if spec is not None:
             md = position_rows(md, spec.position_rows, spec.position_offsets)
             row_slots = row_slots[spec.position_rows]  # the bitmask has a row per position already
             extra_outputs = earlier_drafts(spec.draft_token_ids, spec.position_rows, spec.position_offsets)
@@ -782,7 +787,10 @@ class ModelRunner:
         result = self._launch(self._executable(variant), buf, device_mask, mm)
         self._prev_row_of = {r: i for i, r in enumerate(plan.req_ids)}
         self.stats.record_step(plan.num_tokens, plan.token_bucket)
-        self.prompt_logprobs.accumulate(self.model_state, result.hidden, plan, states, so)
+        head_lora = None  # the LM head's slot tables and each token's slot, for its prompt logprobs
+        if self.lora is not None and self.lora.has_lm_head:
+            head_lora = (self.lora.tables, inputs.lora_slot_ids)
+        self.prompt_logprobs.accumulate(self.model_state, result.hidden, plan, states, so, head_lora)
         return dataclasses.replace(prepared, out=result.sampler, expert_load=result.expert_load)
 
     def sampled_tokens(self, step: InFlightStep) -> dict[str, int]:

@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.core.sched_output import SchedulerOutput
+from jaxserve.layers.lora import LoRABatch
 from jaxserve.runner.input_batch import CachedRequestState, StepPlan
 from jaxserve.sample.policy import SamplerPolicy
 from jaxserve.sample.sampler import gather_logprobs
@@ -39,8 +40,10 @@ class PromptLogprobsWorker:
         state.prompt_logprobs_rows = [] if state.sampling_params.prompt_logprobs is not None else None
 
     def accumulate(self, model_state, hidden: jax.Array, plan: StepPlan, states: Sequence[CachedRequestState],
-                   so: SchedulerOutput) -> None:
-        """Add the rows of this step's prompt tokens to the requests that ask (none: no work)."""
+                   so: SchedulerOutput, head_lora: tuple | None = None) -> None:
+        """Add the rows of this step's prompt tokens to the requests that ask (none: no work).
+        ``head_lora``: the LoRA tables and each token's slot when the LM head has LoRA slots (the
+        program then always takes them, so a step with or without adapters runs the same one)."""
         if all(s.sampling_params.prompt_logprobs is None for s in states):
             return
         next_ids = np.zeros(plan.token_bucket, np.int32)
@@ -55,7 +58,12 @@ class PromptLogprobsWorker:
                 next_ids[t : t + stop - start] = prompt[start + 1 : stop + 1]
                 spans.append((state, t, stop - start))
             t += n
-        values, ids, ranks = jax.device_get(self._fn(model_state, hidden, jax.device_put(next_ids, self.replicated)))
+        lora = None
+        if head_lora is not None:
+            tables, slot_ids = head_lora
+            lora = LoRABatch(slot_ids=jax.device_put(slot_ids, self.replicated), a=tables[0], b=tables[1])
+        values, ids, ranks = jax.device_get(self._fn(model_state, hidden, jax.device_put(next_ids, self.replicated),
+                                                     lora))
         for state, t0, count in spans:
             k = state.sampling_params.prompt_logprobs + 1
             rows = state.prompt_logprobs_rows
@@ -70,7 +78,9 @@ class PromptLogprobsWorker:
         state.prompt_logprobs_rows = None
         return rows
 
-    def _logprobs(self, model_state, hidden, next_token_ids):
-        """Logprobs of each scheduled token's successor in the prompt, from every position's logits."""
-        logits = nnx.merge(self.graphdef, model_state).compute_logits(hidden, *self.split_args)
+    def _logprobs(self, model_state, hidden, next_token_ids, lora: LoRABatch | None = None):
+        """Logprobs of each scheduled token's successor in the prompt, from every position's logits
+        (with ``lora``, each position's LM-head slot delta added)."""
+        head = {} if lora is None else {"lora": lora}
+        logits = nnx.merge(self.graphdef, model_state).compute_logits(hidden, *self.split_args, **head)
         return gather_logprobs(logits, next_token_ids, self.num_logprobs, self.policy)

@@ -82,6 +82,8 @@ def test_mixed_batch_with_chunks_preemption_and_prefix_hits_matches_peft(setup):
     _, _, pms, loras, llm = setup
     prompts = make_prompts()
     names = [None, "a0", "a1"] * 4
+    # Adapters on the layers only: no LM-head or embedding table, so the steps are the ones of before.
+    assert set(llm.llm_engine.core.runner.lora.tables[0]) == {"qkv", "o", "gate_up", "down"}
     before = llm.stats()
     toks, lps, outs = run(llm, prompts, [None if n is None else loras[n] for n in names])
     for prompt, name, t, lp in zip(prompts, names, toks, lps):

@@ -1,6 +1,8 @@
 """What LoRA does not cover is refused by name, never ignored: an adapter on a mixture-of-experts
-model's MLP (the experts take no delta), an expert's own projections, and DoRA. No model runs: the
-input processor reads hand-written PEFT folders."""
+model's MLP (the experts take no delta), an expert's own projections, DoRA, an LM-head or embedding
+adapter on an engine without those slots, and those slots under tensor parallelism; startup
+adapters allocate the slots they need. No model runs: the input processor reads hand-written PEFT
+folders."""
 
 from __future__ import annotations
 
@@ -8,11 +10,11 @@ import json
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
-from jaxserve import EngineConfig, LoRARequest
+from jaxserve import EngineConfig, LoRARequest, with_startup_lora_slots
 from jaxserve.engine.processor import InputProcessor
-from jaxserve.exceptions import InvalidRequestError
+from jaxserve.exceptions import ConfigError, InvalidRequestError
 from jaxserve.models.config import ModelConfig
 
 HIDDEN, RANK = 8, 2
@@ -37,8 +39,8 @@ def peft_folder(path, modules: dict[str, tuple[int, int]], **config) -> str:
     return str(path)
 
 
-def resolve(cfg: dict, folder: str):
-    engine = EngineConfig(enable_lora=True, max_loras=1, max_lora_rank=8)
+def resolve(cfg: dict, folder: str, **engine_kwargs):
+    engine = EngineConfig(enable_lora=True, max_loras=1, max_lora_rank=8, **engine_kwargs)
     return InputProcessor(None, ModelConfig.from_dict(cfg), 32, engine).resolve_lora(LoRARequest("a", 1, folder))
 
 
@@ -65,3 +67,62 @@ def test_dora_is_refused_naming_use_dora(tmp_path):
     folder = peft_folder(tmp_path / "a", {"self_attn.q_proj": (HIDDEN, 8)}, use_dora=True)
     with pytest.raises(InvalidRequestError, match="use_dora"):
         resolve({**MOE, "architectures": ["Qwen3ForCausalLM"]}, folder)
+
+
+DENSE = {**{k: v for k, v in MOE.items() if "expert" not in k and k != "moe_intermediate_size"},
+         "architectures": ["Qwen3ForCausalLM"]}
+
+
+def whole_module_folder(path, lm_head: bool, embedding: bool) -> str:
+    """A PEFT folder with q_proj and, as asked, an LM-head and an embedding pair (PEFT's key names)."""
+    folder = peft_folder(path, {"self_attn.q_proj": (HIDDEN, 8)})
+    weights = path / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    vocab = DENSE["vocab_size"]
+    if lm_head:
+        tensors["base_model.model.lm_head.lora_A.weight"] = np.ones((RANK, HIDDEN), np.float32)
+        tensors["base_model.model.lm_head.lora_B.weight"] = np.ones((vocab, RANK), np.float32)
+    if embedding:
+        tensors["base_model.model.model.embed_tokens.lora_embedding_A"] = np.ones((RANK, vocab), np.float32)
+        tensors["base_model.model.model.embed_tokens.lora_embedding_B"] = np.ones((HIDDEN, RANK), np.float32)
+    save_file(tensors, str(weights))
+    return folder
+
+
+def test_head_and_embedding_adapters_need_their_slots(tmp_path):
+    head = whole_module_folder(tmp_path / "h", lm_head=True, embedding=False)
+    emb = whole_module_folder(tmp_path / "e", lm_head=False, embedding=True)
+    with pytest.raises(InvalidRequestError, match="target_modules lm_head needs lora_lm_head=True") as err:
+        resolve(DENSE, head)
+    assert err.value.param == "lora_request"
+    with pytest.raises(InvalidRequestError, match="target_modules embed_tokens needs lora_embedding=True"):
+        resolve(DENSE, emb, lora_lm_head=True)  # the head's slots do not serve the embedding
+    _, adapter = resolve(DENSE, head, lora_lm_head=True)
+    assert adapter.lm_head is not None and adapter.lm_head.b.shape == (DENSE["vocab_size"], RANK)
+    _, adapter = resolve(DENSE, emb, lora_embedding=True)
+    assert adapter.embedding is not None and adapter.embedding.a.shape == (RANK, DENSE["vocab_size"])
+
+
+@pytest.mark.parametrize("flag", ["lora_lm_head", "lora_embedding"])
+def test_head_and_embedding_slots_are_refused_under_tensor_parallelism(flag):
+    with pytest.raises(ConfigError, match=f"{flag}: .*tensor_parallel_size 2"):
+        EngineConfig(enable_lora=True, tensor_parallel_size=2, **{flag: True})
+    with pytest.raises(ConfigError, match=f"{flag}: needs enable_lora"):
+        EngineConfig(**{flag: True})
+
+
+def test_startup_adapters_allocate_the_slots_they_need(tmp_path):
+    plain = LoRARequest("p", 1, peft_folder(tmp_path / "p", {"self_attn.q_proj": (HIDDEN, 8)}))
+    head = LoRARequest("h", 2, whole_module_folder(tmp_path / "h", lm_head=True, embedding=False))
+    both = LoRARequest("b", 3, whole_module_folder(tmp_path / "b", lm_head=True, embedding=True))
+    missing = LoRARequest("m", 4, str(tmp_path / "none"))
+    config = EngineConfig(enable_lora=True)
+    unchanged = with_startup_lora_slots(config, [plain, missing])
+    assert unchanged is config and not config.lora_lm_head and not config.lora_embedding
+    with_head = with_startup_lora_slots(config, [plain, head])
+    assert with_head.lora_lm_head and not with_head.lora_embedding and not config.lora_lm_head
+    with_both = with_startup_lora_slots(config, [both])
+    assert with_both.lora_lm_head and with_both.lora_embedding
+    assert not with_startup_lora_slots(EngineConfig(), [both]).lora_lm_head  # LoRA off: nothing allocated
+    with pytest.raises(ConfigError, match="lora_lm_head: .*tensor_parallel_size 2"):
+        with_startup_lora_slots(EngineConfig(enable_lora=True, tensor_parallel_size=2), [head])

@@ -1,6 +1,7 @@
 """LoRA over HTTP on a real ``jaxserve serve`` with the official openai client: ``--lora-modules``
 (both forms), ``model`` picking an adapter, ``/v1/models`` listing adapters with their parent,
-greedy tokens and logprobs equal to transformers + peft in one mixed batch, and vLLM's runtime
+greedy tokens and logprobs equal to transformers + peft in one mixed batch (an LM-head and
+embedding adapter among them: a startup adapter allocates those slots), and vLLM's runtime
 load / unload / reload behind ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``."""
 
 from __future__ import annotations
@@ -28,14 +29,16 @@ def lora_server(tiny_checkpoints, tmp_path_factory):
     base = tiny_checkpoints["LlamaForCausalLM"]
     root = tmp_path_factory.mktemp("http_loras")
     pms = {"a0": make_peft_adapter(base, root / "a0", seed=3, r=8).eval(),
-           "a1": make_peft_adapter(base, root / "a1", seed=4, r=4, targets=["q_proj", "v_proj"]).eval()}
+           "a1": make_peft_adapter(base, root / "a1", seed=4, r=4, targets=["q_proj", "v_proj"]).eval(),
+           "h": make_peft_adapter(base, root / "h", seed=8, r=4, targets=["lm_head", "embed_tokens", "k_proj"]).eval()}
+    pms["h"].save_pretrained(str(root / "h"), save_embedding_layers=False)  # LoRA pairs, no base copy
     a1 = json.dumps({"name": "a1", "path": str(root / "a1"), "base_model_name": "tiny"})
     log_path = Path(tempfile.mkdtemp(prefix="jaxserve-lora-")) / "server.log"
     os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # the child process reads it
     try:
         handle = start_server([base, "--served-model-name", "tiny", "--enable-lora", "--max-loras", "2",
                                "--max-cpu-loras", "4", "--max-lora-rank", "8",
-                               "--lora-modules", f"a0={root / 'a0'}", a1], log_path)
+                               "--lora-modules", f"a0={root / 'a0'}", a1, f"h={root / 'h'}"], log_path)
     finally:
         del os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]
     client = openai.OpenAI(base_url=handle.url, api_key="unused", max_retries=0, timeout=120)
@@ -56,16 +59,16 @@ def complete(client, model: str, prompt: list[int]):
 def test_models_lists_the_adapters_with_their_parent(lora_server):
     handle, client, *_ = lora_server
     cards = {m.id: m for m in client.models.list().data}
-    assert set(cards) == {"tiny", "a0", "a1"}
+    assert set(cards) == {"tiny", "a0", "a1", "h"}
     assert cards["a0"].parent == "tiny" and cards["a1"].parent == "tiny" and cards["a0"].root.endswith("a0")
     assert client.models.retrieve("a1").id == "a1"
 
 
 def test_a_mixed_batch_matches_peft(lora_server):
     _, client, _, _, pms = lora_server
-    prompts = make_prompts(6)
-    models = ["tiny", "a0", "a1"] * 2
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:  # in flight together: one mixed batch
+    prompts = make_prompts(8)
+    models = ["tiny", "a0", "a1", "h"] * 2
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # in flight together: one mixed batch
         got = list(pool.map(lambda mp: complete(client, *mp), zip(models, prompts)))
     for model, prompt, (tokens, logprobs) in zip(models, prompts, got):
         if model == "tiny":
