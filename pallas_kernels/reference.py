@@ -142,20 +142,22 @@ def write_kv(k_cache, v_cache, k_new, v_new, slot_mapping):
     """Scatter this step's keys/values into the paged cache; returns ``(k_cache, v_cache)``.
 
     ``slot = block_id * block_size + offset``; negative slots (padding tokens) are ignored. This is
-    an XLA scatter on the cache viewed as ``[num_blocks * block_size, Hkv, D]`` (a free reshape);
-    when the caller jits with the caches donated, XLA updates them in place, so the cost is just the
-    ``T * Hkv * D`` written elements. A custom kernel would not be faster for a pure scatter, so
-    there is none. Duplicate non-negative slots are not allowed (last writer is unspecified).
+    an XLA scatter at ``(block_id, offset)`` of the cache as it is shaped; when the caller jits
+    with the caches donated, XLA updates them in place, so the cost is just the ``T * Hkv * D``
+    written elements. A custom kernel would not be faster for a pure scatter, so there is none.
+    Duplicate non-negative slots are not allowed (last writer is unspecified).
+
+    Not on the cache viewed flat as ``[num_blocks * block_size, Hkv, D]``: for one token XLA turns
+    the scatter into a dynamic-update-slice whose dropped-slot check reads the old row, and behind
+    the reshape's bitcast that read is not fused with the update, so XLA:CPU copied the whole
+    cache to update it, every layer of a scanned decode step.
     """
     nb, bs, hkv, d = k_cache.shape
-    n = nb * bs
     slots = slot_mapping.astype(jnp.int32).reshape(-1)
-    slots = jnp.where(slots < 0, n, slots)  # out of range -> dropped (negatives would wrap)
+    blocks = jnp.where(slots < 0, nb, slots // bs)  # out of range -> dropped (negatives would wrap)
+    offsets = slots % bs
 
     def put(cache, new):
-        flat = cache.reshape(n, hkv, d)
-        flat = flat.at[slots].set(new.reshape(-1, hkv, d).astype(cache.dtype), mode="drop")
-        return flat.reshape(cache.shape)
+        return cache.at[blocks, offsets].set(new.reshape(-1, hkv, d).astype(cache.dtype), mode="drop")
 
     return put(k_cache, k_new), put(v_cache, v_new)
-

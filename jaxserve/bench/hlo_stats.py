@@ -4,7 +4,8 @@
   XLA:GPU reads each one's predicate back to the host, once per execution.
 * copies of weight- or KV-pool-shaped buffers: a ``copy``/``dynamic-slice`` (or a fusion whose
   root is one) producing a parameter's shape, or one layer's slice of a stacked parameter (what
-  a layer scan does to its weights).
+  a layer scan does to its weights); and, by size alone, any moved buffer of at least a
+  given number of bytes (:func:`large_moves`: a KV pool copied through a reshaped view).
 * whether every KV pool parameter is aliased to an output (updated in place, never copied).
 * custom calls by target, and the kernels behind XLA's Triton custom calls.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*")
@@ -24,6 +26,10 @@ _ALIAS = re.compile(r"input_output_alias=\{(.*?)\}\s*(?:,\s*entry_computation_la
 _COPY_OPS = ("copy", "copy-start", "dynamic-slice", "slice")
 # A fusion of only these moves data: with a copy or slice among them, it materialises a copy.
 _MOVE_OPS = _COPY_OPS + ("parameter", "constant", "bitcast", "reshape", "transpose", "broadcast")
+
+# Bytes per element of HLO's dtype names (4 for any other).
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+          "f64": 8, "s64": 8, "u64": 8}
 
 # Ops that name a buffer without writing one.
 _NOT_MATERIALISED = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant")
@@ -161,6 +167,31 @@ def dequantized_copies(text: str, float_shapes: set[Shape]) -> list[str]:
                 continue
             if _matches(ins[1], float_shapes):
                 found.append(f"{ins[1][0]}[{','.join(map(str, ins[1][1]))}] ({ins[0]})")
+    return found
+
+
+def large_moves(text: str, min_bytes: int) -> list[str]:
+    """Buffers of at least ``min_bytes`` that an optimised HLO module materialises only to move
+    data: a ``copy``/``transpose``/``dynamic-slice``/``slice``, or a fusion of nothing but such
+    moves. Measured in bytes rather than matched by shape, so a copy made through a reshaped view
+    (a KV pool flattened to its slots) is found too."""
+    comps = _computations(text)
+    fused = {c for lines in comps.values() for line in lines if " fusion(" in line for c in _CALLS.findall(line)}
+    found = []
+    for comp, lines in comps.items():
+        if comp in fused:
+            continue
+        for line in lines:
+            ins = _instruction(line)
+            if ins is None or ins[1] is None:
+                continue
+            op, (dtype, dims) = ins
+            moves = op in _COPY_OPS or op == "transpose"
+            if op == "fusion":
+                called = _CALLS.search(line)
+                moves = bool(called) and _is_copy_fusion(comps.get(called.group(1), []))
+            if moves and math.prod(dims) * _BYTES.get(dtype, 4) >= min_bytes:
+                found.append(f"{dtype}[{','.join(map(str, dims))}] ({op})")
     return found
 
 

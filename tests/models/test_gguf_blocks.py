@@ -121,3 +121,37 @@ def test_a_scanned_step_reads_each_layers_blocks_in_place(tmp_path):
     assert set(shapes) <= read, (shapes, read)  # each projection's kernel reads the stack itself
     for _, n, width in shapes:  # and no layer's blocks are sliced out (copied) anywhere
         assert not re.search(rf"= u8\[(1,)?{n},{width}\]", hlo), f"a [{n}, {width}] slice of the blocks"
+
+
+def test_a_scanned_decode_step_moves_no_kv_pool_or_blocks(tmp_path):
+    """The one-row decode step of a scanned GGUF model, compiled as the engine runs it on a CPU
+    (the C++ attention, the KV pools donated), materialises no copy, transpose or slice as large
+    as one layer's share of a KV pool, nor any layer's blocks. A one-token KV write used to copy
+    both whole pools every layer: XLA made the scatter a dynamic-update-slice, and behind the
+    flat view of the pool its dropped-slot check read the old row apart from the update."""
+    from flax import nnx
+
+    import pallas_kernels
+    from jaxserve import envs
+    from jaxserve.bench.hlo_stats import analyze_hlo, large_moves
+
+    ok, reason = pallas_kernels.cpu_attention_available(envs.kernel_build_dir())
+    if not ok:
+        pytest.skip(f"the cpu attention backend: {reason}")
+    path = write_tiny_gguf(tmp_path / "m.gguf", "Q4_1", overrides={"token_embd.weight": "Q8_0"})
+    model = load_gguf_model(path, scan_layers=True, quantization="gguf")
+    seq = PagedSequence(model)
+
+    def step(state, ids, kv, md):
+        merged = nnx.merge(seq.graphdef, state)
+        hidden, kv = merged(ids, kv, md, pallas_kernels.ragged_paged_attention_cpu)
+        return merged.compute_logits(hidden), kv
+
+    ids, md = seq.inputs([5])
+    hlo = jax.jit(step, donate_argnums=(2,)).lower(seq.state, ids, seq.kv, md).compile().as_text()
+    pool = seq.kv[0]
+    layer_pool_bytes = pool.nbytes // pool.shape[0]
+    assert not large_moves(hlo, layer_pool_bytes), large_moves(hlo, layer_pool_bytes)
+    blocks = {(str(p.dtype).replace("uint8", "u8").replace("float32", "f32"), tuple(p.shape))
+              for p in jax.tree.leaves(nnx.state(model.layers.stacked)) if p.ndim == 3}
+    assert blocks and not analyze_hlo(hlo, blocks, set()).weight_copies
