@@ -18,8 +18,9 @@ reduce-scatter + all-gather pairs); an all-gather of a weight-shaped array fails
 
 ``--enable-lora --max-loras 4 --max-lora-rank 16`` compiles a LoRA engine's steps: each variant
 twice, the plain program and the one reading the slot tables (``-lora``; ``--lora-only`` keeps
-those). A copy of a slot table (or of one layer's slice of it) in a step, or a table all-gathered
-under tensor parallelism, fails the check.
+those; ``--lora-lm-head`` / ``--lora-embedding`` add the LM head's / the embedding's tables). A
+copy of a slot table (or of one layer's slice of it) in a step, or a table all-gathered under
+tensor parallelism, fails the check.
 """
 
 from __future__ import annotations
@@ -187,7 +188,8 @@ def check_model(preset: str, backend: str, args, sharding, spec) -> list[dict]:
     model = gpu_aot.abstract_model(preset, False if scan is None else scan, tp,  # a GPU engine unrolls
                                    quantization=args.quantization, num_layers=args.num_layers)
     max_model_len = args.max_model_len or model.config.max_position_embeddings
-    lora = (dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+    lora = (dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                 lora_lm_head=args.lora_lm_head, lora_embedding=args.lora_embedding)
             if args.enable_lora else {})
     base = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=2,
                         tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype, **lora)
@@ -288,6 +290,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-loras", type=int, default=4, help="LoRA slots of the tables (with --enable-lora)")
     ap.add_argument("--max-lora-rank", type=int, default=16, help="the tables' rank (with --enable-lora)")
     ap.add_argument("--lora-only", action="store_true", help="only the variants that read the slot tables")
+    ap.add_argument("--lora-lm-head", action="store_true", help="the LM head's slot tables too (with --enable-lora)")
+    ap.add_argument("--lora-embedding", action="store_true",
+                    help="the token embedding's slot tables too (with --enable-lora)")
     ap.add_argument("--speculative-config", default=None,
                     help="vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}': "
                          "the steps verify K drafts a row")

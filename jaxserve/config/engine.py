@@ -95,11 +95,6 @@ class EngineConfig:
         if spec is not None and spec.method == "draft_model" and self.parallel_config.tensor_parallel_size > 1:
             raise ConfigError("speculative_config.method=draft_model runs the draft on one device; "
                               f"tensor_parallel_size {self.parallel_config.tensor_parallel_size} is not supported")
-        tp = self.parallel_config.tensor_parallel_size
-        for name in ("lora_lm_head", "lora_embedding"):
-            if getattr(self.lora_config, name) and tp > 1:  # the head and the embedding are vocabulary-split
-                raise ConfigError(f"{name}: LM-head and embedding LoRA slots are not supported with "
-                                  f"tensor_parallel_size {tp} (only 1)")
 
     # ---- the flat view -------------------------------------------------------------------------
 

@@ -21,11 +21,11 @@ class LoRAConfig(SubConfig):
     lora_lm_head: bool = False
     """Allocate LM-head LoRA slots, so adapters whose target_modules include lm_head are served
     (each row's logits add its adapter's delta). Set by itself when a --lora-modules adapter has one;
-    off, such an adapter loaded later is refused naming this flag. Tensor parallelism 1 only."""
+    off, such an adapter loaded later is refused naming this flag."""
     lora_embedding: bool = False
     """Allocate token-embedding LoRA slots, so adapters whose target_modules include embed_tokens
     are served. Set by itself when a --lora-modules adapter has one; off, such an adapter loaded
-    later is refused naming this flag. Tensor parallelism 1 only."""
+    later is refused naming this flag."""
 
     def validate(self) -> None:
         if not self.enable_lora:

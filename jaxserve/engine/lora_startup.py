@@ -22,7 +22,7 @@ TABLE_FLAGS = {"lm_head": "lora_lm_head", "embed_tokens": "lora_embedding"}
 
 def with_startup_lora_slots(config: EngineConfig, lora_requests: Sequence[LoRARequest]) -> EngineConfig:
     """``config`` with the LM-head / embedding slots on where a startup adapter needs them (a copy,
-    validated again: under tensor parallelism that is a ``ConfigError`` naming the flag)."""
+    validated again)."""
     if not config.enable_lora:
         return config
     needs = {TABLE_FLAGS[m]: True for r in lora_requests for m in whole_module_targets(r.lora_path)

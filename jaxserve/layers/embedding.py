@@ -8,13 +8,31 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxserve.layers.shard import shard_map
 
 
+def vocab_parallel_rows(table: jax.Array, ids: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+    """``table[ids]`` for a ``table`` whose first axis is the (padded) vocabulary, split over
+    ``mesh`` on that axis: each shard looks up the ids in its own row range, writes zeros for the
+    rest, and one sum over the shards (exact: one non-zero term per element) gives every shard the
+    full rows, with no shard ever reading another's."""
+    if mesh is None or mesh.size == 1:
+        return table[ids]
+    axes = mesh.axis_names
+
+    def lookup_local(rows: jax.Array, ids: jax.Array) -> jax.Array:
+        local = ids - jax.lax.axis_index(axes) * rows.shape[0]
+        mine = (local >= 0) & (local < rows.shape[0])
+        found = rows[jnp.clip(local, 0, rows.shape[0] - 1)]
+        mine = mine.reshape(mine.shape + (1,) * (found.ndim - 1))
+        return jax.lax.psum(jnp.where(mine, found, jnp.zeros_like(found)), axes)
+
+    rows = PartitionSpec(axes, *(None,) * (table.ndim - 1))
+    return shard_map(lookup_local, mesh, in_specs=(rows, PartitionSpec()), out_specs=PartitionSpec())(table, ids)
+
+
 class Embedding(nnx.Module):
     """``embedding [num_embeddings, features]``: rows looked up by token id, or attended to as a
     tied LM head (``hidden @ embedding.T``).
 
-    Split over a mesh, the rows are vocabulary-parallel: each shard looks up the ids in its own
-    row range, writes zeros for the rest, and one sum over the shards (exact: one non-zero term
-    per element) gives every shard the full embeddings, with no shard ever reading another's rows.
+    Split over a mesh, the rows are vocabulary-parallel (:func:`vocab_parallel_rows`).
     """
 
     def __init__(self, num_embeddings: int, features: int, *, param_dtype: jnp.dtype = jnp.float32,
@@ -23,19 +41,7 @@ class Embedding(nnx.Module):
         self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features), param_dtype))
 
     def __call__(self, ids: jax.Array, mesh: Mesh | None = None) -> jax.Array:
-        table = self.embedding[...]
-        if mesh is None or mesh.size == 1:
-            return table[ids]
-        axes = mesh.axis_names
-
-        def lookup_local(rows: jax.Array, ids: jax.Array) -> jax.Array:
-            local = ids - jax.lax.axis_index(axes) * rows.shape[0]
-            mine = (local >= 0) & (local < rows.shape[0])
-            found = rows[jnp.clip(local, 0, rows.shape[0] - 1)]
-            return jax.lax.psum(jnp.where(mine[:, None], found, jnp.zeros_like(found)), axes)
-
-        return shard_map(lookup_local, mesh, in_specs=(PartitionSpec(axes, None), PartitionSpec()),
-                         out_specs=PartitionSpec())(table, ids)
+        return vocab_parallel_rows(self.embedding[...], ids, mesh)
 
     def attend(self, hidden: jax.Array) -> jax.Array:
         return hidden @ self.embedding[...].T

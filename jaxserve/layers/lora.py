@@ -24,6 +24,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxserve.layers.embedding import vocab_parallel_rows
+from jaxserve.layers.shard import shard_map
 
 
 def lora_delta_one_hot(x: jax.Array, slot_ids: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -132,10 +136,26 @@ class LoRABatch:
         """``part_widths``/``shards``: the fused output's columns, as :func:`lora_delta_parts`."""
         return lora_delta_parts(x, self.slot_ids, self.a[name][layer], self.b[name][layer], part_widths, shards)
 
-    def embedding_delta(self, input_ids: jax.Array) -> jax.Array:
+    def head_delta(self, h: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+        """``(rows, vocab)``: each logits row's LM-head delta (``slot_ids`` one per row of ``h``),
+        over the table's vocabulary (padded to the mesh's size). Over a mesh, each device computes
+        its own vocabulary columns (B split on them, A whole, no collective) and the delta stays
+        split so, for the caller to add to its split logits before they are gathered."""
+        a, b = self.a["lm_head"][0], self.b["lm_head"][0]
+        if mesh is None or mesh.size == 1:
+            return lora_delta_packed(h, self.slot_ids, a, b)
+        axes = mesh.axis_names
+        whole = PartitionSpec()
+        return shard_map(lora_delta_packed, mesh, in_specs=(whole, whole, whole, PartitionSpec(None, None, axes)),
+                         out_specs=PartitionSpec(None, axes))(h, self.slot_ids, a, b)
+
+    def embedding_delta(self, input_ids: jax.Array, mesh: Mesh | None = None) -> jax.Array:
         """``(tokens, hidden)``: each token's row of its slot's embedding A times that slot's B
-        (a gather, not a one-hot over the vocabulary); zero for a base token."""
-        a = self.a["embed"][0][input_ids]  # (T, slots, rank)
+        (a gather, not a one-hot over the vocabulary); zero for a base token. Over a mesh, A is
+        split on the vocabulary as the base embedding is and its rows are looked up the same way
+        (:func:`~jaxserve.layers.embedding.vocab_parallel_rows`: one sum of ``tokens x slots*rank``,
+        exact); B is whole on every device."""
+        a = vocab_parallel_rows(self.a["embed"][0], input_ids, mesh)  # (T, slots, rank)
         mask = jax.nn.one_hot(self.slot_ids, a.shape[1], dtype=jnp.float32)  # -1 -> a zero row
         xa = (a.astype(jnp.float32) * mask[:, :, None]).astype(self.b["embed"].dtype)
         return jnp.einsum("tsr,srh->th", xa, self.b["embed"][0], preferred_element_type=jnp.float32)

@@ -303,7 +303,7 @@ class LlamaForCausalLM(nnx.Module):
         if self.config.embed_scale is not None:  # Gemma: the scale cast to the weights' dtype first
             embeds = embeds * jnp.asarray(self.config.embed_scale, embeds.dtype)
         if lora is not None and "embed" in lora.a:  # after the scale: PEFT adds it to the scaled module's output
-            embeds = embeds + lora.embedding_delta(input_ids).astype(embeds.dtype)
+            embeds = embeds + lora.embedding_delta(input_ids, mesh).astype(embeds.dtype)
         if mm_embeds is not None and mm_mask is not None:
             embeds = jnp.where(mm_mask[:, None], mm_embeds.astype(embeds.dtype), embeds)
         loads = (jnp.zeros((self.config.num_hidden_layers, self.config.num_experts), jnp.int32)
@@ -320,37 +320,43 @@ class LlamaForCausalLM(nnx.Module):
     def compute_logits(self, hidden: jax.Array, mesh: Mesh | None = None, lora: LoRABatch | None = None
                        ) -> jax.Array:
         """Final norm and LM head on the selected rows; logits in float32 over the vocabulary.
+        ``lora`` with an LM-head table: each row (``lora.slot_ids``: one per row) adds its
+        adapter's delta in float32, before any soft-cap.
 
-        Split, each shard computes its vocabulary slice and the slices are gathered (replicated):
-        the sampler's top-k/top-p, penalties, logprobs and grammar masks all want the full row,
-        and gathering ``[rows, vocab]`` costs far less than any weight."""
+        Split, each shard computes its vocabulary slice (and its slice of the LoRA delta) and the
+        slices are gathered (replicated): the sampler's top-k/top-p, penalties, logprobs and
+        grammar masks all want the full row, and gathering ``[rows, vocab]`` costs far less than
+        any weight."""
         h = self.norm(hidden)
+        head_lora = lora if lora is not None and "lm_head" in lora.a else None
         if mesh is not None and mesh.size > 1:
-            logits = self._vocab_parallel_logits(h, mesh)
+            logits = self._vocab_parallel_logits(h, mesh, head_lora)
         else:
             logits = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
+            if head_lora is not None:
+                logits = logits.astype(jnp.float32) + head_lora.head_delta(h).astype(jnp.float32)
         logits = logits[..., : self.config.vocab_size].astype(jnp.float32)
-        if lora is not None and "lm_head" in lora.a:  # slot_ids: one per row of hidden
-            logits = logits + lora.delta("lm_head", h, 0).astype(jnp.float32)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 
-    def _vocab_parallel_logits(self, h: jax.Array, mesh: Mesh) -> jax.Array:
+    def _vocab_parallel_logits(self, h: jax.Array, mesh: Mesh, lora: LoRABatch | None = None) -> jax.Array:
         """Each device multiplies by its own vocabulary slice of the head (under ``shard_map``:
-        left to itself, the partitioner may gather the whole head instead), then the logits are
-        gathered."""
+        left to itself, the partitioner may gather the whole head instead) and adds its slice of
+        the LoRA delta, then the logits are gathered."""
         axes = mesh.axis_names
         tied = self.lm_head is None
         if isinstance(self.embed_tokens, BlockQuantEmbedding):  # kept blocks: the tied head, split on its rows
             logits = self.embed_tokens.attend(h, mesh)
-            return jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, PartitionSpec()))
-        assert isinstance(self.embed_tokens, Embedding)
-        weight = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.kernel[...]
-        weight_spec = PartitionSpec(axes, None) if tied else PartitionSpec(None, axes)
+        else:
+            weight = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.kernel[...]
+            weight_spec = PartitionSpec(axes, None) if tied else PartitionSpec(None, axes)
 
-        def local(h: jax.Array, w: jax.Array) -> jax.Array:
-            return h @ (w.T if tied else w)
+            def local(h: jax.Array, w: jax.Array) -> jax.Array:
+                return h @ (w.T if tied else w)
 
-        logits = shard_map(local, mesh, in_specs=(PartitionSpec(), weight_spec),
-                           out_specs=PartitionSpec(None, axes))(h, weight)
+            logits = shard_map(local, mesh, in_specs=(PartitionSpec(), weight_spec),
+                               out_specs=PartitionSpec(None, axes))(h, weight)
+        if lora is not None:  # split on the vocabulary as the logits are: added on each device, no collective;
+            # in float32 as with one device (so a LoRA step gathers float32 logits)
+            logits = logits.astype(jnp.float32) + lora.head_delta(h, mesh).astype(jnp.float32)
         return jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, PartitionSpec()))

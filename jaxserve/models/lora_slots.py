@@ -13,7 +13,9 @@ Under tensor parallelism (a ``TPLayout`` of several shards) the ``b`` tables of 
 projections (q|k|v, gate|up) have their output columns in the layout's shard-major order, key/value
 heads repeated as the base weights store them (:mod:`.tp_layout`), so that splitting ``b`` on its
 output axis gives each device the columns of its own base shard; the row-split ones (o, down)
-keep the base's input order, which their ``a`` tables split on.
+keep the base's input order, which their ``a`` tables split on. The LM head's and the embedding's
+tables span the base's padded vocabulary (``TPLayout.padded_vocab``, zeros past the real one), so
+that the head's ``b`` and the embedding's ``a`` split on it as the base head and embedding do.
 """
 
 from __future__ import annotations
@@ -94,11 +96,13 @@ def module_slot_arrays(w: LoRALayerWeights | None, d_in: int, d_out: int, max_ra
                        ) -> tuple[np.ndarray, np.ndarray]:
     """One slot's arrays of a whole-module pair (the LM head: ``d_in`` hidden, ``d_out`` vocab; the
     embedding: vocab, hidden): ``a`` ``(1, d_in, max_rank)`` and ``b`` ``(1, max_rank, d_out)``, one
-    "layer" so they share the fused tables' axes; zeros when the adapter has no such pair."""
+    "layer" so they share the fused tables' axes; zeros when the adapter has no such pair, and past
+    the adapter's own vocabulary (a vocabulary padded to the tensor-parallel size)."""
     a = np.zeros((1, d_in, max_rank), np.float32)
     b = np.zeros((1, max_rank, d_out), np.float32)
     if w is not None:
-        a[0, :, :w.rank], b[0, :w.rank] = w.a.T, w.b.T
+        (d_out_w, rank), d_in_w = w.b.shape, w.a.shape[1]
+        a[0, :d_in_w, :rank], b[0, :rank, :d_out_w] = w.a.T, w.b.T
     return a, b
 
 
@@ -140,14 +144,13 @@ class LoRASlotTable:
         # jax arrays (ShapeDtypeStructs when abstract)
         self.a: dict[str, Any] = {k: make((layers, d_in, max_loras, w)) for k, (d_in, w, _) in shapes.items()}
         self.b: dict[str, Any] = {k: make((layers, max_loras, max_rank, d_out)) for k, (_, _, d_out) in shapes.items()}
-        if (lm_head or embedding) and layout is not None and layout.size > 1:
-            raise ValueError("LM-head and embedding LoRA tables are not supported under tensor parallelism "
-                             "(the head and the embedding are vocabulary-split)")
+        # the vocabulary as the base head and embedding store it: padded to a multiple of the shards
+        self.vocab = cfg.vocab_size if layout is None else layout.padded_vocab
         if lm_head:  # the LM head's slots, one "layer" so they share the other tables' axes
             self.a["lm_head"] = make((1, cfg.hidden_size, max_loras, max_rank))
-            self.b["lm_head"] = make((1, max_loras, max_rank, cfg.vocab_size))
+            self.b["lm_head"] = make((1, max_loras, max_rank, self.vocab))
         if embedding:  # a: (1, vocab, slots, rank), gathered by token id (LoRABatch.embedding_delta)
-            self.a["embed"] = make((1, cfg.vocab_size, max_loras, max_rank))
+            self.a["embed"] = make((1, self.vocab, max_loras, max_rank))
             self.b["embed"] = make((1, max_loras, max_rank, cfg.hidden_size))
 
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
@@ -155,13 +158,13 @@ class LoRASlotTable:
             raise IndexError(f"LoRA slot {slot} outside 0..{self.max_loras - 1}")
         a, b = adapter_slot_arrays(adapter, self.cfg, self.max_rank, self.layout)
         if "lm_head" in self.a:
-            a["lm_head"], b["lm_head"] = module_slot_arrays(adapter.lm_head, self.cfg.hidden_size,
-                                                            self.cfg.vocab_size, self.max_rank)
+            a["lm_head"], b["lm_head"] = module_slot_arrays(adapter.lm_head, self.cfg.hidden_size, self.vocab,
+                                                            self.max_rank)
         elif adapter.lm_head is not None:
             raise ValueError(f"LoRA adapter {adapter.path} has an LM-head LoRA; this slot table has no LM-head slots")
         if "embed" in self.a:
-            a["embed"], b["embed"] = module_slot_arrays(adapter.embedding, self.cfg.vocab_size,
-                                                        self.cfg.hidden_size, self.max_rank)
+            a["embed"], b["embed"] = module_slot_arrays(adapter.embedding, self.vocab, self.cfg.hidden_size,
+                                                        self.max_rank)
         elif adapter.embedding is not None:
             raise ValueError(f"LoRA adapter {adapter.path} has an embedding LoRA; "
                              "this slot table has no embedding slots")

@@ -7,8 +7,9 @@ One mesh axis, :data:`TP_AXIS`, over the devices of one model replica. The plan,
   replicated;
 - KV cache ``[L, blocks, block_size, Hkv, D]``: split on the key/value heads;
 - LoRA slot tables (:func:`lora_table_specs`): as their base weights, ``b`` split on its output
-  columns under a column-split base (q|k|v, gate|up; ``a`` replicated), ``a`` split on its input
-  rows under a row-split one (o, down; ``b`` replicated);
+  columns under a column-split base (q|k|v, gate|up, the LM head's vocabulary; ``a`` replicated),
+  ``a`` split on its input rows under a row-split one (o, down, the embedding's vocabulary; ``b``
+  replicated);
 - everything else (penalty tables, last sampled tokens, the packed step inputs, the bitmask):
   replicated; the host packs one buffer and every device receives it whole.
 
@@ -70,20 +71,20 @@ def param_sharding(mesh: Mesh, path: tuple, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, param_spec(path, ndim))
 
 
-# Each fused LoRA projection's tables, a (layers, in, slots, R) and b (layers, slots, R, out): the
-# one split as its base weight is, and on which axis (the other is replicated).
-LORA_SPLIT = {"qkv": ("b", 3), "gate_up": ("b", 3), "o": ("a", 1), "down": ("a", 1)}
+# Each LoRA table pair, a (layers, in, slots, R) and b (layers, slots, R, out): the one split as
+# its base weight is, and on which axis (the other is replicated). The LM head's b and the
+# embedding's a are split on the (padded) vocabulary, as the base head and embedding are.
+LORA_SPLIT = {"qkv": ("b", 3), "gate_up": ("b", 3), "o": ("a", 1), "down": ("a", 1), "lm_head": ("b", 3),
+              "embed": ("a", 1)}
 
 
 def lora_table_specs(names) -> tuple[dict[str, PartitionSpec], dict[str, PartitionSpec]]:
-    """The specs of the LoRA ``a`` and ``b`` tables of the fused projections ``names``. The delta
-    then needs no collective of its own beyond one all-reduce of ``x @ a`` (``T x slots*R``) at o
-    and down, where the base's own all-reduce follows."""
+    """The specs of the LoRA ``a`` and ``b`` tables ``names`` (the fused projections, the LM
+    head's, the embedding's). The delta then needs no collective of its own beyond one all-reduce
+    of ``x @ a`` (``T x slots*R``) at o and down, where the base's own all-reduce follows, and one
+    of the embedding's looked-up ``a`` rows (as large), beside the base embedding's."""
     specs: tuple[dict[str, PartitionSpec], dict[str, PartitionSpec]] = ({}, {})
     for name in names:
-        if name not in LORA_SPLIT:  # the LM head's and the embedding's slots: tensor parallelism 1 only
-            specs[0][name], specs[1][name] = REPLICATED, REPLICATED
-            continue
         which, axis = LORA_SPLIT[name]
         for table, spec in zip("ab", specs):
             spec[name] = (PartitionSpec(*(TP_AXIS if i == axis else None for i in range(4)))

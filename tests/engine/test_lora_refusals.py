@@ -104,11 +104,10 @@ def test_head_and_embedding_adapters_need_their_slots(tmp_path):
 
 
 @pytest.mark.parametrize("flag", ["lora_lm_head", "lora_embedding"])
-def test_head_and_embedding_slots_are_refused_under_tensor_parallelism(flag):
-    with pytest.raises(ConfigError, match=f"{flag}: .*tensor_parallel_size 2"):
-        EngineConfig(enable_lora=True, tensor_parallel_size=2, **{flag: True})
+def test_head_and_embedding_slots_need_lora_and_take_tensor_parallelism(flag):
+    assert getattr(EngineConfig(enable_lora=True, tensor_parallel_size=2, **{flag: True}), flag)
     with pytest.raises(ConfigError, match=f"{flag}: needs enable_lora"):
-        EngineConfig(**{flag: True})
+        EngineConfig(tensor_parallel_size=2, **{flag: True})
 
 
 def test_startup_adapters_allocate_the_slots_they_need(tmp_path):
@@ -124,5 +123,5 @@ def test_startup_adapters_allocate_the_slots_they_need(tmp_path):
     with_both = with_startup_lora_slots(config, [both])
     assert with_both.lora_lm_head and with_both.lora_embedding
     assert not with_startup_lora_slots(EngineConfig(), [both]).lora_lm_head  # LoRA off: nothing allocated
-    with pytest.raises(ConfigError, match="lora_lm_head: .*tensor_parallel_size 2"):
-        with_startup_lora_slots(EngineConfig(enable_lora=True, tensor_parallel_size=2), [head])
+    split = with_startup_lora_slots(EngineConfig(enable_lora=True, tensor_parallel_size=2), [head])
+    assert split.lora_lm_head and split.tensor_parallel_size == 2

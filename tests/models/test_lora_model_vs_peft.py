@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,9 +147,7 @@ def test_lm_head_lora_matches_peft_in_a_mixed_step(tiny_checkpoints, tmp_path, a
     jax.clear_caches()
 
 
-def test_lm_head_lora_is_refused_by_default_and_under_tp(tiny_checkpoints, tmp_path):
-    from jaxserve.models.tp_layout import TPLayout
-
+def test_lm_head_lora_is_refused_by_default(tiny_checkpoints, tmp_path):
     folder = tiny_checkpoints["LlamaForCausalLM"]
     cfg = ModelConfig.from_pretrained(folder)
     pm = make_peft_adapter(folder, tmp_path / "h", seed=1, r=4, targets=["lm_head"])
@@ -160,8 +160,33 @@ def test_lm_head_lora_is_refused_by_default_and_under_tp(tiny_checkpoints, tmp_p
     assert adapter.weights == {} and adapter.rank == 4
     with pytest.raises(ValueError, match="no LM-head slots"):
         LoRASlotTable(cfg, max_loras=1, max_rank=8).write(0, adapter)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        LoRASlotTable(cfg, max_loras=1, max_rank=8, layout=TPLayout.of(cfg, 2), abstract=True, lm_head=True)
+
+
+def test_head_and_embedding_slots_span_the_padded_vocabulary(tiny_checkpoints):
+    """Under tensor parallelism the head's B and the embedding's A have the base's padded
+    vocabulary (a multiple of the shards): the adapter's own rows, then zeros."""
+    from jaxserve.models.lora_adapter import LoRALayerWeights
+    from jaxserve.models.lora_slots import module_slot_arrays
+    from jaxserve.models.tp_layout import TPLayout
+
+    cfg = dataclasses.replace(ModelConfig.from_pretrained(tiny_checkpoints["LlamaForCausalLM"]), vocab_size=509)
+    layout = TPLayout.of(cfg, 2)
+    table = LoRASlotTable(cfg, max_loras=2, max_rank=8, layout=layout, abstract=True, lm_head=True, embedding=True)
+    assert layout.padded_vocab == 510
+    assert table.b["lm_head"].shape == (1, 2, 8, 510) and table.a["embed"].shape == (1, 510, 2, 8)
+    rng = np.random.default_rng(0)
+
+    def draw(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape, np.float32)
+
+    head = LoRALayerWeights(a=draw(4, cfg.hidden_size), b=draw(509, 4))
+    a, b = module_slot_arrays(head, cfg.hidden_size, layout.padded_vocab, 8)
+    np.testing.assert_array_equal(b[0, :4, :509], head.b.T)
+    assert not b[0, :, 509:].any() and not b[0, 4:].any() and np.array_equal(a[0, :, :4], head.a.T)
+    emb = LoRALayerWeights(a=draw(4, 509), b=draw(cfg.hidden_size, 4))
+    a, b = module_slot_arrays(emb, layout.padded_vocab, cfg.hidden_size, 8)
+    np.testing.assert_array_equal(a[0, :509, :4], emb.a.T)
+    assert not a[0, 509:].any() and not a[0, :, 4:].any() and np.array_equal(b[0, :4], emb.b.T)
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])  # untied and tied
