@@ -21,6 +21,7 @@ counted in ``unexpected_compiles``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -35,7 +36,6 @@ from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.attention import AttentionFn, AttentionMetadata
 from jaxserve.models.config import ModelConfig
-from jaxserve.runner.draft_pool import DraftBlockPool, DraftSeq, pow2_buckets
 from jaxserve.runner.kv_cache import allocate_kv_cache, kv_cache_groups, num_kv_slots
 
 logger = logging.getLogger("jaxserve")
@@ -68,7 +68,25 @@ def load_draft_model(config: EngineConfig, target: ModelConfig) -> Any:
     return load_model(str(source.path), target.dtype, config.scan_layers, quantization=spec.quantization)
 
 
-class DraftModelProposer(DraftBlockPool):
+@dataclasses.dataclass
+class _DraftSeq:
+    """One request as the draft holds it: KV for positions < ``num_computed``, and the drafts
+    fed after them (positions ``num_computed + j``), kept as far as the target accepts them."""
+
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    fed: list[int] = dataclasses.field(default_factory=list)
+
+
+def _pow2_buckets(top: int, start: int = 1) -> list[int]:
+    out, b = [], start
+    while b < top:
+        out.append(b)
+        b *= 2
+    return [*out, top]
+
+
+class DraftModelProposer:
     """``model``: the loaded draft; ``device``: where it runs; ``attn_fn``: the target's attention
     backend function (the draft's pool has the same block size)."""
 
@@ -79,10 +97,12 @@ class DraftModelProposer(DraftBlockPool):
         self.block_size = bs = config.block_size
         self.max_num_seqs = config.max_num_seqs
         # A row writes drafts up to K-1 positions past its context.
-        max_blocks_per_seq = cdiv(max_model_len + k, bs)
+        self.max_blocks_per_seq = cdiv(max_model_len + k, bs)
         # As many tokens as the target's pool, plus each request's lookahead (block 0: the null block).
-        super().__init__(1 + min(target_num_blocks + config.max_num_seqs * cdiv(k, bs),
-                                 config.max_num_seqs * max_blocks_per_seq), bs, max_blocks_per_seq)
+        self.num_blocks = 1 + min(target_num_blocks + config.max_num_seqs * cdiv(k, bs),
+                                  config.max_num_seqs * self.max_blocks_per_seq)
+        self._free = list(range(self.num_blocks - 1, 0, -1))
+        self.seqs: dict[str, _DraftSeq] = {}
         self.attn_fn = attn_fn
         self.device = device
         self.graphdef, flat = nnx.flatten(model, with_paths=True)
@@ -92,13 +112,33 @@ class DraftModelProposer(DraftBlockPool):
                                  device)
         top = min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len)
         # From 1: after full acceptance a catch-up is 2 tokens a row (the last draft, the target's).
-        self.token_buckets = pow2_buckets(top)
-        self.row_buckets = pow2_buckets(config.max_num_seqs)
+        self.token_buckets = _pow2_buckets(top)
+        self.row_buckets = _pow2_buckets(config.max_num_seqs)
         self._catch_up = jax.jit(self._catch_up_fn, donate_argnums=(1,))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
         self._compiled: dict[tuple[str, int], Any] = {}
         self.unexpected_compiles = 0
         self.num_passes = 0  # forward programs run (catch-up passes and decode loops)
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def free(self, req_id: str) -> None:
+        """Forget a finished, preempted or replaced request; its blocks go back to the pool."""
+        seq = self.seqs.pop(req_id, None)
+        if seq is not None:
+            self._free.extend(reversed(seq.blocks))
+
+    def _reserve(self, seq: _DraftSeq, num_tokens: int) -> bool:
+        need = cdiv(num_tokens, self.block_size) - len(seq.blocks)
+        if need > len(self._free):
+            return False
+        for _ in range(max(need, 0)):
+            seq.blocks.append(self._free.pop())
+        return True
 
     # ---- the compiled programs -----------------------------------------------------------------
 
@@ -178,7 +218,7 @@ class DraftModelProposer(DraftBlockPool):
         out: list[list[int]] = [[] for _ in req_ids]
         rows: list[int] = []
         for i, (r, ctx) in enumerate(zip(req_ids, contexts)):
-            seq = self.seqs.setdefault(r, DraftSeq())
+            seq = self.seqs.setdefault(r, _DraftSeq())
             n = len(ctx)
             # Keep the KV of the fed drafts the target accepted (never the last token: its logits are needed).
             keep = 0
@@ -204,6 +244,13 @@ class DraftModelProposer(DraftBlockPool):
             seq.num_computed = len(contexts[i])
             seq.fed = d[:-1]
         return out
+
+    def _tables(self, req_ids: Sequence[str], rows: int) -> np.ndarray:
+        tables = np.zeros((rows, self.max_blocks_per_seq), np.int32)
+        for i, r in enumerate(req_ids):
+            b = self.seqs[r].blocks
+            tables[i, :len(b)] = b
+        return tables
 
     def _run_catch_up(self, req_ids: list[str], contexts: list[np.ndarray]) -> list[int]:
         """Feed each row's uncomputed tokens; the argmax at each row's last token."""
