@@ -1,5 +1,12 @@
 """The ``eagle`` and ``eagle3`` proposers (vLLM's ``v1/spec_decode/eagle.py``): a one-layer head
-(:mod:`jaxserve.models.eagle`) with its own paged KV pool, fed the target's hidden states.
+(:mod:`jaxserve.models.eagle`) fed the target's hidden states.
+
+The head's KV pool is one layer laid out as the target's: the same block ids, block tables and
+slots, so a request's head KV lives in its target blocks and a prefix-cache hit brings the head's
+KV with the target's. (The head's entry at ``p`` reads the token at ``p + 1``, so at the hit's last
+position it may belong to another continuation: with EAGLE the scheduler drops a hit's last block,
+as vLLM does, and the target and the head recompute it.) The scheduler also allocates K lookahead
+slots per request (``num_lookahead_tokens``) for the drafts' KV.
 
 After each target step the head catches up over the step's tokens, in the step's own layout (one
 compiled program per target token bucket, the step's hidden states passed as they came out of
@@ -8,14 +15,9 @@ those whose hidden state the target computed on tokens it kept: its prompt chunk
 token and the drafts it accepted; rejected drafts' positions write no KV (slot -1). A row that
 samples drafts K tokens greedily in the same program: the head's output at its last valid
 position gives the first, then K-1 one-token steps each read the previous step's output hidden
-state, their KV written past the row's context and overwritten by the next catch-up.
-
-The head needs the hidden state of every position before the ones it catches up on. A request
-it missed a step of (a prefix-cache hit skipped by the target, a resumed request with a hit, a
-pool too full to hold it) gets no drafts until it finishes or is preempted (vLLM recomputes the
-last hit block instead; here the pools are apart). Blocks are handed out by
-:class:`~.draft_pool.DraftBlockPool`. Every program is compiled at warm-up; a shape met later is
-compiled then and counted in ``unexpected_compiles``.
+state, their KV written into the lookahead slots and overwritten by the next catch-up. Every
+program is compiled at warm-up; a shape met later is compiled then and counted in
+``unexpected_compiles``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.attention import AttentionFn, AttentionMetadata
 from jaxserve.models.config import ModelConfig
@@ -43,7 +44,6 @@ from jaxserve.models.eagle import (
     greedy_tokens,
     load_eagle_weights,
 )
-from jaxserve.runner.draft_pool import DraftBlockPool, DraftSeq
 from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.step_inputs import ModelInputs
 
@@ -77,39 +77,42 @@ def target_tables(paths: Sequence[tuple], arrays: Sequence[jax.Array], method: s
     return TargetTables(embedding, by_path.get(("lm_head", "kernel")))
 
 
-class EagleProposer(DraftBlockPool):
+class EagleProposer:
     """``step_rows``: the target's rows per token bucket (every bucket gets its program);
-    ``hidden_sharding``: where the step's hidden states live."""
+    ``hidden_sharding``: where the step's hidden states live; ``num_blocks`` and ``table_width``:
+    the target's pool and block-table width."""
 
-    def __init__(self, config: EngineConfig, cfg: EagleConfig, weights: Weights, tables: TargetTables,
-                 max_model_len: int, k: int, attn_fn: AttentionFn, device: jax.Device, target_num_blocks: int,
+    def __init__(self, config: EngineConfig, cfg: EagleConfig, weights: Weights, tables: TargetTables, k: int,
+                 attn_fn: AttentionFn, device: jax.Device, num_blocks: int, table_width: int,
                  step_rows: dict[int, int], hidden_sharding: Any):
         self.k = k
+        self.table_width = table_width
         self.cfg = cfg
-        bs = config.block_size
-        max_blocks_per_seq = cdiv(max_model_len + k, bs)
-        # As the draft model's pool: the target's tokens plus each request's lookahead.
-        super().__init__(1 + min(target_num_blocks + config.max_num_seqs * cdiv(k, bs),
-                                 config.max_num_seqs * max_blocks_per_seq), bs, max_blocks_per_seq)
+        self.block_size = config.block_size
+        self.num_blocks = num_blocks
         self.attn_fn = attn_fn
         self.weights = jax.device_put(weights, device)
         self.tables = tables
-        k_pool, v_pool = allocate_kv_cache(cfg.layer, self.num_blocks, bs, 1, config.kv_cache_dtype)
+        k_pool, v_pool = allocate_kv_cache(cfg.layer, num_blocks, self.block_size, 1, config.kv_cache_dtype)
         self.kv = jax.device_put((k_pool[0], v_pool[0]), device)  # one layer: [num_blocks, bs, Hkv, D]
         self.step_rows = dict(step_rows)
         self.hidden_sharding = hidden_sharding
-        self.blind: set[str] = set()  # requests the head missed a step of: no drafts until freed
+        # Each request's positions with head KV (the rest of its blocks: stale or lookahead).
+        self.num_computed: dict[str, int] = {}
+        # Requests the head missed positions of (never expected: a safety net): no drafts until freed.
+        self.blind: set[str] = set()
         self._jitted = jax.jit(self._propose_fn, donate_argnums=(2,))
         self._compiled: dict[int, Any] = {}
         self.unexpected_compiles = 0
         self.num_passes = 0
 
     def free(self, req_id: str) -> None:
-        super().free(req_id)
+        """Forget a finished, preempted or replaced request (its blocks are the target's)."""
+        self.num_computed.pop(req_id, None)
         self.blind.discard(req_id)
 
     def _go_blind(self, req_id: str) -> None:
-        super().free(req_id)
+        self.num_computed.pop(req_id, None)
         self.blind.add(req_id)
 
     # ---- the compiled program ------------------------------------------------------------------
@@ -128,10 +131,12 @@ class EagleProposer(DraftBlockPool):
         starts = positions[logits_indices] + 1
         one_each = jnp.arange(num_rows + 1, dtype=jnp.int32)
         out = [tokens]
+        width = block_tables.shape[1]
         for j in range(self.k - 1):
             pos = starts + j
-            page = jnp.take_along_axis(block_tables, (pos // bs)[:, None], axis=1)[:, 0]
-            slot = jnp.where(proposing, page * bs + pos % bs, -1)
+            # Past max_model_len there is no page: nothing written (those drafts are cut anyway).
+            page = jnp.take_along_axis(block_tables, jnp.minimum(pos // bs, width - 1)[:, None], axis=1)[:, 0]
+            slot = jnp.where(proposing & (pos < width * bs), page * bs + pos % bs, -1)
             # Rows not drafting attend to one position of the null block and write nothing.
             md = AttentionMetadata(jnp.where(proposing, pos, 0), slot, jnp.where(proposing[:, None], block_tables, 0),
                                    jnp.where(proposing, pos + 1, 1), one_each, jnp.full((1,), num_rows, jnp.int32))
@@ -144,7 +149,7 @@ class EagleProposer(DraftBlockPool):
         rows = self.step_rows[bucket]
         z = np.zeros
         return (z(bucket, np.int32), z(bucket, np.int32), np.full(bucket, -1, np.int32),
-                z((rows, self.max_blocks_per_seq), np.int32), z(rows, np.int32), z(rows + 1, np.int32),
+                z((rows, self.table_width), np.int32), z(rows, np.int32), z(rows + 1, np.int32),
                 z(1, np.int32), z(rows, np.int32), z(rows, np.bool_))
 
     def _zero_hidden(self, bucket: int, dtype: Any) -> jax.Array:
@@ -177,11 +182,10 @@ class EagleProposer(DraftBlockPool):
                 step: ModelInputs[np.ndarray], hidden: jax.Array) -> list[list[int]]:
         """After a target step: ``req_ids`` its rows in order, ``contexts`` each row's known tokens
         now (None: finished or preempted meanwhile), ``samples`` whether the row sampled,
-        ``step`` its host inputs and ``hidden`` its hidden states. K drafts for each sampling row
-        the head holds, [] for the others."""
+        ``step`` its host inputs and ``hidden`` its hidden states. K drafts for each sampling row,
+        [] for the others."""
         bucket = len(step.positions)
-        args = self._padding_args(bucket)
-        ids, _, slots, tables, _, _, _, logits_idx, proposing = args
+        ids, _, slots, _, _, _, _, logits_idx, proposing = self._padding_args(bucket)
         qsl, positions = step.query_start_loc, step.positions
         for i, (r, ctx, sampled) in enumerate(zip(req_ids, contexts, samples)):
             if ctx is None:
@@ -191,28 +195,22 @@ class EagleProposer(DraftBlockPool):
                 continue
             q0, count = int(qsl[i]), int(qsl[i + 1] - qsl[i])
             start = int(positions[q0])
-            seq = self.seqs.setdefault(r, DraftSeq())
-            if seq.num_computed < start:  # the target computed positions the head never saw
+            # A new request resumes from the target's: its prefix hit holds the head's KV too.
+            if self.num_computed.setdefault(r, start) < start:
                 self._go_blind(r)
                 continue
             valid = min(count, len(ctx) - 1 - start)
-            drafting = sampled and valid > 0
-            if not self._reserve(seq, max(start + count, len(ctx) + self.k - 1 if drafting else 0)):
-                self._go_blind(r)
-                continue
             p = np.arange(start, start + valid)
-            blocks = np.asarray(seq.blocks, np.int32)[p // self.block_size]
             ids[q0:q0 + valid] = ctx[p + 1]
-            slots[q0:q0 + valid] = blocks * self.block_size + p % self.block_size
-            tables[i, :len(seq.blocks)] = seq.blocks
-            seq.num_computed = start + valid
-            if drafting:
+            slots[q0:q0 + valid] = step.slot_mapping[q0:q0 + valid]
+            self.num_computed[r] = start + valid
+            if sampled and valid > 0:
                 logits_idx[i] = q0 + valid - 1
                 proposing[i] = True
         out: list[list[int]] = [[] for _ in req_ids]
-        if not proposing.any() and not (slots >= 0).any():
+        if not (slots >= 0).any():
             return out
-        call_args = (ids, positions, slots, tables, step.kv_lens, qsl, step.num_seqs, logits_idx, proposing)
+        call_args = (ids, positions, slots, step.block_tables, step.kv_lens, qsl, step.num_seqs, logits_idx, proposing)
         self.kv, drafts = self._program(bucket, hidden)(self.weights, self.tables, self.kv, hidden, *call_args)
         self.num_passes += 1
         if proposing.any():
@@ -220,4 +218,3 @@ class EagleProposer(DraftBlockPool):
             for row in np.flatnonzero(proposing[:len(req_ids)]):
                 out[row] = values[row].tolist()
         return out
-

@@ -365,6 +365,9 @@ class ModelRunner:
         assert spec is not None
         if self.target.is_abstract:
             raise ConfigError(f"speculative_config.method={spec.method}: a compile-only runner has no draft")
+        if len(self.kv_cache_groups) != 1:  # the head's KV follows the target's one block table
+            raise ConfigError(f"speculative_config.method={spec.method}: a target with sliding-window or hybrid "
+                              "attention layers is not supported")
         if not hasattr(nnx.merge(self.graphdef, self.model_state), "forward_with_aux"):
             raise ConfigError(f"speculative_config.method={spec.method}: the target ({self.mc.architecture}) "
                               "does not hand over hidden states; EAGLE needs a Llama-family decoder")
@@ -378,10 +381,10 @@ class ModelRunner:
         self._eagle_head = None  # the proposer holds the weights now
         tables = target_tables(self._weight_paths, self.model_state, spec.method)
         step_rows = {b: self._num_rows(b) for b in self.buckets.token_buckets}
-        self.eagle = EagleProposer(self.config, cfg, weights, tables, self.max_model_len, spec.num_speculative_tokens,
-                                   self.attn_fn, self.devices[0], self.num_blocks, step_rows, self._replicated)
-        logger.info("%s head %s: %d KV blocks, %d programs; reads %s", spec.method, spec.model,
-                    self.eagle.num_blocks, len(step_rows),
+        self.eagle = EagleProposer(self.config, cfg, weights, tables, spec.num_speculative_tokens, self.attn_fn,
+                                   self.devices[0], self.num_blocks, self.max_blocks_per_seq, step_rows,
+                                   self._replicated)
+        logger.info("%s head %s: %d programs; reads %s", spec.method, spec.model, len(step_rows),
                     "the final hidden state" if not cfg.aux_layers else f"layers {list(cfg.aux_layers)}")
 
     def _log_layout(self, model: LlamaForCausalLM) -> None:
