@@ -92,8 +92,8 @@ class EngineConfig:
             raise ConfigError("speculative_config with runner='pooling': a pooling model generates no "
                               "tokens to speculate on")
         spec = self.spec_decode_config.spec
-        if spec is not None and spec.method == "draft_model" and self.parallel_config.tensor_parallel_size > 1:
-            raise ConfigError("speculative_config.method=draft_model runs the draft on one device; "
+        if spec is not None and spec.method != "ngram" and self.parallel_config.tensor_parallel_size > 1:
+            raise ConfigError(f"speculative_config.method={spec.method} runs the draft on one device; "
                               f"tensor_parallel_size {self.parallel_config.tensor_parallel_size} is not supported")
 
     # ---- the flat view -------------------------------------------------------------------------

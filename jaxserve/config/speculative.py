@@ -16,7 +16,9 @@ from jaxserve.config.base import SubConfig
 from jaxserve.exceptions import ConfigError
 from jaxserve.models.config import QUANTIZATION_METHODS
 
-METHODS = ("ngram", "draft_model")  # eagle, eagle3, mtp: not built yet, refused by name
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")  # mtp: not built yet, refused by name
+# The methods whose proposer is a model named by ``model`` (EAGLE's: a head over the target's hidden states).
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "quantization")
 _NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 _DRAFT_KEYS = ("model", "quantization")
@@ -28,7 +30,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
-    model: str | None = None  # draft_model: the draft's folder, .gguf file or hub id
+    model: str | None = None  # draft_model: the draft's folder, .gguf file or hub id; eagle/eagle3: the head's
     quantization: str | None = None  # draft_model: the draft's weight format (the engine flag's values)
 
     @classmethod
@@ -58,11 +60,12 @@ class SpeculativeConfig:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ConfigError("speculative_config.num_speculative_tokens must be an integer >= 1, "
                               f"got {k!r}")
-        if method == "draft_model":
-            return cls._draft_model(value, k)
+        if method in MODEL_METHODS:
+            return cls._draft_model(method, value, k)
         stray = sorted(set(value) & set(_DRAFT_KEYS))
         if stray:
-            raise ConfigError(f"speculative_config.{stray[0]} is for method draft_model, not {method}")
+            raise ConfigError(f"speculative_config.{stray[0]} is for methods {', '.join(MODEL_METHODS)}, "
+                              f"not {method}")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         lo, hi = lo if lo is not None else hi, hi if hi is not None else lo
         if lo is None:
@@ -77,20 +80,22 @@ class SpeculativeConfig:
         return cls(method, k, hi, lo)
 
     @classmethod
-    def _draft_model(cls, value: dict[str, Any], k: int) -> SpeculativeConfig:
+    def _draft_model(cls, method: str, value: dict[str, Any], k: int) -> SpeculativeConfig:
         model = value.get("model")
         if not isinstance(model, str) or not model:
-            raise ConfigError("speculative_config.model: method draft_model needs the draft's folder, "
-                              f".gguf file or hub id, got {model!r}")
+            what = "the draft's folder, .gguf file" if method == "draft_model" else "the EAGLE head's folder"
+            raise ConfigError(f"speculative_config.model: method {method} needs {what} or hub id, got {model!r}")
         stray = sorted(set(value) & set(_NGRAM_KEYS))
         if stray:
-            raise ConfigError(f"speculative_config.{stray[0]} is for method ngram, not draft_model")
+            raise ConfigError(f"speculative_config.{stray[0]} is for method ngram, not {method}")
         quantization = value.get("quantization")
         if quantization is not None:
+            if method != "draft_model":  # a one-layer head: its weights stay in the target's dtype
+                raise ConfigError(f"speculative_config.quantization is for method draft_model, not {method}")
             if quantization not in QUANTIZATION_METHODS:
                 raise ConfigError(f"speculative_config.quantization must be one of "
                                   f"{', '.join(QUANTIZATION_METHODS)}, got {quantization!r}")
-        return cls("draft_model", k, 0, 0, model, quantization)
+        return cls(method, k, 0, 0, model, quantization)
 
     def to_dict(self) -> dict[str, Any]:
         """vLLM's JSON keys of this method (parse gives this configuration back)."""
@@ -106,7 +111,9 @@ class SpecDecodeConfig(SubConfig):
     speculative_config: str | dict[str, Any] | None = None
     """Speculative decoding as vLLM's JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_min": 2, "prompt_lookup_max": 5}, or {"method": "draft_model", "model": PATH_OR_NAME,
-    "num_speculative_tokens": 4} (a smaller model with the target's vocabulary); default: off."""
+    "num_speculative_tokens": 4} (a smaller model with the target's vocabulary), or {"method": "eagle"
+    or "eagle3", "model": HEAD_FOLDER_OR_NAME, "num_speculative_tokens": 3} (an EAGLE head trained for
+    the target); default: off."""
     speculative_auto_off: bool = False
     """Beyond vLLM: per step, skip verifying drafts when the measured acceptance and a fitted
     step-cost model say speculation costs more than it saves at the current batch size (probing

@@ -86,7 +86,7 @@ class KVCacheManager(_BlockPoolViews):
     """
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
-                 enable_caching: bool = True, log_stats: bool = True) -> None:
+                 enable_caching: bool = True, log_stats: bool = True, *, use_eagle: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         if max_model_len < 2:
@@ -95,6 +95,7 @@ class KVCacheManager(_BlockPoolViews):
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.log_stats = log_stats
+        self.use_eagle = use_eagle
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.max_num_blocks_per_req = cdiv(max_model_len, block_size)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -107,7 +108,8 @@ class KVCacheManager(_BlockPoolViews):
 
         The hit stops one token short of ``request.num_tokens`` at the latest: the last token must
         be computed to get logits. Requests asking for prompt logprobs skip the cache (cached
-        positions would have no logits). Does not take references: ``allocate_slots`` does.
+        positions would have no logits). With ``use_eagle`` the hit's last block is left out too
+        (vLLM's rule). Does not take references: ``allocate_slots`` does.
         """
         if not self.reads_prefix_cache(request):
             return [], 0
@@ -120,6 +122,8 @@ class KVCacheManager(_BlockPoolViews):
             if block is None:
                 break
             blocks.append(block)
+        if self.use_eagle and blocks:  # recomputed: the EAGLE head's entry at its end needs the next token
+            blocks.pop()
         num_hit_tokens = len(blocks) * self.block_size
         if self.log_stats and record_stats:
             self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)

@@ -55,6 +55,9 @@ class SchedulerConfig:
     # KV slots the proposer writes past the scheduled tokens.
     num_speculative_tokens: int = 0
     num_lookahead_tokens: int = 0
+    # EAGLE: prefix hits end one block short (the head's KV at a hit's last position depends on
+    # the token after it, which may differ); the plain KV cache manager's use_eagle.
+    use_eagle: bool = False
     # Images: encoder tokens one step may encode, and the encoder cache's size (0: the budget).
     max_num_encoder_input_tokens: int = 0
     encoder_cache_size: int = 0
@@ -128,7 +131,9 @@ class Scheduler:
             if num_blocks is None:
                 raise ValueError("pass a kv_cache_manager or num_blocks")
             kv_cache_manager = KVCacheManager(num_blocks, block_size, cfg.max_model_len,
-                                              enable_caching, log_stats)
+                                              enable_caching, log_stats, use_eagle=cfg.use_eagle)
+        elif cfg.use_eagle and not getattr(kv_cache_manager, "use_eagle", False):
+            raise ValueError("use_eagle needs a KV cache manager that drops a prefix hit's last block")
         if kv_cache_manager.max_model_len != cfg.max_model_len:
             raise ValueError(f"kv_cache_manager.max_model_len={kv_cache_manager.max_model_len} "
                              f"!= scheduler max_model_len={cfg.max_model_len}")

@@ -257,6 +257,12 @@ class EngineCore:
         num_spec = config.spec_decode_config.num_speculative_tokens
         if num_spec:
             scheduler_config.num_speculative_tokens = num_spec
+            spec = config.spec_decode_config.spec
+            if spec is not None and spec.method in ("eagle", "eagle3"):
+                # The head's KV lives in the target's blocks: slots for its drafts, and prefix hits
+                # that end one block short (vLLM's use_eagle).
+                scheduler_config.num_lookahead_tokens = num_spec
+                scheduler_config.use_eagle = True
             if scheduler_config.async_scheduling:
                 # Drafts come from the tokens of the step before, which async scheduling has not
                 # collected when it schedules the next one: speculation schedules synchronously.

@@ -280,6 +280,19 @@ class LlamaForCausalLM(nnx.Module):
                 mrope_positions: jax.Array | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
         """``__call__``'s outputs and, for a MoE model, the routed (token, expert) pairs per layer
         and expert ``[L, E]`` int32 over the step's real tokens (None for a dense model)."""
+        hidden, kv, loads, _ = self.forward_with_aux(input_ids, kv_cache, md, attn_fn, mesh, lora, mm_embeds, mm_mask,
+                                                     kv_groups, mrope_positions)
+        return hidden, kv, loads
+
+    def forward_with_aux(self, input_ids: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
+                         attn_fn: AttentionFn, mesh: Mesh | None = None, lora: LoRABatch | None = None,
+                         mm_embeds: jax.Array | None = None, mm_mask: jax.Array | None = None,
+                         kv_groups: KVGroups | None = None, mrope_positions: jax.Array | None = None,
+                         aux_layers: tuple[int, ...] = ()
+                         ) -> tuple[jax.Array, KVCache, jax.Array | None, jax.Array | None]:
+        """:meth:`forward`'s outputs and the residual stream entering each layer of ``aux_layers``
+        (in increasing layer order), concatenated ``[T, len(aux_layers) * hidden]``: the inputs
+        an EAGLE-3 head reads (None when ``aux_layers`` is empty)."""
         k_cache, v_cache = kv_cache
         num_slots, num_blocks = k_cache.shape[:2]  # a slot per layer, or per layer of a KV group
         pool_shape = (num_slots * num_blocks, *k_cache.shape[2:])
@@ -291,13 +304,17 @@ class LlamaForCausalLM(nnx.Module):
         ctx = ForwardContext(md=md, attn_fn=attn_fn, cos=cos, sin=sin, num_blocks=num_blocks, mesh=mesh,
                              lora=lora, kv_groups=kv_groups, local_rope=local)
 
+        wanted = tuple(sorted(aux_layers))
+
         def run_layer(layer, index, carry):
-            hidden, kv, loads = carry
+            hidden, kv, loads, aux = carry
+            if aux is not None:  # index may be traced (scanned layers): a select per wanted layer
+                aux = jnp.stack([jnp.where(index == j, hidden, aux[i]) for i, j in enumerate(wanted)])
             out = layer(hidden, kv, index, ctx)
             # A dense layer may return (hidden, kv), as a user's replacement layer does; a MoE
             # layer adds its per-expert load.
             hidden, kv, load = out if len(out) == 3 else (*out, None)
-            return hidden, kv, (None if load is None else loads.at[index].set(load))
+            return hidden, kv, (None if load is None else loads.at[index].set(load)), aux
 
         embeds = self.embed_tokens(input_ids, mesh)
         if self.config.embed_scale is not None:  # Gemma: the scale cast to the weights' dtype first
@@ -308,14 +325,16 @@ class LlamaForCausalLM(nnx.Module):
             embeds = jnp.where(mm_mask[:, None], mm_embeds.astype(embeds.dtype), embeds)
         loads = (jnp.zeros((self.config.num_hidden_layers, self.config.num_experts), jnp.int32)
                  if self.config.is_moe else None)
-        carry = (embeds, (k_cache.reshape(pool_shape), v_cache.reshape(pool_shape)), loads)
+        aux = jnp.zeros((len(wanted), *embeds.shape), embeds.dtype) if wanted else None
+        carry = (embeds, (k_cache.reshape(pool_shape), v_cache.reshape(pool_shape)), loads, aux)
         if isinstance(self.layers, ScannedLayers):
             carry = self.layers.scan(run_layer, carry)
         else:
             for i, layer in enumerate(self.layers):
                 carry = run_layer(layer, jnp.int32(i), carry)
-        hidden, (k_pool, v_pool), loads = carry
-        return hidden, (k_pool.reshape(k_cache.shape), v_pool.reshape(v_cache.shape)), loads
+        hidden, (k_pool, v_pool), loads, aux = carry
+        aux_out = None if aux is None else jnp.concatenate(list(aux), axis=-1)
+        return hidden, (k_pool.reshape(k_cache.shape), v_pool.reshape(v_cache.shape)), loads, aux_out
 
     def compute_logits(self, hidden: jax.Array, mesh: Mesh | None = None, lora: LoRABatch | None = None
                        ) -> jax.Array:

@@ -34,3 +34,6 @@ class StepOutput:
     sampler: SamplerOutput
     hidden: jax.Array  # [T, hidden] of every scheduled token (prompt logprobs need them)
     expert_load: jax.Array | None = None  # MoE: routed (token, expert) pairs per expert [E], layers summed
+    # EAGLE: the hidden states its head reads, [T, h] (eagle: after the final norm) or [T, 3h]
+    # (eagle3: entering its three layers); None without an EAGLE proposer
+    draft_hidden: jax.Array | None = None

@@ -45,6 +45,7 @@ from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.lora import LoRABatch
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.eagle import EagleConfig, Weights
 from jaxserve.models.forward_context import KVGroups
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.tp_layout import TPLayout
@@ -53,6 +54,7 @@ from jaxserve.runner.compilation import CompiledSteps, StepVariant
 from jaxserve.runner.compile_stats import CompileStats
 from jaxserve.runner.device_state import DeviceState, StepOutput
 from jaxserve.runner.draft_runner import DraftModelProposer, load_draft_model
+from jaxserve.runner.eagle_runner import EagleProposer, load_eagle_head, target_tables
 from jaxserve.runner.encoder_runner import EncoderRunner
 from jaxserve.runner.input_batch import (
     CachedRequestState,
@@ -110,6 +112,7 @@ class RunnerStep:
     # when no scheduled token is an image placeholder (the text-only program runs).
     mm: tuple[np.ndarray, np.ndarray] | None = None
     expert_load: jax.Array | None = None  # a MoE model's routed pairs per expert [E], on the device
+    draft_hidden: jax.Array | None = None  # EAGLE: the hidden states its head reads, on the device
 
     @property
     def num_rows(self) -> int:
@@ -254,6 +257,7 @@ class ModelRunner:
         # trace. The state as nnx.flatten gives it, a list of arrays in graph order: a call passes
         # a list on faster than nnx.State (Variables flatten through Python) or nested dicts.
         self.graphdef, flat = nnx.flatten(model, with_paths=True)
+        self._weight_paths = [path for path, _ in flat]
         self.weight_shardings = weight_shardings(self.mesh, list(flat))
         self.model_state = self._place([value for _, value in flat], self.weight_shardings)
         self.scan_layers = bool(getattr(model, "scan_layers", False))  # optional on a model object
@@ -303,6 +307,12 @@ class ModelRunner:
         self.proposer = (None if spec is None or spec.method != "ngram" else
                          NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max))
         self.drafter: DraftModelProposer | None = None
+        self.eagle: EagleProposer | None = None
+        # EAGLE: the head, read now because the step hands it what it reads ("final": the last
+        # hidden state after the norm, or the layers EAGLE-3 reads), fixed before any step is traced
+        self._eagle_head = None if spec is None or spec.method not in ("eagle", "eagle3") else self._load_eagle_head()
+        self._eagle_reads: str | tuple[int, ...] | None = (
+            None if self._eagle_head is None else self._eagle_head[0].aux_layers or "final")
         self.prompt_logprobs = PromptLogprobsWorker(self.graphdef, self._split_args, self.num_logprobs,
                                                     self.target.sampler_policy(), self._replicated,
                                                     config.enforce_eager)
@@ -338,15 +348,45 @@ class ModelRunner:
     def _init_draft_model(self) -> None:
         """speculative_config's draft model, its pool and programs (compiled at warm-up)."""
         spec = self.config.spec_decode_config.spec
-        if spec is None or spec.method != "draft_model":
+        if spec is None or spec.method == "ngram":
             return
         if self.target.is_abstract:
-            raise ConfigError("speculative_config.method=draft_model: a compile-only runner has no draft")
+            raise ConfigError(f"speculative_config.method={spec.method}: a compile-only runner has no draft")
+        if spec.method in ("eagle", "eagle3"):
+            self._init_eagle()
+            return
         draft = load_draft_model(self.config, self.mc)
         self.drafter = DraftModelProposer(self.config, draft, self.max_model_len, spec.num_speculative_tokens,
                                           self.attn_fn, self.devices[0], self.num_blocks)
         logger.info("draft model %s: %d KV blocks, %d token buckets, %d row buckets", spec.model,
                     self.drafter.num_blocks, len(self.drafter.token_buckets), len(self.drafter.row_buckets))
+
+    def _load_eagle_head(self) -> tuple[EagleConfig, Weights]:
+        spec = self.config.spec_decode_config.spec
+        assert spec is not None
+        if self.target.is_abstract:
+            raise ConfigError(f"speculative_config.method={spec.method}: a compile-only runner has no draft")
+        if len(self.kv_cache_groups) != 1:  # the head's KV follows the target's one block table
+            raise ConfigError(f"speculative_config.method={spec.method}: a target with sliding-window or hybrid "
+                              "attention layers is not supported")
+        if not hasattr(nnx.merge(self.graphdef, self.model_state), "forward_with_aux"):
+            raise ConfigError(f"speculative_config.method={spec.method}: the target ({self.mc.architecture}) "
+                              "does not hand over hidden states; EAGLE needs a Llama-family decoder")
+        return load_eagle_head(self.config, self.mc)
+
+    def _init_eagle(self) -> None:
+        """The EAGLE head's proposer: a program per token bucket (compiled at warm-up)."""
+        spec = self.config.spec_decode_config.spec
+        assert spec is not None and self._eagle_head is not None
+        cfg, weights = self._eagle_head
+        self._eagle_head = None  # the proposer holds the weights now
+        tables = target_tables(self._weight_paths, self.model_state, spec.method)
+        step_rows = {b: self._num_rows(b) for b in self.buckets.token_buckets}
+        self.eagle = EagleProposer(self.config, cfg, weights, tables, spec.num_speculative_tokens, self.attn_fn,
+                                   self.devices[0], self.num_blocks, self.max_blocks_per_seq, step_rows,
+                                   self._replicated)
+        logger.info("%s head %s: %d programs; reads %s", spec.method, spec.model, len(step_rows),
+                    "the final hidden state" if not cfg.aux_layers else f"layers {list(cfg.aux_layers)}")
 
     def _log_layout(self, model: LlamaForCausalLM) -> None:
         max_concurrency = self.num_blocks * self.block_size / self.max_model_len
@@ -385,7 +425,8 @@ class ModelRunner:
         return DeviceState(**leaves)
 
     def _replicated_except_state(self) -> StepOutput:
-        replicated: list[Any] = [self._replicated, self._replicated, self._replicated if self.mc.is_moe else None]
+        replicated: list[Any] = [self._replicated, self._replicated, self._replicated if self.mc.is_moe else None,
+                                 self._replicated if self._eagle_reads is not None else None]
         return StepOutput(self._state_shardings(), *replicated)
 
     def _zero_state(self, num_blocks: int) -> DeviceState:
@@ -470,7 +511,11 @@ class ModelRunner:
         if inputs.mrope_positions is not None:
             extra["mrope_positions"] = inputs.mrope_positions
         args = (input_ids, state.kv_cache, x.attention_metadata(), attn_fn, *self._split_args)
-        if hasattr(model, "forward"):  # ours: (hidden, kv, per-expert load or None)
+        draft_hidden = None
+        if isinstance(self._eagle_reads, tuple):  # EAGLE-3: the residual stream entering its layers
+            extra["aux_layers"] = self._eagle_reads
+            hidden, kv_cache, loads, draft_hidden = model.forward_with_aux(*args, **extra)
+        elif hasattr(model, "forward"):  # ours: (hidden, kv, per-expert load or None)
             hidden, kv_cache, loads = model.forward(*args, **extra)
         else:  # a user's model object keeps the plain protocol: __call__ gives (hidden, kv)
             (hidden, kv_cache), loads = model(*args, **extra), None
@@ -502,7 +547,9 @@ class ModelRunner:
             last = jnp.take_along_axis(out.sampled_token_ids, (num - 1)[:, None], axis=1)[:, 0]
             penalties = add_accepted_drafts(penalties, x.row_slots, spec.draft_token_ids, num - 1)
         prev_sampled = state.prev_sampled.at[: last.shape[0]].set(last)
-        return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden, expert_load)
+        if self._eagle_reads == "final":  # EAGLE-1 reads the last hidden state after the final norm
+            draft_hidden = model.norm(hidden)
+        return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden, expert_load, draft_hidden)
 
     def _layer_groups(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Each layer's KV cache group and KV slot (layer j of a group uses slot j)."""
@@ -617,6 +664,8 @@ class ModelRunner:
             self.encoder.warm_up()
         if self.drafter is not None:  # compiled even in eager mode: its own few programs
             self.drafter.warm_up()
+        if self.eagle is not None:
+            self.eagle.warm_up(jnp.dtype(self.mc.dtype))
         if self.config.enforce_eager:
             return
         # Every host of a multi-node group must run the same program each step, so none defers.
@@ -680,6 +729,8 @@ class ModelRunner:
                 self.slots.release(state.slot)
             if self.drafter is not None:
                 self.drafter.free(req_id)
+            if self.eagle is not None:
+                self.eagle.free(req_id)
             if self.lora is not None:
                 self.lora.remove_request(req_id)
         for new in so.scheduled_new_reqs:
@@ -688,6 +739,8 @@ class ModelRunner:
                 self.slots.release(old.slot)
             if self.drafter is not None:  # a resumed request: the draft recomputes it from its tokens
                 self.drafter.free(new.req_id)
+            if self.eagle is not None:
+                self.eagle.free(new.req_id)
             params = new.sampling_params
             seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
             slot = self.slots.allocate()
@@ -791,7 +844,8 @@ class ModelRunner:
         if self.lora is not None and self.lora.has_lm_head:
             head_lora = (self.lora.tables, inputs.lora_slot_ids)
         self.prompt_logprobs.accumulate(self.model_state, result.hidden, plan, states, so, head_lora)
-        return dataclasses.replace(prepared, out=result.sampler, expert_load=result.expert_load)
+        return dataclasses.replace(prepared, out=result.sampler, expert_load=result.expert_load,
+                                   draft_hidden=result.draft_hidden)
 
     def sampled_tokens(self, step: InFlightStep) -> dict[str, int]:
         """Wait for a dispatched step's sampled ids only: request id -> token, for the rows that
@@ -808,7 +862,7 @@ class ModelRunner:
         """Wait for a dispatched step and hand its tokens to the host-side request states."""
         if step.out is None or step.plan is None:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
-        output = self._collect(step.out, step.plan, step.states, step.scheduler_output)
+        output = self._collect(step.out, step.plan, step.states, step.scheduler_output, step)
         if step.expert_load is not None:  # E int32s, read after the sampled tokens (already waited for)
             output.expert_load = np.asarray(step.expert_load).tolist()
             self.stats.record_expert_load(output.expert_load)
@@ -852,7 +906,7 @@ class ModelRunner:
         return inputs, plan, states
 
     def _collect(self, out: SamplerOutput, plan: StepPlan, states: list[CachedRequestState],
-                 so: SchedulerOutput) -> ModelRunnerOutput:
+                 so: SchedulerOutput, step: RunnerStep | None = None) -> ModelRunnerOutput:
         want_logprobs = plan.want_logprobs
         start = time.perf_counter()
         if want_logprobs:
@@ -898,13 +952,21 @@ class ModelRunner:
             req_ids=plan.req_ids, req_id_to_index={r: i for i, r in enumerate(plan.req_ids)},
             sampled_token_ids=sampled_lists, logprobs=logprob_rows if want_logprobs else None,
             prompt_logprobs_dict=prompt_logprobs,
-            spec_token_ids=self._propose(states, sampled_lists) if self.num_spec else None)
+            spec_token_ids=self._propose(states, sampled_lists, step) if self.num_spec else None)
 
-    def _propose(self, states: list[CachedRequestState], sampled: list[list[int]]) -> list[list[int]]:
-        """The drafts for the next step (n-gram or the draft model), from each live row's known
-        tokens (prompt and outputs). Penalised and constrained rows too: the step counts each
-        position's earlier drafts, and the scheduler cuts a constrained row's drafts at the first
-        one its grammar refuses (the bitmask then has a row per verified position)."""
+    def _propose(self, states: list[CachedRequestState], sampled: list[list[int]],
+                 step: RunnerStep | None = None) -> list[list[int]]:
+        """The drafts for the next step (n-gram, the draft model or the EAGLE head), from each
+        live row's known tokens (prompt and outputs). Penalised and constrained rows too: the step
+        counts each position's earlier drafts, and the scheduler cuts a constrained row's drafts at
+        the first one its grammar refuses (the bitmask then has a row per verified position)."""
+        if self.eagle is not None:  # every row, sampling or not: the head keeps up with the target
+            assert step is not None and step.inputs is not None and step.draft_hidden is not None
+            live = [self.requests.get(s.req_id) is s for s in states]
+            known = [self.batch.token_ids[s.slot, : self.batch.num_tokens[s.slot]] if ok else None
+                     for s, ok in zip(states, live)]
+            return self.eagle.propose([s.req_id for s in states], known, [bool(t) for t in sampled],
+                                      step.inputs.model, step.draft_hidden)
         out: list[list[int]] = [[] for _ in states]
         rows = [i for i, (state, toks) in enumerate(zip(states, sampled))
                 if toks and self.requests.get(state.req_id) is state]

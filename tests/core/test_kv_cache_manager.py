@@ -36,6 +36,17 @@ def test_hit_capped_before_last_token():
     assert (st.requests, st.queries, st.hits) == (4, 8 + 8 + 9 + 10, 0 + 4 + 8 + 4)
 
 
+def test_eagle_hits_end_one_block_short():
+    """With use_eagle the hit's last block is recomputed (the head's entry there reads the token
+    after the hit); a one-block hit is no hit."""
+    mgr = KVCacheManager(16, 4, 64, use_eagle=True)
+    a = new(mgr, list(range(12)))
+    admit(mgr, a)
+    blocks, n = mgr.get_computed_blocks(new(mgr, list(range(13))))
+    assert n == 8 and blocks == mgr.req_to_blocks[a.request_id][:2]
+    assert mgr.get_computed_blocks(new(mgr, [0, 1, 2, 3, 9, 9]))[1] == 0
+
+
 def test_prompt_logprobs_and_caching_off_skip_lookup():
     mgr = KVCacheManager(16, 4, 64)
     admit(mgr, new(mgr, list(range(8))))

@@ -29,7 +29,11 @@ def test_dict_and_flag_give_the_same_config():
 
 
 @pytest.mark.parametrize("value, words", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, "method"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, r"speculative_config\.model: method eagle needs"),
+    ({"method": "eagle3", "model": "/m", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+     r"prompt_lookup_max is for method ngram, not eagle3"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "/m"}, r"model is for methods draft_model, eagle"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
      "prompt_lookup_min"),
@@ -82,6 +86,13 @@ def test_draft_model_config_and_vllm_older_form():
 def test_draft_model_bad_values_are_refused_by_name(value, words):
     with pytest.raises(ConfigError, match=words):
         EngineConfig(speculative_config=value)
+
+
+def test_eagle_config_round_trips():
+    config = EngineConfig(speculative_config={"method": "eagle3", "model": "/m/head", "num_speculative_tokens": 3})
+    spec = config.spec_decode_config.spec
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("eagle3", "/m/head", 3)
+    assert EngineConfig(speculative_config=spec.to_dict()).spec_decode_config.spec == spec
 
 
 def test_draft_model_refuses_tensor_parallel():

@@ -1,0 +1,220 @@
+"""The ``eagle`` and ``eagle3`` proposers (vLLM's ``v1/spec_decode/eagle.py``): a one-layer head
+(:mod:`jaxserve.models.eagle`) fed the target's hidden states.
+
+The head's KV pool is one layer laid out as the target's: the same block ids, block tables and
+slots, so a request's head KV lives in its target blocks and a prefix-cache hit brings the head's
+KV with the target's. (The head's entry at ``p`` reads the token at ``p + 1``, so at the hit's last
+position it may belong to another continuation: with EAGLE the scheduler drops a hit's last block,
+as vLLM does, and the target and the head recompute it.) The scheduler also allocates K lookahead
+slots per request (``num_lookahead_tokens``) for the drafts' KV.
+
+After each target step the head catches up over the step's tokens, in the step's own layout (one
+compiled program per target token bucket, the step's hidden states passed as they came out of
+it): the token at ``p`` of a row is the head's input at ``p - 1``. A row's valid positions are
+those whose hidden state the target computed on tokens it kept: its prompt chunk, or its input
+token and the drafts it accepted; rejected drafts' positions write no KV (slot -1). A row that
+samples drafts K tokens greedily in the same program: the head's output at its last valid
+position gives the first, then K-1 one-token steps each read the previous step's output hidden
+state, their KV written into the lookahead slots and overwritten by the next catch-up. Every
+program is compiled at warm-up; a shape met later is compiled then and counted in
+``unexpected_compiles``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.exceptions import ConfigError
+from jaxserve.layers.attention import AttentionFn, AttentionMetadata
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.eagle import (
+    EagleConfig,
+    TargetTables,
+    Weights,
+    combine_target_hidden,
+    eagle_config,
+    eagle_forward,
+    greedy_tokens,
+    load_eagle_weights,
+)
+from jaxserve.runner.kv_cache import allocate_kv_cache
+from jaxserve.runner.step_inputs import ModelInputs
+
+logger = logging.getLogger("jaxserve")
+
+
+def load_eagle_head(config: EngineConfig, target: ModelConfig) -> tuple[EagleConfig, Weights]:
+    """The head named by ``speculative_config.model`` in the target's dtype, checked against it."""
+    from jaxserve.models.hub import resolve_model
+
+    spec = config.spec_decode_config.spec
+    assert spec is not None and spec.model is not None
+    if target.embed_scale is not None or target.final_logit_softcapping is not None or target.norm_offset:
+        raise ConfigError(f"speculative_config.method={spec.method}: EAGLE heads are built for Llama-family "
+                          f"targets; {target.architecture} (scaled embeddings or norms) is not supported")
+    try:
+        source = resolve_model(spec.model, download_dir=config.download_dir)
+    except ConfigError as exc:
+        raise ConfigError(f"speculative_config.model: {exc}") from None
+    cfg = eagle_config(source.path, spec.method, target)
+    return cfg, load_eagle_weights(source.path, cfg, jnp.dtype(target.dtype))
+
+
+def target_tables(paths: Sequence[tuple], arrays: Sequence[jax.Array], method: str) -> TargetTables:
+    """The target's embedding and untied LM head among its flattened weights."""
+    by_path = {tuple(str(k) for k in p): a for p, a in zip(paths, arrays)}
+    embedding = by_path.get(("embed_tokens", "embedding"))
+    if embedding is None:
+        raise ConfigError(f"speculative_config.method={method}: the head reads the target's embedding, which "
+                          "this target keeps quantized (GGUF blocks); serve a float checkpoint")
+    return TargetTables(embedding, by_path.get(("lm_head", "kernel")))
+
+
+class EagleProposer:
+    """``step_rows``: the target's rows per token bucket (every bucket gets its program);
+    ``hidden_sharding``: where the step's hidden states live; ``num_blocks`` and ``table_width``:
+    the target's pool and block-table width."""
+
+    def __init__(self, config: EngineConfig, cfg: EagleConfig, weights: Weights, tables: TargetTables, k: int,
+                 attn_fn: AttentionFn, device: jax.Device, num_blocks: int, table_width: int,
+                 step_rows: dict[int, int], hidden_sharding: Any):
+        self.k = k
+        self.table_width = table_width
+        self.cfg = cfg
+        self.block_size = config.block_size
+        self.num_blocks = num_blocks
+        self.attn_fn = attn_fn
+        self.weights = jax.device_put(weights, device)
+        self.tables = tables
+        k_pool, v_pool = allocate_kv_cache(cfg.layer, num_blocks, self.block_size, 1, config.kv_cache_dtype)
+        self.kv = jax.device_put((k_pool[0], v_pool[0]), device)  # one layer: [num_blocks, bs, Hkv, D]
+        self.step_rows = dict(step_rows)
+        self.hidden_sharding = hidden_sharding
+        # Each request's positions with head KV (the rest of its blocks: stale or lookahead).
+        self.num_computed: dict[str, int] = {}
+        # Requests the head missed positions of (never expected: a safety net): no drafts until freed.
+        self.blind: set[str] = set()
+        self._jitted = jax.jit(self._propose_fn, donate_argnums=(2,))
+        self._compiled: dict[int, Any] = {}
+        self.unexpected_compiles = 0
+        self.num_passes = 0
+
+    def free(self, req_id: str) -> None:
+        """Forget a finished, preempted or replaced request (its blocks are the target's)."""
+        self.num_computed.pop(req_id, None)
+        self.blind.discard(req_id)
+
+    def _go_blind(self, req_id: str) -> None:
+        self.num_computed.pop(req_id, None)
+        self.blind.add(req_id)
+
+    # ---- the compiled program ------------------------------------------------------------------
+
+    def _propose_fn(self, weights, tables, kv, target_hidden, input_ids, positions, slot_mapping, block_tables,
+                    kv_lens, query_start_loc, num_seqs, logits_indices, proposing):
+        """Catch up over the step's tokens, then K greedy drafts for the ``proposing`` rows."""
+        cfg, bs = self.cfg, self.block_size
+        md = AttentionMetadata(positions, slot_mapping, block_tables, kv_lens, query_start_loc, num_seqs)
+        hidden = combine_target_hidden(cfg, weights, target_hidden)
+        rows, hidden, kv = eagle_forward(cfg, weights, tables, input_ids, hidden, kv, md, self.attn_fn)
+        tokens = greedy_tokens(cfg, weights, tables, rows[logits_indices])
+        hidden = hidden[logits_indices]
+        num_rows = logits_indices.shape[0]
+        # Draft j+2 is read at position p + 1 + j, p the row's last valid position.
+        starts = positions[logits_indices] + 1
+        one_each = jnp.arange(num_rows + 1, dtype=jnp.int32)
+        out = [tokens]
+        width = block_tables.shape[1]
+        for j in range(self.k - 1):
+            pos = starts + j
+            # Past max_model_len there is no page: nothing written (those drafts are cut anyway).
+            page = jnp.take_along_axis(block_tables, jnp.minimum(pos // bs, width - 1)[:, None], axis=1)[:, 0]
+            slot = jnp.where(proposing & (pos < width * bs), page * bs + pos % bs, -1)
+            # Rows not drafting attend to one position of the null block and write nothing.
+            md = AttentionMetadata(jnp.where(proposing, pos, 0), slot, jnp.where(proposing[:, None], block_tables, 0),
+                                   jnp.where(proposing, pos + 1, 1), one_each, jnp.full((1,), num_rows, jnp.int32))
+            rows, hidden, kv = eagle_forward(cfg, weights, tables, tokens, hidden, kv, md, self.attn_fn)
+            tokens = greedy_tokens(cfg, weights, tables, rows)
+            out.append(tokens)
+        return kv, jnp.stack(out, axis=1)
+
+    def _padding_args(self, bucket: int) -> tuple:
+        rows = self.step_rows[bucket]
+        z = np.zeros
+        return (z(bucket, np.int32), z(bucket, np.int32), np.full(bucket, -1, np.int32),
+                z((rows, self.table_width), np.int32), z(rows, np.int32), z(rows + 1, np.int32),
+                z(1, np.int32), z(rows, np.int32), z(rows, np.bool_))
+
+    def _zero_hidden(self, bucket: int, dtype: Any) -> jax.Array:
+        return jax.device_put(jnp.zeros((bucket, self.cfg.target_hidden_width), dtype), self.hidden_sharding)
+
+    def _program(self, bucket: int, hidden: jax.Array, warm: bool = False):
+        if bucket not in self._compiled:
+            if not warm:
+                self.unexpected_compiles += 1
+                logger.warning("%s head: compiling the %d-token program after warm-up", self.cfg.method, bucket)
+            self._compiled[bucket] = self._jitted.lower(self.weights, self.tables, self.kv, hidden,
+                                                        *self._padding_args(bucket)).compile()
+        return self._compiled[bucket]
+
+    def warm_up(self, hidden_dtype: Any) -> None:
+        """Compile and run every program once on padding (no KV written: every slot is -1)."""
+        for bucket in sorted(self.step_rows):
+            hidden = self._zero_hidden(bucket, hidden_dtype)
+            self.kv, _ = self._program(bucket, hidden, warm=True)(self.weights, self.tables, self.kv, hidden,
+                                                                  *self._padding_args(bucket))
+        jax.block_until_ready(self.kv)
+
+    @property
+    def num_programs(self) -> int:
+        return len(self._compiled)
+
+    # ---- proposing -----------------------------------------------------------------------------
+
+    def propose(self, req_ids: Sequence[str], contexts: Sequence[np.ndarray | None], samples: Sequence[bool],
+                step: ModelInputs[np.ndarray], hidden: jax.Array) -> list[list[int]]:
+        """After a target step: ``req_ids`` its rows in order, ``contexts`` each row's known tokens
+        now (None: finished or preempted meanwhile), ``samples`` whether the row sampled,
+        ``step`` its host inputs and ``hidden`` its hidden states. K drafts for each sampling row,
+        [] for the others."""
+        bucket = len(step.positions)
+        ids, _, slots, _, _, _, _, logits_idx, proposing = self._padding_args(bucket)
+        qsl, positions = step.query_start_loc, step.positions
+        for i, (r, ctx, sampled) in enumerate(zip(req_ids, contexts, samples)):
+            if ctx is None:
+                self.free(r)
+                continue
+            if r in self.blind:
+                continue
+            q0, count = int(qsl[i]), int(qsl[i + 1] - qsl[i])
+            start = int(positions[q0])
+            # A new request resumes from the target's: its prefix hit holds the head's KV too.
+            if self.num_computed.setdefault(r, start) < start:
+                self._go_blind(r)
+                continue
+            valid = min(count, len(ctx) - 1 - start)
+            p = np.arange(start, start + valid)
+            ids[q0:q0 + valid] = ctx[p + 1]
+            slots[q0:q0 + valid] = step.slot_mapping[q0:q0 + valid]
+            self.num_computed[r] = start + valid
+            if sampled and valid > 0:
+                logits_idx[i] = q0 + valid - 1
+                proposing[i] = True
+        out: list[list[int]] = [[] for _ in req_ids]
+        if not (slots >= 0).any():
+            return out
+        call_args = (ids, positions, slots, step.block_tables, step.kv_lens, qsl, step.num_seqs, logits_idx, proposing)
+        self.kv, drafts = self._program(bucket, hidden)(self.weights, self.tables, self.kv, hidden, *call_args)
+        self.num_passes += 1
+        if proposing.any():
+            values = np.asarray(drafts)
+            for row in np.flatnonzero(proposing[:len(req_ids)]):
+                out[row] = values[row].tolist()
+        return out
