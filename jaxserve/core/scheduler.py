@@ -77,9 +77,6 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.num_speculative_tokens < 0 or self.num_lookahead_tokens < 0:
             raise ValueError("num_speculative_tokens and num_lookahead_tokens must be non-negative")
-        if self.num_speculative_tokens and self.async_scheduling:
-            raise ValueError("num_speculative_tokens > 0 (speculative decoding) does not work "
-                             "with async_scheduling yet: turn one of them off")
         if self.history_size < 0:
             raise ValueError(f"history_size must be non-negative, got {self.history_size}")
         if self.max_num_encoder_input_tokens < 0 or self.encoder_cache_size < 0:
@@ -113,6 +110,9 @@ class Scheduler:
     runner returns the accepted drafts plus one token; rejected drafts roll back by arithmetic
     on ``num_computed_tokens`` (their slots stay allocated and are overwritten). Drafts are never
     in ``all_token_ids``, so they are never hashed into the prefix cache.
+    Both together: a request whose drafts are in flight has ``num_computed_tokens`` past its
+    known tokens plus the placeholder, so it is not scheduled again until that step's output
+    (and with it the accepted count) is in; a request with a token in flight gets no drafts.
     Preemption victim: the newest running request (fcfs) or the largest
     (priority, arrival_time, request_id) (priority). The oldest/best request is never a victim
     while another runs, so it always progresses: with a pool holding ``max_model_len`` tokens,
@@ -288,7 +288,8 @@ class Scheduler:
                 continue
             num_new = len(request.all_token_ids) + pending - request.num_computed_tokens
             drafts = request.spec_token_ids
-            if drafts and not self.speculate:
+            if drafts and (pending or not self.speculate):
+                # A token in flight: the drafts were proposed before it, so they would not follow it.
                 request.spec_token_ids = drafts = []
             if drafts:
                 drafts = self._trim_drafts(request, drafts)
@@ -555,16 +556,21 @@ class Scheduler:
                 request.num_output_placeholders -= 1
                 if request.status is RequestStatus.PREEMPTED:
                     # Async: preempted while this token was in flight. It is valid; keep it.
+                    drafts = scheduled_spec.get(req_id) if scheduled_spec else None
+                    if drafts and spec_stats is not None:
+                        spec_stats.observe_draft(len(drafts), len(tokens) - 1)
+                    kept: list[int] = []
                     try:
-                        finished = self._append_to_waiting(request, tokens[0])
+                        finished = self._append_to_waiting(request, tokens, kept)
                     except Exception:  # this request's fault: it alone fails
                         logger.exception("request %s failed while taking its token", req_id)
                         self.waiting.remove_requests([request])
                         self._free_request(request, RequestStatus.FINISHED_ERROR, known_to_runner=False)
                         finished = True
+                    row = logprobs[idx] if logprobs is not None else None
                     outputs.append(EngineCoreOutput(
-                        req_id, [tokens[0]], request.get_finished_reason() if finished else None,
-                        request.stop_reason, logprobs[idx] if logprobs is not None else None, None,
+                        req_id, kept, request.get_finished_reason() if finished else None,
+                        request.stop_reason, row[: len(kept)] if isinstance(row, list) else row, None,
                         max(request.num_cached_tokens, 0)))
                     continue
             if request.status is not running_status:
@@ -628,13 +634,19 @@ class Scheduler:
                 self._free_request(request, request.status, known_to_runner=True)
         return outputs
 
-    def _append_to_waiting(self, request: Request, token_id: int) -> bool:
-        """Append a late token to a preempted request; True if it finished it (then it is freed)."""
-        request.append_output_token_id(token_id)
+    def _append_to_waiting(self, request: Request, token_ids: list[int], kept: list[int]) -> bool:
+        """Append late tokens (one, or accepted drafts and one) to a preempted request, up to a
+        stop, into ``kept`` too; True if they finished it (then it is freed)."""
+        stop = False
+        for token_id in token_ids:
+            request.append_output_token_id(token_id)
+            kept.append(token_id)
+            if self._check_stop(request, token_id):
+                stop = True
+                break
         if request.first_token_ts is None:
             request.first_token_ts = time.monotonic()
-        stop = self._check_stop(request, token_id)
-        if request.use_structured_output and self._advance_grammar(request, [token_id]) and not stop:
+        if request.use_structured_output and self._advance_grammar(request, kept) and not stop:
             stop = True
         if not stop:
             return False

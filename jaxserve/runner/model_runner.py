@@ -890,16 +890,26 @@ class ModelRunner:
             req_ids=plan.req_ids, req_id_to_index={r: i for i, r in enumerate(plan.req_ids)},
             sampled_token_ids=sampled_lists, logprobs=logprob_rows if want_logprobs else None,
             prompt_logprobs_dict=prompt_logprobs,
-            spec_token_ids=self._propose(states, sampled_lists) if self.num_spec else None)
+            spec_token_ids=self._propose(states, sampled_lists) if self.num_spec and so.propose_drafts else None)
+
+    def _draft_room(self, state: CachedRequestState) -> bool:
+        """True if a draft could still yield a kept token: with K drafts up to K+1 tokens come
+        back, so a row one token from ``max_tokens`` or ``max_model_len`` gets none."""
+        max_tokens = state.sampling_params.max_tokens
+        room = self.max_model_len - state.num_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - len(state.output_token_ids))
+        return room > 1
 
     def _propose(self, states: list[CachedRequestState], sampled: list[list[int]]) -> list[list[int]]:
         """The drafts for the next step (n-gram or the draft model), from each live row's known
-        tokens (prompt and outputs). Penalised and constrained rows too: the step counts each
-        position's earlier drafts, and the scheduler cuts a constrained row's drafts at the first
-        one its grammar refuses (the bitmask then has a row per verified position)."""
+        tokens (prompt and outputs), for the rows with room for a draft (the scheduler would cut
+        them all at ``max_tokens``/``max_model_len``). Penalised and constrained rows too: the
+        step counts each position's earlier drafts, and the scheduler cuts a constrained row's
+        drafts at the first one its grammar refuses (the bitmask then has a row per verified position)."""
         out: list[list[int]] = [[] for _ in states]
         rows = [i for i, (state, toks) in enumerate(zip(states, sampled))
-                if toks and self.requests.get(state.req_id) is state]
+                if toks and self.requests.get(state.req_id) is state and self._draft_room(state)]
         if rows:
             slots = [states[i].slot for i in rows]
             contexts = [self.batch.token_ids[s, : self.batch.num_tokens[s]] for s in slots]
