@@ -162,6 +162,9 @@ class Scheduler:
         # Set per step by the engine's auto-off rule: False schedules no drafts (they are dropped
         # and proposed again after the step), so the step runs as a plain decode.
         self.speculate = True
+        # With speculate: at most this many requests get drafts, the oldest first (0: all); the
+        # rule's probes measure acceptance on a few rows.
+        self.speculate_rows = 0
         self._last_num_scheduled_tokens = 0
         self._last_num_scheduled_reqs = 0
         self._last_num_preempted = 0
@@ -280,6 +283,7 @@ class Scheduler:
 
         # 1. Running requests, oldest first.
         req_index = 0
+        draft_rows_left = self.speculate_rows or len(self.running)
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
             pending = request.num_output_placeholders
@@ -288,8 +292,9 @@ class Scheduler:
                 continue
             num_new = len(request.all_token_ids) + pending - request.num_computed_tokens
             drafts = request.spec_token_ids
-            if drafts and (pending or not self.speculate):
-                # A token in flight: the drafts were proposed before it, so they would not follow it.
+            if drafts and (pending or not self.speculate or draft_rows_left <= 0):
+                # Off, past the step's draft rows, or a token in flight (the drafts were proposed
+                # before it, so they would not follow it): a plain decode.
                 request.spec_token_ids = drafts = []
             if drafts:
                 drafts = self._trim_drafts(request, drafts)
@@ -314,7 +319,8 @@ class Scheduler:
                     # Already scheduled this step (priority policy): take its work back.
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     del new_blocks_of[victim.request_id]
-                    spec_tokens.pop(victim.request_id, None)
+                    if spec_tokens.pop(victim.request_id, None) is not None:
+                        draft_rows_left += 1
                     scheduled_running.remove(victim)
                 self._preempt(victim, now)
                 preempted.append(victim)
@@ -336,6 +342,7 @@ class Scheduler:
                 num_spec = request.num_computed_tokens + num_new - len(request.all_token_ids)
                 if num_spec > 0:
                     spec_tokens[request.request_id] = drafts[:num_spec]
+                    draft_rows_left -= 1
                 request.spec_token_ids = []  # verified (or dropped) now; new ones come back
 
         # 2. Waiting requests, unless this step preempted.

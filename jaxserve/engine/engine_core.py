@@ -476,7 +476,7 @@ class EngineCore:
         ahead = self._spec_ahead
         decision = (ahead[1] if ahead is not None and ahead[0] is rule
                     else rule.decide(max(len(self.scheduler.running), 1)))
-        self.scheduler.speculate = decision.speculate
+        self.scheduler.speculate, self.scheduler.speculate_rows = decision.speculate, decision.rows
         return decision
 
     def _decide_ahead(self) -> bool:

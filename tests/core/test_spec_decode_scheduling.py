@@ -393,3 +393,23 @@ def test_async_preempted_with_drafts_in_flight_keeps_all_accepted_tokens():
         s.update_from_output(so, _output(so, {r: [1] for r in so.num_scheduled_tokens}))
     assert c.output_token_ids == [6, 7, 8, 4, 1, 1] and a.num_output_tokens == 6
     assert_all_free(s)
+
+
+def test_speculate_rows_limits_the_requests_with_drafts():
+    sched = make_scheduler(num_speculative_tokens=2, block_size=4)
+    runner = SpecFakeRunner(4, 2, 1.0)
+    reqs = [make_request([1, 2, 3, i + 1], req_id=f"s{i}", max_tokens=10, eos=None) for i in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    so = sched.schedule()
+    sched.update_from_output(so, runner.execute(so))
+    assert all(len(r.spec_token_ids) == 2 for r in reqs)
+    sched.speculate_rows = 2
+    so = sched.schedule()
+    assert set(so.scheduled_spec_decode_tokens) == {"s0", "s1"}  # the oldest two
+    assert [so.num_scheduled_tokens[r.request_id] for r in reqs] == [3, 3, 1, 1]
+    assert reqs[2].spec_token_ids == [] and reqs[3].spec_token_ids == []  # dropped, proposed again
+    sched.update_from_output(so, runner.execute(so))
+    sched.speculate_rows = 0
+    so = sched.schedule()
+    assert len(so.scheduled_spec_decode_tokens) == 4
