@@ -75,6 +75,9 @@ class SchedulerOutput:
     # content hashes whose encoder outputs the runner may drop (evicted from the encoder cache).
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    # Speculative decoding: whether the runner proposes drafts once this step's tokens are in
+    # (False when the step after it will not speculate: the auto-off rule said off).
+    propose_drafts: bool = True
 
     @property
     def is_empty(self) -> bool:

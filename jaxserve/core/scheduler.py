@@ -80,9 +80,6 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.num_speculative_tokens < 0 or self.num_lookahead_tokens < 0:
             raise ValueError("num_speculative_tokens and num_lookahead_tokens must be non-negative")
-        if self.num_speculative_tokens and self.async_scheduling:
-            raise ValueError("num_speculative_tokens > 0 (speculative decoding) does not work "
-                             "with async_scheduling yet: turn one of them off")
         if self.history_size < 0:
             raise ValueError(f"history_size must be non-negative, got {self.history_size}")
         if self.max_num_encoder_input_tokens < 0 or self.encoder_cache_size < 0:
@@ -116,6 +113,9 @@ class Scheduler:
     runner returns the accepted drafts plus one token; rejected drafts roll back by arithmetic
     on ``num_computed_tokens`` (their slots stay allocated and are overwritten). Drafts are never
     in ``all_token_ids``, so they are never hashed into the prefix cache.
+    Both together: a request whose drafts are in flight has ``num_computed_tokens`` past its
+    known tokens plus the placeholder, so it is not scheduled again until that step's output
+    (and with it the accepted count) is in; a request with a token in flight gets no drafts.
     Preemption victim: the newest running request (fcfs) or the largest
     (priority, arrival_time, request_id) (priority). The oldest/best request is never a victim
     while another runs, so it always progresses: with a pool holding ``max_model_len`` tokens,
@@ -167,6 +167,9 @@ class Scheduler:
         # Set per step by the engine's auto-off rule: False schedules no drafts (they are dropped
         # and proposed again after the step), so the step runs as a plain decode.
         self.speculate = True
+        # With speculate: at most this many requests get drafts, the oldest first (0: all); the
+        # rule's probes measure acceptance on a few rows.
+        self.speculate_rows = 0
         self._last_num_scheduled_tokens = 0
         self._last_num_scheduled_reqs = 0
         self._last_num_preempted = 0
@@ -285,6 +288,7 @@ class Scheduler:
 
         # 1. Running requests, oldest first.
         req_index = 0
+        draft_rows_left = self.speculate_rows or len(self.running)
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
             pending = request.num_output_placeholders
@@ -293,7 +297,9 @@ class Scheduler:
                 continue
             num_new = len(request.all_token_ids) + pending - request.num_computed_tokens
             drafts = request.spec_token_ids
-            if drafts and not self.speculate:
+            if drafts and (pending or not self.speculate or draft_rows_left <= 0):
+                # Off, past the step's draft rows, or a token in flight (the drafts were proposed
+                # before it, so they would not follow it): a plain decode.
                 request.spec_token_ids = drafts = []
             if drafts:
                 drafts = self._trim_drafts(request, drafts)
@@ -318,7 +324,8 @@ class Scheduler:
                     # Already scheduled this step (priority policy): take its work back.
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     del new_blocks_of[victim.request_id]
-                    spec_tokens.pop(victim.request_id, None)
+                    if spec_tokens.pop(victim.request_id, None) is not None:
+                        draft_rows_left += 1
                     scheduled_running.remove(victim)
                 self._preempt(victim, now)
                 preempted.append(victim)
@@ -340,6 +347,7 @@ class Scheduler:
                 num_spec = request.num_computed_tokens + num_new - len(request.all_token_ids)
                 if num_spec > 0:
                     spec_tokens[request.request_id] = drafts[:num_spec]
+                    draft_rows_left -= 1
                 request.spec_token_ids = []  # verified (or dropped) now; new ones come back
 
         # 2. Waiting requests, unless this step preempted.
@@ -560,16 +568,21 @@ class Scheduler:
                 request.num_output_placeholders -= 1
                 if request.status is RequestStatus.PREEMPTED:
                     # Async: preempted while this token was in flight. It is valid; keep it.
+                    drafts = scheduled_spec.get(req_id) if scheduled_spec else None
+                    if drafts and spec_stats is not None:
+                        spec_stats.observe_draft(len(drafts), len(tokens) - 1)
+                    kept: list[int] = []
                     try:
-                        finished = self._append_to_waiting(request, tokens[0])
+                        finished = self._append_to_waiting(request, tokens, kept)
                     except Exception:  # this request's fault: it alone fails
                         logger.exception("request %s failed while taking its token", req_id)
                         self.waiting.remove_requests([request])
                         self._free_request(request, RequestStatus.FINISHED_ERROR, known_to_runner=False)
                         finished = True
+                    row = logprobs[idx] if logprobs is not None else None
                     outputs.append(EngineCoreOutput(
-                        req_id, [tokens[0]], request.get_finished_reason() if finished else None,
-                        request.stop_reason, logprobs[idx] if logprobs is not None else None, None,
+                        req_id, kept, request.get_finished_reason() if finished else None,
+                        request.stop_reason, row[: len(kept)] if isinstance(row, list) else row, None,
                         max(request.num_cached_tokens, 0)))
                     continue
             if request.status is not running_status:
@@ -633,13 +646,19 @@ class Scheduler:
                 self._free_request(request, request.status, known_to_runner=True)
         return outputs
 
-    def _append_to_waiting(self, request: Request, token_id: int) -> bool:
-        """Append a late token to a preempted request; True if it finished it (then it is freed)."""
-        request.append_output_token_id(token_id)
+    def _append_to_waiting(self, request: Request, token_ids: list[int], kept: list[int]) -> bool:
+        """Append late tokens (one, or accepted drafts and one) to a preempted request, up to a
+        stop, into ``kept`` too; True if they finished it (then it is freed)."""
+        stop = False
+        for token_id in token_ids:
+            request.append_output_token_id(token_id)
+            kept.append(token_id)
+            if self._check_stop(request, token_id):
+                stop = True
+                break
         if request.first_token_ts is None:
             request.first_token_ts = time.monotonic()
-        stop = self._check_stop(request, token_id)
-        if request.use_structured_output and self._advance_grammar(request, [token_id]) and not stop:
+        if request.use_structured_output and self._advance_grammar(request, kept) and not stop:
             stop = True
         if not stop:
             return False

@@ -37,7 +37,7 @@ from jaxserve.engine.step_clock import StepClock
 from jaxserve.engine.step_records import StepRecord
 from jaxserve.exceptions import ConfigError, InvalidRequestError
 from jaxserve.models.hub import ModelSource, resolve_model
-from jaxserve.spec_decode.auto_off import SpecAutoOff
+from jaxserve.spec_decode.auto_off import AutoOffDecision, SpecAutoOff
 
 if TYPE_CHECKING:
     from jaxserve.distributed.lockstep import LockstepLeader
@@ -181,12 +181,17 @@ class EngineCore:
         self._in_flight: InFlightStep | None = None  # async scheduling: dispatched, not yet collected
         self.structured_outputs: StructuredOutputManager | None = None  # set by enable_structured_outputs
         self._in_flight_record: StepRecord | None = None
+        self._in_flight_start = 0.0  # when the in-flight step's schedule() began
         self._last_step_end = time.monotonic()
         self._last_device_end = 0.0
+        self._last_update_end = 0.0  # when the last collected step's tokens were applied
         spec = config.spec_decode_config
         # Speculation's auto-off rule (per step, from measured acceptance and step times).
         self.spec_auto_off: SpecAutoOff | None = (
             SpecAutoOff(spec.num_speculative_tokens) if spec.speculative_auto_off and spec.spec else None)
+        # The rule's decision for the next step, made one step ahead (the step before it proposes
+        # drafts only if it speculates), with the rule that made it.
+        self._spec_ahead: tuple[SpecAutoOff, AutoOffDecision] | None = None
         self.runner.warm_up(show_progress)
         self.startup.add("compile", self.runner.stats.warm_up_compile_seconds)
         self.startup.add("first_runs", self.runner.stats.warm_up_run_seconds)
@@ -263,12 +268,12 @@ class EngineCore:
                 # that end one block short (vLLM's use_eagle).
                 scheduler_config.num_lookahead_tokens = num_spec
                 scheduler_config.use_eagle = True
-            if scheduler_config.async_scheduling:
-                # Drafts come from the tokens of the step before, which async scheduling has not
-                # collected when it schedules the next one: speculation schedules synchronously.
-                logger.info("speculative decoding: scheduling synchronously (async_scheduling is not "
-                            "combined with speculation)")
-                scheduler_config.async_scheduling = False
+                if scheduler_config.async_scheduling:
+                    # The head catches up on every step's hidden states when that step is collected;
+                    # its pairing with a step scheduled ahead is not built: EAGLE schedules synchronously.
+                    logger.info("speculative decoding: EAGLE schedules synchronously (async_scheduling "
+                                "is combined with n-gram and draft-model speculation only)")
+                    scheduler_config.async_scheduling = False
         self.scheduler = Scheduler(
             scheduler_config,
             make_kv_cache_manager(model.config, self.runner.num_blocks, config.block_size,
@@ -416,25 +421,34 @@ class EngineCore:
         """Schedule, prepare and launch a step, then collect one. Unpipelined: this step, at once.
         Pipelined (async scheduling): dispatch step N+1, then collect step N, returning N's outputs
         (none on the first). A constrained row of N+1 needs its token from N for its bitmask: then
-        N's sampled ids are read first."""
+        N's sampled ids are read first. With speculation, N is collected before N+1 is scheduled
+        when N verified drafts (their accepted count says where its requests continue) or N+1
+        speculates (its drafts follow N's tokens): such a step returns N's outputs at once."""
         clock = StepClock()
-        rule, spec_stats = self.spec_auto_off, self.scheduler.spec_decoding_stats
-        decision = None
-        if rule is not None and spec_stats is not None and self.scheduler.running:
-            decision = rule.decide(len(self.scheduler.running))
-            self.scheduler.speculate = decision.speculate
-            drafts_before, accepted_before = spec_stats.num_draft_tokens, spec_stats.num_accepted_tokens
+        decision = self._spec_decision()
+        previous, previous_record = self._in_flight, self._in_flight_record
+        early: list[EngineCoreOutput] = []
+        waited = self._sync_reason(previous) if pipelined and previous is not None else ""
+        if waited:
+            assert previous is not None
+            self._in_flight, self._in_flight_record = None, None
+            early = self._collect(previous, previous_record, clock.start, self._in_flight_start)
+            previous = None
         with clock.phase("schedule"):
             scheduler_output = self.scheduler.schedule()
+        if decision is not None:
+            scheduler_output.propose_drafts = self._decide_ahead()
         record = (self._open_record(scheduler_output, clock.start, clock.last)
                   if self.step_records is not None else None)
-        if record is not None and decision is not None:
-            record.spec_auto_off = decision.describe()
+        if record is not None:
+            record.sync_reason = waited
+            if decision is not None:
+                record.spec_auto_off = decision.describe()
         with clock.phase("prepare"):
             prepared = self.executor.prepare(scheduler_output)  # an empty one only updates request states
         if scheduler_output.scheduled_encoder_inputs:
             self._book_encoder_work(record)
-        previous, previous_record = self._in_flight, self._in_flight_record
+        previous_start = self._in_flight_start
         self._in_flight, self._in_flight_record = None, None
         ahead = previous is not None and self._needs_previous_tokens(prepared, previous)
         if ahead:
@@ -445,27 +459,56 @@ class EngineCore:
         dispatched_at = clock.last
         if record is not None:
             record.prepare_s, record.dispatched = clock.seconds["prepare"], dispatched_at
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[EngineCoreOutput] = early
         ran = dispatched.out is not None
         if not pipelined:
-            outputs = self._collect(dispatched, record, dispatched_at)
+            outputs = self._collect(dispatched, record, dispatched_at, clock.start)
         else:
             if ran:
                 self._in_flight, self._in_flight_record = dispatched, record
+                self._in_flight_start = clock.start
             if previous is not None:
-                outputs = self._collect(previous, previous_record, dispatched_at)
+                outputs = self._collect(previous, previous_record, dispatched_at, previous_start)
             if ahead:
                 self.structured_outputs.settle()  # type: ignore[union-attr]
-        if decision is not None and ran and not pipelined:  # speculation schedules synchronously
-            assert rule is not None and spec_stats is not None
-            rule.observe_step(scheduler_output.total_num_scheduled_tokens, time.monotonic() - clock.start)
-            rule.observe_acceptance(spec_stats.num_draft_tokens - drafts_before,
-                                    spec_stats.num_accepted_tokens - accepted_before)
         self.last_stats = self.scheduler.make_stats()
         if pipelined and record is not None and not ran:
             self._close_record(record, None, [], dispatched_at, dispatched_at, dispatched_at)
+        if self._in_flight is None and not self.scheduler.has_requests():
+            self._spec_ahead = None  # idle: the next decision is made afresh
         self._last_step_end = time.monotonic()
         return outputs
+
+    def _spec_decision(self) -> AutoOffDecision | None:
+        """This step's auto-off decision (None without the rule), made when the step before was
+        scheduled (or now, if none was made or the rule was replaced); sets the scheduler's ``speculate``."""
+        rule = self.spec_auto_off
+        if rule is None or self.scheduler.spec_decoding_stats is None:
+            return None
+        ahead = self._spec_ahead
+        decision = (ahead[1] if ahead is not None and ahead[0] is rule
+                    else rule.decide(max(len(self.scheduler.running), 1)))
+        self.scheduler.speculate, self.scheduler.speculate_rows = decision.speculate, decision.rows
+        return decision
+
+    def _decide_ahead(self) -> bool:
+        """The rule's decision for the next step, at the batch just scheduled; True if it
+        speculates (then the runner proposes drafts after this step, else it runs no proposer)."""
+        rule = self.spec_auto_off
+        assert rule is not None
+        upcoming = rule.decide(max(len(self.scheduler.running), 1))
+        self._spec_ahead = (rule, upcoming)
+        return upcoming.speculate
+
+    def _sync_reason(self, previous: InFlightStep) -> str:
+        """Why the in-flight step must be collected before the next is scheduled ("" if it need
+        not): "verify" when it verifies drafts (the accepted count places its requests' next
+        tokens), "drafts" when the next step speculates (drafts follow the latest tokens)."""
+        if not self.scheduler.scheduler_config.num_speculative_tokens:
+            return ""
+        if previous.scheduler_output.scheduled_spec_decode_tokens:
+            return "verify"
+        return "drafts" if self.scheduler.speculate else ""
 
     def _book_encoder_work(self, record: StepRecord | None) -> None:
         """The images just encoded: into the step record, and each request's share of the seconds
@@ -481,14 +524,27 @@ class EngineCore:
                 request.encoder_seconds += seconds * n / total
 
     def _collect(self, step: InFlightStep, record: StepRecord | None,
-                 collect_start: float) -> list[EngineCoreOutput]:
+                 collect_start: float, started: float) -> list[EngineCoreOutput]:
         """Wait for a dispatched step's tokens and apply them; ``collect_start``: when the host began
-        waiting (in async mode, after dispatching the next step)."""
+        waiting (in async mode, after dispatching the next step); ``started``: when its schedule began."""
         runner_output = self.executor.collect(step)
         collected = time.monotonic()
+        spec_stats = self.scheduler.spec_decoding_stats
+        if spec_stats is not None:
+            drafts_before, accepted_before = spec_stats.num_draft_tokens, spec_stats.num_accepted_tokens
         outputs = self.scheduler.update_from_output(step.scheduler_output, runner_output)
+        end = time.monotonic()
+        rule = self.spec_auto_off
+        if rule is not None and spec_stats is not None and step.out is not None:
+            # The step's cost as the engine paid it: from its schedule, or (overlapped) from the
+            # previous step's update, to its own update.
+            rule.observe_step(step.scheduler_output.total_num_scheduled_tokens,
+                              end - max(started, self._last_update_end))
+            rule.observe_acceptance(spec_stats.num_draft_tokens - drafts_before,
+                                    spec_stats.num_accepted_tokens - accepted_before)
+        self._last_update_end = end
         if record is not None:
-            self._close_record(record, runner_output, outputs, collect_start, collected, time.monotonic())
+            self._close_record(record, runner_output, outputs, collect_start, collected, end)
         return outputs
 
     def _open_record(self, so: SchedulerOutput, start: float, scheduled: float) -> StepRecord:

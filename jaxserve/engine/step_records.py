@@ -50,6 +50,9 @@ class StepRecord:
     spec_drafts: dict[str, int] = dataclasses.field(default_factory=dict)
     spec_accepted: dict[str, int] = dataclasses.field(default_factory=dict)
     spec_auto_off: str = ""  # the auto-off rule's decision for this step and why ("" without the rule)
+    # Async scheduling with speculation: why the step before was collected before this one was
+    # scheduled ("verify": it verified drafts; "drafts": this step speculates); "": overlapped.
+    sync_reason: str = ""
 
     # Shortcuts to the scheduler's side, as notebooks read them.
     @property
@@ -112,7 +115,7 @@ class StepRecord:
             "spec_decode": {"num_draft_tokens": self.num_draft_tokens,
                             "num_accepted_tokens": self.num_accepted_tokens,
                             "drafts": self.spec_drafts, "accepted": self.spec_accepted,
-                            "auto_off": self.spec_auto_off},
+                            "auto_off": self.spec_auto_off, "sync_reason": self.sync_reason},
         }
 
 

@@ -60,6 +60,7 @@ def _step_args(r: StepRecord) -> dict:
             "decode_only": r.decode_only, "idle_gap_ms": round(1e3 * r.idle_gap_s, 3),
             "lora_adapters": sorted({k.split("@")[0] for k in s.lora_adapters.values()}),
             "spec_draft_tokens": r.num_draft_tokens, "spec_auto_off": r.spec_auto_off,
+            "sync_reason": r.sync_reason,
             **({} if r.expert_load is None else {"expert_load": r.expert_load})}
 
 

@@ -952,14 +952,37 @@ class ModelRunner:
             req_ids=plan.req_ids, req_id_to_index={r: i for i, r in enumerate(plan.req_ids)},
             sampled_token_ids=sampled_lists, logprobs=logprob_rows if want_logprobs else None,
             prompt_logprobs_dict=prompt_logprobs,
-            spec_token_ids=self._propose(states, sampled_lists, step) if self.num_spec else None)
+            spec_token_ids=self._spec_token_ids(states, sampled_lists, step, so.propose_drafts))
+
+    def _spec_token_ids(self, states: list[CachedRequestState], sampled: list[list[int]],
+                        step: RunnerStep | None, propose: bool) -> list[list[int]] | None:
+        """The next step's drafts, or None without speculation. The EAGLE head runs every step
+        (it catches up on this step's hidden states, which no later step has); its drafts are
+        dropped when the scheduler asked for none (the auto-off rule's plain steps)."""
+        if not self.num_spec:
+            return None
+        if self.eagle is not None:
+            drafts = self._propose(states, sampled, step)
+            return drafts if propose else [[] for _ in states]
+        return self._propose(states, sampled, step) if propose else None
+
+    def _draft_room(self, state: CachedRequestState) -> bool:
+        """True if a draft could still yield a kept token: with K drafts up to K+1 tokens come
+        back, so a row one token from ``max_tokens`` or ``max_model_len`` gets none."""
+        max_tokens = state.sampling_params.max_tokens
+        room = self.max_model_len - state.num_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - len(state.output_token_ids))
+        return room > 1
 
     def _propose(self, states: list[CachedRequestState], sampled: list[list[int]],
                  step: RunnerStep | None = None) -> list[list[int]]:
         """The drafts for the next step (n-gram, the draft model or the EAGLE head), from each
-        live row's known tokens (prompt and outputs). Penalised and constrained rows too: the step
-        counts each position's earlier drafts, and the scheduler cuts a constrained row's drafts at
-        the first one its grammar refuses (the bitmask then has a row per verified position)."""
+        live row's known tokens (prompt and outputs), for the rows with room for a draft (the
+        scheduler would cut them all at ``max_tokens``/``max_model_len``). Penalised and
+        constrained rows too: the step counts each position's earlier drafts, and the scheduler
+        cuts a constrained row's drafts at the first one its grammar refuses (the bitmask then has
+        a row per verified position)."""
         if self.eagle is not None:  # every row, sampling or not: the head keeps up with the target
             assert step is not None and step.inputs is not None and step.draft_hidden is not None
             live = [self.requests.get(s.req_id) is s for s in states]
@@ -969,7 +992,7 @@ class ModelRunner:
                                       step.inputs.model, step.draft_hidden)
         out: list[list[int]] = [[] for _ in states]
         rows = [i for i, (state, toks) in enumerate(zip(states, sampled))
-                if toks and self.requests.get(state.req_id) is state]
+                if toks and self.requests.get(state.req_id) is state and self._draft_room(state)]
         if rows:
             slots = [states[i].slot for i in rows]
             contexts = [self.batch.token_ids[s, : self.batch.num_tokens[s]] for s in slots]

@@ -7,7 +7,10 @@ recent steps). With per-position acceptance alpha, K drafts yield on average
 ``E / (a + b*B*(K+1)) > 1 / (a + b*B)``: at batch 1 the fixed cost ``a`` dominates and it pays; at
 high concurrency the step is compute-bound and only high acceptance pays. Every
 ``probe_every``-th step does the opposite of the rule, so both acceptance (while off) and the
-plain step's cost (while on) stay measured and the rule can switch either way.
+plain step's cost (while on) stay measured and the rule can switch either way. A step that
+speculates only to measure (a probe, or one of the first steps, taken while one step size is
+known) gives drafts to ``probe_rows`` requests, not the whole batch: acceptance is measured as
+well from a few rows, and at high concurrency a step of B*(K+1) tokens costs several plain ones.
 """
 
 from __future__ import annotations
@@ -28,16 +31,19 @@ class AutoOffDecision:
     speculate: bool
     gain: float  # predicted tokens-per-second ratio of speculating over not
     reason: str = "gain"  # "gain": the model decided; "measure": b unknown yet; "probe": the other way
+    rows: int = 0  # speculating: at most this many requests get drafts (0: all of them)
 
     def describe(self) -> str:
-        """One line for the step record: the decision, why, and the predicted gain."""
-        return f"{'on' if self.speculate else 'off'} ({self.reason}, gain {self.gain:.2f})"
+        """One line for the step record: the decision, why, the predicted gain, any row limit."""
+        rows = f", {self.rows} rows" if self.speculate and self.rows else ""
+        return f"{'on' if self.speculate else 'off'} ({self.reason}, gain {self.gain:.2f}{rows})"
 
 
 class SpecAutoOff:
     def __init__(self, k: int, window: int = 400, probe_every: int = 100, ewma: float = 0.1,
-                 prior_alpha: float = 0.5) -> None:
+                 prior_alpha: float = 0.5, probe_rows: int = 4) -> None:
         self.k = k
+        self.probe_rows = probe_rows
         # Longer than probe_every, so the window always holds a step of the other size.
         self.steps: deque[tuple[int, float]] = deque(maxlen=max(window, 2 * probe_every))
         self.probe_every = probe_every
@@ -75,8 +81,9 @@ class SpecAutoOff:
         speculate = gain >= 1.0
         reason = "gain"
         self._since_probe += 1
-        if self.steps and len({t for t, _ in self.steps}) < 2:
-            # One step size seen: b is unknown, so the next step tries the other size.
+        if len({t for t, _ in self.steps}) < 2:
+            # At most one step size seen: b is unknown, so the next step tries the other size
+            # (the first one plain: with nothing measured, the model has no say).
             speculate, reason = not self._last, "measure"
         elif self._since_probe >= self.probe_every:
             # Every probe_every-th step does the other thing: off, it keeps acceptance measured;
@@ -84,4 +91,4 @@ class SpecAutoOff:
             self._since_probe = 0
             speculate, reason = not speculate, "probe"
         self._last = speculate
-        return AutoOffDecision(speculate, gain, reason)
+        return AutoOffDecision(speculate, gain, reason, self.probe_rows if speculate and reason != "gain" else 0)

@@ -103,19 +103,55 @@ class SpecFakeRunner:
                                  spec_token_ids=proposed)
 
 
-def run(k, quality, prompts, *, abort_at=None, seed=0, max_steps=2000, **sched_kw):
+def run(k, quality, prompts, *, abort_at=None, seed=0, max_steps=2000, pipelined=False, verify_first=True,
+        **sched_kw):
+    """``pipelined``: async scheduling as the engine core runs it: step N+1 is scheduled and run
+    before step N's output reaches the scheduler (the runner knows its own tokens), except when
+    N verified drafts or N+1 speculates, then N's output is applied first. Speculation is on
+    two steps, off two (an auto-off rule's decisions), and drafts are proposed only for a step
+    that speculates. ``verify_first=False``: N+1 is scheduled even while N's drafts are unverified
+    (the scheduler alone then keeps those requests out of N+1)."""
     sched_kw.setdefault("num_blocks", 40)
-    sched = make_scheduler(num_speculative_tokens=k, **sched_kw)
+    sched = make_scheduler(num_speculative_tokens=k, async_scheduling=pipelined, **sched_kw)
     runner = SpecFakeRunner(sched.block_size, k, quality, seed)
     outs: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
     for i, (prompt, kw) in enumerate(prompts):
         sched.add_request(make_request(prompt, req_id=f"q{i}", eos=EOS, **kw))
     step = 0
-    while sched.has_requests():
+    in_flight = None
+
+    def apply(so, mro):
+        for o in sched.update_from_output(so, mro):
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finish_reason:
+                reasons[o.request_id] = o.finish_reason
+
+    while sched.has_requests() or in_flight is not None:
         if abort_at and step in abort_at:
             sched.finish_requests(abort_at[step], RequestStatus.FINISHED_ABORTED)
+        if pipelined:
+            sched.speculate = (step // 2) % 2 == 0
+            verify = verify_first and in_flight is not None and in_flight[0].scheduled_spec_decode_tokens
+            if in_flight is not None and (sched.speculate or verify):
+                apply(*in_flight)
+                in_flight = None
         so = sched.schedule()
+        if pipelined:
+            for rid in so.scheduled_spec_decode_tokens:  # drafts follow the request's last token
+                assert sched.requests[rid].num_output_placeholders == 1  # this step's
+            for rid in so.num_scheduled_tokens:  # drafts are verified before their request runs again
+                assert in_flight is None or rid not in in_flight[0].scheduled_spec_decode_tokens
+            mro = runner.execute(so)
+            if not ((step + 1) // 2) % 2 == 0:  # the next step will not speculate: no proposals
+                mro.spec_token_ids = None
+            if in_flight is not None:
+                apply(*in_flight)
+            in_flight = (so, mro) if so.total_num_scheduled_tokens else None
+            check_pool_invariants(sched, slack=k + 1)
+            step += 1
+            assert step < max_steps
+            continue
         assert so.total_num_scheduled_tokens <= sched.max_num_batched_tokens
         for rid in so.scheduled_spec_decode_tokens:
             req = sched.requests[rid]
@@ -123,10 +159,7 @@ def run(k, quality, prompts, *, abort_at=None, seed=0, max_steps=2000, **sched_k
             num_known_blocks = len(req.all_token_ids) // sched.block_size
             assert len(req.block_hashes) == num_known_blocks
             assert sched.kv_cache_manager.num_cached_block.get(rid, 0) <= num_known_blocks
-        for o in sched.update_from_output(so, runner.execute(so)):
-            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
-            if o.finish_reason:
-                reasons[o.request_id] = o.finish_reason
+        apply(so, runner.execute(so))
         check_pool_invariants(sched, slack=k)
         step += 1
         assert step < max_steps
@@ -168,6 +201,40 @@ def test_greedy_identity_under_pressure(seed, k, quality):
         assert stats.num_accepted_tokens == stats.num_draft_tokens
     if quality == 0.0:
         assert stats.acceptance_rate < 0.5
+
+
+@pytest.mark.parametrize("verify_first", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("k,quality", [(2, 0.7), (4, 1.0)])
+def test_pipelined_async_scheduling_keeps_greedy_identity(seed, k, quality, verify_first):
+    """Async scheduling with drafts: the next step is scheduled before the drafts' verification
+    is known; under preemption, chunking and priorities the output is plain decoding's, a
+    request waits for its drafts' verification, and every block comes back."""
+    prompts = prompts_for(seed + 20)
+    kw = dict(num_blocks=14 + seed, block_size=4, max_model_len=48,
+              max_num_batched_tokens=6 + 3 * seed, max_num_seqs=4 + seed % 3,
+              policy="priority" if seed % 2 else "fcfs")
+    ref, ref_reasons, _ = run(0, 0.0, prompts, **kw)
+    got, reasons, sched = run(k, quality, prompts, seed=seed, pipelined=True, verify_first=verify_first, **kw)
+    assert got == ref and reasons == ref_reasons
+    stats = sched.spec_decoding_stats
+    assert stats is not None and stats.num_drafts > 0
+    if quality == 1.0:
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("verify_first", [True, False])
+def test_pipelined_aborts_and_preemption_with_drafts_in_flight(verify_first):
+    prompts = prompts_for(11)
+    kw = dict(num_blocks=14, block_size=4, max_model_len=48, max_num_batched_tokens=10)
+    ref, _, _ = run(0, 0.0, prompts, **kw)
+    got, reasons, sched = run(3, 0.9, prompts, abort_at={3: ["q1", "q4"], 6: ["q6", "q0"]}, pipelined=True,
+                              verify_first=verify_first, **kw)
+    assert sched.num_preemptions > 0
+    for rid, toks in got.items():
+        assert toks == ref[rid][:len(toks)]
+        if reasons.get(rid) != "abort":
+            assert toks == ref[rid]
 
 
 def test_aborts_keep_outputs_and_free_blocks():
@@ -239,9 +306,8 @@ def test_lookahead_slots_are_allocated_not_cached():
     assert len(req.block_hashes) == 1
 
 
-def test_config_refuses_spec_with_async_scheduling():
-    with pytest.raises(ValueError, match="num_speculative_tokens.*async_scheduling"):
-        SchedulerConfig(num_speculative_tokens=2, async_scheduling=True)
+def test_config_refuses_negative_spec_tokens():
+    assert SchedulerConfig(num_speculative_tokens=2, async_scheduling=True).async_scheduling  # combined
     with pytest.raises(ValueError, match="non-negative"):
         SchedulerConfig(num_speculative_tokens=-1)
 
@@ -291,3 +357,59 @@ def test_the_grammar_cuts_drafts_at_the_first_invalid_one():
     so = sched.schedule()
     assert so.scheduled_spec_decode_tokens == {free.request_id: [1, 2, 4, 1],
                                                constrained.request_id: [1, 2]}
+
+
+def _output(so, tokens, drafts=None):
+    ids = list(so.num_scheduled_tokens)
+    return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, [tokens.get(r, []) for r in ids],
+                             spec_token_ids=[(drafts or {}).get(r, []) for r in ids])
+
+
+def test_async_preempted_with_drafts_in_flight_keeps_all_accepted_tokens():
+    """c verifies two drafts in step 2; step 3, scheduled before that output, preempts c for a's
+    block. c's accepted drafts and bonus token all count, and it resumes after them."""
+    s = make_scheduler(num_blocks=6, block_size=2, max_model_len=10, enable_caching=False,
+                       async_scheduling=True, num_speculative_tokens=2)
+    a = make_request([1, 2, 3], req_id="a", ignore_eos=True, max_tokens=6)
+    c = make_request([1, 2, 3], req_id="c", ignore_eos=True, max_tokens=6)
+    s.add_request(a)
+    s.add_request(c)
+    so1 = s.schedule()
+    s.update_from_output(so1, _output(so1, {"a": [5], "c": [6]}, {"c": [7, 8]}))
+    so2 = s.schedule()
+    assert so2.scheduled_spec_decode_tokens == {"c": [7, 8]} and c.num_output_placeholders == 1
+    so3 = s.schedule()
+    assert so3.num_scheduled_tokens == {"a": 1} and so3.preempted_req_ids == {"c"}
+    outs = {o.request_id: o for o in s.update_from_output(so2, _output(so2, {"a": [9], "c": [7, 8, 4]}))}
+    assert outs["c"].new_token_ids == [7, 8, 4] and c.output_token_ids == [6, 7, 8, 4]
+    assert c.status == RequestStatus.PREEMPTED and c.num_output_placeholders == 0
+    assert s.spec_decoding_stats is not None and s.spec_decoding_stats.num_accepted_tokens == 2
+    s.update_from_output(so3, _output(so3, {"a": [9]}))
+    while s.has_requests():
+        so = s.schedule()
+        resumed = next((n for n in so.scheduled_new_reqs if n.req_id == "c"), None)
+        if resumed is not None:
+            assert resumed.output_token_ids == [6, 7, 8, 4]
+        s.update_from_output(so, _output(so, {r: [1] for r in so.num_scheduled_tokens}))
+    assert c.output_token_ids == [6, 7, 8, 4, 1, 1] and a.num_output_tokens == 6
+    assert_all_free(s)
+
+
+def test_speculate_rows_limits_the_requests_with_drafts():
+    sched = make_scheduler(num_speculative_tokens=2, block_size=4)
+    runner = SpecFakeRunner(4, 2, 1.0)
+    reqs = [make_request([1, 2, 3, i + 1], req_id=f"s{i}", max_tokens=10, eos=None) for i in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    so = sched.schedule()
+    sched.update_from_output(so, runner.execute(so))
+    assert all(len(r.spec_token_ids) == 2 for r in reqs)
+    sched.speculate_rows = 2
+    so = sched.schedule()
+    assert set(so.scheduled_spec_decode_tokens) == {"s0", "s1"}  # the oldest two
+    assert [so.num_scheduled_tokens[r.request_id] for r in reqs] == [3, 3, 1, 1]
+    assert reqs[2].spec_token_ids == [] and reqs[3].spec_token_ids == []  # dropped, proposed again
+    sched.update_from_output(so, runner.execute(so))
+    sched.speculate_rows = 0
+    so = sched.schedule()
+    assert len(so.scheduled_spec_decode_tokens) == 4

@@ -51,7 +51,7 @@ def spec_stats(llm: LLM):
 def test_greedy_and_logprobs_equal_plain_without_recompiles(plain, spec):
     compiles = spec.stats()["compile_num_compiles"]
     assert compiles == len(spec.stats()["token_buckets"])
-    assert spec.llm_engine.core.scheduler.scheduler_config.async_scheduling is False  # see engine_core
+    assert spec.llm_engine.core.scheduler.scheduler_config.async_scheduling  # combined with speculation
     before = spec_stats(spec).num_accepted_tokens
     prompts = repetitive_prompts(6, seed=0)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3)
@@ -328,4 +328,51 @@ def test_auto_off_skips_drafts_when_speculation_does_not_pay_and_switches_back(p
         assert sum(r.num_accepted_tokens for r in records) > 0
     finally:
         core.spec_auto_off = SpecAutoOff(3)
+    assert_pool_empty(auto)
+
+
+def test_async_scheduling_overlaps_plain_steps_and_waits_for_verification(plain, auto):
+    """A rule that finds speculation too dear and probes it every fourth step: the plain steps
+    after a plain one overlap with the step in flight, a step after verified drafts is scheduled
+    once their accepted count is in, and a probing step once the step before's tokens are.
+    Under preemption and chunked prefill, with n=2 seeded children and aborted requests, the
+    tokens are the plain engine's, no program compiles and every block comes back."""
+    from jaxserve.engine.outputs import RequestOutputKind
+    from jaxserve.spec_decode.auto_off import SpecAutoOff
+
+    core = auto.llm_engine.core
+    assert core.scheduler.scheduler_config.async_scheduling
+    compiles = auto.stats()["compile_num_compiles"]
+    prompts = repetitive_prompts(16, seed=2, period=20, repeats=4)  # chunked; the 160-block pool preempts
+    params = [SamplingParams(temperature=0, max_tokens=120, ignore_eos=True) for _ in prompts]
+    params[1] = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=120, ignore_eos=True)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    rule = SpecAutoOff(3, probe_every=4, prior_alpha=0.0)
+    for _ in range(200):  # compute-bound steps: only accepted drafts could pay
+        rule.observe_step(1, 0.001)
+        rule.observe_step(64, 0.064)
+    core.spec_auto_off = rule
+    preemptions = core.scheduler.num_preemptions
+    try:
+        got, records = new_records(auto, lambda: auto.generate(prompts, params, use_tqdm=False))
+        engine = auto.llm_engine
+        for i in range(3):  # aborted while their drafts may be in flight
+            engine.add_request(f"gone-{i}", prompts[i], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                               output_kind=RequestOutputKind.DELTA)
+        for _ in range(6):
+            engine.step()
+        engine.abort_request([f"gone-{i}" for i in range(3)])
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        core.spec_auto_off = SpecAutoOff(3)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+    assert core.scheduler.num_preemptions > preemptions
+    ran = [r for r in records if r.token_bucket]
+    overlapped = [r for r in ran if not r.sync_reason and r.spec_auto_off.startswith("off")]
+    assert len(overlapped) > 5 and all(r.num_draft_tokens == 0 for r in overlapped)
+    assert any(r.sync_reason == "verify" for r in ran) and any(r.sync_reason == "drafts" for r in ran)
+    assert all(r.sync_reason in ("", "verify", "drafts") for r in ran)
+    assert sum(r.num_accepted_tokens for r in ran) > 0
+    assert auto.stats()["compile_num_compiles"] == compiles
     assert_pool_empty(auto)

@@ -21,20 +21,21 @@ def simulate(alpha, batch, k=4, steps=400, a=0.02, b=0.001, seed=0):
     tokens = seconds = 0.0
     spec_steps = 0
     for _ in range(steps):
-        speculate = rule.decide(batch).speculate
-        scheduled = batch * (k + 1 if speculate else 1)
+        decision = rule.decide(batch)
+        speculate, rows = decision.speculate, min(decision.rows or batch, batch)
+        scheduled = batch + (rows * k if speculate else 0)
         t = a + b * scheduled
         rule.observe_step(scheduled, t)
         seconds += t
         if speculate:
             spec_steps += 1
             accepted = 0
-            for _ in range(batch):
+            for _ in range(rows):
                 n = 0
                 while n < k and rng.random() < alpha:
                     n += 1
                 accepted += n
-            rule.observe_acceptance(batch * k, accepted)
+            rule.observe_acceptance(rows * k, accepted)
             tokens += batch + accepted
         else:
             tokens += batch
@@ -78,3 +79,24 @@ def test_decisions_name_their_reason():
     rule.observe_step(40, 0.09)
     reasons = [rule.decide(8).reason for _ in range(6)]
     assert reasons.count("probe") == 2 and reasons.count("gain") == 4
+
+
+def test_measuring_and_probing_steps_speculate_on_a_few_rows():
+    rule = SpecAutoOff(4, probe_every=5, probe_rows=3)
+    first = rule.decide(64)  # nothing measured: the first step is plain, the next measures drafts
+    assert (first.speculate, first.reason) == (False, "measure")
+    rule.observe_step(64, 0.08)
+    second = rule.decide(64)
+    assert (second.speculate, second.reason, second.rows) == (True, "measure", 3)
+    assert second.describe().endswith(", 3 rows)")
+    rule.observe_step(76, 0.2)  # compute-bound: the model says off at 64 rows
+    decisions = [rule.decide(64) for _ in range(10)]
+    assert all(not d.speculate for d in decisions if d.reason == "gain")
+    probes = [d for d in decisions if d.reason == "probe"]
+    assert len(probes) == 2 and all(d.speculate and d.rows == 3 for d in probes)
+    for _ in range(40):  # cheap steps and full acceptance: on, for every row
+        rule.observe_step(64, 0.08)
+        rule.observe_step(320, 0.081)
+        rule.observe_acceptance(16, 16)
+    on = rule.decide(64)
+    assert on.reason == "gain" and on.speculate and on.rows == 0
