@@ -262,3 +262,29 @@ def test_unsupported_combinations_are_refused(demo_model, tmp_path):
     with pytest.raises(ConfigError, match=r"speculative_config\.quantization is for method draft_model"):
         LLM(demo_model, show_progress=False, **ENGINE_TESTS_SHAPE, speculative_config={
             "method": "eagle", "model": head, "num_speculative_tokens": 2, "quantization": "int8"})
+
+
+def test_the_auto_off_rule_keeps_the_head_caught_up(plain, demo_model, near_pass_through_head, monkeypatch):
+    """Under the auto-off rule the head still catches up on the steps the rule keeps plain (their
+    hidden states exist only then): the drafts of the steps it speculates on equal the dense
+    computation over the whole context, and greedy output is the plain engine's."""
+    from jaxserve.spec_decode.auto_off import SpecAutoOff
+
+    llm = LLM(demo_model, show_progress=False, **SPEC_SHAPE, speculative_auto_off=True,
+              speculative_config={"method": "eagle", "model": near_pass_through_head, "num_speculative_tokens": K})
+    rule = SpecAutoOff(K, probe_every=3, prior_alpha=0.0)  # off, except every third step
+    for _ in range(200):  # a compute-bound cost model: only accepted drafts could pay
+        rule.observe_step(1, 0.001)
+        rule.observe_step(64, 0.064)
+    llm.llm_engine.core.spec_auto_off = rule
+    seen = recorded_proposals(llm, monkeypatch)
+    ps = prompts(2, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    last = llm.get_step_records(1)[0].step if llm.get_step_records(1) else -1
+    outs = llm.generate(ps, params, use_tqdm=False)
+    records = [r for r in llm.get_step_records() if r.step > last and r.spec_auto_off]
+    assert token_ids(outs) == token_ids(plain.generate(ps, params, use_tqdm=False))
+    assert any(r.spec_auto_off.startswith("off") for r in records)
+    assert any(r.num_draft_tokens for r in records)
+    assert_drafts_equal_the_reference(llm, "eagle", near_pass_through_head, demo_model, ps, outs, seen)
+    assert_pools_empty(llm)
