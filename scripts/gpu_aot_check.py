@@ -16,7 +16,8 @@ round trip, a weight or pool copy, or a KV pool that is not updated in place.
 host and adds their collectives (per layer: Megatron's plan has two all-reduces, or
 reduce-scatter + all-gather pairs); an all-gather of a weight-shaped array fails the check.
 
-``--enable-lora --max-loras 4 --max-lora-rank 16`` compiles a LoRA engine's steps: each variant
+``--enable-lora --max-loras 4 --max-lora-rank 8 16`` compiles a LoRA engine's steps (one engine per
+rank, its variants named ``-r<rank>``): each variant
 twice, the plain program and the one reading the slot tables (``-lora``; ``--lora-only`` keeps
 those; ``--lora-lm-head`` / ``--lora-embedding`` add the LM head's / the embedding's tables). A
 copy of a slot table (or of one layer's slice of it) in a step, or a table all-gathered under
@@ -182,13 +183,13 @@ def per_layer(counts: dict[str, int], mc) -> dict[str, float]:
     return {k: round(v / mc.num_hidden_layers, 2) for k, v in rest.items() if v}
 
 
-def check_model(preset: str, backend: str, args, sharding, spec) -> list[dict]:
+def check_model(preset: str, backend: str, args, sharding, spec, lora_rank: int = 16) -> list[dict]:
     scan = {"auto": None, "true": True, "false": False}[args.scan_layers]
     tp = sharding.mesh.size
     model = gpu_aot.abstract_model(preset, False if scan is None else scan, tp,  # a GPU engine unrolls
                                    quantization=args.quantization, num_layers=args.num_layers)
     max_model_len = args.max_model_len or model.config.max_position_embeddings
-    lora = (dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+    lora = (dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=lora_rank,
                  lora_lm_head=args.lora_lm_head, lora_embedding=args.lora_embedding)
             if args.enable_lora else {})
     base = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=2,
@@ -224,6 +225,8 @@ def check_model(preset: str, backend: str, args, sharding, spec) -> list[dict]:
             except Exception as e:  # noqa: BLE001 - a variant that does not compile is a failure to report
                 row = {"variant": futures[future].name, "problems": [f"{type(e).__name__}: {e}"[:2000]]}
             row = {"model": preset, "backend": backend, "tp": tp, **row}
+            if args.enable_lora:
+                row["variant"] += f"-r{lora_rank}"
             print(json.dumps(row), flush=True)
             rows.append(row)
     peak = max((r.get("temp_bytes", 0) for r in rows), default=0)
@@ -288,7 +291,8 @@ def main(argv=None) -> int:
     ap.add_argument("--enable-lora", action="store_true",
                     help="a LoRA engine: every variant also with the slot tables (vLLM's flag)")
     ap.add_argument("--max-loras", type=int, default=4, help="LoRA slots of the tables (with --enable-lora)")
-    ap.add_argument("--max-lora-rank", type=int, default=16, help="the tables' rank (with --enable-lora)")
+    ap.add_argument("--max-lora-rank", type=int, nargs="+", default=[16],
+                    help="the tables' rank (with --enable-lora); several: each rank's engine in turn")
     ap.add_argument("--lora-only", action="store_true", help="only the variants that read the slot tables")
     ap.add_argument("--lora-lm-head", action="store_true", help="the LM head's slot tables too (with --enable-lora)")
     ap.add_argument("--lora-embedding", action="store_true",
@@ -315,7 +319,8 @@ def main(argv=None) -> int:
                 if args.pooling_budget:
                     rows += check_pooling(preset, backend, args, sharding)
                 else:
-                    rows += check_model(preset, backend, args, sharding, spec)
+                    for rank in args.max_lora_rank if args.enable_lora else [16]:
+                        rows += check_model(preset, backend, args, sharding, spec, rank)
     print(table(rows))
     failures = [f"{r['model']}/{r['backend']}/tp{r['tp']}/{r['variant']}: {'; '.join(r['problems'])}"
                 for r in rows if r["problems"]]

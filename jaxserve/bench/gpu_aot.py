@@ -97,15 +97,19 @@ def abstract_runner(model: LlamaForCausalLM, config: EngineConfig, sharding: Any
 _HLO_FLOATS = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
 
 
-def lora_table_shapes(runner: ModelRunner, per_device: bool = True) -> set[tuple[str, tuple[int, ...]]]:
+def lora_table_shapes(runner: ModelRunner, per_device: bool = True,
+                      flat_slices: bool = True) -> set[tuple[str, tuple[int, ...]]]:
     """The LoRA slot tables of a LoRA runner as HLO (dtype, dims), each device's block (or, with
-    ``per_device`` False, the whole table), and one layer's slice of each: a copy of any of them
-    in a step is a table copied where the matmuls should read it in place."""
+    ``per_device`` False, the whole table), and one layer's slice of each (with ``flat_slices``
+    also with its last two axes merged): a copy of any of them in a step is a table copied where
+    the matmuls should read it in place."""
     shapes = set()
     for table in jax.tree.leaves(runner.lora.tables if runner.lora is not None else ()):
         dims = tuple(table.sharding.shard_shape(table.shape) if per_device else table.shape)
         dtype = _HLO_FLOATS.get(str(table.dtype), str(table.dtype))
         shapes |= {(dtype, dims), (dtype, dims[1:])}
+        if flat_slices:  # the view XLA writes a layer's slice out in before a dot: (in, slots*width)
+            shapes.add((dtype, (*dims[1:-2], dims[-2] * dims[-1])))
     return shapes
 
 

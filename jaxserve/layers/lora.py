@@ -47,25 +47,32 @@ def lora_delta_packed(x: jax.Array, slot_ids: jax.Array, a: jax.Array, b: jax.Ar
 
 
 def lora_delta_parts(x: jax.Array, slot_ids: jax.Array, a: jax.Array, b: jax.Array,
-                     part_widths: tuple[int, ...] | None = None, shards: int = 1) -> jax.Array:
+                     part_widths: tuple[int, ...] | None = None, shards: int = 1,
+                     layer: jax.Array | int | None = None) -> jax.Array:
     """The one-hot delta of a fused projection with ``b`` stored compact: ``a`` ``(in, slots,
     parts*rank)`` (part ``p``'s rank block at ``p*rank``), ``b`` ``(slots, rank, out)``, whose
     columns are ``shards`` groups of ``part_widths`` (the base's ``[q_s | k_s | v_s]`` per shard;
     None: one part). Each part's rank block multiplies only its own columns, so no block-diagonal
-    zeros are read or multiplied; one part is :func:`lora_delta_packed`."""
+    zeros are read or multiplied; one part is :func:`lora_delta_packed`.
+
+    ``layer``: ``a`` and ``b`` are the stacked ``(layers, ...)`` tables and each part reads its
+    block of layer ``layer``'s ``b`` in one slice of the table: slicing the layer's whole ``b``
+    first, shared by the parts' dots, made XLA:GPU write it out once per layer, every step."""
+    if layer is not None:
+        a = a[layer]
     d_in, slots, width = a.shape
-    rank = b.shape[1]
+    rank = b.shape[-2]
     parts = part_widths or (b.shape[-1] // shards,)
     if len(parts) == 1:
-        return lora_delta_packed(x, slot_ids, a, b)
+        return lora_delta_packed(x, slot_ids, a, b if layer is None else b[layer])
     xa = jnp.dot(x, a.reshape(d_in, slots * width), preferred_element_type=jnp.float32)
     mask = jax.nn.one_hot(slot_ids, slots, dtype=xa.dtype)  # -1 -> a zero row
     xa = (xa.reshape(-1, slots, len(parts), rank) * mask[:, :, None, None]).astype(b.dtype)
-    b = b.reshape(slots, rank, shards, sum(parts))  # a shard's columns stay on its device under TP
+    b = b.reshape(*b.shape[:-1], shards, sum(parts))  # a shard's columns stay on its device under TP
     outs, col = [], 0
     for p, w in enumerate(parts):
-        outs.append(jnp.einsum("tsr,srnw->tnw", xa[:, :, p], b[..., col:col + w],
-                               preferred_element_type=jnp.float32))
+        b_p = b[..., col:col + w] if layer is None else b[layer, ..., col:col + w]
+        outs.append(jnp.einsum("tsr,srnw->tnw", xa[:, :, p], b_p, preferred_element_type=jnp.float32))
         col += w
     return jnp.concatenate(outs, axis=-1).reshape(x.shape[0], -1).astype(x.dtype)
 
@@ -134,7 +141,7 @@ class LoRABatch:
     def delta(self, name: str, x: jax.Array, layer: jax.Array | int, part_widths: tuple[int, ...] | None = None,
               shards: int = 1) -> jax.Array:
         """``part_widths``/``shards``: the fused output's columns, as :func:`lora_delta_parts`."""
-        return lora_delta_parts(x, self.slot_ids, self.a[name][layer], self.b[name][layer], part_widths, shards)
+        return lora_delta_parts(x, self.slot_ids, self.a[name], self.b[name], part_widths, shards, layer)
 
     def head_delta(self, h: jax.Array, mesh: Mesh | None = None) -> jax.Array:
         """``(rows, vocab)``: each logits row's LM-head delta (``slot_ids`` one per row of ``h``),

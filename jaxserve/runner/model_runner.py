@@ -295,7 +295,7 @@ class ModelRunner:
         self._prev_row_of: dict[str, int] = {}  # each request's row in state.prev_sampled
         self._rng = np.random.default_rng(config.seed)
         lora = config.lora_config
-        self.lora = (RunnerLoRA(self.mc, lora.max_loras, lora.max_lora_rank, self.mesh,
+        self.lora = (RunnerLoRA(self.mc, lora.max_loras, self.target.lora_table_rank(lora.max_lora_rank), self.mesh,
                                 TPLayout.of(self.mc, self.config.tensor_parallel_size), self._place,
                                 abstract=self.target.is_abstract, lm_head=lora.lora_lm_head,
                                 embedding=lora.lora_embedding)

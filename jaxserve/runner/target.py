@@ -60,6 +60,13 @@ class StepTarget:
         """True when the step must hold no conditional and no data-dependent loop (GPU)."""
         return self.platform == "gpu"
 
+    def lora_table_rank(self, max_lora_rank: int) -> int:
+        """The rank the LoRA slot tables hold for ``--max-lora-rank``: on a GPU a multiple of 16
+        (XLA:GPU's tiler finds no tiles for ``x @ A`` of a rank-8 q|k|v table with 3 slots or
+        more, ``Couldn't find output tile sizes``), an adapter's smaller rank being zeros as
+        always; elsewhere the flag's own."""
+        return -(-max_lora_rank // 16) * 16 if self.platform == "gpu" else max_lora_rank
+
     def sampler_policy(self, all_greedy: bool | None = None) -> SamplerPolicy:
         """The sampler's control flow on this target. ``all_greedy``: the host's word on the
         step's rows, which a cond-free step needs (None there: the logprob passes only, which

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.layers.lora import (
+    LoRABatch,
     lora_delta_gathered,
     lora_delta_one_hot,
     lora_delta_packed,
@@ -80,6 +82,52 @@ def test_parts_form_equals_reference(widths, shards):
     assert np.abs(want[1]).max() > 0
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert not got[ids == -1].any()
+    # the stacked (layers, ...) B table, each part slicing its block of one layer, static or traced
+    a_layers = np.stack([rng.standard_normal(a.shape, np.float32), a, rng.standard_normal(a.shape, np.float32)])
+    b_layers = np.stack([rng.standard_normal(b.shape, np.float32), b, rng.standard_normal(b.shape, np.float32)])
+    delta = jax.jit(lora_delta_parts, static_argnums=(4, 5))
+    for layer in (1, jnp.int32(1)):
+        np.testing.assert_allclose(np.asarray(delta(x, ids, a_layers, b_layers, widths, shards, layer)), want,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in it (jit, custom calls)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from _eqns(inner)
+
+
+@pytest.mark.parametrize("layer", [1, "traced"])
+def test_fused_parts_slice_the_stacked_table_once_each(layer):
+    """A layer's q|k|v delta reads each part's block of the stacked ``(layers, slots, rank, out)``
+    B table in one slice, never the layer's whole ``(slots, rank, out)`` slice first: XLA:GPU wrote
+    that shared slice out once per layer (a table copy in every step, see
+    scripts/gpu_aot_check.py --enable-lora), where one slice per part fuses into its dot."""
+    rng = np.random.default_rng(7)
+    layers, slots, d_in, rank, tokens, widths, shards = 3, 3, 24, 4, 5, (16, 8, 8), 2
+    tables = [fused_tables(rng, slots, d_in, rank, widths, shards) for _ in range(layers)]
+    a, b = np.stack([t[0] for t in tables]), np.stack([t[1] for t in tables])
+    x = rng.standard_normal((tokens, d_in), np.float32)
+    ids = np.array([0, -1, 2, 1, 2], np.int32)
+    lora = LoRABatch(jnp.asarray(ids), {"qkv": jnp.asarray(a)}, {"qkv": jnp.asarray(b)})
+
+    def delta(lora, x, i):
+        return lora.delta("qkv", x, 1 if layer == 1 else i, widths, shards)
+
+    got = np.asarray(jax.jit(delta)(lora, x, jnp.int32(1)))
+    np.testing.assert_allclose(got, fused_reference(x, ids, tables[1][2], tables[1][3], widths, shards),
+                               rtol=1e-4, atol=1e-4)
+    jaxpr = jax.make_jaxpr(delta)(lora, x, jnp.int32(1)).jaxpr
+    one_layer = slots * rank * b.shape[-1]
+    sizes = [v.aval.size for eqn in _eqns(jaxpr) for v in eqn.outvars if hasattr(v.aval, "size")]
+    assert one_layer not in sizes, "one layer's whole B slice is materialised before the parts'"
+    part_blocks = {slots * rank * shards * w for w in widths}
+    assert part_blocks <= set(sizes)  # each part's block is sliced straight from the table
 
 
 @pytest.mark.parametrize("tokens", [2, 9])

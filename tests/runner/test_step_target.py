@@ -68,3 +68,19 @@ def test_peak_temp_bytes_compiles_one_program_the_largest_variants_peak(demo_mod
     assert len(compiles) == 1
     every = [runner.steps.lowered(v).compile().memory_analysis().temp_size_in_bytes for v in largest]
     assert peak == max(every) > 0
+
+
+def test_a_gpu_lora_table_holds_a_rank_the_gpu_tiler_handles(demo_model):
+    """XLA:GPU finds no tiles for ``x @ A`` of a rank-8 q|k|v table (3 slots or more): a GPU
+    runner's tables hold a multiple of 16 (an adapter's smaller rank as zeros), while the flag
+    itself, which bounds the adapters, is unchanged; the CPU keeps the flag's rank."""
+    assert [StepTarget("gpu").lora_table_rank(r) for r in (1, 8, 16, 24, 64)] == [16, 16, 16, 32, 64]
+    assert [StepTarget("cpu").lora_table_rank(r) for r in (1, 8, 24)] == [1, 8, 24]
+    lora = dict(enable_lora=True, max_loras=3, max_lora_rank=8)
+    model = load_model(demo_model, scan_layers=False)
+    for platform, rank in (("gpu", 16), ("cpu", 8)):
+        config = EngineConfig(attention_backend="xla", **CONFIG, **lora)
+        runner = ModelRunner(config, model, 256, target=StepTarget(platform))
+        _, b = runner.lora.tables
+        assert {t.shape[1:3] for t in b.values()} == {(3, rank)}
+        assert config.lora_config.max_lora_rank == 8
