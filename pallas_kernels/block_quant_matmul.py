@@ -4,8 +4,11 @@ reference.
 A weight ``W [N, K]`` is stored one row per output feature, blocks along the input, as in a
 ``.gguf`` file: ``qs [N, K * bits / 8]`` uint8 (int8 values for 8 bits; for 4 bits byte ``j`` of
 a block holds element ``j`` in its low nibble and ``j + 16`` in its high one), block scales
-``d [N, K / 32]`` and block minimums ``m [N, K / 32]`` (zeros when the format has none), with
-``W[n, k] = d[n, k // 32] * (q[n, k] - offset) + m[n, k // 32]`` (``offset`` 8 for Q4_0).
+``d [N, K / 32]`` and, for a format that has them (Q4_1), block minimums ``m [N, K / 32]``, with
+``W[n, k] = d[n, k // 32] * (q[n, k] - offset) + m[n, k // 32]`` (``offset`` 8 for Q4_0; ``m`` is
+None, not zeros, for Q8_0 and Q4_0). ``d`` and ``m`` stay float16, the file's own scales: a block
+is then the file's bytes (18 per 32 weights for Q4_0, 20 for Q4_1, 34 for Q8_0), and every
+consumer widens them to float32 (exact) as it reads them.
 
 - :func:`block_quant_matmul_reference`: the weight dequantized, then a plain matmul (any backend;
   XLA writes the dequantized weight whole before the dot).
@@ -35,30 +38,32 @@ BLOCK_FORMATS = {"Q8_0": (8, 0, False), "Q4_0": (4, 8, False), "Q4_1": (4, 0, Tr
 KERNEL = CpuFfiKernel("block_quant_matmul_cpu.cc", "jaxserve_block_quant_matmul_cpu", "JaxserveBlockQuantMatmulCpu")
 
 
-def dequantize_blocks(qs: jax.Array, d: jax.Array, m: jax.Array, *, bits: int, offset: int) -> jax.Array:
-    """``W [N, K]`` in float32 from its blocks."""
+def dequantize_blocks(qs: jax.Array, d: jax.Array, m: jax.Array | None, *, bits: int, offset: int) -> jax.Array:
+    """``W [N, K]`` in float32 from its blocks (``d``/``m`` of any float dtype; ``m`` None: no minimum)."""
     n, nb = d.shape
     if bits == 8:
         q = jax.lax.bitcast_convert_type(qs, jnp.int8).astype(jnp.float32).reshape(n, nb, BLOCK)
     else:
         packed = qs.reshape(n, nb, BLOCK // 2)
         q = jnp.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(jnp.float32)
-    w = d[..., None] * (q - offset) + m[..., None]
+    w = d.astype(jnp.float32)[..., None] * (q - offset)
+    if m is not None:
+        w = w + m.astype(jnp.float32)[..., None]
     return w.reshape(n, nb * BLOCK)
 
 
-def layer_of(qs: jax.Array, d: jax.Array, m: jax.Array,
-             layer: jax.Array | int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def layer_of(qs: jax.Array, d: jax.Array, m: jax.Array | None,
+             layer: jax.Array | int | None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Weight ``layer`` of a stack (``qs [L, N, ...]``); a lone weight (``layer`` None) as it is."""
     if layer is None:
         return qs, d, m
     def pick(a: jax.Array) -> jax.Array:
         return jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
 
-    return pick(qs), pick(d), pick(m)
+    return pick(qs), pick(d), None if m is None else pick(m)
 
 
-def block_quant_matmul_reference(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, *, bits: int,
+def block_quant_matmul_reference(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None, *, bits: int,
                                  offset: int, layer: jax.Array | int | None = None) -> jax.Array:
     """The oracle: ``x [..., K] @ W.T`` with ``W`` (weight ``layer`` of a stack) dequantized in
     float32; float32 out."""
@@ -67,7 +72,7 @@ def block_quant_matmul_reference(x: jax.Array, qs: jax.Array, d: jax.Array, m: j
     return jax.lax.dot_general(x.astype(jnp.float32), w, (((x.ndim - 1,), (1,)), ((), ())))
 
 
-def block_quant_matmul_cpu(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, *, bits: int,
+def block_quant_matmul_cpu(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None, *, bits: int,
                            offset: int, layer: jax.Array | int | None = None,
                            int8_activations: bool = False) -> jax.Array:
     """The same product by the C++ kernel (float32 out), reading weight ``layer`` of a stack in
@@ -76,13 +81,18 @@ def block_quant_matmul_cpu(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Arr
     CPU has them (:func:`int8_dots_available`; without them the float path runs)."""
     KERNEL.register()
     if layer is None:  # a stack of one: a reshape, no copy
-        qs, d, m, layer = qs[None], d[None], m[None], 0
+        qs, d, layer = qs[None], d[None], 0
+        m = None if m is None else m[None]
     if qs.ndim != 3:
         raise ValueError(f"block_quant_matmul_cpu: a layer index needs a stack qs [L, N, bytes], got {qs.shape}")
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     n = qs.shape[1]
     call = jax.ffi.ffi_call(KERNEL.target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
-    y = call(rows, qs, d.astype(jnp.float32), m.astype(jnp.float32), jnp.asarray(layer, jnp.int32),
+    scales = (d,) if m is None else (d, m)  # m: a trailing argument only where the format has one
+    for name, s in zip("dm", scales):
+        if s.dtype != jnp.float16:
+            raise TypeError(f"block_quant_matmul_cpu: {name} must be float16 (the file's scales), got {s.dtype}")
+    y = call(rows, qs, jnp.asarray(layer, jnp.int32), *scales,
              bits=np.int32(bits), offset=np.int32(offset), int8_activations=np.int32(int8_activations))
     return y.reshape(*x.shape[:-1], n)
 
@@ -103,17 +113,17 @@ def block_quant_kernel_available(build_dir: Path | None = None) -> tuple[bool, s
     return KERNEL.available(build_dir)
 
 
-def split_gguf_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def split_gguf_blocks(raw: np.ndarray, qtype: str) -> dict[str, np.ndarray]:
     """A GGUF tensor's raw rows (``[N, bytes per row]`` uint8, as the file stores them) into
-    ``(qs, d, m)``; the file's half-precision scales become float32."""
+    ``{"qs", "d"}`` and, for a format with minimums, ``"m"``; the scales stay the file's float16."""
     bits, _, has_min = BLOCK_FORMATS[qtype]
     header = 4 if has_min else 2  # f16 d, then f16 m for Q4_1
     per_block = header + BLOCK * bits // 8
     rows = np.ascontiguousarray(raw).view(np.uint8)
     n = rows.shape[0]
     blocks = rows.reshape(n, -1, per_block)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = (blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min
-         else np.zeros_like(d))
-    qs = np.ascontiguousarray(blocks[..., header:]).reshape(n, -1)
-    return qs, d, m
+    parts = {"qs": np.ascontiguousarray(blocks[..., header:]).reshape(n, -1),
+             "d": blocks[..., 0:2].copy().view(np.float16)[..., 0]}
+    if has_min:
+        parts["m"] = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    return parts

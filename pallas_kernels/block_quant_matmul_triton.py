@@ -13,7 +13,8 @@ to the weight:
 so the only weight bytes read are the stored ones (1 byte a weight for Q8_0, half for Q4), and
 the only product is a ``[rows, 32] x [32, cols]`` dot per block (two ``16``-wide ones for 4 bits:
 the low nibbles hold a block's first 16 values, the high ones its last 16). ``interpret=True``
-runs it in Pallas's interpreter on a CPU (the tests).
+runs it in Pallas's interpreter on a CPU (the tests). The scales are read as stored (float16, and
+no ``m`` for a format without minimums) and widened in the kernel, so a block costs the file's bytes.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from .block_quant_matmul import BLOCK
 HALF = BLOCK // 2
 
 
-def _kernel(x_ref, qs_ref, d_ref, c_ref, o_ref, *, bits: int, rows: int, cols: int, blocks: int):
-    """One ``[rows, cols]`` output tile: ``c`` is ``m - offset * d`` (the per-block constant)."""
+def _kernel(x_ref, qs_ref, d_ref, *rest, bits: int, offset: int, rows: int, cols: int, blocks: int):
+    """One ``[rows, cols]`` output tile; ``rest`` is ``(m_ref, o_ref)`` for a format with minimums,
+    else ``(o_ref,)``. The per-block constant is ``m - offset * d``."""
+    m_ref, o_ref = rest if len(rest) == 2 else (None, rest[0])
     t0 = pl.program_id(0) * rows
     n0 = pl.program_id(1) * cols
     t_idx, n_idx = pl.ds(t0, rows), pl.ds(n0, cols)
@@ -54,8 +57,10 @@ def _kernel(x_ref, qs_ref, d_ref, c_ref, o_ref, *, bits: int, rows: int, cols: i
             packed = qs_ref[n_idx, pl.ds(b * HALF, HALF)].astype(jnp.int32)
             part = dot(x_lo, packed & 0x0F) + dot(x_hi, packed >> 4)
             x_sum = total(x_lo) + total(x_hi)
-        d = d_ref[n_idx, pl.ds(b, 1)][:, 0]
-        c = c_ref[n_idx, pl.ds(b, 1)][:, 0]
+        d = d_ref[n_idx, pl.ds(b, 1)][:, 0].astype(jnp.float32)
+        c = -offset * d
+        if m_ref is not None:
+            c = m_ref[n_idx, pl.ds(b, 1)][:, 0].astype(jnp.float32) + c
         return acc + part * d[None, :] + x_sum[:, None] * c[None, :]
 
     acc = lax.fori_loop(0, blocks, block, jnp.zeros((rows, cols), jnp.float32))
@@ -70,10 +75,10 @@ def _pow2_at_least(n: int, low: int, high: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "offset", "interpret", "rows", "cols", "num_warps"))
-def block_quant_matmul_triton(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, *, bits: int, offset: int,
+def block_quant_matmul_triton(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None, *, bits: int, offset: int,
                               interpret: bool = False, rows: int | None = None, cols: int | None = None,
                               num_warps: int = 4) -> jax.Array:
-    """``x [..., K] @ W.T`` with ``W [N, K]`` in blocks (``qs``, ``d``, ``m``); float32 out.
+    """``x [..., K] @ W.T`` with ``W [N, K]`` in blocks (``qs``, ``d``, ``m`` or None); float32 out.
     ``rows`` (default: the rows rounded up to a power of two, 16 to 64) and ``cols`` (default: 64,
     32 or 16, the largest that divides ``N``) tile the output; the rows are padded to a whole tile."""
     n, blocks = d.shape
@@ -89,14 +94,13 @@ def block_quant_matmul_triton(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.
     padded = -(-t // rows) * rows
     if padded != t:
         flat = jnp.pad(flat, ((0, padded - t), (0, 0)))
-    d32 = d.astype(jnp.float32)
-    const = m.astype(jnp.float32) - offset * d32
+    scales = (d,) if m is None else (d, m)
     out = pl.pallas_call(
-        functools.partial(_kernel, bits=bits, rows=rows, cols=cols, blocks=blocks),
+        functools.partial(_kernel, bits=bits, offset=offset, rows=rows, cols=cols, blocks=blocks),
         out_shape=jax.ShapeDtypeStruct((padded, n), jnp.float32),
         grid=(padded // rows, n // cols),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name=f"block_quant_matmul_q{bits}",
-    )(flat, qs, d32, const)
+    )(flat, qs, *scales)
     return out[:t].reshape(*lead, n)

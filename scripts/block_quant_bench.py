@@ -38,11 +38,13 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=100, help="distinct weights per program")
     args = p.parse_args()
     n, k = args.shape
-    bits, offset, _ = BLOCK_FORMATS[args.format]
+    bits, offset, has_min = BLOCK_FORMATS[args.format]
     rng = np.random.default_rng(0)
     qs = [jnp.asarray(rng.integers(0, 256, (n, k * bits // 8), dtype=np.uint8)) for _ in range(args.layers)]
-    d = [jnp.asarray(rng.random((n, k // 32), dtype=np.float32)) for _ in range(args.layers)]
-    m = [jnp.asarray(rng.random((n, k // 32), dtype=np.float32)) for _ in range(args.layers)]
+    # the scales as a file keeps them: float16, minimums only where the format has them
+    d = [jnp.asarray(rng.random((n, k // 32), dtype=np.float32), jnp.float16) for _ in range(args.layers)]
+    m = [jnp.asarray(rng.random((n, k // 32), dtype=np.float32), jnp.float16) if has_min else None
+         for _ in range(args.layers)]
     floats = [jnp.asarray(rng.standard_normal((k, n), dtype=np.float32)) for _ in range(args.layers)]
 
     def chain(matmul):
@@ -52,7 +54,8 @@ def main() -> None:
     kernel_int8 = chain(functools.partial(block_quant_matmul_cpu, int8_activations=True))
     f32 = jax.jit(lambda x, ws: sum((x @ w).sum() for w in ws))
     result = {"format": args.format, "shape": [n, k], "layers": args.layers,
-              "bytes_per_weight_matrix": {"blocks": qs[0].nbytes + d[0].nbytes + m[0].nbytes, "float32": n * k * 4},
+              "bytes_per_weight_matrix": {"blocks": qs[0].nbytes + d[0].nbytes + (m[0].nbytes if has_min else 0),
+                                         "float32": n * k * 4},
               "microseconds_per_matrix": {}}
     for rows in args.rows:
         x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)

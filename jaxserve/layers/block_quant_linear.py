@@ -1,8 +1,9 @@
 """A linear map whose weight stays in a GGUF file's 32-wide quant blocks (``--quantization gguf``):
 Q8_0, Q4_0 or Q4_1, as stored, dequantized inside the product.
 
-The weight is held one row per output feature (``qs [out, in * bits / 8]``, ``d`` and ``m``
-``[out, in / 32]`` in float32; :mod:`pallas_kernels.block_quant_matmul` has the layout). Which
+The weight is held one row per output feature (``qs [out, in * bits / 8]``, ``d`` and, for Q4_1
+only, ``m`` ``[out, in / 32]`` in the file's float16: the file's bytes per block;
+:mod:`pallas_kernels.block_quant_matmul` has the layout). Which
 product runs is fixed per compiled step by its row count: up to :data:`KERNEL_MAX_ROWS` rows on
 a CPU, the C++ kernel, which reads the blocks as stored (a decode step's cost is the bytes it
 reads), with int8 activations up to :data:`INT8_MAX_ROWS` rows of a 4-bit format; above that, the weight
@@ -80,11 +81,12 @@ class BlockQuantLinear(nnx.Module):
         if in_features % BLOCK:
             raise ValueError(f"in_features {in_features} is not a multiple of the {BLOCK}-wide blocks")
         self.qtype = qtype
-        self.bits, self.offset, _ = BLOCK_FORMATS[qtype]
+        self.bits, self.offset, has_min = BLOCK_FORMATS[qtype]
         blocks = in_features // BLOCK
         self.qs = nnx.Param(jnp.zeros((out_features, in_features * self.bits // 8), jnp.uint8))
-        self.d = nnx.Param(jnp.zeros((out_features, blocks), jnp.float32))
-        self.m = nnx.Param(jnp.zeros((out_features, blocks), jnp.float32))
+        self.d = nnx.Param(jnp.zeros((out_features, blocks), jnp.float16))
+        # no minimums in the format: no array (a zero one would be read by every product)
+        self.m = nnx.Param(jnp.zeros((out_features, blocks), jnp.float16)) if has_min else nnx.data(None)
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else nnx.data(None)
 
     def __call__(self, x: jax.Array, mesh: Mesh | None = None, split: str | None = None,
@@ -93,7 +95,7 @@ class BlockQuantLinear(nnx.Module):
         blocks are split over it: "column" (by output rows: each device computes its output columns),
         "row" (by input, in whole blocks: each device's partial product, summed over the devices).
         ``layer``: which weight of a scanned stack this is (the parameters then carry the layer axis)."""
-        qs, d, m = self.qs[...], self.d[...], self.m[...]
+        qs, d, m = self.qs[...], self.d[...], _value(self.m)
         stacked = qs.ndim == 3
         if stacked and layer is None:
             raise ValueError(f"BlockQuantLinear: blocks stacked over {qs.shape[0]} layers need the layer index")
@@ -119,14 +121,18 @@ def project(linear: nnx.Module, x: jax.Array, mesh: Mesh | None, split: str,
     return linear(x)
 
 
-def _split_block_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, bits: int, offset: int,
+def _value(param: nnx.Param | None) -> jax.Array | None:
+    return None if param is None else param[...]
+
+
+def _split_block_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None, bits: int, offset: int,
                         mesh: Mesh, split: str | None, layer: jax.Array | int | None) -> jax.Array:
     """The product on each device's own blocks (module doc), the result replicated ("row") or
     split on its columns ("column"), as the float kernels' products are."""
     axes = mesh.axis_names
 
-    def local(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, index: jax.Array) -> jax.Array:
-        y = _block_matmul(x, qs, d, m, bits, offset, None if layer is None else index)
+    def local(x: jax.Array, index: jax.Array, qs: jax.Array, d: jax.Array, *m: jax.Array) -> jax.Array:
+        y = _block_matmul(x, qs, d, m[0] if m else None, bits, offset, None if layer is None else index)
         return jax.lax.psum(y, axes) if split == "row" else y
 
     if split == "column":
@@ -138,8 +144,9 @@ def _split_block_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array,
     if layer is not None:  # the stack's layer axis is not split
         weight = PartitionSpec(None, *weight)
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
-    return shard_map(local, mesh, in_specs=(x_spec, weight, weight, weight, PartitionSpec()),
-                     out_specs=out_spec)(x, qs, d, m, index)
+    blocks = (qs, d) if m is None else (qs, d, m)  # the scales are split as the quants are
+    return shard_map(local, mesh, in_specs=(x_spec, PartitionSpec(), *(weight,) * len(blocks)),
+                     out_specs=out_spec)(x, index, *blocks)
 
 
 class BlockQuantEmbedding(nnx.Module):
@@ -155,24 +162,26 @@ class BlockQuantEmbedding(nnx.Module):
         :class:`~jaxserve.layers.embedding.Embedding` is (each device its own rows, zeros
         elsewhere, one sum)."""
         h = self.head
-        qs, d, m = h.qs[...], h.d[...], h.m[...]
+        qs, d, m = h.qs[...], h.d[...], _value(h.m)
         if mesh is None or mesh.size == 1:
-            return self._rows(qs, d, m, ids)
+            return self._rows(ids, qs, d, m)
         axes = mesh.axis_names
 
-        def lookup_local(qs: jax.Array, d: jax.Array, m: jax.Array, ids: jax.Array) -> jax.Array:
+        def lookup_local(ids: jax.Array, qs: jax.Array, d: jax.Array, *m: jax.Array) -> jax.Array:
             local = ids - jax.lax.axis_index(axes) * qs.shape[0]
             mine = (local >= 0) & (local < qs.shape[0])
-            found = self._rows(qs, d, m, jnp.clip(local, 0, qs.shape[0] - 1))
+            found = self._rows(jnp.clip(local, 0, qs.shape[0] - 1), qs, d, m[0] if m else None)
             return jax.lax.psum(jnp.where(mine[:, None], found, jnp.zeros_like(found)), axes)
 
         rows = PartitionSpec(axes, None)
-        return shard_map(lookup_local, mesh, in_specs=(rows, rows, rows, PartitionSpec()),
-                         out_specs=PartitionSpec())(qs, d, m, ids)
+        blocks = (qs, d) if m is None else (qs, d, m)
+        return shard_map(lookup_local, mesh, in_specs=(PartitionSpec(), *(rows,) * len(blocks)),
+                         out_specs=PartitionSpec())(ids, *blocks)
 
-    def _rows(self, qs: jax.Array, d: jax.Array, m: jax.Array, ids: jax.Array) -> jax.Array:
+    def _rows(self, ids: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None) -> jax.Array:
         h = self.head
-        return dequantize_blocks(qs[ids], d[ids], m[ids], bits=h.bits, offset=h.offset).astype(self.param_dtype)
+        return dequantize_blocks(qs[ids], d[ids], None if m is None else m[ids], bits=h.bits,
+                                 offset=h.offset).astype(self.param_dtype)
 
     def attend(self, hidden: jax.Array, mesh: Mesh | None = None) -> jax.Array:
         """The logits over the (padded) vocabulary; split over a mesh, each device's vocabulary
@@ -180,7 +189,7 @@ class BlockQuantEmbedding(nnx.Module):
         return self.head(hidden, mesh, "column")
 
 
-def _block_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, bits: int, offset: int,
+def _block_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None, bits: int, offset: int,
                   layer: jax.Array | int | None = None) -> jax.Array:
     """The kernel for few rows on a CPU, else the weight dequantized and a float dot; on a GPU the
     dequantization fused into the dot (module doc). The platform is the one the step is lowered
@@ -189,20 +198,21 @@ def _block_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, bits:
     stacked = layer is not None
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
 
-    def on_cpu(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, index: jax.Array) -> jax.Array:
-        at = index if stacked else None
+    def on_cpu(x: jax.Array, index: jax.Array, qs: jax.Array, d: jax.Array, *m: jax.Array) -> jax.Array:
+        at, mins = index if stacked else None, m[0] if m else None
         rows = math.prod(x.shape[:-1])
         if rows <= KERNEL_MAX_ROWS and _kernel_usable():
-            return block_quant_matmul_cpu(x, qs, d, m, bits=bits, offset=offset, layer=at,
+            return block_quant_matmul_cpu(x, qs, d, mins, bits=bits, offset=offset, layer=at,
                                           int8_activations=bits == 4 and rows <= INT8_MAX_ROWS)
-        return block_quant_matmul_reference(x, qs, d, m, bits=bits, offset=offset, layer=at)
+        return block_quant_matmul_reference(x, qs, d, mins, bits=bits, offset=offset, layer=at)
 
-    def on_gpu(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array, index: jax.Array) -> jax.Array:
+    def on_gpu(x: jax.Array, index: jax.Array, qs: jax.Array, d: jax.Array, *m: jax.Array) -> jax.Array:
         # a GPU unrolls its layers (llama.default_scan_layers): a stack here is sliced first
-        qs, d, m = layer_of(qs, d, m, index if stacked else None)
-        return block_quant_matmul_triton(x, qs, d, m, bits=bits, offset=offset)
+        qs, d, mins = layer_of(qs, d, m[0] if m else None, index if stacked else None)
+        return block_quant_matmul_triton(x, qs, d, mins, bits=bits, offset=offset)
 
-    return jax.lax.platform_dependent(x, qs, d, m, index, cpu=on_cpu, cuda=on_gpu, rocm=on_gpu)
+    blocks = (qs, d) if m is None else (qs, d, m)
+    return jax.lax.platform_dependent(x, index, *blocks, cpu=on_cpu, cuda=on_gpu, rocm=on_gpu)
 
 
 def _kernel_usable() -> bool:

@@ -27,7 +27,9 @@ from jaxserve import envs
 
 logger = logging.getLogger("jaxserve")
 
-_FORMAT = 1  # bumped when an entry's layout changes: older entries are then misses
+# bumped when an entry's layout changes: older entries are then misses. 2: kept GGUF blocks hold
+# the file's float16 scales, and no minimums for Q8_0/Q4_0 (1 held float32 ones and zeros)
+_FORMAT = 2
 _digests: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, per process
 
 

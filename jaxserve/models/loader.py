@@ -151,7 +151,7 @@ def load_gguf_model(path: str | Path, dtype: str | None = None, scan_layers: boo
 # The HF projections whose GGUF blocks --quantization gguf keeps, and the arrays each becomes.
 GGUF_BLOCK_PROJECTIONS = tuple(f"{name}.weight" for name in (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
-BLOCK_PARTS = ("qs", "d", "m")
+BLOCK_PARTS = ("qs", "d", "m")  # "m" only for a format with minimums (Q4_1): the model holds none else
 
 
 def _projection_block_format(tensor_types: dict[str, str], file_name: str) -> str:
@@ -234,8 +234,7 @@ def _load_gguf_blocks(path: str | Path, dtype: str | None, scan_layers: bool | N
         for t in checkpoint().tensors():
             if t.name.endswith(GGUF_BLOCK_PROJECTIONS) or (
                     t.name == "model.embed_tokens.weight" and embedding_block_format_of(quantization)):
-                weights.update(zip((f"{t.name}.{part}" for part in BLOCK_PARTS),
-                                   split_gguf_blocks(t.data, t.qtype)))
+                weights.update({f"{t.name}.{part}": v for part, v in split_gguf_blocks(t.data, t.qtype).items()})
             else:
                 weights[t.name] = policy(t, cfg.dtype)
         return weights

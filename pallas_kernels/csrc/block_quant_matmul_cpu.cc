@@ -11,8 +11,10 @@
 //   x     f32 [T, K]               activations
 //   qs    u8  [L, N, K * bits / 8] the quants: bits 8 -> int8 values; bits 4 -> byte j of a block
 //                                  holds element j in its low nibble and element j + 16 in its high one
-//   d     f32 [L, N, K / 32]       block scales;  m f32 [L, N, K / 32] block minimums (0 without one)
 //   layer s32 []                   which weight of the stack to multiply by
+//   d     f16 [L, N, K / 32]       block scales, the file's half floats (widened here: exact)
+//   m     f16 [L, N, K / 32]       block minimums, a last argument only for a format with them (Q4_1):
+//                                  Q8_0 and Q4_0 pass none, so no zero array is kept or read
 //   w[n, k] = d[l, n, k/32] * (q[l, n, k] - offset) + m[l, n, k/32]   (offset 8 for Q4_0, else 0)
 // The stack and the index: a scanned model's layer reads its own blocks in place, where slicing
 // them out first would copy every layer's blocks each step (a lone weight is a stack of one).
@@ -23,10 +25,12 @@
 #include <cmath>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <memory>
 #include <thread>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -40,11 +44,30 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kRows = 4;         // output rows expanded at once: each activation row read once per tile
 constexpr int64_t kRowsPerItem = 64;  // rows a work item claims
 
+// An IEEE half (a file's scale) as a float; every half is a float exactly.
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  float mag;
+  if (exp == 0) {
+    mag = std::ldexp(float(man), -24);  // zero or subnormal
+  } else if (exp == 31) {
+    mag = man ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+  } else {
+    const uint32_t bits = ((exp + 112u) << 23) | (man << 13);  // rebias 15 -> 127
+    std::memcpy(&mag, &bits, sizeof mag);
+  }
+  return (h & 0x8000) ? -mag : mag;
+#endif
+}
+
 struct Problem {
   const float* x;
   const uint8_t* qs;
-  const float* d;
-  const float* m;
+  const uint16_t* d;  // halves
+  const uint16_t* m;  // halves; nullptr for a format without minimums
   float* y;
   int64_t t, k, n, bits, offset;
   // int8 activations (see run_rows_int8): per token, K rounded up to whole block pairs
@@ -54,15 +77,28 @@ struct Problem {
   int64_t kp = 0;
 };
 
-// Row n's weights as floats into w[0, k).
-void expand_row(const Problem& p, int64_t n, float* w) {
+// nb halves as floats: 16 an instruction where AVX-512 has them (a conversion per block, beside
+// the block's few vector instructions, measurably slowed a one-row product).
+void widen(const uint16_t* h, int64_t nb, float* out) {
+  int64_t b = 0;
+#if defined(__AVX512F__)
+  for (; b + 16 <= nb; b += 16)
+    _mm512_storeu_ps(out + b, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + b))));
+#endif
+  for (; b < nb; ++b) out[b] = half_to_float(h[b]);
+}
+
+// Row n's weights as floats into w[0, k); `scales` holds 2 * K / 32 floats of scratch.
+void expand_row(const Problem& p, int64_t n, float* w, float* scales) {
   const int64_t nb = p.k / kBlock;
   const int64_t row_bytes = p.k * p.bits / 8;
   const uint8_t* q = p.qs + n * row_bytes;
-  const float* d = p.d + n * nb;
-  const float* m = p.m + n * nb;
+  float* d = scales;
+  float* m = scales + nb;
+  widen(p.d + n * nb, nb, d);
+  if (p.m != nullptr) widen(p.m + n * nb, nb, m);
   for (int64_t b = 0; b < nb; ++b) {
-    const float scale = d[b], low = m[b] - d[b] * float(p.offset);
+    const float scale = d[b], low = (p.m != nullptr ? m[b] : 0.f) - scale * float(p.offset);
     float* out = w + b * kBlock;
 #if defined(__AVX512F__)
     const __m512 vs = _mm512_set1_ps(scale), vl = _mm512_set1_ps(low);
@@ -111,11 +147,13 @@ inline void dot_rows(const float* xt, const float* w, int64_t k, float* out) {
 #endif
 
 void run_rows(const Problem& p, int64_t first, int64_t last) {
-  thread_local std::vector<float> scratch;  // kRows expanded rows; pool threads have small stacks
-  scratch.assign(size_t(kRows * p.k), 0.f);
+  // kRows expanded rows, then one row's widened scales; pool threads have small stacks
+  thread_local std::vector<float> scratch;
+  scratch.assign(size_t(kRows * p.k + 2 * (p.k / kBlock)), 0.f);
+  float* scales = scratch.data() + kRows * p.k;
   for (int64_t n0 = first; n0 < last; n0 += kRows) {
     const int64_t rows = std::min(kRows, last - n0);
-    for (int64_t r = 0; r < rows; ++r) expand_row(p, n0 + r, scratch.data() + r * p.k);
+    for (int64_t r = 0; r < rows; ++r) expand_row(p, n0 + r, scratch.data() + r * p.k, scales);
     for (int64_t t = 0; t < p.t; ++t) {
       const float* xt = p.x + t * p.k;
 #if defined(__AVX512F__)
@@ -192,11 +230,16 @@ inline __m512i weights_u8(const uint8_t* q, int64_t j, int bits, bool one) {
   return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
 }
 
-// [d[2j] x 8, d[2j+1] x 8]
-inline __m512 pair_scales(const float* d, int64_t j, bool one) {
+// [d[2j] x 8, d[2j+1] x 8] from the halves
+inline __m512 pair_scales(const uint16_t* d, int64_t j, bool one) {
   const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512 two = _mm512_maskz_loadu_ps(one ? 0x1 : 0x3, d + 2 * j);
-  return _mm512_permutexvar_ps(idx, two);
+  const __m128 two = _mm_cvtph_ps(_mm_maskz_loadu_epi16(one ? 0x1 : 0x3, d + 2 * j));
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(two));
+}
+
+// Up to 16 halves (the lanes of `keep`) as floats, zeros elsewhere.
+inline __m512 load_halves(__mmask16 keep, const uint16_t* h) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, h));
 }
 
 void run_rows_int8(const Problem& p, int64_t first, int64_t last) {
@@ -206,13 +249,13 @@ void run_rows_int8(const Problem& p, int64_t first, int64_t last) {
   for (int64_t n0 = first; n0 < last; n0 += kRows) {
     const int64_t rows = std::min(kRows, last - n0);
     const uint8_t* q[kRows];
-    const float* d[kRows];
-    const float* m[kRows];
+    const uint16_t* d[kRows];
+    const uint16_t* m[kRows];
     for (int r = 0; r < kRows; ++r) {  // a short tile repeats its last row, never written out
       const int64_t n = n0 + std::min<int64_t>(r, rows - 1);
       q[r] = p.qs + n * row_bytes;
       d[r] = p.d + n * nb;
-      m[r] = p.m + n * nb;
+      m[r] = p.m == nullptr ? nullptr : p.m + n * nb;
     }
     for (int64_t t = 0; t < p.t; ++t) {
       const int8_t* xq = p.xq + t * p.kp;
@@ -233,8 +276,8 @@ void run_rows_int8(const Problem& p, int64_t first, int64_t last) {
         const __mmask16 keep = nb - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nb - i)) - 1);
         const __m512 xsv = _mm512_maskz_loadu_ps(keep, xs + i);
         for (int r = 0; r < kRows; ++r) {
-          const __m512 low = _mm512_fnmadd_ps(offset, _mm512_maskz_loadu_ps(keep, d[r] + i),
-                                              _mm512_maskz_loadu_ps(keep, m[r] + i));
+          const __m512 mins = m[r] == nullptr ? _mm512_setzero_ps() : load_halves(keep, m[r] + i);
+          const __m512 low = _mm512_fnmadd_ps(offset, load_halves(keep, d[r] + i), mins);
           acc[r] = _mm512_fmadd_ps(low, xsv, acc[r]);
         }
       }
@@ -268,27 +311,37 @@ struct Job {
   }
 };
 
+// Whether a scale array is [L, N, K / 32] for these x and qs.
+bool scales_fit(ffi::Span<const int64_t> s, int64_t stack, int64_t n, int64_t k) {
+  return s.size() == 3 && s[0] == stack && s[1] == n && s[2] == k / kBlock;
+}
+
 ffi::Error BlockQuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> qs,
-                            ffi::Buffer<ffi::F32> d, ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::S32> layer,
+                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F16> d, ffi::RemainingArgs rest,
                             ffi::Result<ffi::Buffer<ffi::F32>> y, int32_t bits, int32_t offset,
                             int32_t int8_activations) {
   const auto xd = x.dimensions();
   const auto qd = qs.dimensions();
-  const auto dd = d.dimensions();
-  const auto md = m.dimensions();
-  if (xd.size() != 2 || qd.size() != 3 || dd.size() != 3 || md.size() != 3 || layer.dimensions().size() != 0)
-    return ffi::Error::InvalidArgument("expected x [T, K], qs [L, N, K*bits/8], d and m [L, N, K/32], layer []");
+  if (xd.size() != 2 || qd.size() != 3 || layer.dimensions().size() != 0 || rest.size() > 1)
+    return ffi::Error::InvalidArgument("expected x [T, K], qs [L, N, K*bits/8], layer [], d and maybe m [L, N, K/32]");
   if (bits != 4 && bits != 8) return ffi::Error::InvalidArgument("bits must be 4 or 8");
   const int64_t t = xd[0], k = xd[1], stack = qd[0], n = qd[1];
-  if (k % kBlock != 0 || qd[2] != k * bits / 8 || dd[0] != stack || dd[1] != n || dd[2] != k / kBlock ||
-      md[0] != stack || md[1] != n || md[2] != k / kBlock)
-    return ffi::Error::InvalidArgument("shapes of x, qs, d and m do not agree (K must be a multiple of 32)");
+  const uint16_t* mins = nullptr;
+  if (rest.size() == 1) {
+    auto m = rest.get<ffi::Buffer<ffi::F16>>(0);
+    if (m.has_error()) return m.error();
+    if (!scales_fit(m->dimensions(), stack, n, k))
+      return ffi::Error::InvalidArgument("m must be [L, N, K/32] like d");
+    mins = m->typed_data();
+  }
+  if (k % kBlock != 0 || qd[2] != k * bits / 8 || !scales_fit(d.dimensions(), stack, n, k))
+    return ffi::Error::InvalidArgument("shapes of x, qs and d do not agree (K must be a multiple of 32)");
   const int64_t l = *layer.typed_data();
   if (l < 0 || l >= stack) return ffi::Error::InvalidArgument("layer index outside the stack");
   const int64_t nb = k / kBlock;
   auto job = std::make_shared<Job>();
   job->problem = Problem{x.typed_data(), qs.typed_data() + l * n * (k * bits / 8), d.typed_data() + l * n * nb,
-                         m.typed_data() + l * n * nb, y->typed_data(), t, k, n, bits, offset};
+                         mins == nullptr ? nullptr : mins + l * n * nb, y->typed_data(), t, k, n, bits, offset};
   // the int8 path's activations: quantized once here, read by every thread
   std::vector<int8_t> xq;
   std::vector<float> dx, xs;
@@ -318,9 +371,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveBlockQuantMatmulCpu, BlockQuantMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("bits")
                                   .Attr<int32_t>("offset")

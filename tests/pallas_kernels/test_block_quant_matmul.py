@@ -30,13 +30,26 @@ def blocks(qtype: str, n: int, k: int, seed: int = 0):
     return raw, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
 
 
+def parts(raw: np.ndarray, qtype: str) -> tuple:
+    """``(qs, d, m)`` of the split blocks, ``m`` None for a format without minimums."""
+    split = split_gguf_blocks(raw, qtype)
+    return split["qs"], split["d"], split.get("m")
+
+
+def device(*arrays) -> tuple:
+    return tuple(None if a is None else jnp.asarray(a) for a in arrays)
+
+
 @pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
 def test_split_blocks_dequantize_as_the_gguf_package_does(qtype):
     raw, expected = blocks(qtype, 7, 96)
-    qs, d, m = split_gguf_blocks(raw, qtype)
-    bits, offset, _ = BLOCK_FORMATS[qtype]
-    assert qs.shape == (7, 96 * bits // 8) and d.shape == m.shape == (7, 3)
-    got = dequantize_blocks(jnp.asarray(qs), jnp.asarray(d), jnp.asarray(m), bits=bits, offset=offset)
+    qs, d, m = parts(raw, qtype)
+    bits, offset, has_min = BLOCK_FORMATS[qtype]
+    assert qs.shape == (7, 96 * bits // 8) and d.shape == (7, 3) and d.dtype == np.float16
+    assert (m is not None) == has_min and (m is None or (m.shape == (7, 3) and m.dtype == np.float16))
+    # the kept bytes per 32 weights are the file's: a block as stored, nothing added
+    assert (qs.nbytes + d.nbytes + (0 if m is None else m.nbytes)) == raw.nbytes
+    got = dequantize_blocks(*device(qs, d, m), bits=bits, offset=offset)
     np.testing.assert_array_equal(np.asarray(got), expected)
 
 
@@ -48,7 +61,7 @@ def test_cpu_kernel_matches_the_reference(qtype, tokens):
     raw, w = blocks(qtype, 70, 160, seed=tokens)  # 70 rows: not a multiple of the kernel's tiles
     bits, offset, _ = BLOCK_FORMATS[qtype]
     args = (jnp.asarray(np.random.default_rng(1).standard_normal((tokens, 160), np.float32)),
-            *map(jnp.asarray, split_gguf_blocks(raw, qtype)))
+            *device(*parts(raw, qtype)))
     ref = block_quant_matmul_reference(*args, bits=bits, offset=offset)
     got = block_quant_matmul_cpu(*args, bits=bits, offset=offset)
     assert got.shape == (tokens, 70)
@@ -65,7 +78,7 @@ def test_gpu_kernel_in_the_interpreter_matches_the_reference(qtype):
     raw, _ = blocks(qtype, 96, 128, seed=3)
     bits, offset, _ = BLOCK_FORMATS[qtype]
     args = (jnp.asarray(np.random.default_rng(2).standard_normal((5, 128), np.float32)),
-            *map(jnp.asarray, split_gguf_blocks(raw, qtype)))
+            *device(*parts(raw, qtype)))
     expected = block_quant_matmul_reference(*args, bits=bits, offset=offset)
     got = block_quant_matmul_triton(*args, bits=bits, offset=offset, interpret=True)
     assert got.shape == (5, 96)
@@ -80,12 +93,12 @@ def test_cpu_kernel_reads_one_layer_of_a_stack_in_place(qtype):
     import jax
 
     bits, offset, _ = BLOCK_FORMATS[qtype]
-    layers = [split_gguf_blocks(blocks(qtype, 40, 96, seed=s)[0], qtype) for s in range(3)]
-    qs, d, m = (jnp.asarray(np.stack(parts)) for parts in zip(*layers, strict=True))
+    layers = [parts(blocks(qtype, 40, 96, seed=s)[0], qtype) for s in range(3)]
+    qs, d, m = (None if p[0] is None else jnp.asarray(np.stack(p)) for p in zip(*layers, strict=True))
     x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 96), np.float32))
     product = jax.jit(lambda layer: block_quant_matmul_cpu(x, qs, d, m, bits=bits, offset=offset, layer=layer))
     for i, (q, dd, mm) in enumerate(layers):
-        expected = block_quant_matmul_reference(x, *map(jnp.asarray, (q, dd, mm)), bits=bits, offset=offset)
+        expected = block_quant_matmul_reference(x, *device(q, dd, mm), bits=bits, offset=offset)
         np.testing.assert_allclose(np.asarray(product(jnp.int32(i))), np.asarray(expected), rtol=1e-5, atol=1e-5)
         stacked_ref = block_quant_matmul_reference(x, qs, d, m, bits=bits, offset=offset, layer=i)
         np.testing.assert_allclose(np.asarray(stacked_ref), np.asarray(expected), rtol=1e-6, atol=1e-6)
@@ -93,7 +106,8 @@ def test_cpu_kernel_reads_one_layer_of_a_stack_in_place(qtype):
         np.asarray(product(jnp.int32(3)))
 
 
-def int8_emulation(x: np.ndarray, qs: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int, offset: int) -> np.ndarray:
+def int8_emulation(x: np.ndarray, qs: np.ndarray, d: np.ndarray, m: np.ndarray | None, bits: int,
+                   offset: int) -> np.ndarray:
     """llama.cpp's int8-activation product in numpy: each token's blocks of 32 rounded to int8 at
     the block's absolute maximum / 127, multiplied exactly by the weights' integer values."""
     t, k = x.shape
@@ -107,6 +121,8 @@ def int8_emulation(x: np.ndarray, qs: np.ndarray, d: np.ndarray, m: np.ndarray, 
         packed = qs.reshape(qs.shape[0], -1, 16)
         q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.float64)
     dots = np.einsum("tbj,nbj->tnb", xq, q - offset)  # exact integers
+    d = d.astype(np.float64)
+    m = np.zeros_like(d) if m is None else m.astype(np.float64)
     return (np.einsum("tnb,tb,nb->tn", dots, dx[..., 0], d) + np.einsum("tb,nb->tn", (dx[..., 0] * xq.sum(-1)), m))
 
 
@@ -122,8 +138,8 @@ def test_int8_activations_are_llama_cpps_product(qtype, tokens):
     bits, offset, _ = BLOCK_FORMATS[qtype]
     x = np.random.default_rng(5).standard_normal((tokens, 160)).astype(np.float32)
     x[0, :32] = 0  # an all-zero block: scale 0
-    qs, d, m = split_gguf_blocks(raw, qtype)
-    got = np.asarray(block_quant_matmul_cpu(jnp.asarray(x), *map(jnp.asarray, (qs, d, m)), bits=bits, offset=offset,
+    qs, d, m = parts(raw, qtype)
+    got = np.asarray(block_quant_matmul_cpu(jnp.asarray(x), *device(qs, d, m), bits=bits, offset=offset,
                                             int8_activations=True))
     scale = np.abs(x @ w.T).max()
     np.testing.assert_allclose(got, int8_emulation(x, qs, d, m, bits, offset), rtol=0, atol=1e-5 * scale)

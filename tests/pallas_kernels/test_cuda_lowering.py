@@ -105,3 +105,31 @@ def test_whole_decoder_lowers_for_cuda_in_both_layer_layouts(qwen3_checkpoint, s
     # The scan body holds the one kernel call; unrolled, each layer has its own.
     calls = text.count("custom_call @__gpu$xla.gpu.triton") + text.count("custom_call @triton_kernel_call")
     assert calls == (1 if scan_layers else cfg.num_hidden_layers)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_block_kernel_lowers_reading_the_half_scales_as_stored(qtype, cuda_device):
+    """The GGUF block matmul's GPU kernel lowers via Triton with the scales handed over as the
+    file keeps them: ``d`` (and Q4_1's ``m``) float16, no minimums for Q8_0 / Q4_0, no float32
+    copy of either made before the call."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.block_quant_matmul import BLOCK_FORMATS
+    from pallas_kernels.block_quant_matmul_triton import block_quant_matmul_triton
+
+    bits, offset, has_min = BLOCK_FORMATS[qtype]
+    n, k = 128, 256
+    sds = functools.partial(jax.ShapeDtypeStruct, sharding=cuda_device.get("sharding"))
+    scales = [sds((n, k // 32), jnp.float16)] * (2 if has_min else 1)
+    traced = jax.jit(lambda x, qs, d, *m: block_quant_matmul_triton(x, qs, d, m[0] if m else None, bits=bits,
+                                                                     offset=offset)).trace(
+        sds((4, k), jnp.float32), sds((n, k * bits // 8), jnp.uint8), *scales)
+    text = traced.lower() if cuda_device else traced.lower(lowering_platforms=("cuda",))
+    text = text.as_text()
+    assert _is_triton(text)
+    call = re.search(r"custom_call @\S+\((%[^)]*)\)", text)
+    assert call and len(call.group(1).split(",")) == 2 + len(scales)
+    assert f"tensor<{n}x{k // 32}xf16>" in text and f"tensor<{n}x{k // 32}xf32>" not in text
