@@ -16,6 +16,7 @@ import collections
 import dataclasses
 import math
 import re
+from collections.abc import Iterator
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]\S*\s+([\w\-]+)\(")
@@ -155,19 +156,24 @@ def dequantized_copies(text: str, float_shapes: set[Shape]) -> list[str]:
     """Buffers materialised with a quantized weight's dims in a float dtype (``float_shapes``: the
     weights' dims under bf16/f16/f32): a dequantized copy of the weight, where the convert should
     have been fused into the dot's operand read instead."""
-    comps = _computations(text)
-    fused = {c for lines in comps.values() for line in lines if " fusion(" in line for c in _CALLS.findall(line)}
     found = []
+    for _line, op, shape in _unfused_instructions(_computations(text)):
+        if op not in _NOT_MATERIALISED and _matches(shape, float_shapes):
+            found.append(f"{shape[0]}[{','.join(map(str, shape[1]))}] ({op})")
+    return found
+
+
+def _unfused_instructions(comps: dict[str, list[str]]) -> Iterator[tuple[str, str, Shape]]:
+    """(line, op, shape) of every instruction with an array result outside the
+    bodies of fusions (what the program materialises)."""
+    fused = {c for lines in comps.values() for line in lines if " fusion(" in line for c in _CALLS.findall(line)}
     for comp, lines in comps.items():
         if comp in fused:
             continue
         for line in lines:
             ins = _instruction(line)
-            if ins is None or ins[1] is None or ins[0] in _NOT_MATERIALISED:
-                continue
-            if _matches(ins[1], float_shapes):
-                found.append(f"{ins[1][0]}[{','.join(map(str, ins[1][1]))}] ({ins[0]})")
-    return found
+            if ins is not None and ins[1] is not None:
+                yield line, ins[0], ins[1]
 
 
 def large_moves(text: str, min_bytes: int) -> list[str]:
@@ -176,22 +182,14 @@ def large_moves(text: str, min_bytes: int) -> list[str]:
     moves. Measured in bytes rather than matched by shape, so a copy made through a reshaped view
     (a KV pool flattened to its slots) is found too."""
     comps = _computations(text)
-    fused = {c for lines in comps.values() for line in lines if " fusion(" in line for c in _CALLS.findall(line)}
     found = []
-    for comp, lines in comps.items():
-        if comp in fused:
-            continue
-        for line in lines:
-            ins = _instruction(line)
-            if ins is None or ins[1] is None:
-                continue
-            op, (dtype, dims) = ins
-            moves = op in _COPY_OPS or op == "transpose"
-            if op == "fusion":
-                called = _CALLS.search(line)
-                moves = bool(called) and _is_copy_fusion(comps.get(called.group(1), []))
-            if moves and math.prod(dims) * _BYTES.get(dtype, 4) >= min_bytes:
-                found.append(f"{dtype}[{','.join(map(str, dims))}] ({op})")
+    for line, op, (dtype, dims) in _unfused_instructions(comps):
+        moves = op in _COPY_OPS or op == "transpose"
+        if op == "fusion":
+            called = _CALLS.search(line)
+            moves = bool(called) and _is_copy_fusion(comps.get(called.group(1), []))
+        if moves and math.prod(dims) * _BYTES.get(dtype, 4) >= min_bytes:
+            found.append(f"{dtype}[{','.join(map(str, dims))}] ({op})")
     return found
 
 

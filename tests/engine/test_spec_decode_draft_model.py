@@ -6,12 +6,12 @@ engine's tokens; both KV pools end empty; no compile after warm-up; metrics coun
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.exceptions import ConfigError
 from tests.shapes import ENGINE_TESTS_SHAPE
+from tests.spec_helpers import assert_target_pool_empty, prompts, stats_of, token_ids
 
 K = 3
 # The different draft is a third engine (about 15-25 s to build and compile on a loaded 2-core machine).
@@ -49,23 +49,8 @@ def low_draft(demo_model, other_draft):
                speculative_config={"model": other_draft, "num_speculative_tokens": K})
 
 
-def prompts(n: int, seed: int, lo: int = 5, hi: int = 60) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    return [{"prompt_token_ids": rng.integers(3, 1000, int(rng.integers(lo, hi))).tolist()} for _ in range(n)]
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def stats_of(llm: LLM):
-    return llm.llm_engine.core.scheduler.spec_decoding_stats
-
-
 def assert_pools_empty(llm: LLM) -> None:
-    stats = llm.stats()
-    assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
-    assert stats["num_free_blocks"] == stats["num_gpu_blocks"] - 1
+    assert_target_pool_empty(llm)
     drafter = llm.llm_engine.core.runner.drafter
     assert drafter.seqs == {} and drafter.num_free_blocks == drafter.num_blocks - 1
     assert drafter.unexpected_compiles == 0

@@ -22,6 +22,7 @@ from jaxserve.exceptions import ConfigError
 from jaxserve.models.safetensors_io import SafetensorsFile, save_file
 from tests.eagle_heads import write_eagle_head
 from tests.shapes import ENGINE_TESTS_SHAPE
+from tests.spec_helpers import assert_target_pool_empty, prompts, stats_of, token_ids
 
 K = 3
 SPEC_SHAPE = {**ENGINE_TESTS_SHAPE, "num_gpu_blocks_override": 80}
@@ -66,23 +67,8 @@ def eagle3(demo_model, eagle3_head):
                speculative_config={"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": K})
 
 
-def prompts(n: int, seed: int, lo: int = 5, hi: int = 60) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    return [{"prompt_token_ids": rng.integers(3, 1000, int(rng.integers(lo, hi))).tolist()} for _ in range(n)]
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def stats_of(llm: LLM):
-    return llm.llm_engine.core.scheduler.spec_decoding_stats
-
-
 def assert_pools_empty(llm: LLM) -> None:
-    stats = llm.stats()
-    assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
-    assert stats["num_free_blocks"] == stats["num_gpu_blocks"] - 1
+    assert_target_pool_empty(llm)
     head = llm.llm_engine.core.runner.eagle
     assert head.num_computed == {} and head.blind == set() and head.unexpected_compiles == 0
 
