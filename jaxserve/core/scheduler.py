@@ -556,7 +556,6 @@ class Scheduler:
         pooled_of = model_runner_output.pooler_output or {}
         requests = self.requests
         running_status = RequestStatus.RUNNING
-        check_stop = self._check_stop
         now = None
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
@@ -607,14 +606,7 @@ class Scheduler:
             # A partial prefill chunk samples nothing; ignore a token the runner sent anyway.
             if tokens and request.num_computed_tokens >= len(request.all_token_ids):
                 try:
-                    for token_id in tokens:
-                        request.append_output_token_id(token_id)  # hashes a block when one completes
-                        new_token_ids.append(token_id)
-                        if check_stop(request, token_id):
-                            finished = True
-                            break
-                    if request.use_structured_output and self._advance_grammar(request, new_token_ids):
-                        finished = True
+                    finished = self._take_tokens(request, tokens, new_token_ids)
                 except Exception:  # this request's fault (a hash, its grammar): it alone fails
                     logger.exception("request %s failed while taking its tokens", req_id)
                     request.status = RequestStatus.FINISHED_ERROR
@@ -646,20 +638,26 @@ class Scheduler:
                 self._free_request(request, request.status, known_to_runner=True)
         return outputs
 
-    def _append_to_waiting(self, request: Request, token_ids: list[int], kept: list[int]) -> bool:
-        """Append late tokens (one, or accepted drafts and one) to a preempted request, up to a
-        stop, into ``kept`` too; True if they finished it (then it is freed)."""
+    def _take_tokens(self, request: Request, token_ids: list[int], kept: list[int]) -> bool:
+        """Append ``token_ids`` (one, or accepted drafts and one) to ``request`` up to a stop, each
+        into ``kept`` too; True if they finished it (a stop, or its grammar completed)."""
         stop = False
         for token_id in token_ids:
-            request.append_output_token_id(token_id)
+            request.append_output_token_id(token_id)  # hashes a block when one completes
             kept.append(token_id)
             if self._check_stop(request, token_id):
                 stop = True
                 break
+        if request.use_structured_output and self._advance_grammar(request, kept):
+            stop = True
+        return stop
+
+    def _append_to_waiting(self, request: Request, token_ids: list[int], kept: list[int]) -> bool:
+        """Append late tokens (one, or accepted drafts and one) to a preempted request, up to a
+        stop, into ``kept`` too; True if they finished it (then it is freed)."""
+        stop = self._take_tokens(request, token_ids, kept)
         if request.first_token_ts is None:
             request.first_token_ts = time.monotonic()
-        if request.use_structured_output and self._advance_grammar(request, kept) and not stop:
-            stop = True
         if not stop:
             return False
         self.waiting.remove_requests([request])
