@@ -67,7 +67,7 @@ def load_eagle_head(config: EngineConfig, target: ModelConfig) -> tuple[EagleCon
         return load_mtp_head(folder, target, jnp.dtype(target.dtype))
     assert spec.model is not None
     try:
-        source = resolve_model(spec.model, download_dir=config.download_dir)
+        source = resolve_model(spec.model, download_dir=config.download_dir, state_dict_bin=True)
     except ConfigError as exc:
         raise ConfigError(f"speculative_config.model: {exc}") from None
     cfg = eagle_config(source.path, spec.method, target)
