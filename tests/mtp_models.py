@@ -15,9 +15,9 @@ from jaxserve.models.safetensors_io import SafetensorsFile, save_file
 
 def mtp_layer_tensors(config: dict, seed: int, pass_through: bool = True) -> dict[str, np.ndarray]:
     """One MTP layer's tensors (names after ``model.mtp_layers.{i}.``), HF ``[out, in]``. With
-    ``pass_through``, ``input_proj`` is near ``[I | 0]`` and the MLP scaled down: the layer's output
-    is near the target's hidden state, so its drafts repeat the target's last prediction, which the
-    tiny model's repetitive greedy output sometimes accepts."""
+    ``pass_through``, ``input_proj`` is near ``[0 | I]`` and the MLP scaled down: the layer's output
+    is near the (normed) embedding of the token it reads, so with a tied LM head its drafts mostly
+    repeat that token, which a tiny random tied model's repetitive greedy output often accepts."""
     h, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
     d, m = h // heads, config["intermediate_size"]
     rng = np.random.default_rng(seed)
@@ -27,7 +27,7 @@ def mtp_layer_tensors(config: dict, seed: int, pass_through: bool = True) -> dic
 
     proj = rand(h, 2 * h)
     if pass_through:
-        proj += np.concatenate([np.eye(h), np.zeros((h, h))], axis=1).astype(np.float32)
+        proj += np.concatenate([np.zeros((h, h)), np.eye(h)], axis=1).astype(np.float32)
     t = {"token_layernorm.weight": 1 + rand(h), "hidden_layernorm.weight": 1 + rand(h), "input_proj.weight": proj,
          "final_layernorm.weight": 1 + rand(h), "input_layernorm.weight": 1 + rand(h),
          "post_attention_layernorm.weight": 1 + rand(h),

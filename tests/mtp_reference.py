@@ -22,7 +22,8 @@ class DenseMTP:
         self.w = {k.removeprefix("model.mtp_layers.0."): np.asarray(file.get(k), np.float64) for k in file.keys()
                   if k.startswith("model.mtp_layers.0.")}
         self.embedding = np.asarray(file.get("model.embed_tokens.weight"), np.float64)
-        self.lm_head = np.asarray(file.get("lm_head.weight"), np.float64)
+        self.lm_head = (np.asarray(file.get("lm_head.weight"), np.float64) if "lm_head.weight" in file.keys()
+                        else self.embedding)  # tied
         self.cfg = json.loads((Path(folder) / "config.json").read_text())
 
     def layer(self, tokens: np.ndarray, pos: np.ndarray, hidden: np.ndarray, keys: np.ndarray,

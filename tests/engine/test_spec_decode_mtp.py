@@ -3,7 +3,9 @@ tiny random MiMo checkpoint (tests/mtp_models.py): a Qwen2 folder plus ``model.m
 
 The plain engine serves the Qwen2 folder the MiMo one was made from (the MTP tensors ignored, the
 decoder the same), so equal greedy output shows both the target loading as before and the drafts
-verified correctly. Every proposal equals the drafts of a dense numpy computation of MiMo's MTP
+verified correctly. The target is tied and its MTP layer near a pass-through of the token it
+reads: the tiny model's greedy output repeats tokens and the drafts repeat the last one, so most
+drafts are accepted and some are not. Every proposal equals the drafts of a dense numpy computation of MiMo's MTP
 formula from the checkpoint's tensors (tests/mtp_reference.py), K larger than the one layer
 (reused, as vLLM's MiMo does)."""
 
@@ -27,7 +29,7 @@ def qwen2(tmp_path_factory) -> str:
     from tests.tiny_models import build_tiny_checkpoint
 
     return str(build_tiny_checkpoint(tmp_path_factory.mktemp("qwen2") / "m", "Qwen2ForCausalLM", seed=3,
-                                   vocab_size=1024))
+                                   vocab_size=1024, tie_word_embeddings=True))
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +70,8 @@ def recorded_proposals(llm: LLM, monkeypatch) -> list[tuple[np.ndarray, list[int
 
 
 def test_greedy_output_and_drafts(plain, mtp, mimo, monkeypatch):
-    from jaxserve.models import load_model
-    from tests.eagle_reference import target_hidden
-    from tests.mtp_reference import DenseMTP
-
     compiles = mtp.stats()["compile_num_compiles"]
-    drafted = stats_of(mtp).num_draft_tokens
+    drafted, accepted = stats_of(mtp).num_draft_tokens, stats_of(mtp).num_accepted_tokens
     seen = recorded_proposals(mtp, monkeypatch)
     ps = prompts(4, seed=0)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
@@ -83,18 +81,43 @@ def test_greedy_output_and_drafts(plain, mtp, mimo, monkeypatch):
         for a, b in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
             assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
     assert stats_of(mtp).num_draft_tokens > drafted and seen and all(len(d) == K for _, d in seen)
+    assert stats_of(mtp).num_accepted_tokens > accepted
     assert mtp.stats()["compile_num_compiles"] == compiles
     assert mtp.stats()["compile_unexpected_compiles"] == 0
     assert_pools_empty(mtp)
-    # The drafts are the first MTP layer's, step after step (dense, from the target's hidden states).
+    assert_drafts_equal_the_reference(mimo, ps, got, seen)
+
+
+def assert_drafts_equal_the_reference(mimo: str, ps: list[dict], outs, seen) -> None:
+    """Each proposal is the first MTP layer's, step after step: the dense formula over the whole
+    context from the target's hidden states of one prefill."""
+    from jaxserve.models import load_model
+    from tests.eagle_reference import target_hidden
+    from tests.mtp_reference import DenseMTP
+
     model = load_model(mimo)
     dense = DenseMTP(mimo)
-    sequences = [np.array(p["prompt_token_ids"] + o.outputs[0].token_ids) for p, o in zip(ps, got)]
+    sequences = [np.array(p["prompt_token_ids"] + o.outputs[0].token_ids) for p, o in zip(ps, outs)]
     hidden = [target_hidden(model, seq, ()) for seq in sequences]
     assert len(seen) >= 8
     for context, drafts in seen:
         i = next(i for i, seq in enumerate(sequences) if np.array_equal(seq[:len(context)], context))
         assert drafts == dense.drafts(context, hidden[i][:len(context) - 1], K)
+
+
+def test_prefix_hits(plain, mtp, mimo, monkeypatch):
+    """The layer's KV lives in the target's blocks: a prefix hit (one block short, as with EAGLE)
+    brings it along, and the drafts after it are the dense formula's."""
+    ps = prompts(3, seed=3, lo=60, hi=90)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = token_ids(plain.generate(ps, params, use_tqdm=False))
+    assert token_ids(mtp.generate(ps, params, use_tqdm=False)) == want
+    seen = recorded_proposals(mtp, monkeypatch)
+    again = mtp.generate(ps, params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in again] == [((len(p["prompt_token_ids"]) - 1) // 16 - 1) * 16 for p in ps]
+    assert token_ids(again) == want
+    assert_drafts_equal_the_reference(mimo, ps, again, seen)
+    assert_pools_empty(mtp)
 
 
 def test_chunked_prefill_and_preemption(plain, mtp):
@@ -103,10 +126,11 @@ def test_chunked_prefill_and_preemption(plain, mtp):
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     want = token_ids(plain.generate(ps, params, use_tqdm=False))
     scheduler = mtp.llm_engine.core.scheduler
-    preemptions, drafted = scheduler.num_preemptions, stats_of(mtp).num_draft_tokens
+    preemptions, drafted, accepted = (scheduler.num_preemptions, stats_of(mtp).num_draft_tokens,
+                                      stats_of(mtp).num_accepted_tokens)
     assert token_ids(mtp.generate(ps, params, use_tqdm=False)) == want
     assert scheduler.num_preemptions > preemptions
-    assert stats_of(mtp).num_draft_tokens > drafted
+    assert 0 < stats_of(mtp).num_accepted_tokens - accepted < stats_of(mtp).num_draft_tokens - drafted
     assert_pools_empty(mtp)
 
 
@@ -131,7 +155,7 @@ def test_the_mtp_layer_formula(mimo):
     md = AttentionMetadata(*(jnp.asarray(a, jnp.int32) for a in (
         np.arange(n), np.arange(n) + bs, [[1, 2]], [n], [0, n], [1])))
     k_pool, v_pool = allocate_kv_cache(cfg.layer, 3, bs, 1)
-    tables = TargetTables(model.embed_tokens.embedding[...], model.lm_head.kernel[...])
+    tables = TargetTables(model.embed_tokens.embedding[...], None)  # tied; the layer reads the embedding only
     rows, nxt, _ = mtp_forward(cfg, w, tables, jnp.asarray(tokens), jnp.asarray(hidden), (k_pool[0], v_pool[0]), md,
                                get_attention_fn("xla"))
     want, _, _ = DenseMTP(mimo).layer(tokens, np.arange(n), hidden.astype(np.float64), np.zeros(0), np.zeros(0))
