@@ -16,9 +16,12 @@ from jaxserve.config.base import SubConfig
 from jaxserve.exceptions import ConfigError
 from jaxserve.models.config import QUANTIZATION_METHODS
 
-METHODS = ("ngram", "draft_model", "eagle", "eagle3")  # mtp: not built yet, refused by name
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 # The methods whose proposer is a model named by ``model`` (EAGLE's: a head over the target's hidden states).
 MODEL_METHODS = ("draft_model", "eagle", "eagle3")
+# The methods whose proposer is a one-layer head over the target's hidden states, its KV in the
+# target's blocks (mtp: the target checkpoint's own multi-token-prediction layer; no ``model``).
+HEAD_METHODS = ("eagle", "eagle3", "mtp")
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "quantization")
 _NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 _DRAFT_KEYS = ("model", "quantization")
@@ -31,6 +34,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     model: str | None = None  # draft_model: the draft's folder, .gguf file or hub id; eagle/eagle3: the head's
+    # (mtp: None, the layers are the target's)
     quantization: str | None = None  # draft_model: the draft's weight format (the engine flag's values)
 
     @classmethod
@@ -63,9 +67,17 @@ class SpeculativeConfig:
         if method in MODEL_METHODS:
             return cls._draft_model(method, value, k)
         stray = sorted(set(value) & set(_DRAFT_KEYS))
+        if stray and method == "mtp":
+            raise ConfigError(f"speculative_config.{stray[0]}: method mtp drafts with the target's own "
+                              "multi-token-prediction layers (read from the target's checkpoint); leave it unset")
         if stray:
             raise ConfigError(f"speculative_config.{stray[0]} is for methods {', '.join(MODEL_METHODS)}, "
                               f"not {method}")
+        if method == "mtp":
+            stray = sorted(set(value) & set(_NGRAM_KEYS))
+            if stray:
+                raise ConfigError(f"speculative_config.{stray[0]} is for method ngram, not mtp")
+            return cls(method, k, 0, 0)
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         lo, hi = lo if lo is not None else hi, hi if hi is not None else lo
         if lo is None:
@@ -102,6 +114,8 @@ class SpeculativeConfig:
         out = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
         if self.method == "ngram":
             return {**out, "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min}
+        if self.method == "mtp":
+            return out
         return {**out, "model": self.model, **({} if self.quantization is None else
                                                {"quantization": self.quantization})}
 
@@ -113,7 +127,8 @@ class SpecDecodeConfig(SubConfig):
     "prompt_lookup_min": 2, "prompt_lookup_max": 5}, or {"method": "draft_model", "model": PATH_OR_NAME,
     "num_speculative_tokens": 4} (a smaller model with the target's vocabulary), or {"method": "eagle"
     or "eagle3", "model": HEAD_FOLDER_OR_NAME, "num_speculative_tokens": 3} (an EAGLE head trained for
-    the target); default: off."""
+    the target), or {"method": "mtp", "num_speculative_tokens": 1} (a target that ships its own
+    multi-token-prediction layers, MiMo's); default: off."""
     speculative_auto_off: bool = False
     """Beyond vLLM: per step, skip verifying drafts when the measured acceptance and a fitted
     step-cost model say speculation costs more than it saves at the current batch size (probing

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from jaxserve.config import EngineConfig
+from jaxserve.config.speculative import HEAD_METHODS
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from jaxserve.core.schedule_record import record_schedule
@@ -263,7 +264,7 @@ class EngineCore:
         if num_spec:
             scheduler_config.num_speculative_tokens = num_spec
             spec = config.spec_decode_config.spec
-            if spec is not None and spec.method in ("eagle", "eagle3"):
+            if spec is not None and spec.method in HEAD_METHODS:
                 # The head's KV lives in the target's blocks: slots for its drafts, and prefix hits
                 # that end one block short (vLLM's use_eagle).
                 scheduler_config.num_lookahead_tokens = num_spec

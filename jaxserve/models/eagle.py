@@ -36,7 +36,7 @@ from jaxserve.layers.attention import AttentionFn, AttentionMetadata, paged_atte
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import RotaryEmbedding, apply_rope
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.safetensors_io import open_checkpoint_files
+from jaxserve.models.torch_pickle import open_state_dict_files
 
 Weights = dict[str, jax.Array]
 
@@ -98,9 +98,10 @@ def eagle_config(folder: str | Path, method: str, target: ModelConfig) -> EagleC
 
 def load_eagle_weights(folder: str | Path, cfg: EagleConfig, dtype: jnp.dtype) -> Weights:
     """The head's tensors by their published names (``model.`` prefixes dropped, EAGLE-3's
-    ``midlayer.`` read as ``layers.0.``), checked by shape; projections transposed to ``[in, out]``."""
+    ``midlayer.`` read as ``layers.0.``), checked by shape; projections transposed to ``[in, out]``.
+    From ``model.safetensors`` (or shards), or ``pytorch_model.bin`` when that is all the folder has."""
     folder = Path(folder)
-    files = open_checkpoint_files(folder)
+    files = open_state_dict_files(folder)
     names = {}
     for name in files:
         short = name.removeprefix("model.").replace("midlayer.", "layers.0.")

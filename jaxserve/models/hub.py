@@ -6,7 +6,9 @@ metadata, :mod:`jaxserve.models.gguf_loader`), is used as it is. Anything else t
 (``Qwen/Qwen3-0.6B``) goes through ``huggingface_hub.snapshot_download``, which downloads what is
 missing into the hub cache (or, with ``HF_HUB_OFFLINE``, only looks there) and returns the
 snapshot folder of the revision. Only configuration, tokenizer files, chat templates and
-safetensors weights are fetched: never pickle checkpoints (``*.bin``), never code (``*.py``).
+safetensors weights are fetched: never pickle checkpoints (``*.bin``), never code (``*.py``); the
+one exception, asked for by ``state_dict_bin`` (EAGLE heads), is a ``pytorch_model.bin`` when the
+repo has no safetensors, read by :mod:`jaxserve.models.torch_pickle` without running the pickle.
 Every failure is a one-line ``ConfigError`` that says what to do.
 """
 
@@ -20,6 +22,7 @@ from jaxserve import envs
 from jaxserve.exceptions import ConfigError
 from jaxserve.models.gguf_loader import is_gguf
 from jaxserve.models.safetensors_io import check_weights
+from jaxserve.models.torch_pickle import PYTORCH_BIN
 
 logger = logging.getLogger("jaxserve")
 
@@ -49,10 +52,11 @@ class ModelSource:
 
 
 def resolve_model(name: str, *, revision: str | None = None, download_dir: str | None = None,
-                  weights: bool = True) -> ModelSource:
+                  weights: bool = True, state_dict_bin: bool = False) -> ModelSource:
     """The folder to load ``name`` from: itself when it is a folder, else the hub snapshot of
     ``name`` at ``revision`` under ``download_dir`` (default: the hub cache). With ``weights``
-    False (a tokenizer) only configuration and tokenizer files are needed."""
+    False (a tokenizer) only configuration and tokenizer files are needed; with ``state_dict_bin``
+    a ``pytorch_model.bin`` serves as the weights when there are no safetensors."""
     folder = Path(name).expanduser()
     if folder.is_dir():
         if revision is not None:
@@ -64,9 +68,11 @@ def resolve_model(name: str, *, revision: str | None = None, download_dir: str |
         raise ConfigError(f"model: {name} is a file; expected a checkpoint folder, a .gguf file or a hub id")
     elif _is_repo_id(name):
         source = _snapshot(name, revision, download_dir, weights)
+        if weights and state_dict_bin and not any(source.path.glob("*.safetensors")):
+            source = _snapshot(name, revision, download_dir, weights, extra=(PYTORCH_BIN,))
     else:
         raise ConfigError(f"model: no such folder: {name}")
-    if weights:
+    if weights and not (state_dict_bin and (source.path / PYTORCH_BIN).is_file()):
         _check_checkpoint(source)
     return source
 
@@ -85,7 +91,8 @@ def _is_repo_id(name: str) -> bool:
     return True
 
 
-def _snapshot(repo_id: str, revision: str | None, download_dir: str | None, weights: bool) -> ModelSource:
+def _snapshot(repo_id: str, revision: str | None, download_dir: str | None, weights: bool,
+              extra: tuple[str, ...] = ()) -> ModelSource:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -97,7 +104,7 @@ def _snapshot(repo_id: str, revision: str | None, download_dir: str | None, weig
 
     cache = Path(download_dir).expanduser() if download_dir else envs.hf_hub_cache()
     offline = envs.hf_hub_offline()
-    patterns = list(CONFIG_PATTERNS) + (list(WEIGHT_PATTERNS) if weights else [])
+    patterns = list(CONFIG_PATTERNS) + (list(WEIGHT_PATTERNS) if weights else []) + list(extra)
     try:
         path = snapshot_download(repo_id, revision=revision, cache_dir=str(cache), allow_patterns=patterns,
                                  local_files_only=offline)

@@ -39,6 +39,7 @@ from jaxserve.models.gguf_cache import GGUFCache
 from jaxserve.models.gguf_loader import GGUFCheckpoint, GGUFTensor, dequantize, is_gguf
 from jaxserve.models.hf_tensors import expected_tensors, moe_names
 from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.models.mtp import MTP_PREFIX
 from jaxserve.models.quantize import quantize_columns
 from jaxserve.models.safetensors_io import open_checkpoint_files
 from jaxserve.models.tp_layout import TPLayout, check_tensor_parallel_size, split_axis
@@ -46,6 +47,8 @@ from pallas_kernels.block_quant_matmul import BLOCK, BLOCK_FORMATS, split_gguf_b
 
 # Buffers some exporters write that carry no weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Multi-token-prediction layers (MiMo's): read by speculative decoding's method mtp, not by the decoder.
+_IGNORED_PREFIXES = (MTP_PREFIX,)
 
 
 def check_tensors(cfg: ModelConfig, available: dict[str, tuple[int, ...]]) -> None:
@@ -54,7 +57,8 @@ def check_tensors(cfg: ModelConfig, available: dict[str, tuple[int, ...]]) -> No
     missing = sorted(set(expected) - set(available))
     unexpected = sorted(
         n for n in set(available) - set(expected)
-        if not n.endswith(_IGNORED_SUFFIXES) and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+        if not n.endswith(_IGNORED_SUFFIXES) and not n.startswith(_IGNORED_PREFIXES)
+        and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
     )
     problems = []
     if missing:

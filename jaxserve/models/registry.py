@@ -21,6 +21,12 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 
+# Architectures that are one of the above with extra tensors the decoder does not read: served as
+# that decoder. MiMo: Qwen2 plus its multi-token-prediction layers (``model.mtp_layers.*``), which
+# only speculative decoding's method mtp reads (jaxserve.models.mtp).
+ALIASES: dict[str, str] = {"MiMoForCausalLM": "Qwen2ForCausalLM"}
+
+
 # Known families not served yet, with why (named in the error instead of the bare list).
 NOT_YET_SUPPORTED: dict[str, str] = {}
 
@@ -29,10 +35,12 @@ def resolve_architecture(architectures: list[str] | None) -> str:
     for name in architectures or []:
         if name in SUPPORTED_ARCHITECTURES:
             return name
+        if name in ALIASES:
+            return ALIASES[name]
     for name in architectures or []:
         if name in NOT_YET_SUPPORTED:
             raise ConfigError(f"architecture {name}: {NOT_YET_SUPPORTED[name]}")
     raise ConfigError(
         f"unsupported model architecture {architectures!r}; "
-        f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        f"supported architectures: {', '.join((*SUPPORTED_ARCHITECTURES, *ALIASES))}"
     )

@@ -1,5 +1,6 @@
-"""The ``eagle`` and ``eagle3`` proposers (vLLM's ``v1/spec_decode/eagle.py``): a one-layer head
-(:mod:`jaxserve.models.eagle`) fed the target's hidden states.
+"""The ``eagle``, ``eagle3`` and ``mtp`` proposers (vLLM's ``v1/spec_decode/eagle.py``): a one-layer
+head (:mod:`jaxserve.models.eagle`; mtp's, the target's own layer: :mod:`jaxserve.models.mtp`) fed
+the target's hidden states.
 
 The head's KV pool is one layer laid out as the target's: the same block ids, block tables and
 slots, so a request's head KV lives in its target blocks and a prefix-cache hit brings the head's
@@ -44,6 +45,7 @@ from jaxserve.models.eagle import (
     greedy_tokens,
     load_eagle_weights,
 )
+from jaxserve.models.mtp import load_mtp_head, mtp_forward
 from jaxserve.runner.kv_cache import allocate_kv_cache
 from jaxserve.runner.step_inputs import ModelInputs
 
@@ -51,16 +53,21 @@ logger = logging.getLogger("jaxserve")
 
 
 def load_eagle_head(config: EngineConfig, target: ModelConfig) -> tuple[EagleConfig, Weights]:
-    """The head named by ``speculative_config.model`` in the target's dtype, checked against it."""
+    """The head named by ``speculative_config.model`` (mtp: the target's own first MTP layer) in
+    the target's dtype, checked against it."""
     from jaxserve.models.hub import resolve_model
 
     spec = config.spec_decode_config.spec
-    assert spec is not None and spec.model is not None
+    assert spec is not None
     if target.embed_scale is not None or target.final_logit_softcapping is not None or target.norm_offset:
         raise ConfigError(f"speculative_config.method={spec.method}: EAGLE heads are built for Llama-family "
                           f"targets; {target.architecture} (scaled embeddings or norms) is not supported")
+    if spec.method == "mtp":
+        folder = resolve_model(config.model, revision=config.revision, download_dir=config.download_dir).path
+        return load_mtp_head(folder, target, jnp.dtype(target.dtype))
+    assert spec.model is not None
     try:
-        source = resolve_model(spec.model, download_dir=config.download_dir)
+        source = resolve_model(spec.model, download_dir=config.download_dir, state_dict_bin=True)
     except ConfigError as exc:
         raise ConfigError(f"speculative_config.model: {exc}") from None
     cfg = eagle_config(source.path, spec.method, target)
@@ -88,6 +95,7 @@ class EagleProposer:
         self.k = k
         self.table_width = table_width
         self.cfg = cfg
+        self._forward = mtp_forward if cfg.method == "mtp" else eagle_forward
         self.block_size = config.block_size
         self.num_blocks = num_blocks
         self.attn_fn = attn_fn
@@ -123,7 +131,7 @@ class EagleProposer:
         cfg, bs = self.cfg, self.block_size
         md = AttentionMetadata(positions, slot_mapping, block_tables, kv_lens, query_start_loc, num_seqs)
         hidden = combine_target_hidden(cfg, weights, target_hidden)
-        rows, hidden, kv = eagle_forward(cfg, weights, tables, input_ids, hidden, kv, md, self.attn_fn)
+        rows, hidden, kv = self._forward(cfg, weights, tables, input_ids, hidden, kv, md, self.attn_fn)
         tokens = greedy_tokens(cfg, weights, tables, rows[logits_indices])
         hidden = hidden[logits_indices]
         num_rows = logits_indices.shape[0]
@@ -140,7 +148,7 @@ class EagleProposer:
             # Rows not drafting attend to one position of the null block and write nothing.
             md = AttentionMetadata(jnp.where(proposing, pos, 0), slot, jnp.where(proposing[:, None], block_tables, 0),
                                    jnp.where(proposing, pos + 1, 1), one_each, jnp.full((1,), num_rows, jnp.int32))
-            rows, hidden, kv = eagle_forward(cfg, weights, tables, tokens, hidden, kv, md, self.attn_fn)
+            rows, hidden, kv = self._forward(cfg, weights, tables, tokens, hidden, kv, md, self.attn_fn)
             tokens = greedy_tokens(cfg, weights, tables, rows)
             out.append(tokens)
         return kv, jnp.stack(out, axis=1)

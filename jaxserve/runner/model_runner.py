@@ -39,6 +39,7 @@ from flax import nnx
 import pallas_kernels
 from jaxserve import envs
 from jaxserve.config import EngineConfig
+from jaxserve.config.speculative import HEAD_METHODS
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.core.multimodal import MultiModalFeatureSpec
 from jaxserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -310,7 +311,7 @@ class ModelRunner:
         self.eagle: EagleProposer | None = None
         # EAGLE: the head, read now because the step hands it what it reads ("final": the last
         # hidden state after the norm, or the layers EAGLE-3 reads), fixed before any step is traced
-        self._eagle_head = None if spec is None or spec.method not in ("eagle", "eagle3") else self._load_eagle_head()
+        self._eagle_head = None if spec is None or spec.method not in HEAD_METHODS else self._load_eagle_head()
         self._eagle_reads: str | tuple[int, ...] | None = (
             None if self._eagle_head is None else self._eagle_head[0].aux_layers or "final")
         self.prompt_logprobs = PromptLogprobsWorker(self.graphdef, self._split_args, self.num_logprobs,
@@ -352,7 +353,7 @@ class ModelRunner:
             return
         if self.target.is_abstract:
             raise ConfigError(f"speculative_config.method={spec.method}: a compile-only runner has no draft")
-        if spec.method in ("eagle", "eagle3"):
+        if spec.method in HEAD_METHODS:
             self._init_eagle()
             return
         draft = load_draft_model(self.config, self.mc)
@@ -385,7 +386,8 @@ class ModelRunner:
         self.eagle = EagleProposer(self.config, cfg, weights, tables, spec.num_speculative_tokens, self.attn_fn,
                                    self.devices[0], self.num_blocks, self.max_blocks_per_seq, step_rows,
                                    self._replicated)
-        logger.info("%s head %s: %d programs; reads %s", spec.method, spec.model, len(step_rows),
+        logger.info("%s head %s: %d programs; reads %s", spec.method, spec.model or "(the target's)",
+                    len(step_rows),
                     "the final hidden state" if not cfg.aux_layers else f"layers {list(cfg.aux_layers)}")
 
     def _log_layout(self, model: LlamaForCausalLM) -> None:

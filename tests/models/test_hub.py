@@ -78,6 +78,25 @@ def test_pickle_only_repo_is_refused(offline, demo_files):
         resolve_model("jaxserve-test/pickled")
 
 
+
+def test_an_eagle_head_may_be_a_pytorch_model_bin(offline, demo_files, tmp_path):
+    """``state_dict_bin`` (EAGLE heads): a repo or folder whose only weights are pytorch_model.bin
+    resolves (jaxserve.models.torch_pickle reads it without running it); other pickles do not."""
+    files = {k: v for k, v in demo_files.items() if not k.endswith(".safetensors")}
+    add_snapshot(offline, "jaxserve-test/head", {**files, "pytorch_model.bin": b"read by torch_pickle"})
+    assert (resolve_model("jaxserve-test/head", state_dict_bin=True).path / "pytorch_model.bin").is_file()
+    folder = tmp_path / "head"
+    folder.mkdir()
+    (folder / "config.json").write_bytes(files["config.json"])
+    (folder / "pytorch_model.bin").write_bytes(b"read by torch_pickle")
+    assert resolve_model(str(folder), state_dict_bin=True).path == folder.resolve()
+    with pytest.raises(ConfigError, match="pickle"):
+        resolve_model(str(folder))
+    (folder / "pytorch_model.bin").rename(folder / "model.bin")
+    with pytest.raises(ConfigError, match="pickle"):
+        resolve_model(str(folder), state_dict_bin=True)
+
+
 def test_pickles_and_code_are_not_part_of_the_snapshot(offline, demo_files):
     """Offline, huggingface_hub checks the snapshot against the hub's file listing, filtered by
     the patterns asked for: with the repo's *.bin and *.py absent, the snapshot is complete only

@@ -29,7 +29,9 @@ def test_dict_and_flag_give_the_same_config():
 
 
 @pytest.mark.parametrize("value, words", [
-    ({"method": "mtp", "num_speculative_tokens": 2}, "method"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, r"method='medusa' is not supported"),
+    ({"method": "mtp", "model": "/m", "num_speculative_tokens": 2}, r"speculative_config\.model: method mtp"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_min": 2}, r"prompt_lookup_min is for method ngram"),
     ({"method": "eagle", "num_speculative_tokens": 2}, r"speculative_config\.model: method eagle needs"),
     ({"method": "eagle3", "model": "/m", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
      r"prompt_lookup_max is for method ngram, not eagle3"),
@@ -92,6 +94,16 @@ def test_eagle_config_round_trips():
     config = EngineConfig(speculative_config={"method": "eagle3", "model": "/m/head", "num_speculative_tokens": 3})
     spec = config.spec_decode_config.spec
     assert (spec.method, spec.model, spec.num_speculative_tokens) == ("eagle3", "/m/head", 3)
+    assert EngineConfig(speculative_config=spec.to_dict()).spec_decode_config.spec == spec
+
+
+def test_mtp_config_needs_no_model():
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
+    spec = EngineConfig.from_cli_args(args).spec_decode_config.spec
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("mtp", None, 1)
+    assert spec.to_dict() == {"method": "mtp", "num_speculative_tokens": 1}
     assert EngineConfig(speculative_config=spec.to_dict()).spec_decode_config.spec == spec
 
 
