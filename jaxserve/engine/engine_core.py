@@ -269,12 +269,6 @@ class EngineCore:
                 # that end one block short (vLLM's use_eagle).
                 scheduler_config.num_lookahead_tokens = num_spec
                 scheduler_config.use_eagle = True
-                if scheduler_config.async_scheduling:
-                    # The head catches up on every step's hidden states when that step is collected;
-                    # its pairing with a step scheduled ahead is not built: EAGLE schedules synchronously.
-                    logger.info("speculative decoding: EAGLE schedules synchronously (async_scheduling "
-                                "is combined with n-gram and draft-model speculation only)")
-                    scheduler_config.async_scheduling = False
         self.scheduler = Scheduler(
             scheduler_config,
             make_kv_cache_manager(model.config, self.runner.num_blocks, config.block_size,

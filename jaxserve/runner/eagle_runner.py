@@ -19,6 +19,11 @@ position gives the first, then K-1 one-token steps each read the previous step's
 state, their KV written into the lookahead slots and overwritten by the next catch-up. Every
 program is compiled at warm-up; a shape met later is compiled then and counted in
 ``unexpected_compiles``.
+
+Async scheduling: the catch-up over a step runs when the step is collected, which may be after
+the next (plain) step was launched. The catch-ups still run in launch order, each once, and a
+row whose request left meanwhile (aborted, finished, preempted) is caught up all the same: its
+blocks may stay in the prefix cache.
 """
 
 from __future__ import annotations
@@ -186,30 +191,34 @@ class EagleProposer:
 
     # ---- proposing -----------------------------------------------------------------------------
 
-    def propose(self, req_ids: Sequence[str], contexts: Sequence[np.ndarray | None], samples: Sequence[bool],
-                step: ModelInputs[np.ndarray], hidden: jax.Array) -> list[list[int]]:
+    def propose(self, req_ids: Sequence[str], contexts: Sequence[np.ndarray], samples: Sequence[bool],
+                step: ModelInputs[np.ndarray], hidden: jax.Array, live: Sequence[bool]) -> list[list[int]]:
         """After a target step: ``req_ids`` its rows in order, ``contexts`` each row's known tokens
-        now (None: finished or preempted meanwhile), ``samples`` whether the row sampled,
-        ``step`` its host inputs and ``hidden`` its hidden states. K drafts for each sampling row,
-        [] for the others."""
+        now, ``samples`` whether the row sampled, ``step`` its host inputs, ``hidden`` its hidden
+        states, ``live`` whether the row's request is still the runner's. K drafts for each live
+        sampling row, [] for the others. A row whose request left while the step ran (async
+        scheduling: finished, aborted or preempted) has its positions' KV written all the same, as
+        its blocks may stay in the prefix cache, and leaves no bookkeeping (the runner freed it).
+        Called once per target step, in the steps' launch order: a later catch-up attends over the
+        KV an earlier one wrote."""
         bucket = len(step.positions)
         ids, _, slots, _, _, _, _, logits_idx, proposing = self._padding_args(bucket)
         qsl, positions = step.query_start_loc, step.positions
-        for i, (r, ctx, sampled) in enumerate(zip(req_ids, contexts, samples)):
-            if ctx is None:
-                self.free(r)
-                continue
-            if r in self.blind:
+        for i, (r, ctx, sampled, alive) in enumerate(zip(req_ids, contexts, samples, live)):
+            if alive and r in self.blind:
                 continue
             q0, count = int(qsl[i]), int(qsl[i + 1] - qsl[i])
             start = int(positions[q0])
+            valid = max(0, min(count, len(ctx) - 1 - start))  # the head's input at p is the token at p + 1
+            if not alive:
+                ids[q0:q0 + valid] = ctx[start + 1:start + 1 + valid]
+                slots[q0:q0 + valid] = step.slot_mapping[q0:q0 + valid]
+                continue
             # A new request resumes from the target's: its prefix hit holds the head's KV too.
             if self.num_computed.setdefault(r, start) < start:
                 self._go_blind(r)
                 continue
-            valid = min(count, len(ctx) - 1 - start)
-            p = np.arange(start, start + valid)
-            ids[q0:q0 + valid] = ctx[p + 1]
+            ids[q0:q0 + valid] = ctx[start + 1:start + 1 + valid]
             slots[q0:q0 + valid] = step.slot_mapping[q0:q0 + valid]
             self.num_computed[r] = start + valid
             if sampled and valid > 0:

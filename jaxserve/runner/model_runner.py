@@ -988,10 +988,12 @@ class ModelRunner:
         if self.eagle is not None:  # every row, sampling or not: the head keeps up with the target
             assert step is not None and step.inputs is not None and step.draft_hidden is not None
             live = [self.requests.get(s.req_id) is s for s in states]
-            known = [self.batch.token_ids[s.slot, : self.batch.num_tokens[s.slot]] if ok else None
-                     for s, ok in zip(states, live)]
+            # A request gone while its step ran (async scheduling) has its tokens in its own state
+            # only: its slot's row may already hold another request's.
+            known = [self.batch.token_ids[s.slot, : self.batch.num_tokens[s.slot]] if ok
+                     else np.asarray(s.prompt_token_ids + s.output_token_ids, np.int32) for s, ok in zip(states, live)]
             return self.eagle.propose([s.req_id for s in states], known, [bool(t) for t in sampled],
-                                      step.inputs.model, step.draft_hidden)
+                                      step.inputs.model, step.draft_hidden, live)
         out: list[list[int]] = [[] for _ in states]
         rows = [i for i, (state, toks) in enumerate(zip(states, sampled))
                 if toks and self.requests.get(state.req_id) is state and self._draft_room(state)]

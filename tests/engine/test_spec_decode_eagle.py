@@ -19,10 +19,17 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.exceptions import ConfigError
-from jaxserve.models.safetensors_io import SafetensorsFile, save_file
+from jaxserve.models.safetensors_io import SafetensorsFile
+from tests.eagle_checks import (
+    assert_drafts_equal_the_reference,
+    assert_pools_empty,
+    recorded_proposals,
+    sequences_of,
+    write_near_pass_through_head,
+)
 from tests.eagle_heads import write_eagle_head
 from tests.shapes import ENGINE_TESTS_SHAPE
-from tests.spec_helpers import assert_target_pool_empty, prompts, stats_of, token_ids
+from tests.spec_helpers import prompts, stats_of, token_ids
 
 K = 3
 SPEC_SHAPE = {**ENGINE_TESTS_SHAPE, "num_gpu_blocks_override": 80}
@@ -31,17 +38,7 @@ DRAFT_VOCAB = 512
 
 @pytest.fixture(scope="module")
 def near_pass_through_head(demo_model, tmp_path_factory) -> str:
-    """An EAGLE-1 head (with an fc bias) whose output is near the target hidden state it reads."""
-    folder = write_eagle_head(tmp_path_factory.mktemp("eagle") / "head", demo_model, "eagle", seed=1, fc_bias=True)
-    file = SafetensorsFile(f"{folder}/model.safetensors")
-    tensors = {name: np.array(file.get(name)) for name in file.keys()}
-    del file
-    h = tensors["fc.weight"].shape[0]
-    tensors["fc.weight"] = (np.concatenate([np.zeros((h, h)), np.eye(h)], axis=1)
-                            + 0.1 * tensors["fc.weight"]).astype(np.float32)
-    tensors["layers.0.mlp.down_proj.weight"] *= 0.1
-    save_file(tensors, f"{folder}/model.safetensors")
-    return folder
+    return write_near_pass_through_head(tmp_path_factory.mktemp("eagle") / "head", demo_model)
 
 
 @pytest.fixture(scope="module")
@@ -65,27 +62,6 @@ def eagle(demo_model, near_pass_through_head):
 def eagle3(demo_model, eagle3_head):
     return LLM(demo_model, show_progress=False, **SPEC_SHAPE,
                speculative_config={"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": K})
-
-
-def assert_pools_empty(llm: LLM) -> None:
-    assert_target_pool_empty(llm)
-    head = llm.llm_engine.core.runner.eagle
-    assert head.num_computed == {} and head.blind == set() and head.unexpected_compiles == 0
-
-
-def recorded_proposals(llm: LLM, monkeypatch) -> list[tuple[np.ndarray, list[int]]]:
-    """(known tokens, drafts) of every proposal the head makes from now on."""
-    head = llm.llm_engine.core.runner.eagle
-    seen: list[tuple[np.ndarray, list[int]]] = []
-    propose = head.propose
-
-    def spy(req_ids, contexts, samples, step, hidden):
-        out = propose(req_ids, contexts, samples, step, hidden)
-        seen.extend((np.array(c), d) for c, d in zip(contexts, out) if d)
-        return out
-
-    monkeypatch.setattr(head, "propose", spy)
-    return seen
 
 
 @pytest.mark.parametrize("which", ["eagle", "eagle3"])
@@ -117,24 +93,6 @@ def test_greedy_tokens_and_logprobs_equal_plain(which, plain, request, monkeypat
     assert_pools_empty(llm)
 
 
-def assert_drafts_equal_the_reference(llm: LLM, which: str, folder: str, demo_model: str, ps: list[dict],
-                                      outs, seen: list[tuple[np.ndarray, list[int]]]) -> None:
-    from jaxserve.models import load_model
-    from tests.eagle_reference import DenseHead, target_hidden
-
-    model = load_model(demo_model)
-    embedding = np.asarray(model.embed_tokens.embedding[...])  # tied: also the LM head
-    dense = DenseHead(folder, which, embedding, embedding)
-    aux = llm.llm_engine.core.runner.eagle.cfg.aux_layers
-    # Causal: the target's hidden states over a request's whole sequence serve each of its proposals.
-    sequences = [np.array(p["prompt_token_ids"] + o.outputs[0].token_ids) for p, o in zip(ps, outs)]
-    hidden = [target_hidden(model, seq, aux) for seq in sequences]
-    assert len(seen) >= 8
-    for context, drafts in seen:
-        i = next(i for i, seq in enumerate(sequences) if np.array_equal(seq[:len(context)], context))
-        assert drafts == dense.drafts(context, hidden[i][:len(context) - 1], K)
-
-
 @pytest.mark.parametrize("which", ["eagle", "eagle3"])
 def test_drafts_equal_a_dense_reference(which, demo_model, request, monkeypatch):
     """Each proposal (catch-up over accepted and rejected drafts, the K-step loop) equals the
@@ -144,7 +102,7 @@ def test_drafts_equal_a_dense_reference(which, demo_model, request, monkeypatch)
     seen = recorded_proposals(llm, monkeypatch)
     ps = prompts(2, seed=5)
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    assert_drafts_equal_the_reference(llm, which, folder, demo_model, ps, outs, seen)
+    assert_drafts_equal_the_reference(llm, which, folder, demo_model, sequences_of(ps, outs), seen)
 
 
 def test_chunked_prefill_and_preemption(plain, eagle):
@@ -173,7 +131,7 @@ def test_prefix_hits(plain, eagle3, eagle3_head, demo_model, monkeypatch):
     again = eagle3.generate(ps, params, use_tqdm=False)  # the target's prefix cache hits
     assert [o.num_cached_tokens for o in again] == [((len(p["prompt_token_ids"]) - 1) // 16 - 1) * 16 for p in ps]
     assert token_ids(again) == want
-    assert_drafts_equal_the_reference(eagle3, "eagle3", eagle3_head, demo_model, ps, again, seen)
+    assert_drafts_equal_the_reference(eagle3, "eagle3", eagle3_head, demo_model, sequences_of(ps, again), seen)
     assert_pools_empty(eagle3)
 
 
@@ -272,5 +230,6 @@ def test_the_auto_off_rule_keeps_the_head_caught_up(plain, demo_model, near_pass
     assert token_ids(outs) == token_ids(plain.generate(ps, params, use_tqdm=False))
     assert any(r.spec_auto_off.startswith("off") for r in records)
     assert any(r.num_draft_tokens for r in records)
-    assert_drafts_equal_the_reference(llm, "eagle", near_pass_through_head, demo_model, ps, outs, seen)
+    assert_drafts_equal_the_reference(llm, "eagle", near_pass_through_head, demo_model, sequences_of(ps, outs),
+                                      seen)
     assert_pools_empty(llm)
