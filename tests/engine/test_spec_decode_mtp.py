@@ -16,8 +16,9 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.exceptions import ConfigError
+from tests.eagle_checks import assert_pools_empty, recorded_proposals
 from tests.shapes import ENGINE_TESTS_SHAPE
-from tests.spec_helpers import assert_target_pool_empty, prompts, stats_of, token_ids
+from tests.spec_helpers import prompts, stats_of, token_ids
 
 K = 2
 SPEC_SHAPE = {**ENGINE_TESTS_SHAPE, "num_gpu_blocks_override": 80}
@@ -47,26 +48,6 @@ def plain(qwen2):
 @pytest.fixture(scope="module")
 def mtp(mimo):
     return LLM(mimo, show_progress=False, **SPEC_SHAPE, speculative_config=MTP)
-
-
-def assert_pools_empty(llm: LLM) -> None:
-    assert_target_pool_empty(llm)
-    head = llm.llm_engine.core.runner.eagle
-    assert head.num_computed == {} and head.blind == set() and head.unexpected_compiles == 0
-
-
-def recorded_proposals(llm: LLM, monkeypatch) -> list[tuple[np.ndarray, list[int]]]:
-    head = llm.llm_engine.core.runner.eagle
-    seen: list[tuple[np.ndarray, list[int]]] = []
-    propose = head.propose
-
-    def spy(req_ids, contexts, samples, step, hidden):
-        out = propose(req_ids, contexts, samples, step, hidden)
-        seen.extend((np.array(c), d) for c, d in zip(contexts, out) if d)
-        return out
-
-    monkeypatch.setattr(head, "propose", spy)
-    return seen
 
 
 def test_greedy_output_and_drafts(plain, mtp, mimo, monkeypatch):
