@@ -88,10 +88,11 @@ def kv_blocks_on(spec: GpuSpec, model: LlamaForCausalLM, config: EngineConfig, m
 
 
 def abstract_runner(model: LlamaForCausalLM, config: EngineConfig, sharding: Any,
-                    max_model_len: int | None = None) -> ModelRunner:
-    """A runner whose step lowers and compiles for ``sharding``'s device; it cannot run."""
+                    max_model_len: int | None = None, draft: Any = None) -> ModelRunner:
+    """A runner whose step lowers and compiles for ``sharding``'s device; it cannot run.
+    ``draft``: a speculating config's draft or EAGLE head, shapes only (:mod:`.gpu_aot_draft`)."""
     max_model_len = max_model_len or model.config.max_position_embeddings
-    return ModelRunner(config, model, max_model_len, target=StepTarget.abstract(sharding))
+    return ModelRunner(config, model, max_model_len, target=StepTarget.abstract(sharding), draft=draft)
 
 
 _HLO_FLOATS = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}

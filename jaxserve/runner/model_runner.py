@@ -199,12 +199,15 @@ class ModelRunner:
     """``target`` (default: the local device) decides the step's control flow (``cond_free``, see
     :mod:`.target`); an abstract target builds a runner that only lowers and compiles, on the
     target's mesh. ``devices``: the local devices to run on, ``config.tensor_parallel_size`` of
-    them (default: the first ones of ``jax.devices()``); ``model``'s layout must be of that size."""
+    them (default: the first ones of ``jax.devices()``); ``model``'s layout must be of that size.
+    ``draft``: speculative_config's draft model, or an EAGLE head as (EagleConfig, weights), given
+    instead of loaded from ``speculative_config.model``; a compile-only runner needs one (shapes)."""
 
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM, max_model_len: int,
                  target: StepTarget | None = None, devices: Sequence[jax.Device] | None = None,
-                 encoder: EncoderRunner | None = None):
+                 encoder: EncoderRunner | None = None, draft: Any = None):
         self.config = config
+        self._given_draft = draft
         # A vision-language model's image side (None: text only); its outputs are merged into the
         # step's embeddings at the image placeholder tokens.
         self.encoder = encoder
@@ -350,28 +353,33 @@ class ModelRunner:
         spec = self.config.spec_decode_config.spec
         if spec is None or spec.method == "ngram":
             return
-        if self.target.is_abstract:
-            raise ConfigError(f"speculative_config.method={spec.method}: a compile-only runner has no draft")
         if spec.method in ("eagle", "eagle3"):
             self._init_eagle()
             return
-        draft = load_draft_model(self.config, self.mc)
+        draft = self._given_draft
+        if draft is None and self.target.is_abstract:
+            raise ConfigError(f"speculative_config.method={spec.method}: a compile-only runner is given its draft")
+        draft = draft if draft is not None else load_draft_model(self.config, self.mc)
+        self._given_draft = None  # the proposer holds the weights now
         self.drafter = DraftModelProposer(self.config, draft, self.max_model_len, spec.num_speculative_tokens,
-                                          self.attn_fn, self.devices[0], self.num_blocks)
+                                          self.attn_fn, self.devices[0], self.num_blocks, self._abstract_sharding)
         logger.info("draft model %s: %d KV blocks, %d token buckets, %d row buckets", spec.model,
                     self.drafter.num_blocks, len(self.drafter.token_buckets), len(self.drafter.row_buckets))
 
     def _load_eagle_head(self) -> tuple[EagleConfig, Weights]:
         spec = self.config.spec_decode_config.spec
         assert spec is not None
-        if self.target.is_abstract:
-            raise ConfigError(f"speculative_config.method={spec.method}: a compile-only runner has no draft")
         if len(self.kv_cache_groups) != 1:  # the head's KV follows the target's one block table
             raise ConfigError(f"speculative_config.method={spec.method}: a target with sliding-window or hybrid "
                               "attention layers is not supported")
         if not hasattr(nnx.merge(self.graphdef, self.model_state), "forward_with_aux"):
             raise ConfigError(f"speculative_config.method={spec.method}: the target ({self.mc.architecture}) "
                               "does not hand over hidden states; EAGLE needs a Llama-family decoder")
+        if self._given_draft is not None:
+            head, self._given_draft = self._given_draft, None
+            return head
+        if self.target.is_abstract:
+            raise ConfigError(f"speculative_config.method={spec.method}: a compile-only runner is given its head")
         return load_eagle_head(self.config, self.mc)
 
     def _init_eagle(self) -> None:
@@ -384,7 +392,7 @@ class ModelRunner:
         step_rows = {b: self._num_rows(b) for b in self.buckets.token_buckets}
         self.eagle = EagleProposer(self.config, cfg, weights, tables, spec.num_speculative_tokens, self.attn_fn,
                                    self.devices[0], self.num_blocks, self.max_blocks_per_seq, step_rows,
-                                   self._replicated)
+                                   self._replicated, self._abstract_sharding)
         logger.info("%s head %s: %d programs; reads %s", spec.method, spec.model, len(step_rows),
                     "the final hidden state" if not cfg.aux_layers else f"layers {list(cfg.aux_layers)}")
 
@@ -402,6 +410,12 @@ class ModelRunner:
             if layout.kv_replicas > 1:
                 logger.info("the model's %d key/value heads are fewer than tensor_parallel_size %d: each is "
                             "stored %d times, one copy per device", layout.num_kv_heads, tp, layout.kv_replicas)
+
+    @property
+    def _abstract_sharding(self) -> Any:
+        """Where a compile-only runner's proposer compiles for: its first device, where a local
+        runner puts the proposer's arrays; None on a local target."""
+        return jax.sharding.SingleDeviceSharding(self.devices[0]) if self.target.is_abstract else None
 
     @property
     def kv_cache(self):
