@@ -54,7 +54,7 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxserve.bench import gpu_aot, gpu_targets  # noqa: E402
-from jaxserve.bench.gpu_aot_draft import abstract_draft, draft_programs  # noqa: E402
+from jaxserve.bench.gpu_aot_draft import abstract_draft, draft_programs, proposer_memory  # noqa: E402
 from jaxserve.bench.hlo_collectives import count_collectives  # noqa: E402
 from jaxserve.bench.hlo_stats import analyze_hlo, dequantized_copies  # noqa: E402
 from jaxserve.bench.presets import PRESETS  # noqa: E402
@@ -235,14 +235,17 @@ def check_model(preset: str, backend: str, args, sharding, spec, lora_rank: int 
                  lora_lm_head=args.lora_lm_head, lora_embedding=args.lora_embedding)
             if args.enable_lora else {})
     base = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=2,
-                        tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype, **lora)
-    blocks, _ = gpu_aot.kv_blocks_on(spec, model, base, max_model_len, peak_temp_bytes=0)
+                        tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype,
+                        speculative_config=args.speculative_config, **lora)
+    speculative = base.spec_decode_config.spec
+    draft = None if speculative is None else abstract_draft(speculative, model.config)
+    # the draft's (or head's) pool and weights share the KV budget, as the engine sizes it
+    proposer = proposer_memory(speculative, draft, base, max_model_len) if speculative else (None, 0)
+    blocks, _ = gpu_aot.kv_blocks_on(spec, model, base, max_model_len, 0, *proposer)
     blocks = args.num_gpu_blocks or blocks
     config = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=blocks,
                           tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype,
                           speculative_config=args.speculative_config, **lora)
-    speculative = config.spec_decode_config.spec
-    draft = None if speculative is None else abstract_draft(speculative, model.config)
     runner = gpu_aot.abstract_runner(model, config, sharding, max_model_len, draft=draft)
     # A split program's HLO holds each device's blocks: copies and aliasing are of block shapes,
     # while a weight gathered whole would have the full one.
@@ -252,7 +255,8 @@ def check_model(preset: str, backend: str, args, sharding, spec, lora_rank: int 
     # an fp8 pool dequantized whole (a bf16 copy of its shape) counts as a pool copy too
     pool_shapes |= {("bf16", shape) for dtype, shape in pool_shapes if dtype == "f8e4m3fn"}
     dequantized_shapes = dequantized_weight_shapes(model, runner.model_state)
-    variants = [v for v in runner.variants() if (not args.buckets or v.bucket in args.buckets)
+    variants = [v for v in runner.variants() if not args.proposer_only
+                and (not args.buckets or v.bucket in args.buckets)
                 and (args.decode_only is None or v.decode_only == args.decode_only)
                 and (v.all_greedy or not args.greedy_only) and (v.lora or not args.lora_only)]
     table_shapes, full_table_shapes = gpu_aot.lora_table_shapes(runner), gpu_aot.lora_table_shapes(runner, False)
@@ -272,9 +276,12 @@ def check_model(preset: str, backend: str, args, sharding, spec, lora_rank: int 
             print(json.dumps(row), flush=True)
             rows.append(row)
     peak = max((r.get("temp_bytes", 0) for r in rows), default=0)
-    final_blocks, budget = gpu_aot.kv_blocks_on(spec, model, config, max_model_len, peak)
+    final_blocks, budget = gpu_aot.kv_blocks_on(spec, model, config, max_model_len, peak, *proposer)
+    pool, proposer_weights = proposer
     print(json.dumps({"model": preset, "backend": backend, "tp": tp, "weight_bytes_per_device":
                       gpu_aot.weight_bytes(model), "kv_sizing": budget.describe(),
+                      **({"proposer_weight_bytes": proposer_weights, "proposer_pool_bytes":
+                          pool.fixed + pool.per_block * final_blocks} if pool else {}),
                       "num_gpu_blocks": final_blocks, "kv_tokens": final_blocks * config.block_size,
                       "compiled_with_blocks": blocks, "max_model_len": max_model_len}), flush=True)
     rows.sort(key=lambda r: (r.get("bucket", 0), r.get("decode_only", False), str(r.get("all_greedy"))))
@@ -345,6 +352,8 @@ def main(argv=None) -> int:
                          "the steps verify K drafts a row; draft_model (\"model\": a preset, e.g. "
                          "qwen3-tiny-draft), eagle and eagle3 (a head of the target's shape) add the "
                          "proposer's programs")
+    ap.add_argument("--proposer-only", action="store_true",
+                    help="with --speculative-config: only the proposer's programs, not the target's steps")
     ap.add_argument("--jobs", type=int, default=1, help="variants compiled at once")
     ap.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1],
                     help="compile split over this many of 8 H200s on one host (default: 1)")

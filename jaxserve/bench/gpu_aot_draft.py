@@ -24,10 +24,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.bench.presets import PRESETS
+from jaxserve.config import EngineConfig
 from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.exceptions import ConfigError
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.eagle import EagleConfig, Weights, as_served, eagle_config_from, eagle_weight_shapes
+from jaxserve.runner.draft_runner import draft_pool_kv
+from jaxserve.runner.eagle_runner import head_pool_kv
+from jaxserve.runner.kv_cache import ProposerKV
 
 EAGLE3_DRAFT_VOCAB = 32000  # the draft vocabulary of published EAGLE-3 heads (Llama 3's, Qwen3's)
 
@@ -68,6 +72,21 @@ def abstract_eagle_head(method: str, target: ModelConfig) -> tuple[EagleConfig, 
     return cfg, weights
 
 
+def proposer_memory(spec: SpeculativeConfig, draft: Any, config: EngineConfig,
+                    max_model_len: int) -> tuple[ProposerKV | None, int]:
+    """What the proposer of ``draft`` (from :func:`abstract_draft`) takes of the KV budget: its
+    pool as the engine's sizing counts it, and its weights' bytes."""
+    if draft is None:
+        return None, 0
+    if spec.method in ("eagle", "eagle3"):
+        cfg, weights = draft
+        return head_pool_kv(config, cfg), sum(x.size * x.dtype.itemsize for x in weights.values())
+    from jaxserve.bench.gpu_aot import weight_bytes
+
+    return (draft_pool_kv(config, draft.config, max_model_len, spec.num_speculative_tokens),
+            weight_bytes(draft))
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftProgram:
     """One program of a proposer: ``name`` (e.g. ``draft-decode-r8``), ``lower`` (lowers it,
@@ -82,7 +101,7 @@ class DraftProgram:
 def draft_programs(runner: Any, sizes: list[int] | None = None) -> list[DraftProgram]:
     """The programs ``runner``'s proposer compiles at warm-up (none for n-gram or no
     speculation); ``sizes``: only those token (or row) buckets."""
-    keep = (lambda n: True) if not sizes else (lambda n: n in sizes)  # noqa: E731
+    keep = (lambda n: True) if not sizes else (lambda n: n in sizes)
     if runner.drafter is not None:
         d = runner.drafter
         return [DraftProgram(f"draft-{'catch-up-' if kind == 'catch_up' else 'decode-r'}{size}",

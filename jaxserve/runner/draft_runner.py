@@ -37,7 +37,7 @@ from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.attention import AttentionFn, AttentionMetadata
 from jaxserve.models.config import ModelConfig
-from jaxserve.runner.kv_cache import allocate_kv_cache, kv_cache_groups, num_kv_slots
+from jaxserve.runner.kv_cache import ProposerKV, allocate_kv_cache, bytes_per_block, kv_cache_groups, num_kv_slots
 from jaxserve.runner.target import shapes_on
 
 logger = logging.getLogger("jaxserve")
@@ -68,6 +68,16 @@ def load_draft_model(config: EngineConfig, target: ModelConfig) -> Any:
     # The target's scan_layers flag (None: by depth). Unrolled, SmolLM2's Q4_1 draft proposed 8x
     # slower on this CPU (docs/benchmarks.md, the draft-model section).
     return load_model(str(source.path), target.dtype, config.scan_layers, quantization=spec.quantization)
+
+
+def draft_pool_kv(config: EngineConfig, mc: ModelConfig, max_model_len: int, k: int) -> ProposerKV:
+    """The draft's pool as the target's KV sizing counts it: its bytes per block (as many blocks
+    as the target's), and its null block and each request's lookahead besides (an upper bound:
+    :class:`DraftModelProposer` also caps the pool at ``max_num_seqs`` full-length requests)."""
+    bs = config.block_size
+    slots = num_kv_slots(kv_cache_groups(mc, bs, max_model_len, config.kv_cache_dtype))
+    per_block = bytes_per_block(mc, bs, 1, config.kv_cache_dtype, slots)
+    return ProposerKV(per_block, (1 + config.max_num_seqs * cdiv(k, bs)) * per_block)
 
 
 @dataclasses.dataclass

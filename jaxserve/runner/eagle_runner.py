@@ -45,7 +45,7 @@ from jaxserve.models.eagle import (
     greedy_tokens,
     load_eagle_weights,
 )
-from jaxserve.runner.kv_cache import allocate_kv_cache
+from jaxserve.runner.kv_cache import ProposerKV, allocate_kv_cache, bytes_per_block
 from jaxserve.runner.step_inputs import ModelInputs
 from jaxserve.runner.target import shapes_on
 
@@ -77,6 +77,11 @@ def target_tables(paths: Sequence[tuple], arrays: Sequence[jax.Array], method: s
         raise ConfigError(f"speculative_config.method={method}: the head reads the target's embedding, which "
                           "this target keeps quantized (GGUF blocks); serve a float checkpoint")
     return TargetTables(embedding, by_path.get(("lm_head", "kernel")))
+
+
+def head_pool_kv(config: EngineConfig, cfg: EagleConfig) -> ProposerKV:
+    """The head's pool as the target's KV sizing counts it: one layer in each target block."""
+    return ProposerKV(bytes_per_block(cfg.layer, config.block_size, 1, config.kv_cache_dtype, 1))
 
 
 class EagleProposer:

@@ -53,8 +53,8 @@ from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.compilation import CompiledSteps, StepVariant
 from jaxserve.runner.compile_stats import CompileStats
 from jaxserve.runner.device_state import DeviceState, StepOutput
-from jaxserve.runner.draft_runner import DraftModelProposer, load_draft_model
-from jaxserve.runner.eagle_runner import EagleProposer, load_eagle_head, target_tables
+from jaxserve.runner.draft_runner import DraftModelProposer, draft_pool_kv, load_draft_model
+from jaxserve.runner.eagle_runner import EagleProposer, head_pool_kv, load_eagle_head, target_tables
 from jaxserve.runner.encoder_runner import EncoderRunner
 from jaxserve.runner.input_batch import (
     CachedRequestState,
@@ -69,6 +69,7 @@ from jaxserve.runner.input_batch import (
 from jaxserve.runner.inspection import PackedStep
 from jaxserve.runner.kv_cache import (
     KV_CACHE_DTYPES,
+    ProposerKV,
     allocate_kv_cache,
     determine_num_blocks,
     gpu_device_memory,
@@ -316,6 +317,9 @@ class ModelRunner:
         self._eagle_head = None if spec is None or spec.method not in ("eagle", "eagle3") else self._load_eagle_head()
         self._eagle_reads: str | tuple[int, ...] | None = (
             None if self._eagle_head is None else self._eagle_head[0].aux_layers or "final")
+        # The draft model, loaded before the pool is sized: its weights are then held, and the
+        # target's pool leaves room for the draft's (_proposer_kv).
+        self._draft_model = None if spec is None or spec.method != "draft_model" else self._load_draft_model()
         self.prompt_logprobs = PromptLogprobsWorker(self.graphdef, self._split_args, self.num_logprobs,
                                                     self.target.sampler_policy(), self._replicated,
                                                     config.enforce_eager)
@@ -356,15 +360,23 @@ class ModelRunner:
         if spec.method in ("eagle", "eagle3"):
             self._init_eagle()
             return
-        draft = self._given_draft
-        if draft is None and self.target.is_abstract:
-            raise ConfigError(f"speculative_config.method={spec.method}: a compile-only runner is given its draft")
-        draft = draft if draft is not None else load_draft_model(self.config, self.mc)
-        self._given_draft = None  # the proposer holds the weights now
+        draft, self._draft_model = self._draft_model, None  # the proposer holds the weights now
         self.drafter = DraftModelProposer(self.config, draft, self.max_model_len, spec.num_speculative_tokens,
                                           self.attn_fn, self.devices[0], self.num_blocks, self._abstract_sharding)
         logger.info("draft model %s: %d KV blocks, %d token buckets, %d row buckets", spec.model,
                     self.drafter.num_blocks, len(self.drafter.token_buckets), len(self.drafter.row_buckets))
+
+    def _load_draft_model(self) -> Any:
+        draft, self._given_draft = self._given_draft, None
+        if draft is None and self.target.is_abstract:
+            raise ConfigError("speculative_config.method=draft_model: a compile-only runner is given its draft")
+        return draft if draft is not None else load_draft_model(self.config, self.mc)
+
+    def _proposer_kv(self) -> ProposerKV | None:
+        """The draft's or the EAGLE head's pool, which the KV budget holds with the target's."""
+        if self._draft_model is not None:
+            return draft_pool_kv(self.config, self._draft_model.config, self.max_model_len, self.num_spec)
+        return None if self._eagle_head is None else head_pool_kv(self.config, self._eagle_head[0])
 
     def _load_eagle_head(self) -> tuple[EagleConfig, Weights]:
         spec = self.config.spec_decode_config.spec
@@ -465,10 +477,12 @@ class ModelRunner:
         cfg = self.config
         local_gpu = self.target.platform == "gpu" and not self.target.is_abstract
         if not local_gpu or cfg.num_gpu_blocks_override is not None or cfg.kv_cache_memory is not None:
-            return determine_num_blocks(self.mc, cfg, self.max_model_len, platform=self.target.platform)
+            return determine_num_blocks(self.mc, cfg, self.max_model_len, platform=self.target.platform,
+                                        proposer=self._proposer_kv())
         memory = gpu_device_memory(self.devices[0])
         return determine_num_blocks(self.mc, cfg, self.max_model_len, platform="gpu", memory=memory,
-                                    peak_temp_bytes=self.peak_temp_bytes(self.max_blocks_per_seq + 1))
+                                    peak_temp_bytes=self.peak_temp_bytes(self.max_blocks_per_seq + 1),
+                                    proposer=self._proposer_kv())
 
     def peak_temp_variant(self) -> StepVariant:
         """The variant with the most temporary memory: the most tokens a step can schedule (the

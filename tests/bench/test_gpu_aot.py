@@ -160,7 +160,7 @@ def test_host_callbacks_are_round_trips():
     assert plain.host_callbacks == 0 and plain.host_round_trips == 0
 
 
-def _spec_runner(speculative_config: dict, give_draft: bool = True):
+def _spec_runner(speculative_config: dict, give_draft: bool = True, **overrides):
     """A compile-only runner of cpu-bench on the CPU (xla attention) speculating per
     ``speculative_config``, its draft given as scripts/gpu_aot_check.py gives it (or none)."""
     from jaxserve.bench.gpu_aot_draft import abstract_draft
@@ -171,8 +171,8 @@ def _spec_runner(speculative_config: dict, give_draft: bool = True):
     sharding = jax.sharding.NamedSharding(make_mesh(jax.devices("cpu")[:1], 1), jax.sharding.PartitionSpec())
     # at most 8 tokens a step: a 16-token gather of the xla attention would have one 16-slot
     # block's shape, which the copy check cannot tell from a copy of the pool's block
-    config = EngineConfig(attention_backend="xla", num_gpu_blocks_override=16, max_num_seqs=4,
-                          max_num_batched_tokens=8, speculative_config=speculative_config)
+    config = EngineConfig(**{"attention_backend": "xla", "num_gpu_blocks_override": 16, "max_num_seqs": 4,
+                             "max_num_batched_tokens": 8, "speculative_config": speculative_config, **overrides})
     draft = abstract_draft(config.spec_decode_config.spec, model.config) if give_draft else None
     return gpu_aot.abstract_runner(model, config, sharding, max_model_len=128, draft=draft), draft
 
@@ -247,3 +247,30 @@ def test_a_compile_only_runner_needs_its_draft_and_a_draft_preset_needs_the_voca
         abstract_draft(SpeculativeConfig.parse({"model": "qwen3-tiny-draft", "num_speculative_tokens": 2}), target)
     with pytest.raises(ConfigError, match="speculative_config.model.*not a preset"):
         abstract_draft(SpeculativeConfig.parse({"model": "/no/such/draft", "num_speculative_tokens": 2}), target)
+
+
+def _nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_the_kv_budget_holds_the_proposers_pool_with_the_targets(method):
+    """With a KV budget (kv_cache_memory here, the GPU's share the same way), the target's pool
+    leaves room for the draft's or the head's: both pools together fit it, where the target's
+    alone would take all of it; the proposer's pool is what the sizing counted for it."""
+    from jaxserve.bench.gpu_aot_draft import proposer_memory
+    from jaxserve.runner.kv_cache import bytes_per_block
+
+    budget = 2 << 20
+    spec = {"method": method, "model": "cpu-bench", "num_speculative_tokens": 3}
+    runner, draft = _spec_runner(spec, num_gpu_blocks_override=None, kv_cache_memory=budget)
+    proposer = runner.drafter if method == "draft_model" else runner.eagle
+    target_pool, proposer_pool = _nbytes(runner.state.kv_cache), _nbytes(proposer.kv)
+    assert target_pool + proposer_pool <= budget
+    target_alone = budget // bytes_per_block(runner.mc, runner.block_size)
+    assert runner.num_blocks < target_alone
+    pool, weights = proposer_memory(runner.config.spec_decode_config.spec, draft, runner.config, runner.max_model_len)
+    assert proposer_pool <= pool.fixed + pool.per_block * runner.num_blocks
+    # as many tokens as the target's pool (the draft), or one layer in each of its blocks (the head)
+    assert proposer_pool >= pool.per_block * runner.num_blocks
+    assert weights == _nbytes(proposer.weights)
