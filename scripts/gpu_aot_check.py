@@ -22,7 +22,9 @@ catch-up per token bucket, named ``draft-catch-up-<tokens>``, and its K-1-step d
 bucket, ``draft-decode-r<rows>``), ``eagle`` / ``eagle3`` with a head of the target's shape (its
 program per token bucket, ``eagle3-<tokens>``); random shapes, nothing loaded. A proposer's
 program fails the check as a step does (a host round trip, a copy of the draft's weights, the
-head's or the target's tables, or of its pool, its pool not updated in place).
+head's or the target's tables, or of its pool, its pool not updated in place); ``--proposer-only``
+skips the target's steps. The KV sizing line counts the proposer's pool and weights, as the
+engine's sizing does.
 
 ``--enable-lora --max-loras 4 --max-lora-rank 8 16`` compiles a LoRA engine's steps (one engine per
 rank, its variants named ``-r<rank>``): each variant

@@ -369,7 +369,8 @@ class ModelRunner:
     def _load_draft_model(self) -> Any:
         draft, self._given_draft = self._given_draft, None
         if draft is None and self.target.is_abstract:
-            raise ConfigError("speculative_config.method=draft_model: a compile-only runner is given its draft")
+            raise ConfigError("speculative_config.method=draft_model: a compile-only runner loads no draft; "
+                              "pass ModelRunner(draft=...)")
         return draft if draft is not None else load_draft_model(self.config, self.mc)
 
     def _proposer_kv(self) -> ProposerKV | None:
@@ -391,7 +392,8 @@ class ModelRunner:
             head, self._given_draft = self._given_draft, None
             return head
         if self.target.is_abstract:
-            raise ConfigError(f"speculative_config.method={spec.method}: a compile-only runner is given its head")
+            raise ConfigError(f"speculative_config.method={spec.method}: a compile-only runner loads no head; "
+                              "pass ModelRunner(draft=...)")
         return load_eagle_head(self.config, self.mc)
 
     def _init_eagle(self) -> None:
