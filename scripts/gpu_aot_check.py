@@ -16,6 +16,16 @@ round trip, a weight or pool copy, or a KV pool that is not updated in place.
 host and adds their collectives (per layer: Megatron's plan has two all-reduces, or
 reduce-scatter + all-gather pairs); an all-gather of a weight-shaped array fails the check.
 
+``--speculative-config`` compiles a speculating engine's steps (each verifies K drafts a row) and
+its proposer's programs: ``draft_model`` with ``"model"`` a preset (e.g. ``qwen3-tiny-draft``; its
+catch-up per token bucket, named ``draft-catch-up-<tokens>``, and its K-1-step decode loop per row
+bucket, ``draft-decode-r<rows>``), ``eagle`` / ``eagle3`` with a head of the target's shape (its
+program per token bucket, ``eagle3-<tokens>``); random shapes, nothing loaded. A proposer's
+program fails the check as a step does (a host round trip, a copy of the draft's weights, the
+head's or the target's tables, or of its pool, its pool not updated in place); ``--proposer-only``
+skips the target's steps. The KV sizing line counts the proposer's pool and weights, as the
+engine's sizing does.
+
 ``--enable-lora --max-loras 4 --max-lora-rank 8 16`` compiles a LoRA engine's steps (one engine per
 rank, its variants named ``-r<rank>``): each variant
 twice, the plain program and the one reading the slot tables (``-lora``; ``--lora-only`` keeps
@@ -46,6 +56,7 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxserve.bench import gpu_aot, gpu_targets  # noqa: E402
+from jaxserve.bench.gpu_aot_draft import abstract_draft, draft_programs, proposer_memory  # noqa: E402
 from jaxserve.bench.hlo_collectives import count_collectives  # noqa: E402
 from jaxserve.bench.hlo_stats import analyze_hlo, dequantized_copies  # noqa: E402
 from jaxserve.bench.presets import PRESETS  # noqa: E402
@@ -84,58 +95,66 @@ def mosaic_tiles(runner, variant) -> dict:
             "smem_bytes": mosaic_attention.smem_bytes(mc.head_dim, cfg, kv_itemsize=kv_itemsize)}
 
 
-def check_variant(runner, variant, weight_shapes, pool_shapes, full_weight_shapes, dequantized_shapes,
-                  table_shapes=frozenset(), full_table_shapes=frozenset()) -> dict:
+def inspect(lower, weight_shapes, pool_shapes, dequantized_shapes) -> tuple[dict, str]:
+    """Lower (``lower()``) and compile one program; its figures and problems (host round trips,
+    weight, dequantized-weight or pool copies, the pool not aliased) and its HLO text."""
     start = time.perf_counter()
-    lowered = runner.steps.lowered(variant)
+    lowered = lower()
     lowered_s = time.perf_counter() - start
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start - lowered_s
     mem = compiled.memory_analysis()
     text = compiled.as_text()
     stats = analyze_hlo(text, weight_shapes, pool_shapes)
-    collectives = count_collectives(text)
-    gathered_weights = collectives.weight_all_gathers(shape for _, shape in full_weight_shapes)
     problems = []
-    if gathered_weights:
-        problems.append(f"{len(gathered_weights)} weight all-gathers {gathered_weights[:4]}")
     if stats.host_round_trips:
-        problems.append(f"{stats.conditionals} conditionals, {stats.data_dependent_whiles} data-dependent whiles")
+        problems.append(f"{stats.conditionals} conditionals, {stats.data_dependent_whiles} data-dependent whiles, "
+                        f"{stats.host_callbacks} host callbacks")
     if stats.weight_copies:
         problems.append(f"{len(stats.weight_copies)} weight copies")
     dequantized = dequantized_copies(text, dequantized_shapes)
     if dequantized:
         problems.append(f"{len(dequantized)} dequantized weight copies {dequantized[:4]}")
-    cost = compiled.cost_analysis() or {}
-    cost = cost[0] if isinstance(cost, list) else cost
     if stats.pool_copies:
         problems.append(f"{len(stats.pool_copies)} KV pool copies")
+    if not stats.pool_aliased:
+        problems.append("KV pool not aliased")
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {"lower_s": round(lowered_s, 2), "compile_s": round(compile_s, 2),
+            "temp_bytes": int(mem.temp_size_in_bytes), "argument_bytes": int(mem.argument_size_in_bytes),
+            "alias_bytes": int(mem.alias_size_in_bytes), "bytes_accessed": int(cost.get("bytes accessed", 0)),
+            "dequantized_copies": dequantized, **stats.as_dict(), "problems": problems}, text
+
+
+def check_variant(runner, variant, weight_shapes, pool_shapes, full_weight_shapes, dequantized_shapes,
+                  table_shapes=frozenset(), full_table_shapes=frozenset()) -> dict:
+    row, text = inspect(lambda: runner.steps.lowered(variant), weight_shapes, pool_shapes, dequantized_shapes)
+    problems = row.pop("problems")
+    collectives = count_collectives(text)
+    gathered_weights = collectives.weight_all_gathers(shape for _, shape in full_weight_shapes)
+    if gathered_weights:
+        problems.append(f"{len(gathered_weights)} weight all-gathers {gathered_weights[:4]}")
     table_copies = analyze_hlo(text, set(table_shapes), set()).weight_copies if variant.lora else []
     if table_copies:
         problems.append(f"{len(table_copies)} LoRA slot table copies {table_copies[:4]}")
     gathered_tables = collectives.weight_all_gathers(shape for _, shape in full_table_shapes) if variant.lora else []
     if gathered_tables:
         problems.append(f"{len(gathered_tables)} LoRA table all-gathers {gathered_tables[:4]}")
-    if not stats.pool_aliased:
-        problems.append("KV pool not aliased")
     return {"variant": variant.name, "bucket": variant.bucket, "decode_only": variant.decode_only,
-            "all_greedy": variant.all_greedy, "lora": variant.lora, "lora_table_copies": table_copies,
-            "lower_s": round(lowered_s, 2), "compile_s": round(compile_s, 2),
-            "temp_bytes": int(mem.temp_size_in_bytes), "argument_bytes": int(mem.argument_size_in_bytes),
-            "alias_bytes": int(mem.alias_size_in_bytes), "bytes_accessed": int(cost.get("bytes accessed", 0)),
-            "dequantized_copies": dequantized, **stats.as_dict(),
+            "all_greedy": variant.all_greedy, "lora": variant.lora, "lora_table_copies": table_copies, **row,
             "collectives": collectives.counts, "collectives_per_layer": per_layer(collectives.counts, runner.mc),
             **({"mosaic": mosaic_tiles(runner, variant)} if runner.attention_backend == "mosaic" else {}),
             "problems": problems}
 
 
-def block_dequantized_shapes(model, runner) -> set:
+def block_dequantized_shapes(model, state) -> set:
     """GGUF blocks kept (``gguf:Q8_0``, ...): the float shapes of each device's block weight
     dequantized whole: ``[out, in]``, ``[in, out]`` and the ``[out, in / 32, 32]`` of its blocks,
-    read from its scales ``d [out, in / 32]``."""
+    read from its scales ``d [out, in / 32]``; ``state``: ``model``'s flat weights as placed."""
     _, flat = nnx.flatten(model, with_paths=True)
     shapes = set()
-    for (path, _), x in zip(flat, runner.model_state, strict=True):
+    for (path, _), x in zip(flat, state, strict=True):
         if path[-1] != "d":
             continue
         out, blocks = x.sharding.shard_shape(x.shape)[-2:]
@@ -183,6 +202,31 @@ def per_layer(counts: dict[str, int], mc) -> dict[str, float]:
     return {k: round(v / mc.num_hidden_layers, 2) for k, v in rest.items() if v}
 
 
+def dequantized_weight_shapes(model, state) -> set:
+    """A quantized weight's dims in a float dtype: a dequantized copy (the convert not fused into the dot)."""
+    shapes = {hlo_shape(x, per_device=True) for x in jax.tree.leaves(state)}
+    return ({(f, dims) for dtype, dims in shapes if dtype in ("s8", "f8e4m3fn") for f in ("bf16", "f16", "f32")}
+            | block_dequantized_shapes(model, state))
+
+
+def check_drafts(runner, draft, args, head: dict) -> list[dict]:
+    """The proposer's programs (draft model or EAGLE head) of a speculating runner, one row each
+    (starting with ``head``: model, backend, tp)."""
+    rows = []
+    quantized = dequantized_weight_shapes(draft, runner.drafter.weights) if runner.drafter is not None else set()
+    for program in draft_programs(runner, args.buckets):
+        weights = {hlo_shape(x, per_device=True) for x in jax.tree.leaves(program.weights)}
+        pools = {hlo_shape(x, per_device=True) for x in jax.tree.leaves(program.pools)}
+        try:
+            row, _ = inspect(program.lower, weights, pools, quantized)
+        except Exception as e:  # noqa: BLE001 - a program that does not compile is a failure to report
+            row = {"problems": [f"{type(e).__name__}: {e}"[:2000]]}
+        row = {**head, "variant": program.name, "collectives": {}, "collectives_per_layer": {}, **row}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def check_model(preset: str, backend: str, args, sharding, spec, lora_rank: int = 16) -> list[dict]:
     scan = {"auto": None, "true": True, "false": False}[args.scan_layers]
     tp = sharding.mesh.size
@@ -193,13 +237,18 @@ def check_model(preset: str, backend: str, args, sharding, spec, lora_rank: int 
                  lora_lm_head=args.lora_lm_head, lora_embedding=args.lora_embedding)
             if args.enable_lora else {})
     base = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=2,
-                        tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype, **lora)
-    blocks, _ = gpu_aot.kv_blocks_on(spec, model, base, max_model_len, peak_temp_bytes=0)
+                        tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype,
+                        speculative_config=args.speculative_config, **lora)
+    speculative = base.spec_decode_config.spec
+    draft = None if speculative is None else abstract_draft(speculative, model.config)
+    # the draft's (or head's) pool and weights share the KV budget, as the engine sizes it
+    proposer = proposer_memory(speculative, draft, base, max_model_len) if speculative else (None, 0)
+    blocks, _ = gpu_aot.kv_blocks_on(spec, model, base, max_model_len, 0, *proposer)
     blocks = args.num_gpu_blocks or blocks
     config = EngineConfig(attention_backend=backend, interpret_kernels=False, num_gpu_blocks_override=blocks,
                           tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype,
                           speculative_config=args.speculative_config, **lora)
-    runner = gpu_aot.abstract_runner(model, config, sharding, max_model_len)
+    runner = gpu_aot.abstract_runner(model, config, sharding, max_model_len, draft=draft)
     # A split program's HLO holds each device's blocks: copies and aliasing are of block shapes,
     # while a weight gathered whole would have the full one.
     weight_shapes = {hlo_shape(x, per_device=True) for x in jax.tree.leaves(runner.model_state)}
@@ -207,10 +256,9 @@ def check_model(preset: str, backend: str, args, sharding, spec, lora_rank: int 
     pool_shapes = {hlo_shape(x, per_device=True) for x in jax.tree.leaves(runner.state.kv_cache)}
     # an fp8 pool dequantized whole (a bf16 copy of its shape) counts as a pool copy too
     pool_shapes |= {("bf16", shape) for dtype, shape in pool_shapes if dtype == "f8e4m3fn"}
-    # a quantized weight's dims in a float dtype: a dequantized copy (the convert not fused into the dot)
-    dequantized_shapes = {(f, dims) for dtype, dims in weight_shapes if dtype in ("s8", "f8e4m3fn")
-                          for f in ("bf16", "f16", "f32")} | block_dequantized_shapes(model, runner)
-    variants = [v for v in runner.variants() if (not args.buckets or v.bucket in args.buckets)
+    dequantized_shapes = dequantized_weight_shapes(model, runner.model_state)
+    variants = [v for v in runner.variants() if not args.proposer_only
+                and (not args.buckets or v.bucket in args.buckets)
                 and (args.decode_only is None or v.decode_only == args.decode_only)
                 and (v.all_greedy or not args.greedy_only) and (v.lora or not args.lora_only)]
     table_shapes, full_table_shapes = gpu_aot.lora_table_shapes(runner), gpu_aot.lora_table_shapes(runner, False)
@@ -230,12 +278,16 @@ def check_model(preset: str, backend: str, args, sharding, spec, lora_rank: int 
             print(json.dumps(row), flush=True)
             rows.append(row)
     peak = max((r.get("temp_bytes", 0) for r in rows), default=0)
-    final_blocks, budget = gpu_aot.kv_blocks_on(spec, model, config, max_model_len, peak)
+    final_blocks, budget = gpu_aot.kv_blocks_on(spec, model, config, max_model_len, peak, *proposer)
+    pool, proposer_weights = proposer
     print(json.dumps({"model": preset, "backend": backend, "tp": tp, "weight_bytes_per_device":
                       gpu_aot.weight_bytes(model), "kv_sizing": budget.describe(),
+                      **({"proposer_weight_bytes": proposer_weights, "proposer_pool_bytes":
+                          pool.fixed + pool.per_block * final_blocks} if pool else {}),
                       "num_gpu_blocks": final_blocks, "kv_tokens": final_blocks * config.block_size,
                       "compiled_with_blocks": blocks, "max_model_len": max_model_len}), flush=True)
-    return sorted(rows, key=lambda r: (r.get("bucket", 0), r.get("decode_only", False), str(r.get("all_greedy"))))
+    rows.sort(key=lambda r: (r.get("bucket", 0), r.get("decode_only", False), str(r.get("all_greedy"))))
+    return rows + check_drafts(runner, draft, args, {"model": preset, "backend": backend, "tp": tp})
 
 
 def table(rows: list[dict]) -> str:
@@ -299,7 +351,11 @@ def main(argv=None) -> int:
                     help="the token embedding's slot tables too (with --enable-lora)")
     ap.add_argument("--speculative-config", default=None,
                     help="vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}': "
-                         "the steps verify K drafts a row")
+                         "the steps verify K drafts a row; draft_model (\"model\": a preset, e.g. "
+                         "qwen3-tiny-draft), eagle and eagle3 (a head of the target's shape) add the "
+                         "proposer's programs")
+    ap.add_argument("--proposer-only", action="store_true",
+                    help="with --speculative-config: only the proposer's programs, not the target's steps")
     ap.add_argument("--jobs", type=int, default=1, help="variants compiled at once")
     ap.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1],
                     help="compile split over this many of 8 H200s on one host (default: 1)")

@@ -24,7 +24,7 @@ from jaxserve.bench.presets import preset_config
 from jaxserve.config import EngineConfig
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import LlamaForCausalLM
-from jaxserve.runner.kv_cache import DeviceMemory, blocks_for_budget, bytes_per_block, kv_cache_budget
+from jaxserve.runner.kv_cache import DeviceMemory, ProposerKV, blocks_for_budget, bytes_per_block, kv_cache_budget
 from jaxserve.runner.mesh import REPLICATED, make_mesh, param_spec
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.target import StepTarget
@@ -77,21 +77,27 @@ def weight_bytes(model: LlamaForCausalLM) -> int:
 
 
 def kv_blocks_on(spec: GpuSpec, model: LlamaForCausalLM, config: EngineConfig, max_model_len: int,
-                 peak_temp_bytes: int) -> tuple[int, Any]:
-    """KV blocks the engine would size on this GPU (vLLM's gpu_memory_utilization), and the budget."""
+                 peak_temp_bytes: int, proposer: ProposerKV | None = None,
+                 proposer_weight_bytes: int = 0) -> tuple[int, Any]:
+    """KV blocks the engine would size on this GPU (vLLM's gpu_memory_utilization), and the
+    budget; a speculating engine's ``proposer`` pool and weights share it."""
     memory = DeviceMemory(pool_bytes=int(config.gpu_memory_utilization * spec.memory_bytes),
-                          pool_fraction=config.gpu_memory_utilization, held_bytes=weight_bytes(model))
+                          pool_fraction=config.gpu_memory_utilization,
+                          held_bytes=weight_bytes(model) + proposer_weight_bytes)
     budget = kv_cache_budget(memory, config.gpu_memory_utilization, peak_temp_bytes)
     per_block = bytes_per_block(model.config, config.block_size, config.tensor_parallel_size,
                                 config.kv_cache_dtype)
-    return blocks_for_budget(budget.kv_bytes, per_block, config.block_size, max_model_len), budget
+    extra = proposer or ProposerKV(0)
+    return blocks_for_budget(budget.kv_bytes - extra.fixed, per_block + extra.per_block, config.block_size,
+                             max_model_len), budget
 
 
 def abstract_runner(model: LlamaForCausalLM, config: EngineConfig, sharding: Any,
-                    max_model_len: int | None = None) -> ModelRunner:
-    """A runner whose step lowers and compiles for ``sharding``'s device; it cannot run."""
+                    max_model_len: int | None = None, draft: Any = None) -> ModelRunner:
+    """A runner whose step lowers and compiles for ``sharding``'s device; it cannot run.
+    ``draft``: a speculating config's draft or EAGLE head, shapes only (:mod:`.gpu_aot_draft`)."""
     max_model_len = max_model_len or model.config.max_position_embeddings
-    return ModelRunner(config, model, max_model_len, target=StepTarget.abstract(sharding))
+    return ModelRunner(config, model, max_model_len, target=StepTarget.abstract(sharding), draft=draft)
 
 
 _HLO_FLOATS = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}

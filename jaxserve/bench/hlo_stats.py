@@ -1,7 +1,8 @@
 """What a compiled program does that a step should not: read from its optimised HLO text.
 
 * ``conditional`` ops, and ``while`` ops without a ``known_trip_count`` (a data-dependent loop):
-  XLA:GPU reads each one's predicate back to the host, once per execution.
+  XLA:GPU reads each one's predicate back to the host, once per execution; and host callbacks
+  (``jax.pure_callback``, ``jax.debug.print``: custom calls into Python), a round trip each.
 * copies of weight- or KV-pool-shaped buffers: a ``copy``/``dynamic-slice`` (or a fusion whose
   root is one) producing a parameter's shape, or one layer's slice of a stacked parameter (what
   a layer scan does to its weights); and, by size alone, any moved buffer of at least a
@@ -56,10 +57,11 @@ class HloStats:
     pool_aliased: bool
     custom_calls: dict[str, int]
     triton_kernels: dict[str, int]  # Pallas kernel name -> launches in the program
+    host_callbacks: int = 0  # custom calls into Python on the host
 
     @property
     def host_round_trips(self) -> int:
-        return self.conditionals + self.data_dependent_whiles
+        return self.conditionals + self.data_dependent_whiles + self.host_callbacks
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self) | {"host_round_trips": self.host_round_trips}
@@ -148,8 +150,10 @@ def analyze_hlo(text: str, weight_shapes: set[Shape], pool_shapes: set[Shape]) -
                     pool_copies.append(label)
                 elif _matches(shape, weight_shapes):
                     weight_copies.append(label)
+    callbacks = sum(n for target, n in custom_calls.items() if "callback" in target)
     return HloStats(conditionals, whiles, data_dependent, weight_copies, pool_copies,
-                    _pool_aliased(text, comps.get("ENTRY", []), pool_shapes), dict(custom_calls), dict(kernels))
+                    _pool_aliased(text, comps.get("ENTRY", []), pool_shapes), dict(custom_calls), dict(kernels),
+                    callbacks)
 
 
 def dequantized_copies(text: str, float_shapes: set[Shape]) -> list[str]:

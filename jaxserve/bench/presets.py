@@ -29,6 +29,11 @@ PRESETS = {
                           intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                           norm_topk_prob=True, tie_word_embeddings=False, dtype="bfloat16",
                           max_position_embeddings=40960),
+    # A small draft for qwen3 targets (their vocabulary), for the compile check of a speculating
+    # engine: 4 layers of 256, GQA 4/2
+    "qwen3-tiny-draft": dict(vocab_size=151936, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=64, intermediate_size=768, tie_word_embeddings=True,
+                             dtype="bfloat16", max_position_embeddings=40960),
     # cpu-bench's shape with a mixture of 8 experts, 2 active: the active MLP width (2 x 384) is
     # cpu-bench's dense 768, so the two compare at equal active parameters
     "moe-bench": dict(architecture="Qwen3MoeForCausalLM", vocab_size=8192, hidden_size=256, num_hidden_layers=4,

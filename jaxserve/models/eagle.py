@@ -60,7 +60,7 @@ class EagleConfig:
         return h * len(self.aux_layers) if self.aux_layers else h
 
 
-def _field(name: str, folder: Path) -> str:
+def _field(name: str, folder: Path | str) -> str:
     return f"speculative_config.model ({folder}): {name}"
 
 
@@ -70,7 +70,12 @@ def eagle_config(folder: str | Path, method: str, target: ModelConfig) -> EagleC
     file = folder / "config.json"
     if not file.is_file():
         raise ConfigError(_field("no config.json", folder))
-    raw: dict[str, Any] = json.loads(file.read_text())
+    return eagle_config_from(json.loads(file.read_text()), method, target, folder)
+
+
+def eagle_config_from(raw: dict[str, Any], method: str, target: ModelConfig, folder: Path | str) -> EagleConfig:
+    """The head's configuration from its config.json's dict (``folder`` names it in errors),
+    checked against the target's."""
     # The head's layer is a Llama layer whatever the checkpoint's architecture name says.
     layer = ModelConfig.from_dict({**raw, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
                                    "dtype": target.dtype})
@@ -96,16 +101,9 @@ def eagle_config(folder: str | Path, method: str, target: ModelConfig) -> EagleC
     return EagleConfig(method, layer, aux, draft_vocab, bool(raw.get("norm_before_residual", False)))
 
 
-def load_eagle_weights(folder: str | Path, cfg: EagleConfig, dtype: jnp.dtype) -> Weights:
-    """The head's tensors by their published names (``model.`` prefixes dropped, EAGLE-3's
-    ``midlayer.`` read as ``layers.0.``), checked by shape; projections transposed to ``[in, out]``.
-    From ``model.safetensors`` (or shards), or ``pytorch_model.bin`` when that is all the folder has."""
-    folder = Path(folder)
-    files = open_state_dict_files(folder)
-    names = {}
-    for name in files:
-        short = name.removeprefix("model.").replace("midlayer.", "layers.0.")
-        names[short] = name
+def eagle_weight_shapes(cfg: EagleConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """The head's tensors as published (``[out, in]`` projections): the required ones and the
+    optional ones (biases; EAGLE-3's own embedding and ``d2t``), by name and shape."""
     mc = cfg.layer
     h, e3 = mc.hidden_size, cfg.method == "eagle3"
     fc_in = (cfg.target_hidden_width if e3 else 2 * h)
@@ -127,6 +125,26 @@ def load_eagle_weights(folder: str | Path, cfg: EagleConfig, dtype: jnp.dtype) -
         shapes.update({"layers.0.input_layernorm.weight": (h,), "layers.0.hidden_norm.weight": (h,),
                        "norm.weight": (h,), "lm_head.weight": (cfg.draft_vocab_size, h)})
         optional.update({"embed_tokens.weight": (mc.vocab_size, h), "d2t": (cfg.draft_vocab_size,)})
+    return shapes, optional
+
+
+def as_served(key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A published tensor's shape as :func:`load_eagle_weights` keeps it (projections ``[in, out]``)."""
+    return shape[::-1] if len(shape) == 2 and key != "embed_tokens.weight" else shape
+
+
+def load_eagle_weights(folder: str | Path, cfg: EagleConfig, dtype: jnp.dtype) -> Weights:
+    """The head's tensors by their published names (``model.`` prefixes dropped, EAGLE-3's
+    ``midlayer.`` read as ``layers.0.``), checked by shape; projections transposed to ``[in, out]``.
+    From ``model.safetensors`` (or shards), or ``pytorch_model.bin`` when that is all the folder has."""
+    folder = Path(folder)
+    files = open_state_dict_files(folder)
+    names = {}
+    for name in files:
+        short = name.removeprefix("model.").replace("midlayer.", "layers.0.")
+        names[short] = name
+    mc, h = cfg.layer, cfg.layer.hidden_size
+    shapes, optional = eagle_weight_shapes(cfg)
     out: dict[str, np.ndarray] = {}
     for key, shape in [*shapes.items(), *optional.items()]:
         if key not in names:
@@ -138,7 +156,7 @@ def load_eagle_weights(folder: str | Path, cfg: EagleConfig, dtype: jnp.dtype) -
             raise ConfigError(_field(f"{key} has shape {list(value.shape)}, expected {list(shape)} for the "
                                      f"target's hidden size {h}", folder))
         out[key] = value
-    if e3 and "d2t" not in out and cfg.draft_vocab_size != mc.vocab_size:
+    if cfg.method == "eagle3" and "d2t" not in out and cfg.draft_vocab_size != mc.vocab_size:
         raise ConfigError(_field(f"no tensor d2t: a draft vocabulary of {cfg.draft_vocab_size} tokens needs the "
                                  f"map to the target's {mc.vocab_size}", folder))
     weights: Weights = {}

@@ -16,7 +16,8 @@ next call keeps their KV as far as they equal the tokens the target accepted, an
 overwritten by the next catch-up. Blocks are allocated per request from a free list and returned
 when the request finishes, is preempted or is replaced; a request the pool cannot hold gets no
 drafts that step. Every program is compiled at warm-up; a shape met later is compiled then and
-counted in ``unexpected_compiles``.
+counted in ``unexpected_compiles``. A compile-only proposer (``abstract_sharding``, for the
+deviceless GPU check) holds shapes only and can lower its programs (:meth:`lowered`), not run them.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.attention import AttentionFn, AttentionMetadata
 from jaxserve.models.config import ModelConfig
-from jaxserve.runner.kv_cache import allocate_kv_cache, kv_cache_groups, num_kv_slots
+from jaxserve.runner.kv_cache import ProposerKV, allocate_kv_cache, bytes_per_block, kv_cache_groups, num_kv_slots
+from jaxserve.runner.target import shapes_on
 
 logger = logging.getLogger("jaxserve")
 
@@ -68,6 +70,16 @@ def load_draft_model(config: EngineConfig, target: ModelConfig) -> Any:
     return load_model(str(source.path), target.dtype, config.scan_layers, quantization=spec.quantization)
 
 
+def draft_pool_kv(config: EngineConfig, mc: ModelConfig, max_model_len: int, k: int) -> ProposerKV:
+    """The draft's pool as the target's KV sizing counts it: its bytes per block (as many blocks
+    as the target's), and its null block and each request's lookahead besides (an upper bound:
+    :class:`DraftModelProposer` also caps the pool at ``max_num_seqs`` full-length requests)."""
+    bs = config.block_size
+    slots = num_kv_slots(kv_cache_groups(mc, bs, max_model_len, config.kv_cache_dtype))
+    per_block = bytes_per_block(mc, bs, 1, config.kv_cache_dtype, slots)
+    return ProposerKV(per_block, (1 + config.max_num_seqs * cdiv(k, bs)) * per_block)
+
+
 @dataclasses.dataclass
 class _DraftSeq:
     """One request as the draft holds it: KV for positions < ``num_computed``, and the drafts
@@ -88,10 +100,11 @@ def _pow2_buckets(top: int, start: int = 1) -> list[int]:
 
 class DraftModelProposer:
     """``model``: the loaded draft; ``device``: where it runs; ``attn_fn``: the target's attention
-    backend function (the draft's pool has the same block size)."""
+    backend function (the draft's pool has the same block size). ``abstract_sharding``: set for a
+    compile-only proposer, whose weights and pool are shapes carrying it (``model`` may be abstract)."""
 
     def __init__(self, config: EngineConfig, model: Any, max_model_len: int, k: int, attn_fn: AttentionFn,
-                 device: jax.Device, target_num_blocks: int):
+                 device: jax.Device, target_num_blocks: int, abstract_sharding: Any = None):
         self.k = k
         self.mc: ModelConfig = model.config
         self.block_size = bs = config.block_size
@@ -106,10 +119,14 @@ class DraftModelProposer:
         self.attn_fn = attn_fn
         self.device = device
         self.graphdef, flat = nnx.flatten(model, with_paths=True)
-        self.weights = jax.device_put([v for _, v in flat], device)
         slots = num_kv_slots(kv_cache_groups(self.mc, bs, max_model_len, config.kv_cache_dtype))
-        self.kv = jax.device_put(allocate_kv_cache(self.mc, self.num_blocks, bs, 1, config.kv_cache_dtype, slots),
-                                 device)
+        make_kv = lambda: allocate_kv_cache(self.mc, self.num_blocks, bs, 1, config.kv_cache_dtype, slots)  # noqa: E731
+        if abstract_sharding is None:
+            self.weights = jax.device_put([v for _, v in flat], device)
+            self.kv = jax.device_put(make_kv(), device)
+        else:
+            self.weights = shapes_on([v for _, v in flat], abstract_sharding)
+            self.kv = shapes_on(jax.eval_shape(make_kv), abstract_sharding)
         top = min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len)
         # From 1: after full acceptance a catch-up is 2 tokens a row (the last draft, the target's).
         self.token_buckets = _pow2_buckets(top)
@@ -186,24 +203,33 @@ class DraftModelProposer:
         return (np.zeros(rows, np.int32), np.zeros(rows, np.int32),
                 np.zeros((rows, self.max_blocks_per_seq), np.int32), np.zeros(1, np.int32))
 
+    def programs(self) -> list[tuple[str, int]]:
+        """Every program warm-up compiles: (kind, size), a catch-up per token bucket and, with
+        K > 1, a decode loop per row bucket."""
+        return ([("catch_up", b) for b in self.token_buckets]
+                + ([("decode", r) for r in self.row_buckets] if self.k > 1 else []))
+
+    def lowered(self, kind: str, size: int) -> Any:
+        """The program ``kind`` ("catch_up" or "decode") for ``size`` tokens or rows, lowered
+        (compiles nothing)."""
+        fn, args = ((self._catch_up, self._catch_up_args(size)) if kind == "catch_up"
+                    else (self._decode, self._decode_args(size)))
+        return fn.lower(self.weights, self.kv, *args)
+
     def _program(self, kind: str, size: int, warm: bool = False):
         key = (kind, size)
         if key not in self._compiled:
             if not warm:
                 self.unexpected_compiles += 1
                 logger.warning("draft model: compiling %s for %d after warm-up", kind, size)
-            fn, args = ((self._catch_up, self._catch_up_args(size)) if kind == "catch_up"
-                        else (self._decode, self._decode_args(size)))
-            self._compiled[key] = fn.lower(self.weights, self.kv, *args).compile()
+            self._compiled[key] = self.lowered(kind, size).compile()
         return self._compiled[key]
 
     def warm_up(self) -> None:
         """Compile and run every program once on padding (no KV written: every slot is -1)."""
-        for b in self.token_buckets:
-            self.kv, _ = self._program("catch_up", b, warm=True)(self.weights, self.kv, *self._catch_up_args(b))
-        if self.k > 1:
-            for r in self.row_buckets:
-                self.kv, _ = self._program("decode", r, warm=True)(self.weights, self.kv, *self._decode_args(r))
+        for kind, size in self.programs():
+            args = self._catch_up_args(size) if kind == "catch_up" else self._decode_args(size)
+            self.kv, _ = self._program(kind, size, warm=True)(self.weights, self.kv, *args)
         jax.block_until_ready(self.kv)
 
     @property

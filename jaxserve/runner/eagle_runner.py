@@ -18,7 +18,8 @@ samples drafts K tokens greedily in the same program: the head's output at its l
 position gives the first, then K-1 one-token steps each read the previous step's output hidden
 state, their KV written into the lookahead slots and overwritten by the next catch-up. Every
 program is compiled at warm-up; a shape met later is compiled then and counted in
-``unexpected_compiles``.
+``unexpected_compiles``. A compile-only proposer (``abstract_sharding``, for the deviceless GPU
+check) holds shapes only and can lower its programs (:meth:`lowered`), not run them.
 
 Async scheduling: the catch-up over a step runs when the step is collected, which may be after
 the next (plain) step was launched. The catch-ups still run in launch order, each once, and a
@@ -51,8 +52,9 @@ from jaxserve.models.eagle import (
     load_eagle_weights,
 )
 from jaxserve.models.mtp import load_mtp_head, mtp_forward
-from jaxserve.runner.kv_cache import allocate_kv_cache
+from jaxserve.runner.kv_cache import ProposerKV, allocate_kv_cache, bytes_per_block
 from jaxserve.runner.step_inputs import ModelInputs
+from jaxserve.runner.target import shapes_on
 
 logger = logging.getLogger("jaxserve")
 
@@ -89,14 +91,20 @@ def target_tables(paths: Sequence[tuple], arrays: Sequence[jax.Array], method: s
     return TargetTables(embedding, by_path.get(("lm_head", "kernel")))
 
 
+def head_pool_kv(config: EngineConfig, cfg: EagleConfig) -> ProposerKV:
+    """The head's pool as the target's KV sizing counts it: one layer in each target block."""
+    return ProposerKV(bytes_per_block(cfg.layer, config.block_size, 1, config.kv_cache_dtype, 1))
+
+
 class EagleProposer:
     """``step_rows``: the target's rows per token bucket (every bucket gets its program);
     ``hidden_sharding``: where the step's hidden states live; ``num_blocks`` and ``table_width``:
-    the target's pool and block-table width."""
+    the target's pool and block-table width; ``abstract_sharding``: set for a compile-only
+    proposer, whose weights and pool are shapes carrying it."""
 
     def __init__(self, config: EngineConfig, cfg: EagleConfig, weights: Weights, tables: TargetTables, k: int,
                  attn_fn: AttentionFn, device: jax.Device, num_blocks: int, table_width: int,
-                 step_rows: dict[int, int], hidden_sharding: Any):
+                 step_rows: dict[int, int], hidden_sharding: Any, abstract_sharding: Any = None):
         self.k = k
         self.table_width = table_width
         self.cfg = cfg
@@ -104,10 +112,18 @@ class EagleProposer:
         self.block_size = config.block_size
         self.num_blocks = num_blocks
         self.attn_fn = attn_fn
-        self.weights = jax.device_put(weights, device)
         self.tables = tables
-        k_pool, v_pool = allocate_kv_cache(cfg.layer, num_blocks, self.block_size, 1, config.kv_cache_dtype)
-        self.kv = jax.device_put((k_pool[0], v_pool[0]), device)  # one layer: [num_blocks, bs, Hkv, D]
+
+        def make_kv():  # one layer: [num_blocks, bs, Hkv, D]
+            k_pool, v_pool = allocate_kv_cache(cfg.layer, num_blocks, self.block_size, 1, config.kv_cache_dtype)
+            return k_pool[0], v_pool[0]
+
+        if abstract_sharding is None:
+            self.weights = jax.device_put(weights, device)
+            self.kv = jax.device_put(make_kv(), device)
+        else:
+            self.weights = shapes_on(weights, abstract_sharding)
+            self.kv = shapes_on(jax.eval_shape(make_kv), abstract_sharding)
         self.step_rows = dict(step_rows)
         self.hidden_sharding = hidden_sharding
         # Each request's positions with head KV (the rest of its blocks: stale or lookahead).
@@ -168,13 +184,19 @@ class EagleProposer:
     def _zero_hidden(self, bucket: int, dtype: Any) -> jax.Array:
         return jax.device_put(jnp.zeros((bucket, self.cfg.target_hidden_width), dtype), self.hidden_sharding)
 
+    def lowered(self, bucket: int, hidden_dtype: Any) -> Any:
+        """The program of the target's ``bucket``-token steps, lowered (compiles nothing); the
+        step's hidden states in ``hidden_dtype``."""
+        hidden = jax.ShapeDtypeStruct((bucket, self.cfg.target_hidden_width), hidden_dtype,
+                                      sharding=self.hidden_sharding)
+        return self._jitted.lower(self.weights, self.tables, self.kv, hidden, *self._padding_args(bucket))
+
     def _program(self, bucket: int, hidden: jax.Array, warm: bool = False):
         if bucket not in self._compiled:
             if not warm:
                 self.unexpected_compiles += 1
                 logger.warning("%s head: compiling the %d-token program after warm-up", self.cfg.method, bucket)
-            self._compiled[bucket] = self._jitted.lower(self.weights, self.tables, self.kv, hidden,
-                                                        *self._padding_args(bucket)).compile()
+            self._compiled[bucket] = self.lowered(bucket, hidden.dtype).compile()
         return self._compiled[bucket]
 
     def warm_up(self, hidden_dtype: Any) -> None:

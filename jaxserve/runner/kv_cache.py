@@ -87,6 +87,17 @@ def bytes_per_block(mc: ModelConfig, block_size: int, tensor_parallel_size: int 
 
 
 @dataclasses.dataclass(frozen=True)
+class ProposerKV:
+    """A speculative proposer's KV pool, sized with the target's: ``per_block`` bytes for each
+    target block (a draft model's pool holds as many tokens; an EAGLE head's layer lives in the
+    target's block ids) and ``fixed`` bytes besides (the draft's lookahead and null blocks). The
+    target's pool gets what is left after both, so the proposer's pool fits the same budget."""
+
+    per_block: int
+    fixed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class DeviceMemory:
     """What the KV sizing reads of one device. ``pool_bytes``: XLA's allocator limit (its
     ``bytes_limit``); ``pool_fraction``: the share of the device that limit was set to, so that
@@ -188,22 +199,28 @@ def _backends_started() -> bool:
 
 
 def determine_num_blocks(mc: ModelConfig, cfg: EngineConfig, max_model_len: int, *, platform: str = "cpu",
-                         memory: DeviceMemory | None = None, peak_temp_bytes: int = 0) -> int:
+                         memory: DeviceMemory | None = None, peak_temp_bytes: int = 0,
+                         proposer: ProposerKV | None = None) -> int:
     """Blocks of the KV cache. On a GPU without an explicit size, ``memory`` (the device's
-    figures) and ``peak_temp_bytes`` (the largest compiled step's temporaries) are required."""
+    figures) and ``peak_temp_bytes`` (the largest compiled step's temporaries) are required;
+    a budget (the GPU's or ``kv_cache_memory``) also holds ``proposer``'s pool."""
     slots = num_kv_slots(kv_cache_groups(mc, cfg.block_size, max_model_len, cfg.kv_cache_dtype))
     per_block = bytes_per_block(mc, cfg.block_size, cfg.tensor_parallel_size, cfg.kv_cache_dtype, slots)
     if cfg.num_gpu_blocks_override is not None:
         return cfg.num_gpu_blocks_override
     blocks_per_seq = blocks_per_request(mc, cfg.block_size, max_model_len, cfg.max_num_batched_tokens)
+    extra = proposer or ProposerKV(0)
     if cfg.kv_cache_memory is not None:
-        return blocks_for_budget(cfg.kv_cache_memory, per_block, cfg.block_size, max_model_len, blocks_per_seq)
+        return blocks_for_budget(cfg.kv_cache_memory - extra.fixed, per_block + extra.per_block, cfg.block_size,
+                                 max_model_len, blocks_per_seq)
     if platform == "gpu":
         if memory is None:
             raise ConfigError("kv cache: sizing by gpu_memory_utilization needs the device's memory figures")
         budget = kv_cache_budget(memory, cfg.gpu_memory_utilization, peak_temp_bytes)
-        logger.info("KV cache budget: %s", budget.describe())
-        return blocks_for_budget(budget.kv_bytes, per_block, cfg.block_size, max_model_len, blocks_per_seq)
+        logger.info("KV cache budget: %s%s", budget.describe(), "" if proposer is None else
+                    f", shared with the proposer's pool ({extra.per_block} bytes a block, {extra.fixed} more)")
+        return blocks_for_budget(budget.kv_bytes - extra.fixed, per_block + extra.per_block, cfg.block_size,
+                                 max_model_len, blocks_per_seq)
     budget_bytes = min(CPU_DEFAULT_KV_BYTES, (cfg.max_num_seqs * blocks_per_seq + 1) * per_block)
     return blocks_for_budget(budget_bytes, per_block, cfg.block_size, max_model_len, blocks_per_seq)
 

@@ -54,8 +54,8 @@ from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.compilation import CompiledSteps, StepVariant
 from jaxserve.runner.compile_stats import CompileStats
 from jaxserve.runner.device_state import DeviceState, StepOutput
-from jaxserve.runner.draft_runner import DraftModelProposer, load_draft_model
-from jaxserve.runner.eagle_runner import EagleProposer, load_eagle_head, target_tables
+from jaxserve.runner.draft_runner import DraftModelProposer, draft_pool_kv, load_draft_model
+from jaxserve.runner.eagle_runner import EagleProposer, head_pool_kv, load_eagle_head, target_tables
 from jaxserve.runner.encoder_runner import EncoderRunner
 from jaxserve.runner.input_batch import (
     CachedRequestState,
@@ -70,6 +70,7 @@ from jaxserve.runner.input_batch import (
 from jaxserve.runner.inspection import PackedStep
 from jaxserve.runner.kv_cache import (
     KV_CACHE_DTYPES,
+    ProposerKV,
     allocate_kv_cache,
     determine_num_blocks,
     gpu_device_memory,
@@ -200,12 +201,15 @@ class ModelRunner:
     """``target`` (default: the local device) decides the step's control flow (``cond_free``, see
     :mod:`.target`); an abstract target builds a runner that only lowers and compiles, on the
     target's mesh. ``devices``: the local devices to run on, ``config.tensor_parallel_size`` of
-    them (default: the first ones of ``jax.devices()``); ``model``'s layout must be of that size."""
+    them (default: the first ones of ``jax.devices()``); ``model``'s layout must be of that size.
+    ``draft``: speculative_config's draft model, or an EAGLE head as (EagleConfig, weights), given
+    instead of loaded from ``speculative_config.model``; a compile-only runner needs one (shapes)."""
 
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM, max_model_len: int,
                  target: StepTarget | None = None, devices: Sequence[jax.Device] | None = None,
-                 encoder: EncoderRunner | None = None):
+                 encoder: EncoderRunner | None = None, draft: Any = None):
         self.config = config
+        self._given_draft = draft
         # A vision-language model's image side (None: text only); its outputs are merged into the
         # step's embeddings at the image placeholder tokens.
         self.encoder = encoder
@@ -314,6 +318,9 @@ class ModelRunner:
         self._eagle_head = None if spec is None or spec.method not in HEAD_METHODS else self._load_eagle_head()
         self._eagle_reads: str | tuple[int, ...] | None = (
             None if self._eagle_head is None else self._eagle_head[0].aux_layers or "final")
+        # The draft model, loaded before the pool is sized: its weights are then held, and the
+        # target's pool leaves room for the draft's (_proposer_kv).
+        self._draft_model = None if spec is None or spec.method != "draft_model" else self._load_draft_model()
         self.prompt_logprobs = PromptLogprobsWorker(self.graphdef, self._split_args, self.num_logprobs,
                                                     self.target.sampler_policy(), self._replicated,
                                                     config.enforce_eager)
@@ -351,28 +358,43 @@ class ModelRunner:
         spec = self.config.spec_decode_config.spec
         if spec is None or spec.method == "ngram":
             return
-        if self.target.is_abstract:
-            raise ConfigError(f"speculative_config.method={spec.method}: a compile-only runner has no draft")
         if spec.method in HEAD_METHODS:
             self._init_eagle()
             return
-        draft = load_draft_model(self.config, self.mc)
+        draft, self._draft_model = self._draft_model, None  # the proposer holds the weights now
         self.drafter = DraftModelProposer(self.config, draft, self.max_model_len, spec.num_speculative_tokens,
-                                          self.attn_fn, self.devices[0], self.num_blocks)
+                                          self.attn_fn, self.devices[0], self.num_blocks, self._abstract_sharding)
         logger.info("draft model %s: %d KV blocks, %d token buckets, %d row buckets", spec.model,
                     self.drafter.num_blocks, len(self.drafter.token_buckets), len(self.drafter.row_buckets))
+
+    def _load_draft_model(self) -> Any:
+        draft, self._given_draft = self._given_draft, None
+        if draft is None and self.target.is_abstract:
+            raise ConfigError("speculative_config.method=draft_model: a compile-only runner loads no draft; "
+                              "pass ModelRunner(draft=...)")
+        return draft if draft is not None else load_draft_model(self.config, self.mc)
+
+    def _proposer_kv(self) -> ProposerKV | None:
+        """The draft's or the EAGLE head's pool, which the KV budget holds with the target's."""
+        if self._draft_model is not None:
+            return draft_pool_kv(self.config, self._draft_model.config, self.max_model_len, self.num_spec)
+        return None if self._eagle_head is None else head_pool_kv(self.config, self._eagle_head[0])
 
     def _load_eagle_head(self) -> tuple[EagleConfig, Weights]:
         spec = self.config.spec_decode_config.spec
         assert spec is not None
-        if self.target.is_abstract:
-            raise ConfigError(f"speculative_config.method={spec.method}: a compile-only runner has no draft")
         if len(self.kv_cache_groups) != 1:  # the head's KV follows the target's one block table
             raise ConfigError(f"speculative_config.method={spec.method}: a target with sliding-window or hybrid "
                               "attention layers is not supported")
         if not hasattr(nnx.merge(self.graphdef, self.model_state), "forward_with_aux"):
             raise ConfigError(f"speculative_config.method={spec.method}: the target ({self.mc.architecture}) "
                               "does not hand over hidden states; EAGLE needs a Llama-family decoder")
+        if self._given_draft is not None:
+            head, self._given_draft = self._given_draft, None
+            return head
+        if self.target.is_abstract:
+            raise ConfigError(f"speculative_config.method={spec.method}: a compile-only runner loads no head; "
+                              "pass ModelRunner(draft=...)")
         return load_eagle_head(self.config, self.mc)
 
     def _init_eagle(self) -> None:
@@ -385,7 +407,7 @@ class ModelRunner:
         step_rows = {b: self._num_rows(b) for b in self.buckets.token_buckets}
         self.eagle = EagleProposer(self.config, cfg, weights, tables, spec.num_speculative_tokens, self.attn_fn,
                                    self.devices[0], self.num_blocks, self.max_blocks_per_seq, step_rows,
-                                   self._replicated)
+                                   self._replicated, self._abstract_sharding)
         logger.info("%s head %s: %d programs; reads %s", spec.method, spec.model or "(the target's)",
                     len(step_rows),
                     "the final hidden state" if not cfg.aux_layers else f"layers {list(cfg.aux_layers)}")
@@ -404,6 +426,12 @@ class ModelRunner:
             if layout.kv_replicas > 1:
                 logger.info("the model's %d key/value heads are fewer than tensor_parallel_size %d: each is "
                             "stored %d times, one copy per device", layout.num_kv_heads, tp, layout.kv_replicas)
+
+    @property
+    def _abstract_sharding(self) -> Any:
+        """Where a compile-only runner's proposer compiles for: its first device, where a local
+        runner puts the proposer's arrays; None on a local target."""
+        return jax.sharding.SingleDeviceSharding(self.devices[0]) if self.target.is_abstract else None
 
     @property
     def kv_cache(self):
@@ -453,10 +481,12 @@ class ModelRunner:
         cfg = self.config
         local_gpu = self.target.platform == "gpu" and not self.target.is_abstract
         if not local_gpu or cfg.num_gpu_blocks_override is not None or cfg.kv_cache_memory is not None:
-            return determine_num_blocks(self.mc, cfg, self.max_model_len, platform=self.target.platform)
+            return determine_num_blocks(self.mc, cfg, self.max_model_len, platform=self.target.platform,
+                                        proposer=self._proposer_kv())
         memory = gpu_device_memory(self.devices[0])
         return determine_num_blocks(self.mc, cfg, self.max_model_len, platform="gpu", memory=memory,
-                                    peak_temp_bytes=self.peak_temp_bytes(self.max_blocks_per_seq + 1))
+                                    peak_temp_bytes=self.peak_temp_bytes(self.max_blocks_per_seq + 1),
+                                    proposer=self._proposer_kv())
 
     def peak_temp_variant(self) -> StepVariant:
         """The variant with the most temporary memory: the most tokens a step can schedule (the

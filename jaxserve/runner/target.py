@@ -74,3 +74,9 @@ class StepTarget:
         if not self.cond_free:
             return SamplerPolicy()
         return SamplerPolicy(cond_free=True, all_greedy=True if all_greedy is None else all_greedy)
+
+
+def shapes_on(tree: Any, sharding: Any) -> Any:
+    """``tree``'s arrays (or shapes) as shapes carrying ``sharding``: what a compile-only runner
+    or proposer holds in place of its weights and pools (nothing is allocated)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)

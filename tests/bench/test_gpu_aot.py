@@ -145,3 +145,132 @@ def test_lora_step_lowers_from_shapes_alone_reading_its_tables_in_place():
         for dtype, dims in table_shapes:
             if len(dims) == 4:
                 assert any(f"{dtype}[{','.join(map(str, dims))}]" in line for line in params), dims
+
+
+def test_host_callbacks_are_round_trips():
+    """A callback into Python (``jax.pure_callback``) is a host round trip each run."""
+    import numpy as np
+
+    def f(x):
+        return jax.pure_callback(lambda a: np.asarray(a) * 2, jax.ShapeDtypeStruct(x.shape, x.dtype), x) + 1
+
+    stats = analyze_hlo(jax.jit(f).lower(jnp.ones(8)).compile().as_text(), set(), set())
+    assert stats.host_callbacks == 1 and stats.host_round_trips == 1
+    plain = analyze_hlo(jax.jit(lambda x: x * 2 + 1).lower(jnp.ones(8)).compile().as_text(), set(), set())
+    assert plain.host_callbacks == 0 and plain.host_round_trips == 0
+
+
+def _spec_runner(speculative_config: dict, give_draft: bool = True, **overrides):
+    """A compile-only runner of cpu-bench on the CPU (xla attention) speculating per
+    ``speculative_config``, its draft given as scripts/gpu_aot_check.py gives it (or none)."""
+    from jaxserve.bench.gpu_aot_draft import abstract_draft
+    from jaxserve.config import EngineConfig
+    from jaxserve.runner.mesh import make_mesh
+
+    model = gpu_aot.abstract_model("cpu-bench", False)
+    sharding = jax.sharding.NamedSharding(make_mesh(jax.devices("cpu")[:1], 1), jax.sharding.PartitionSpec())
+    # at most 8 tokens a step: a 16-token gather of the xla attention would have one 16-slot
+    # block's shape, which the copy check cannot tell from a copy of the pool's block
+    config = EngineConfig(**{"attention_backend": "xla", "num_gpu_blocks_override": 16, "max_num_seqs": 4,
+                             "max_num_batched_tokens": 8, "speculative_config": speculative_config, **overrides})
+    draft = abstract_draft(config.spec_decode_config.spec, model.config) if give_draft else None
+    return gpu_aot.abstract_runner(model, config, sharding, max_model_len=128, draft=draft), draft
+
+
+def _shapes(tree) -> set:
+    hlo = {"float32": "f32", "int32": "s32"}
+    return {(hlo[str(x.dtype)], tuple(x.shape)) for x in jax.tree.leaves(tree)}
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3"])
+def test_a_speculating_runners_proposer_compiles_from_shapes_alone(method):
+    """scripts/gpu_aot_check.py --speculative-config: the compile-only runner is given its draft
+    (a preset) or EAGLE head (the target's shape), and every program its proposer compiles at
+    warm-up lowers from shapes, here for the CPU: the draft's pool donated and updated in place,
+    no copy of its weights (or of the target's tables an EAGLE head reads). Host round trips are
+    checked on the H200 programs (the CPU's xla attention has its own loops)."""
+    from jaxserve.bench.gpu_aot_draft import draft_programs
+
+    runner, _ = _spec_runner({"method": method, "model": "cpu-bench", "num_speculative_tokens": 3})
+    proposer = runner.drafter if method == "draft_model" else runner.eagle
+    assert proposer is not None and (runner.drafter is None) == (method != "draft_model")
+    programs = draft_programs(runner)
+    if method == "draft_model":  # a catch-up per token bucket, a K-1-step loop per row bucket
+        expected = len(proposer.token_buckets) + len(proposer.row_buckets)
+    else:  # a program per target token bucket
+        expected = len(runner.buckets.token_buckets)
+    assert len(programs) == expected
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((proposer.weights, proposer.kv)))
+    for program in (programs[0], programs[-1]):
+        stats = analyze_hlo(program.lower().compile().as_text(), _shapes(program.weights), _shapes(program.pools))
+        assert stats.pool_aliased and not stats.pool_copies, (program.name, stats)
+        assert stats.weight_copies == [], (program.name, stats.weight_copies)
+    top = runner.buckets.token_buckets[-1]  # --buckets: only the programs of those sizes
+    only = draft_programs(runner, [top])
+    assert only and {p.name for p in only} <= {p.name for p in programs} and not draft_programs(runner, [top + 1])
+    assert all(p.name.endswith((f"-{top}", f"-r{top}")) for p in only)
+
+
+def test_an_abstract_eagle_head_has_the_loaded_heads_tensors(tmp_path):
+    """The head the check builds holds the tensors (names, served shapes) a loaded head of the
+    same shape holds."""
+    import json
+
+    from jaxserve.bench.gpu_aot_draft import abstract_eagle_head
+    from jaxserve.bench.presets import preset_config
+    from jaxserve.models.eagle import eagle_config, load_eagle_weights
+    from tests.eagle_heads import write_eagle_head
+
+    target = gpu_aot.abstract_model("cpu-bench", False).config
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps(preset_config("cpu-bench")))
+    for method in ("eagle", "eagle3"):
+        folder = write_eagle_head(tmp_path / method, tmp_path / "target", method, draft_vocab_size=4096,
+                                  intermediate_size=2 * target.hidden_size)
+        loaded = load_eagle_weights(folder, eagle_config(folder, method, target), jnp.float32)
+        cfg, weights = abstract_eagle_head(method, target)
+        assert set(weights) == set(loaded)
+        same_mlp = {k for k in loaded if "mlp" not in k}  # the written head's MLP is 2h wide, the target's 3h
+        assert {k: weights[k].shape for k in same_mlp if k not in ("lm_head.weight", "d2t")} == {
+            k: loaded[k].shape for k in same_mlp if k not in ("lm_head.weight", "d2t")}
+
+
+def test_a_compile_only_runner_needs_its_draft_and_a_draft_preset_needs_the_vocabulary():
+    from jaxserve.bench.gpu_aot_draft import abstract_draft
+    from jaxserve.config.speculative import SpeculativeConfig
+    from jaxserve.exceptions import ConfigError
+
+    with pytest.raises(ConfigError, match="speculative_config.method=draft_model"):
+        _spec_runner({"method": "draft_model", "model": "cpu-bench", "num_speculative_tokens": 2}, give_draft=False)
+    target = gpu_aot.abstract_model("cpu-bench", False).config
+    with pytest.raises(ConfigError, match="speculative_config.model.*vocabulary"):
+        abstract_draft(SpeculativeConfig.parse({"model": "qwen3-tiny-draft", "num_speculative_tokens": 2}), target)
+    with pytest.raises(ConfigError, match="speculative_config.model.*not a preset"):
+        abstract_draft(SpeculativeConfig.parse({"model": "/no/such/draft", "num_speculative_tokens": 2}), target)
+
+
+def _nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_the_kv_budget_holds_the_proposers_pool_with_the_targets(method):
+    """With a KV budget (kv_cache_memory here, the GPU's share the same way), the target's pool
+    leaves room for the draft's or the head's: both pools together fit it, where the target's
+    alone would take all of it; the proposer's pool is what the sizing counted for it."""
+    from jaxserve.bench.gpu_aot_draft import proposer_memory
+    from jaxserve.runner.kv_cache import bytes_per_block
+
+    budget = 2 << 20
+    spec = {"method": method, "model": "cpu-bench", "num_speculative_tokens": 3}
+    runner, draft = _spec_runner(spec, num_gpu_blocks_override=None, kv_cache_memory=budget)
+    proposer = runner.drafter if method == "draft_model" else runner.eagle
+    target_pool, proposer_pool = _nbytes(runner.state.kv_cache), _nbytes(proposer.kv)
+    assert target_pool + proposer_pool <= budget
+    target_alone = budget // bytes_per_block(runner.mc, runner.block_size)
+    assert runner.num_blocks < target_alone
+    pool, weights = proposer_memory(runner.config.spec_decode_config.spec, draft, runner.config, runner.max_model_len)
+    assert proposer_pool <= pool.fixed + pool.per_block * runner.num_blocks
+    # as many tokens as the target's pool (the draft), or one layer in each of its blocks (the head)
+    assert proposer_pool >= pool.per_block * runner.num_blocks
+    assert weights == _nbytes(proposer.weights)
