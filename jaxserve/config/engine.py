@@ -92,9 +92,11 @@ class EngineConfig:
             raise ConfigError("speculative_config with runner='pooling': a pooling model generates no "
                               "tokens to speculate on")
         spec = self.spec_decode_config.spec
-        if spec is not None and spec.method != "ngram" and self.parallel_config.tensor_parallel_size > 1:
-            raise ConfigError(f"speculative_config.method={spec.method} runs the draft on one device; "
-                              f"tensor_parallel_size {self.parallel_config.tensor_parallel_size} is not supported")
+        # A draft or head runs on the target's mesh (split or replicated), built by the runner of one
+        # host; a mesh over several hosts has none yet.
+        if spec is not None and spec.method != "ngram" and self.parallel_config.is_multi_node:
+            raise ConfigError(f"speculative_config.method={spec.method} runs the draft on one host's devices; "
+                              f"nnodes {self.parallel_config.nnodes} is not supported")
 
     # ---- the flat view -------------------------------------------------------------------------
 

@@ -17,6 +17,12 @@ overwritten by the next catch-up. Blocks are allocated per request from a free l
 when the request finishes, is preempted or is replaced; a request the pool cannot hold gets no
 drafts that step. Every program is compiled at warm-up; a shape met later is compiled then and
 counted in ``unexpected_compiles``.
+
+Tensor parallel (vLLM runs the draft at the target's size): on the target's mesh, a draft whose
+heads and MLP width the mesh divides (:func:`jaxserve.models.tp_layout.splits_evenly`) is loaded
+in the target's layout, each shard read onto its device, and runs split as the target does, its
+pool split on the key/value heads; any other draft is replicated on every device (weights and
+pool whole), each device running the same program, so the drafts are the same either way.
 """
 
 from __future__ import annotations
@@ -30,20 +36,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.attention import AttentionFn, AttentionMetadata
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.tp_layout import splits_evenly
 from jaxserve.runner.kv_cache import allocate_kv_cache, kv_cache_groups, num_kv_slots
+from jaxserve.runner.mesh import kv_cache_sharding, param_sharding, replicated, weight_shardings
 
 logger = logging.getLogger("jaxserve")
 
 
-def load_draft_model(config: EngineConfig, target: ModelConfig) -> Any:
+def load_draft_model(config: EngineConfig, target: ModelConfig, mesh: Mesh) -> Any:
     """The draft named by ``speculative_config.model``, in the target's dtype (or its own
-    ``quantization``), checked against the target: the same vocabulary, one KV cache group."""
+    ``quantization``), checked against the target: the same vocabulary, one KV cache group. On a
+    mesh of several devices it is laid out and placed split over ``mesh`` when its shapes divide
+    it, else replicated on every device (its ``tensor_parallel_size`` says which)."""
     from jaxserve.models import load_model
     from jaxserve.models.hub import resolve_model
     from jaxserve.models.loader import checkpoint_config
@@ -65,7 +76,14 @@ def load_draft_model(config: EngineConfig, target: ModelConfig) -> Any:
         raise ConfigError("speculative_config.model: an M-RoPE (vision-language) draft is not supported")
     # The target's scan_layers flag (None: by depth). Unrolled, SmolLM2's Q4_1 draft proposed 8x
     # slower on this CPU (docs/benchmarks.md, the draft-model section).
-    return load_model(str(source.path), target.dtype, config.scan_layers, quantization=spec.quantization)
+    size = mesh.size if mesh.size > 1 and splits_evenly(mc, mesh.size, config.enable_expert_parallel) else 1
+    if mesh.size > 1 and size == 1:
+        logger.info("draft model %s: its shapes do not divide tensor_parallel_size %d; replicated on every device",
+                    spec.model, mesh.size)
+    whole = replicated(mesh)
+    return load_model(str(source.path), target.dtype, config.scan_layers, quantization=spec.quantization,
+                      tensor_parallel_size=size,
+                      place=lambda path, shape: param_sharding(mesh, path, len(shape)) if size > 1 else whole)
 
 
 @dataclasses.dataclass
@@ -87,11 +105,12 @@ def _pow2_buckets(top: int, start: int = 1) -> list[int]:
 
 
 class DraftModelProposer:
-    """``model``: the loaded draft; ``device``: where it runs; ``attn_fn``: the target's attention
+    """``model``: the loaded draft (split over ``mesh`` when its ``tensor_parallel_size`` is the
+    mesh's, else replicated on it); ``mesh``: the target's; ``attn_fn``: the target's attention
     backend function (the draft's pool has the same block size)."""
 
     def __init__(self, config: EngineConfig, model: Any, max_model_len: int, k: int, attn_fn: AttentionFn,
-                 device: jax.Device, target_num_blocks: int):
+                 mesh: Mesh, target_num_blocks: int):
         self.k = k
         self.mc: ModelConfig = model.config
         self.block_size = bs = config.block_size
@@ -104,18 +123,28 @@ class DraftModelProposer:
         self._free = list(range(self.num_blocks - 1, 0, -1))
         self.seqs: dict[str, _DraftSeq] = {}
         self.attn_fn = attn_fn
-        self.device = device
+        size = getattr(model, "tensor_parallel_size", 1)
+        self.split = size > 1
+        if self.split and size != mesh.size:
+            raise ValueError(f"draft model laid out for {size} shards on a mesh of {mesh.size} devices")
+        # The model's calls get the mesh only when split (replicated, each device runs it whole).
+        self.mesh = mesh if self.split else None
         self.graphdef, flat = nnx.flatten(model, with_paths=True)
-        self.weights = jax.device_put([v for _, v in flat], device)
+        whole = replicated(mesh)
+        self.weights = jax.device_put([v for _, v in flat], weight_shardings(mesh, flat) if self.split
+                                      else [whole] * len(flat))
         slots = num_kv_slots(kv_cache_groups(self.mc, bs, max_model_len, config.kv_cache_dtype))
-        self.kv = jax.device_put(allocate_kv_cache(self.mc, self.num_blocks, bs, 1, config.kv_cache_dtype, slots),
-                                 device)
+        kv_sharding = kv_cache_sharding(mesh) if self.split else whole
+        # Made in place: no device ever holds more of the pool than its shard.
+        self.kv = jax.jit(lambda: allocate_kv_cache(self.mc, self.num_blocks, bs, size, config.kv_cache_dtype, slots),
+                          out_shardings=kv_sharding)()
         top = min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len)
         # From 1: after full acceptance a catch-up is 2 tokens a row (the last draft, the target's).
         self.token_buckets = _pow2_buckets(top)
         self.row_buckets = _pow2_buckets(config.max_num_seqs)
-        self._catch_up = jax.jit(self._catch_up_fn, donate_argnums=(1,))
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
+        # The donated pool comes back as it went in; the drafts are replicated.
+        self._catch_up = jax.jit(self._catch_up_fn, donate_argnums=(1,), out_shardings=(kv_sharding, whole))
+        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), out_shardings=(kv_sharding, whole))
         self._compiled: dict[tuple[str, int], Any] = {}
         self.unexpected_compiles = 0
         self.num_passes = 0  # forward programs run (catch-up passes and decode loops)
@@ -146,7 +175,7 @@ class DraftModelProposer:
         return nnx.merge(self.graphdef, weights)
 
     def _forward(self, model, kv, input_ids, md: AttentionMetadata):
-        hidden, kv, _ = model.forward(input_ids, kv, md, self.attn_fn)
+        hidden, kv, _ = model.forward(input_ids, kv, md, self.attn_fn, self.mesh)
         return hidden, kv
 
     def _catch_up_fn(self, weights, kv, input_ids, positions, slot_mapping, block_tables, kv_lens,
@@ -154,7 +183,7 @@ class DraftModelProposer:
         model = self._model(weights)
         md = AttentionMetadata(positions, slot_mapping, block_tables, kv_lens, query_start_loc, num_seqs)
         hidden, kv = self._forward(model, kv, input_ids, md)
-        logits = model.compute_logits(hidden[logits_indices])
+        logits = model.compute_logits(hidden[logits_indices], self.mesh)
         return kv, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def _decode_fn(self, weights, kv, tokens, starts, block_tables, num_real):
@@ -171,7 +200,7 @@ class DraftModelProposer:
             md = AttentionMetadata(jnp.where(real, pos, 0), slot, block_tables, jnp.where(real, pos + 1, 0),
                                    qsl, num_real)
             hidden, kv = self._forward(model, kv, tokens, md)
-            tokens = jnp.argmax(model.compute_logits(hidden), axis=-1).astype(jnp.int32)
+            tokens = jnp.argmax(model.compute_logits(hidden, self.mesh), axis=-1).astype(jnp.int32)
             out.append(tokens)
         return kv, jnp.stack(out, axis=1)
 

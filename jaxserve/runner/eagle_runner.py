@@ -18,6 +18,12 @@ position gives the first, then K-1 one-token steps each read the previous step's
 state, their KV written into the lookahead slots and overwritten by the next catch-up. Every
 program is compiled at warm-up; a shape met later is compiled then and counted in
 ``unexpected_compiles``.
+
+Tensor parallel: everything lives on the target's mesh. When the head's heads and MLP width
+divide it (:func:`jaxserve.models.tp_layout.eagle_head_splits`) its layer is split as a target
+layer and its pool on the key/value heads, so each device holds the head KV of its own key/value
+heads in the target's blocks, as it holds the target's; otherwise head and pool are replicated.
+The hidden states it reads are replicated (the target's all-reduce came before them).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.exceptions import ConfigError
@@ -44,7 +51,9 @@ from jaxserve.models.eagle import (
     greedy_tokens,
     load_eagle_weights,
 )
+from jaxserve.models.tp_layout import eagle_head_splits
 from jaxserve.runner.kv_cache import allocate_kv_cache
+from jaxserve.runner.mesh import eagle_head_shardings, replicated
 from jaxserve.runner.step_inputs import ModelInputs
 
 logger = logging.getLogger("jaxserve")
@@ -79,11 +88,11 @@ def target_tables(paths: Sequence[tuple], arrays: Sequence[jax.Array], method: s
 
 class EagleProposer:
     """``step_rows``: the target's rows per token bucket (every bucket gets its program);
-    ``hidden_sharding``: where the step's hidden states live; ``num_blocks`` and ``table_width``:
-    the target's pool and block-table width."""
+    ``hidden_sharding``: where the step's hidden states live; ``mesh``: the target's;
+    ``num_blocks`` and ``table_width``: the target's pool and block-table width."""
 
     def __init__(self, config: EngineConfig, cfg: EagleConfig, weights: Weights, tables: TargetTables, k: int,
-                 attn_fn: AttentionFn, device: jax.Device, num_blocks: int, table_width: int,
+                 attn_fn: AttentionFn, mesh: Mesh, num_blocks: int, table_width: int,
                  step_rows: dict[int, int], hidden_sharding: Any):
         self.k = k
         self.table_width = table_width
@@ -91,17 +100,26 @@ class EagleProposer:
         self.block_size = config.block_size
         self.num_blocks = num_blocks
         self.attn_fn = attn_fn
-        self.weights = jax.device_put(weights, device)
+        self.split = eagle_head_splits(cfg.layer, mesh.size)
+        self.mesh = mesh if mesh.size > 1 else None  # the target's tables are split over it
+        self.attn_mesh = mesh if self.split else None
+        weight_shardings, pool_sharding = eagle_head_shardings(mesh, weights, self.split)
+        self.weights = jax.device_put(weights, weight_shardings)
         self.tables = tables
-        k_pool, v_pool = allocate_kv_cache(cfg.layer, num_blocks, self.block_size, 1, config.kv_cache_dtype)
-        self.kv = jax.device_put((k_pool[0], v_pool[0]), device)  # one layer: [num_blocks, bs, Hkv, D]
+
+        def zero_pools():
+            k_pool, v_pool = allocate_kv_cache(cfg.layer, num_blocks, self.block_size, 1, config.kv_cache_dtype)
+            return k_pool[0], v_pool[0]  # one layer: [num_blocks, bs, Hkv, D]
+
+        self.kv = jax.jit(zero_pools, out_shardings=pool_sharding)()
         self.step_rows = dict(step_rows)
         self.hidden_sharding = hidden_sharding
         # Each request's positions with head KV (the rest of its blocks: stale or lookahead).
         self.num_computed: dict[str, int] = {}
         # Requests the head missed positions of (never expected: a safety net): no drafts until freed.
         self.blind: set[str] = set()
-        self._jitted = jax.jit(self._propose_fn, donate_argnums=(2,))
+        # The donated pools come back as they went in; the drafts are replicated.
+        self._jitted = jax.jit(self._propose_fn, donate_argnums=(2,), out_shardings=(pool_sharding, replicated(mesh)))
         self._compiled: dict[int, Any] = {}
         self.unexpected_compiles = 0
         self.num_passes = 0
@@ -123,8 +141,9 @@ class EagleProposer:
         cfg, bs = self.cfg, self.block_size
         md = AttentionMetadata(positions, slot_mapping, block_tables, kv_lens, query_start_loc, num_seqs)
         hidden = combine_target_hidden(cfg, weights, target_hidden)
-        rows, hidden, kv = eagle_forward(cfg, weights, tables, input_ids, hidden, kv, md, self.attn_fn)
-        tokens = greedy_tokens(cfg, weights, tables, rows[logits_indices])
+        rows, hidden, kv = eagle_forward(cfg, weights, tables, input_ids, hidden, kv, md, self.attn_fn, self.mesh,
+                                         self.attn_mesh)
+        tokens = greedy_tokens(cfg, weights, tables, rows[logits_indices], self.mesh)
         hidden = hidden[logits_indices]
         num_rows = logits_indices.shape[0]
         # Draft j+2 is read at position p + 1 + j, p the row's last valid position.
@@ -140,8 +159,9 @@ class EagleProposer:
             # Rows not drafting attend to one position of the null block and write nothing.
             md = AttentionMetadata(jnp.where(proposing, pos, 0), slot, jnp.where(proposing[:, None], block_tables, 0),
                                    jnp.where(proposing, pos + 1, 1), one_each, jnp.full((1,), num_rows, jnp.int32))
-            rows, hidden, kv = eagle_forward(cfg, weights, tables, tokens, hidden, kv, md, self.attn_fn)
-            tokens = greedy_tokens(cfg, weights, tables, rows)
+            rows, hidden, kv = eagle_forward(cfg, weights, tables, tokens, hidden, kv, md, self.attn_fn, self.mesh,
+                                             self.attn_mesh)
+            tokens = greedy_tokens(cfg, weights, tables, rows, self.mesh)
             out.append(tokens)
         return kv, jnp.stack(out, axis=1)
 

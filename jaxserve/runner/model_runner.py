@@ -355,9 +355,9 @@ class ModelRunner:
         if spec.method in ("eagle", "eagle3"):
             self._init_eagle()
             return
-        draft = load_draft_model(self.config, self.mc)
+        draft = load_draft_model(self.config, self.mc, self.mesh)
         self.drafter = DraftModelProposer(self.config, draft, self.max_model_len, spec.num_speculative_tokens,
-                                          self.attn_fn, self.devices[0], self.num_blocks)
+                                          self.attn_fn, self.mesh, self.num_blocks)
         logger.info("draft model %s: %d KV blocks, %d token buckets, %d row buckets", spec.model,
                     self.drafter.num_blocks, len(self.drafter.token_buckets), len(self.drafter.row_buckets))
 
@@ -383,7 +383,7 @@ class ModelRunner:
         tables = target_tables(self._weight_paths, self.model_state, spec.method)
         step_rows = {b: self._num_rows(b) for b in self.buckets.token_buckets}
         self.eagle = EagleProposer(self.config, cfg, weights, tables, spec.num_speculative_tokens, self.attn_fn,
-                                   self.devices[0], self.num_blocks, self.max_blocks_per_seq, step_rows,
+                                   self.mesh, self.num_blocks, self.max_blocks_per_seq, step_rows,
                                    self._replicated)
         logger.info("%s head %s: %d programs; reads %s", spec.method, spec.model, len(step_rows),
                     "the final hidden state" if not cfg.aux_layers else f"layers {list(cfg.aux_layers)}")

@@ -19,8 +19,8 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.exceptions import ConfigError
-from jaxserve.models.safetensors_io import SafetensorsFile, save_file
-from tests.eagle_heads import write_eagle_head
+from jaxserve.models.safetensors_io import SafetensorsFile
+from tests.eagle_heads import make_near_pass_through, write_eagle_head
 from tests.shapes import ENGINE_TESTS_SHAPE
 from tests.spec_helpers import assert_target_pool_empty, prompts, stats_of, token_ids
 
@@ -32,16 +32,8 @@ DRAFT_VOCAB = 512
 @pytest.fixture(scope="module")
 def near_pass_through_head(demo_model, tmp_path_factory) -> str:
     """An EAGLE-1 head (with an fc bias) whose output is near the target hidden state it reads."""
-    folder = write_eagle_head(tmp_path_factory.mktemp("eagle") / "head", demo_model, "eagle", seed=1, fc_bias=True)
-    file = SafetensorsFile(f"{folder}/model.safetensors")
-    tensors = {name: np.array(file.get(name)) for name in file.keys()}
-    del file
-    h = tensors["fc.weight"].shape[0]
-    tensors["fc.weight"] = (np.concatenate([np.zeros((h, h)), np.eye(h)], axis=1)
-                            + 0.1 * tensors["fc.weight"]).astype(np.float32)
-    tensors["layers.0.mlp.down_proj.weight"] *= 0.1
-    save_file(tensors, f"{folder}/model.safetensors")
-    return folder
+    return make_near_pass_through(write_eagle_head(tmp_path_factory.mktemp("eagle") / "head", demo_model, "eagle",
+                                                   seed=1, fc_bias=True))
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +235,6 @@ def test_a_head_of_the_other_method_is_refused_by_shape(demo_model, tmp_path):
 
 def test_unsupported_combinations_are_refused(demo_model, tmp_path):
     head = write_eagle_head(tmp_path / "head", demo_model, "eagle")
-    _refused(demo_model, head, "eagle", r"method=eagle runs the draft on one device", tensor_parallel_size=2)
     _refused(demo_model, "/no/such/folder", "eagle", r"speculative_config\.model")
     with pytest.raises(ConfigError, match=r"speculative_config\.quantization is for method draft_model"):
         LLM(demo_model, show_progress=False, **ENGINE_TESTS_SHAPE, speculative_config={

@@ -95,6 +95,9 @@ def test_eagle_config_round_trips():
     assert EngineConfig(speculative_config=spec.to_dict()).spec_decode_config.spec == spec
 
 
-def test_draft_model_refuses_tensor_parallel():
-    with pytest.raises(ConfigError, match="draft_model.*tensor_parallel_size"):
-        EngineConfig(speculative_config={"model": "/m", "num_speculative_tokens": 2}, tensor_parallel_size=2)
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3"])
+def test_a_draft_runs_at_tensor_parallel_sizes_of_one_host(method):
+    spec = {"method": method, "model": "/m", "num_speculative_tokens": 2}
+    assert EngineConfig(speculative_config=spec, tensor_parallel_size=2).tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match=f"method={method}.*nnodes 2"):
+        EngineConfig(speculative_config=spec, tensor_parallel_size=2, nnodes=2)
