@@ -97,6 +97,10 @@ class EngineConfig:
         if spec is not None and spec.method != "ngram" and self.parallel_config.is_multi_node:
             raise ConfigError(f"speculative_config.method={spec.method} runs the draft on one host's devices; "
                               f"nnodes {self.parallel_config.nnodes} is not supported")
+        tp = self.parallel_config.tensor_parallel_size
+        if spec is not None and spec.draft_tensor_parallel_size not in (None, 1, tp):
+            raise ConfigError(f"speculative_config.draft_tensor_parallel_size must be 1 or tensor_parallel_size "
+                              f"({tp}), got {spec.draft_tensor_parallel_size}")
 
     # ---- the flat view -------------------------------------------------------------------------
 

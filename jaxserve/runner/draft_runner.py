@@ -21,8 +21,9 @@ counted in ``unexpected_compiles``.
 Tensor parallel (vLLM runs the draft at the target's size): on the target's mesh, a draft whose
 heads and MLP width the mesh divides (:func:`jaxserve.models.tp_layout.splits_evenly`) is loaded
 in the target's layout, each shard read onto its device, and runs split as the target does, its
-pool split on the key/value heads; any other draft is replicated on every device (weights and
-pool whole), each device running the same program, so the drafts are the same either way.
+pool split on the key/value heads; any other draft, or any with ``draft_tensor_parallel_size``
+1, is replicated on every device (weights and pool whole), each device running the same program,
+so the drafts are the same either way.
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ def load_draft_model(config: EngineConfig, target: ModelConfig, mesh: Mesh) -> A
         raise ConfigError("speculative_config.model: an M-RoPE (vision-language) draft is not supported")
     # The target's scan_layers flag (None: by depth). Unrolled, SmolLM2's Q4_1 draft proposed 8x
     # slower on this CPU (docs/benchmarks.md, the draft-model section).
-    size = mesh.size if mesh.size > 1 and splits_evenly(mc, mesh.size, config.enable_expert_parallel) else 1
-    if mesh.size > 1 and size == 1:
+    split = spec.draft_tensor_parallel_size != 1 and splits_evenly(mc, mesh.size, config.enable_expert_parallel)
+    size = mesh.size if mesh.size > 1 and split else 1
+    if mesh.size > 1 and size == 1 and spec.draft_tensor_parallel_size != 1:
         logger.info("draft model %s: its shapes do not divide tensor_parallel_size %d; replicated on every device",
                     spec.model, mesh.size)
     whole = replicated(mesh)

@@ -22,7 +22,8 @@ program is compiled at warm-up; a shape met later is compiled then and counted i
 Tensor parallel: everything lives on the target's mesh. When the head's heads and MLP width
 divide it (:func:`jaxserve.models.tp_layout.eagle_head_splits`) its layer is split as a target
 layer and its pool on the key/value heads, so each device holds the head KV of its own key/value
-heads in the target's blocks, as it holds the target's; otherwise head and pool are replicated.
+heads in the target's blocks, as it holds the target's; otherwise (or with
+``draft_tensor_parallel_size`` 1) head and pool are replicated.
 The hidden states it reads are replicated (the target's all-reduce came before them).
 """
 
@@ -100,7 +101,8 @@ class EagleProposer:
         self.block_size = config.block_size
         self.num_blocks = num_blocks
         self.attn_fn = attn_fn
-        self.split = eagle_head_splits(cfg.layer, mesh.size)
+        spec = config.spec_decode_config.spec
+        self.split = eagle_head_splits(cfg.layer, mesh.size) and (spec is None or spec.draft_tensor_parallel_size != 1)
         self.mesh = mesh if mesh.size > 1 else None  # the target's tables are split over it
         self.attn_mesh = mesh if self.split else None
         weight_shardings, pool_sharding = eagle_head_shardings(mesh, weights, self.split)

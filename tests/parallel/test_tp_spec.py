@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parallel.tp_spec_runs import CASES, DEVICES, KINDS, VOCAB, run_in_subprocess
+from tests.parallel.tp_spec_runs import CASES, DEVICES, REFERENCE, VOCAB, run_in_subprocess
 
-pytestmark = pytest.mark.slow  # eight engines compiled in a subprocess: several minutes on two loaded cores
+pytestmark = pytest.mark.slow  # nine engines compiled in a subprocess: several minutes on two loaded cores
 LOGPROB_TOLERANCE = 1e-4
+SPLIT_KINDS = [kind for kind, tp in CASES if tp == DEVICES]
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +31,9 @@ def test_every_case_ran_chunked_with_a_prefix_hit_and_no_compile_after_warm_up(r
         assert run["drafted"] > 0
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", SPLIT_KINDS)
 def test_two_devices_give_the_one_device_tokens_logprobs_and_acceptance(results, kind):
-    run, ref = results[(kind, DEVICES)], results[(kind, 1)]
+    run, ref = results[(kind, DEVICES)], results[(REFERENCE.get(kind, kind), 1)]
     assert run["tokens"] == ref["tokens"]
     for rows, ref_rows in zip(run["logprobs"], ref["logprobs"], strict=True):
         for row, ref_row in zip(rows, ref_rows, strict=True):
@@ -69,25 +70,26 @@ def test_a_split_proposer_holds_its_share_of_the_heads(results, kind):
         assert [VOCAB + 1, 64] in [shape for _, shape, _ in split] and VOCAB % DEVICES
 
 
-def test_a_draft_the_devices_do_not_divide_is_replicated(results):
-    run = results[("odd_draft", DEVICES)]
+@pytest.mark.parametrize("kind", ["odd_draft", "eagle_whole"])
+def test_a_draft_the_devices_do_not_divide_or_asked_whole_is_replicated(results, kind):
+    run = results[(kind, DEVICES)]
     assert not run["split"]
     for spec, shape, block in run["pool"] + run["weights"]:
         assert "tp" not in spec and block == shape
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", SPLIT_KINDS)
 def test_proposer_programs_gather_no_weight(results, kind):
     """A split proposer's programs sum partial products (all-reduces) and gather logits, never a
-    weight (its own or the target's embedding and LM head, which the EAGLE head reads split); a
-    replicated draft runs with no collective at all."""
+    weight (its own or the target's embedding and LM head, which an EAGLE head reads split, whole
+    or not); a replicated draft runs with no collective at all."""
     from jaxserve.bench.hlo_collectives import Collectives
 
     run = results[(kind, DEVICES)]
     gathered = Collectives(run["collectives"], tuple(map(tuple, run["all_gather_shapes"])))
     assert gathered.weight_all_gathers(map(tuple, run["weight_shapes"])) == []
-    if run["split"]:
+    if run["split"] or kind == "eagle_whole":
         assert run["collectives"]["all-reduce"] > 0
     else:
         assert not any(run["collectives"].values())
-    assert not any(results[(kind, 1)]["collectives"].values())
+    assert not any(results[(REFERENCE.get(kind, kind), 1)]["collectives"].values())

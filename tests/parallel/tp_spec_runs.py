@@ -12,7 +12,9 @@ case builds an ``LLM`` at ``tensor_parallel_size`` 1 or 2 with one proposer:
 - "eagle": a near-pass-through EAGLE-1 head (split as one target layer, its pool on the key/value
   heads);
 - "eagle3": a random EAGLE-3 head over a 256-token draft vocabulary (reading the target's two
-  layers' inputs), split as "eagle".
+  layers' inputs), split as "eagle";
+- "eagle_whole" (two devices only): "eagle"'s head with ``draft_tensor_parallel_size`` 1, replicated
+  (its one-device reference is "eagle"'s).
 
 Each runs one batch that needs chunked prefill (a 16-token budget), then a prompt extending an
 earlier one (a prefix hit). The JSON holds per case the greedy tokens and their top logprobs, the
@@ -33,8 +35,10 @@ from tests.parallel.device_runs import run_module
 
 DEVICES = 2
 KINDS = ("draft", "odd_draft", "eagle", "eagle3")
-CASES = [(kind, tp) for kind in KINDS for tp in (1, DEVICES)]
-METHODS = {"draft": "draft_model", "odd_draft": "draft_model", "eagle": "eagle", "eagle3": "eagle3"}
+CASES = [(kind, tp) for kind in KINDS for tp in (1, DEVICES)] + [("eagle_whole", DEVICES)]
+METHODS = {"draft": "draft_model", "odd_draft": "draft_model", "eagle": "eagle", "eagle3": "eagle3",
+           "eagle_whole": "eagle"}
+REFERENCE = {"eagle_whole": "eagle"}  # a kind run on two devices only: the one-device case it must equal
 VOCAB = 509  # not a multiple of DEVICES
 K = 3
 ENGINE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_gpu_blocks_override=64,
@@ -56,13 +60,15 @@ def build(root: Path) -> dict[str, str]:
     target = str(build_checkpoint(root / "target", "LlamaForCausalLM", TINY_CONFIGS["LlamaForCausalLM"], seed=1,
                                   vocab_size=VOCAB))
     odd = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1)
-    return {
+    paths = {
         "target": target, "draft": target,
         "odd_draft": str(build_checkpoint(root / "odd", "LlamaForCausalLM", odd, seed=2, vocab_size=VOCAB)),
         "eagle": make_near_pass_through(write_eagle_head(root / "eagle", target, "eagle", seed=1, fc_bias=True)),
         "eagle3": write_eagle_head(root / "eagle3", target, "eagle3", seed=1, draft_vocab_size=256,
                                    eagle_aux_hidden_state_layer_ids=[0, 1, 1]),
     }
+    paths["eagle_whole"] = paths["eagle"]
+    return paths
 
 
 def _placement(arrays) -> list[list]:
@@ -79,7 +85,8 @@ def run_case(paths: dict[str, str], kind: str, tp: int) -> dict:
 
     method = METHODS[kind]
     llm = LLM(paths["target"], tensor_parallel_size=tp, show_progress=False, **ENGINE,
-              speculative_config={"method": method, "model": paths[kind], "num_speculative_tokens": K})
+              speculative_config={"method": method, "model": paths[kind], "num_speculative_tokens": K,
+                                  **({"draft_tensor_parallel_size": 1} if kind == "eagle_whole" else {})})
     core = llm.llm_engine.core
     runner = core.runner
     proposer = runner.eagle if method != "draft_model" else runner.drafter
