@@ -7,24 +7,14 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve import LLM
-from jaxserve.models.safetensors_io import SafetensorsFile, save_file
-from tests.eagle_heads import write_eagle_head
+from tests.eagle_heads import make_near_pass_through, write_eagle_head
 from tests.spec_helpers import assert_target_pool_empty
 
 
 def write_near_pass_through_head(folder, target_folder: str) -> str:
-    """An EAGLE-1 head (with an fc bias) whose output is near the target hidden state it reads:
-    ``fc`` near ``[0 | I]``, the MLP's output scaled down, so that some drafts are accepted."""
-    folder = write_eagle_head(folder, target_folder, "eagle", seed=1, fc_bias=True)
-    file = SafetensorsFile(f"{folder}/model.safetensors")
-    tensors = {name: np.array(file.get(name)) for name in file.keys()}
-    del file
-    h = tensors["fc.weight"].shape[0]
-    tensors["fc.weight"] = (np.concatenate([np.zeros((h, h)), np.eye(h)], axis=1)
-                            + 0.1 * tensors["fc.weight"]).astype(np.float32)
-    tensors["layers.0.mlp.down_proj.weight"] *= 0.1
-    save_file(tensors, f"{folder}/model.safetensors")
-    return folder
+    """An EAGLE-1 head (with an fc bias) whose output is near the target hidden state it reads, so
+    that some drafts are accepted (``tests/eagle_heads.make_near_pass_through``)."""
+    return make_near_pass_through(write_eagle_head(folder, target_folder, "eagle", seed=1, fc_bias=True))
 
 
 def assert_pools_empty(llm: LLM) -> None:

@@ -62,3 +62,20 @@ def write_eagle_head(folder: str | Path, target_folder: str | Path, method: str,
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, folder / "model.safetensors")
     return str(folder)
+
+
+def make_near_pass_through(folder: str | Path) -> str:
+    """Rewrite an EAGLE-1 head in ``folder`` so that its output stays near the target hidden state
+    it reads (``fc`` near ``[0 | I]``, the MLP's output scaled down): its drafts then follow the
+    target's own logits one position back, so that some are accepted."""
+    from jaxserve.models.safetensors_io import SafetensorsFile
+
+    file = SafetensorsFile(f"{folder}/model.safetensors")
+    tensors = {name: np.array(file.get(name)) for name in file.keys()}
+    del file
+    h = tensors["fc.weight"].shape[0]
+    tensors["fc.weight"] = (np.concatenate([np.zeros((h, h)), np.eye(h)], axis=1)
+                            + 0.1 * tensors["fc.weight"]).astype(np.float32)
+    tensors["layers.0.mlp.down_proj.weight"] *= 0.1
+    save_file(tensors, f"{folder}/model.safetensors")
+    return str(folder)

@@ -92,9 +92,19 @@ class EngineConfig:
             raise ConfigError("speculative_config with runner='pooling': a pooling model generates no "
                               "tokens to speculate on")
         spec = self.spec_decode_config.spec
-        if spec is not None and spec.method != "ngram" and self.parallel_config.tensor_parallel_size > 1:
-            raise ConfigError(f"speculative_config.method={spec.method} runs the draft on one device; "
-                              f"tensor_parallel_size {self.parallel_config.tensor_parallel_size} is not supported")
+        # A draft or head runs on the target's mesh (split or replicated), built by the runner of one
+        # host; a mesh over several hosts has none yet.
+        if spec is not None and spec.method != "ngram" and self.parallel_config.is_multi_node:
+            raise ConfigError(f"speculative_config.method={spec.method} runs the draft on one host's devices; "
+                              f"nnodes {self.parallel_config.nnodes} is not supported")
+        tp = self.parallel_config.tensor_parallel_size
+        if spec is not None and spec.method == "mtp" and tp > 1:
+            # Its layer would read the target's vocabulary-split embedding whole; not built.
+            raise ConfigError(f"speculative_config.method=mtp: tensor_parallel_size {tp} is not supported "
+                              "(the MTP layer runs on one device's tables)")
+        if spec is not None and spec.draft_tensor_parallel_size not in (None, 1, tp):
+            raise ConfigError(f"speculative_config.draft_tensor_parallel_size must be 1 or tensor_parallel_size "
+                              f"({tp}), got {spec.draft_tensor_parallel_size}")
 
     # ---- the flat view -------------------------------------------------------------------------
 

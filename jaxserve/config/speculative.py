@@ -22,9 +22,10 @@ MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 # The methods whose proposer is a one-layer head over the target's hidden states, its KV in the
 # target's blocks (mtp: the target checkpoint's own multi-token-prediction layer; no ``model``).
 HEAD_METHODS = ("eagle", "eagle3", "mtp")
-_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "quantization")
+_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "quantization",
+         "draft_tensor_parallel_size")
 _NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
-_DRAFT_KEYS = ("model", "quantization")
+_DRAFT_KEYS = ("model", "quantization", "draft_tensor_parallel_size")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: the draft's folder, .gguf file or hub id; eagle/eagle3: the head's
     # (mtp: None, the layers are the target's)
     quantization: str | None = None  # draft_model: the draft's weight format (the engine flag's values)
+    # 1: the draft or head replicated on every device of the target's mesh; None or the target's
+    # tensor_parallel_size: split like the target where its shapes allow (EngineConfig checks which)
+    draft_tensor_parallel_size: int | None = None
 
     @classmethod
     def parse(cls, value: None | str | dict[str, Any]) -> SpeculativeConfig | None:
@@ -107,7 +111,10 @@ class SpeculativeConfig:
             if quantization not in QUANTIZATION_METHODS:
                 raise ConfigError(f"speculative_config.quantization must be one of "
                                   f"{', '.join(QUANTIZATION_METHODS)}, got {quantization!r}")
-        return cls(method, k, 0, 0, model, quantization)
+        size = value.get("draft_tensor_parallel_size")
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ConfigError(f"speculative_config.draft_tensor_parallel_size must be an integer >= 1, got {size!r}")
+        return cls(method, k, 0, 0, model, quantization, size)
 
     def to_dict(self) -> dict[str, Any]:
         """vLLM's JSON keys of this method (parse gives this configuration back)."""
@@ -116,8 +123,8 @@ class SpeculativeConfig:
             return {**out, "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min}
         if self.method == "mtp":
             return out
-        return {**out, "model": self.model, **({} if self.quantization is None else
-                                               {"quantization": self.quantization})}
+        optional = {"quantization": self.quantization, "draft_tensor_parallel_size": self.draft_tensor_parallel_size}
+        return {**out, "model": self.model, **{k: v for k, v in optional.items() if v is not None}}
 
 
 @dataclasses.dataclass
@@ -128,7 +135,9 @@ class SpecDecodeConfig(SubConfig):
     "num_speculative_tokens": 4} (a smaller model with the target's vocabulary), or {"method": "eagle"
     or "eagle3", "model": HEAD_FOLDER_OR_NAME, "num_speculative_tokens": 3} (an EAGLE head trained for
     the target), or {"method": "mtp", "num_speculative_tokens": 1} (a target that ships its own
-    multi-token-prediction layers, MiMo's); default: off."""
+    multi-token-prediction layers, MiMo's); default: off. With tensor_parallel_size N,
+    "draft_tensor_parallel_size" (1 or N, default N) replicates the draft or head on every device (1)
+    or splits it like the target."""
     speculative_auto_off: bool = False
     """Beyond vLLM: per step, skip verifying drafts when the measured acceptance and a fitted
     step-cost model say speculation costs more than it saves at the current batch size (probing

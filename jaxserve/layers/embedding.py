@@ -28,6 +28,22 @@ def vocab_parallel_rows(table: jax.Array, ids: jax.Array, mesh: Mesh | None = No
     return shard_map(lookup_local, mesh, in_specs=(rows, PartitionSpec()), out_specs=PartitionSpec())(table, ids)
 
 
+def vocab_parallel_logits(h: jax.Array, weight: jax.Array, tied: bool, mesh: Mesh) -> jax.Array:
+    """``h @ head`` for an LM head split over ``mesh`` on the (padded) vocabulary: ``weight`` is
+    the head ``[hidden, vocab]`` split on its columns, or ``tied``, the embedding ``[vocab,
+    hidden]`` split on its rows. Each device multiplies by its own slice under ``shard_map`` (left
+    to itself, the partitioner may gather the whole head instead); the logits come back split on
+    the vocabulary, for the caller to add to or gather."""
+    axes = mesh.axis_names
+    weight_spec = PartitionSpec(axes, None) if tied else PartitionSpec(None, axes)
+
+    def local(h: jax.Array, w: jax.Array) -> jax.Array:
+        return h @ (w.T if tied else w)
+
+    return shard_map(local, mesh, in_specs=(PartitionSpec(), weight_spec), out_specs=PartitionSpec(None, axes))(
+        h, weight)
+
+
 class Embedding(nnx.Module):
     """``embedding [num_embeddings, features]``: rows looked up by token id, or attended to as a
     tied LM head (``hidden @ embedding.T``).

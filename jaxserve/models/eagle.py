@@ -18,6 +18,10 @@ and predicts the token at ``p + 2``; drafting on, it reads its own output hidden
 
 Weights are a flat dict of arrays (projections stored ``[in, out]``), the configuration a frozen
 dataclass closed over by the compiled programs.
+
+Tensor parallel: ``mesh`` is the target's, over which its embedding is split on the vocabulary
+(looked up vocabulary-parallel); ``attn_mesh`` is given when the head's own layer is split (its
+attention then runs per shard of heads, as a target layer's does), None when it is replicated.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.attention import AttentionFn, AttentionMetadata, paged_attention, to_cache_dtype
+from jaxserve.layers.embedding import vocab_parallel_logits, vocab_parallel_rows
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import RotaryEmbedding, apply_rope
 from jaxserve.models.config import ModelConfig
@@ -192,14 +198,16 @@ def combine_target_hidden(cfg: EagleConfig, w: Weights, hidden: jax.Array) -> ja
 
 
 def eagle_forward(cfg: EagleConfig, w: Weights, target: TargetTables, input_ids: jax.Array, hidden: jax.Array,
-                  kv: tuple[jax.Array, jax.Array], md: AttentionMetadata, attn_fn: AttentionFn
+                  kv: tuple[jax.Array, jax.Array], md: AttentionMetadata, attn_fn: AttentionFn,
+                  mesh: Mesh | None = None, attn_mesh: Mesh | None = None
                   ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
     """One pass over ``T`` tokens: ``input_ids [T]`` (the token after each position), ``hidden
     [T, h]`` (combined target hidden states or the head's own). Returns the rows the logits read,
     the next hidden states and the updated pools (``[num_blocks, block_size, Hkv, D]`` each)."""
     mc = cfg.layer
     eps = mc.rms_norm_eps
-    embeds = (w["embed_tokens.weight"] if "embed_tokens.weight" in w else target.embedding)[input_ids]
+    own = "embed_tokens.weight" in w  # the head's own embedding is replicated, the target's split
+    embeds = w["embed_tokens.weight"][input_ids] if own else vocab_parallel_rows(target.embedding, input_ids, mesh)
     embeds = embeds.astype(hidden.dtype)
     p = "layers.0."
     if cfg.method == "eagle3":
@@ -210,7 +218,7 @@ def eagle_forward(cfg: EagleConfig, w: Weights, target: TargetTables, input_ids:
         x = jnp.concatenate([embeds, hidden], axis=-1) @ w["fc.weight"]
         x = x + w["fc.bias"] if "fc.bias" in w else x
         residual = x
-    attn, kv = _attention(mc, w, x, kv, md, attn_fn)
+    attn, kv = _attention(mc, w, x, kv, md, attn_fn, attn_mesh)
     residual = residual + attn
     out = residual + _mlp(w, rms_norm(residual, w[p + "post_attention_layernorm.weight"], eps))
     if cfg.method == "eagle3":
@@ -218,18 +226,27 @@ def eagle_forward(cfg: EagleConfig, w: Weights, target: TargetTables, input_ids:
     return out, out, kv
 
 
-def greedy_tokens(cfg: EagleConfig, w: Weights, target: TargetTables, rows: jax.Array) -> jax.Array:
-    """The argmax token of each row of :func:`eagle_forward`'s logit rows, as a target id."""
+def greedy_tokens(cfg: EagleConfig, w: Weights, target: TargetTables, rows: jax.Array,
+                  mesh: Mesh | None = None) -> jax.Array:
+    """The argmax token of each row of :func:`eagle_forward`'s logit rows, as a target id;
+    ``mesh``: the target's, its LM head split on the vocabulary over it."""
     if cfg.method == "eagle3":
         best = jnp.argmax((rows @ w["lm_head.weight"]).astype(jnp.float32), axis=-1).astype(jnp.int32)
         return best + w["d2t"][best] if "d2t" in w else best
-    head = target.embedding.T if target.lm_head is None else target.lm_head
-    logits = (rows.astype(head.dtype) @ head)[..., : cfg.layer.vocab_size]
+    tied = target.lm_head is None
+    weight = target.embedding if target.lm_head is None else target.lm_head
+    rows = rows.astype(weight.dtype)
+    if mesh is None or mesh.size == 1:
+        logits = rows @ (weight.T if tied else weight)
+    else:  # each device its vocabulary slice, then the logits gathered (as the target's own head)
+        logits = jax.lax.with_sharding_constraint(vocab_parallel_logits(rows, weight, tied, mesh),
+                                                  NamedSharding(mesh, PartitionSpec()))
+    logits = logits[..., : cfg.layer.vocab_size]
     return jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
 
 
 def _attention(mc: ModelConfig, w: Weights, x: jax.Array, kv: tuple[jax.Array, jax.Array], md: AttentionMetadata,
-               attn_fn: AttentionFn) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+               attn_fn: AttentionFn, mesh: Mesh | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     p = "layers.0.self_attn."
     proj = {}
     for n in ("q", "k", "v"):
@@ -243,7 +260,8 @@ def _attention(mc: ModelConfig, w: Weights, x: jax.Array, kv: tuple[jax.Array, j
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_pool, v_pool = kv
     out, k_pool, v_pool = paged_attention(q, to_cache_dtype(k, k_pool.dtype), to_cache_dtype(v, v_pool.dtype),
-                                          k_pool, v_pool, 0, k_pool.shape[0], md, attn_fn, sm_scale=d ** -0.5)
+                                          k_pool, v_pool, 0, k_pool.shape[0], md, attn_fn, sm_scale=d ** -0.5,
+                                          mesh=mesh)
     return out.reshape(t, -1).astype(x.dtype) @ w[p + "o_proj.weight"], (k_pool, v_pool)
 
 

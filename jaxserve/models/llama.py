@@ -29,13 +29,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.attention import AttentionFn, AttentionMetadata, paged_attention, to_cache_dtype
 from jaxserve.layers.block_quant_linear import BlockQuantEmbedding, embedding_block_format_of, project
-from jaxserve.layers.embedding import Embedding
+from jaxserve.layers.embedding import Embedding, vocab_parallel_logits
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.lora import LoRABatch
 from jaxserve.layers.norm import RMSNorm
 from jaxserve.layers.quantized_linear import make_linear
 from jaxserve.layers.rotary import RotaryEmbedding, apply_rope
-from jaxserve.layers.shard import shard_map
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.forward_context import ForwardContext, KVGroups, KVPools
 from jaxserve.models.layer_stack import ScannedLayers
@@ -362,19 +361,12 @@ class LlamaForCausalLM(nnx.Module):
         """Each device multiplies by its own vocabulary slice of the head (under ``shard_map``:
         left to itself, the partitioner may gather the whole head instead) and adds its slice of
         the LoRA delta, then the logits are gathered."""
-        axes = mesh.axis_names
         tied = self.lm_head is None
         if isinstance(self.embed_tokens, BlockQuantEmbedding):  # kept blocks: the tied head, split on its rows
             logits = self.embed_tokens.attend(h, mesh)
         else:
             weight = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.kernel[...]
-            weight_spec = PartitionSpec(axes, None) if tied else PartitionSpec(None, axes)
-
-            def local(h: jax.Array, w: jax.Array) -> jax.Array:
-                return h @ (w.T if tied else w)
-
-            logits = shard_map(local, mesh, in_specs=(PartitionSpec(), weight_spec),
-                               out_specs=PartitionSpec(None, axes))(h, weight)
+            logits = vocab_parallel_logits(h, weight, tied, mesh)
         if lora is not None:  # split on the vocabulary as the logits are: added on each device, no collective;
             # in float32 as with one device (so a LoRA step gathers float32 logits)
             logits = logits.astype(jnp.float32) + lora.head_delta(h, mesh).astype(jnp.float32)

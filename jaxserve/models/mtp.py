@@ -121,7 +121,7 @@ def mtp_forward(cfg: EagleConfig, w: Weights, target: TargetTables, input_ids: j
     x = jnp.concatenate([rms_norm(hidden, w["hidden_layernorm.weight"], eps),
                          rms_norm(embeds, w["token_layernorm.weight"], eps)], axis=-1) @ w["input_proj.weight"]
     p = "layers.0."
-    attn, kv = _attention(cfg.layer, w, rms_norm(x, w[p + "input_layernorm.weight"], eps), kv, md, attn_fn)
+    attn, kv = _attention(cfg.layer, w, rms_norm(x, w[p + "input_layernorm.weight"], eps), kv, md, attn_fn, None)
     residual = x + attn
     out = residual + _mlp(w, rms_norm(residual, w[p + "post_attention_layernorm.weight"], eps))
     out = rms_norm(out, w["final_layernorm.weight"], eps)

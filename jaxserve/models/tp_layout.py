@@ -53,6 +53,20 @@ SPLIT_AXES: dict[tuple[str, ...], int] = {
 }
 
 
+# The EAGLE head's one layer (:mod:`.eagle`'s flat names below ``layers.0.``, projections stored
+# ``[in, out]``), split as a target layer is: q, k, v and gate, up by output columns (whole heads
+# per shard), o and down by input rows. Everything else (fc, norms, its own embedding, LM head and
+# d2t) is replicated.
+EAGLE_SPLIT_AXES: dict[str, int] = {
+    **{f"self_attn.{p}_proj.weight": 1 for p in "qkv"},
+    **{f"self_attn.{p}_proj.bias": 0 for p in "qkv"},
+    "self_attn.o_proj.weight": 0,
+    "mlp.gate_proj.weight": 1,
+    "mlp.up_proj.weight": 1,
+    "mlp.down_proj.weight": 0,
+}
+
+
 def split_axis(path: tuple) -> int | None:
     """The split axis of the parameter at ``path`` (a module path as ``nnx`` spells it), counted
     from the parameter's own first axis; None when it is replicated."""
@@ -85,6 +99,25 @@ def check_tensor_parallel_size(cfg: ModelConfig, size: int, expert_parallel: boo
     if cfg.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's intermediate_size "
                          f"{cfg.intermediate_size}")
+
+
+def splits_evenly(cfg: ModelConfig, size: int, expert_parallel: bool) -> bool:
+    """True when :func:`check_tensor_parallel_size` accepts ``size`` for ``cfg`` (a draft model is
+    split like the target then; otherwise it is replicated)."""
+    try:
+        check_tensor_parallel_size(cfg, size, expert_parallel)
+    except (ValueError, ConfigError):
+        return False
+    return True
+
+
+def eagle_head_splits(cfg: ModelConfig, size: int) -> bool:
+    """True when an EAGLE head with layer shape ``cfg`` splits ``size`` ways with no copies: its
+    query heads, key/value heads and MLP width all divide. Its KV pool is then split on the
+    key/value heads as the target's is; otherwise head and pool are replicated (the one-layer
+    head's weights are not reordered to store key/value heads twice)."""
+    return size > 1 and not (cfg.num_attention_heads % size or cfg.num_key_value_heads % size
+                             or cfg.intermediate_size % size)
 
 
 @dataclasses.dataclass(frozen=True)

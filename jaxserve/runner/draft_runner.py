@@ -18,6 +18,13 @@ when the request finishes, is preempted or is replaced; a request the pool canno
 drafts that step. Every program is compiled at warm-up; a shape met later is compiled then and
 counted in ``unexpected_compiles``. A compile-only proposer (``abstract_sharding``, for the
 deviceless GPU check) holds shapes only and can lower its programs (:meth:`lowered`), not run them.
+
+Tensor parallel (vLLM runs the draft at the target's size): on the target's mesh, a draft whose
+heads and MLP width the mesh divides (:func:`jaxserve.models.tp_layout.splits_evenly`) is loaded
+in the target's layout, each shard read onto its device, and runs split as the target does, its
+pool split on the key/value heads; any other draft, or any with ``draft_tensor_parallel_size``
+1, is replicated on every device (weights and pool whole), each device running the same program,
+so the drafts are the same either way.
 """
 
 from __future__ import annotations
@@ -31,21 +38,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.attention import AttentionFn, AttentionMetadata
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.tp_layout import splits_evenly
 from jaxserve.runner.kv_cache import ProposerKV, allocate_kv_cache, bytes_per_block, kv_cache_groups, num_kv_slots
+from jaxserve.runner.mesh import kv_cache_sharding, param_sharding, replicated, weight_shardings
 from jaxserve.runner.target import shapes_on
 
 logger = logging.getLogger("jaxserve")
 
 
-def load_draft_model(config: EngineConfig, target: ModelConfig) -> Any:
+def load_draft_model(config: EngineConfig, target: ModelConfig, mesh: Mesh) -> Any:
     """The draft named by ``speculative_config.model``, in the target's dtype (or its own
-    ``quantization``), checked against the target: the same vocabulary, one KV cache group."""
+    ``quantization``), checked against the target: the same vocabulary, one KV cache group. On a
+    mesh of several devices it is laid out and placed split over ``mesh`` when its shapes divide
+    it, else replicated on every device (its ``tensor_parallel_size`` says which)."""
     from jaxserve.models import load_model
     from jaxserve.models.hub import resolve_model
     from jaxserve.models.loader import checkpoint_config
@@ -67,7 +79,15 @@ def load_draft_model(config: EngineConfig, target: ModelConfig) -> Any:
         raise ConfigError("speculative_config.model: an M-RoPE (vision-language) draft is not supported")
     # The target's scan_layers flag (None: by depth). Unrolled, SmolLM2's Q4_1 draft proposed 8x
     # slower on this CPU (docs/benchmarks.md, the draft-model section).
-    return load_model(str(source.path), target.dtype, config.scan_layers, quantization=spec.quantization)
+    split = spec.draft_tensor_parallel_size != 1 and splits_evenly(mc, mesh.size, config.enable_expert_parallel)
+    size = mesh.size if mesh.size > 1 and split else 1
+    if mesh.size > 1 and size == 1 and spec.draft_tensor_parallel_size != 1:
+        logger.info("draft model %s: its shapes do not divide tensor_parallel_size %d; replicated on every device",
+                    spec.model, mesh.size)
+    whole = replicated(mesh)
+    return load_model(str(source.path), target.dtype, config.scan_layers, quantization=spec.quantization,
+                      tensor_parallel_size=size,
+                      place=lambda path, shape: param_sharding(mesh, path, len(shape)) if size > 1 else whole)
 
 
 def draft_pool_kv(config: EngineConfig, mc: ModelConfig, max_model_len: int, k: int) -> ProposerKV:
@@ -99,12 +119,13 @@ def _pow2_buckets(top: int, start: int = 1) -> list[int]:
 
 
 class DraftModelProposer:
-    """``model``: the loaded draft; ``device``: where it runs; ``attn_fn``: the target's attention
+    """``model``: the loaded draft (split over ``mesh`` when its ``tensor_parallel_size`` is the
+    mesh's, else replicated on it); ``mesh``: the target's; ``attn_fn``: the target's attention
     backend function (the draft's pool has the same block size). ``abstract_sharding``: set for a
     compile-only proposer, whose weights and pool are shapes carrying it (``model`` may be abstract)."""
 
     def __init__(self, config: EngineConfig, model: Any, max_model_len: int, k: int, attn_fn: AttentionFn,
-                 device: jax.Device, target_num_blocks: int, abstract_sharding: Any = None):
+                 mesh: Mesh, target_num_blocks: int, abstract_sharding: Any = None):
         self.k = k
         self.mc: ModelConfig = model.config
         self.block_size = bs = config.block_size
@@ -117,13 +138,25 @@ class DraftModelProposer:
         self._free = list(range(self.num_blocks - 1, 0, -1))
         self.seqs: dict[str, _DraftSeq] = {}
         self.attn_fn = attn_fn
-        self.device = device
+        size = getattr(model, "tensor_parallel_size", 1)
+        self.split = size > 1
+        if self.split and size != mesh.size:
+            raise ValueError(f"draft model laid out for {size} shards on a mesh of {mesh.size} devices")
+        # The model's calls get the mesh only when split (replicated, each device runs it whole).
+        self.mesh = mesh if self.split else None
         self.graphdef, flat = nnx.flatten(model, with_paths=True)
         slots = num_kv_slots(kv_cache_groups(self.mc, bs, max_model_len, config.kv_cache_dtype))
-        make_kv = lambda: allocate_kv_cache(self.mc, self.num_blocks, bs, 1, config.kv_cache_dtype, slots)  # noqa: E731
+        make_kv = lambda: allocate_kv_cache(self.mc, self.num_blocks, bs, size, config.kv_cache_dtype, slots)  # noqa: E731
+        # The donated pool comes back as it went in; the drafts are replicated.
+        outs: dict[str, Any] = {}
         if abstract_sharding is None:
-            self.weights = jax.device_put([v for _, v in flat], device)
-            self.kv = jax.device_put(make_kv(), device)
+            whole = replicated(mesh)
+            kv_sharding = kv_cache_sharding(mesh) if self.split else whole
+            self.weights = jax.device_put([v for _, v in flat], weight_shardings(mesh, flat) if self.split
+                                          else [whole] * len(flat))
+            # Made in place: no device ever holds more of the pool than its shard.
+            self.kv = jax.jit(make_kv, out_shardings=kv_sharding)()
+            outs = {"out_shardings": (kv_sharding, whole)}
         else:
             self.weights = shapes_on([v for _, v in flat], abstract_sharding)
             self.kv = shapes_on(jax.eval_shape(make_kv), abstract_sharding)
@@ -131,8 +164,8 @@ class DraftModelProposer:
         # From 1: after full acceptance a catch-up is 2 tokens a row (the last draft, the target's).
         self.token_buckets = _pow2_buckets(top)
         self.row_buckets = _pow2_buckets(config.max_num_seqs)
-        self._catch_up = jax.jit(self._catch_up_fn, donate_argnums=(1,))
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
+        self._catch_up = jax.jit(self._catch_up_fn, donate_argnums=(1,), **outs)
+        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), **outs)
         self._compiled: dict[tuple[str, int], Any] = {}
         self.unexpected_compiles = 0
         self.num_passes = 0  # forward programs run (catch-up passes and decode loops)
@@ -163,7 +196,7 @@ class DraftModelProposer:
         return nnx.merge(self.graphdef, weights)
 
     def _forward(self, model, kv, input_ids, md: AttentionMetadata):
-        hidden, kv, _ = model.forward(input_ids, kv, md, self.attn_fn)
+        hidden, kv, _ = model.forward(input_ids, kv, md, self.attn_fn, self.mesh)
         return hidden, kv
 
     def _catch_up_fn(self, weights, kv, input_ids, positions, slot_mapping, block_tables, kv_lens,
@@ -171,7 +204,7 @@ class DraftModelProposer:
         model = self._model(weights)
         md = AttentionMetadata(positions, slot_mapping, block_tables, kv_lens, query_start_loc, num_seqs)
         hidden, kv = self._forward(model, kv, input_ids, md)
-        logits = model.compute_logits(hidden[logits_indices])
+        logits = model.compute_logits(hidden[logits_indices], self.mesh)
         return kv, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def _decode_fn(self, weights, kv, tokens, starts, block_tables, num_real):
@@ -188,7 +221,7 @@ class DraftModelProposer:
             md = AttentionMetadata(jnp.where(real, pos, 0), slot, block_tables, jnp.where(real, pos + 1, 0),
                                    qsl, num_real)
             hidden, kv = self._forward(model, kv, tokens, md)
-            tokens = jnp.argmax(model.compute_logits(hidden), axis=-1).astype(jnp.int32)
+            tokens = jnp.argmax(model.compute_logits(hidden, self.mesh), axis=-1).astype(jnp.int32)
             out.append(tokens)
         return kv, jnp.stack(out, axis=1)
 

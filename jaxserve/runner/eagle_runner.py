@@ -25,10 +25,18 @@ Async scheduling: the catch-up over a step runs when the step is collected, whic
 the next (plain) step was launched. The catch-ups still run in launch order, each once, and a
 row whose request left meanwhile (aborted, finished, preempted) is caught up all the same: its
 blocks may stay in the prefix cache.
+
+Tensor parallel: everything lives on the target's mesh. When the head's heads and MLP width
+divide it (:func:`jaxserve.models.tp_layout.eagle_head_splits`) its layer is split as a target
+layer and its pool on the key/value heads, so each device holds the head KV of its own key/value
+heads in the target's blocks, as it holds the target's; otherwise (or with
+``draft_tensor_parallel_size`` 1) head and pool are replicated.
+The hidden states it reads are replicated (the target's all-reduce came before them).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +44,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.exceptions import ConfigError
@@ -52,7 +61,9 @@ from jaxserve.models.eagle import (
     load_eagle_weights,
 )
 from jaxserve.models.mtp import load_mtp_head, mtp_forward
+from jaxserve.models.tp_layout import eagle_head_splits
 from jaxserve.runner.kv_cache import ProposerKV, allocate_kv_cache, bytes_per_block
+from jaxserve.runner.mesh import eagle_head_shardings, replicated
 from jaxserve.runner.step_inputs import ModelInputs
 from jaxserve.runner.target import shapes_on
 
@@ -98,29 +109,41 @@ def head_pool_kv(config: EngineConfig, cfg: EagleConfig) -> ProposerKV:
 
 class EagleProposer:
     """``step_rows``: the target's rows per token bucket (every bucket gets its program);
-    ``hidden_sharding``: where the step's hidden states live; ``num_blocks`` and ``table_width``:
-    the target's pool and block-table width; ``abstract_sharding``: set for a compile-only
-    proposer, whose weights and pool are shapes carrying it."""
+    ``hidden_sharding``: where the step's hidden states live; ``mesh``: the target's;
+    ``num_blocks`` and ``table_width``: the target's pool and block-table width;
+    ``abstract_sharding``: set for a compile-only proposer, whose weights and pool are shapes
+    carrying it."""
 
     def __init__(self, config: EngineConfig, cfg: EagleConfig, weights: Weights, tables: TargetTables, k: int,
-                 attn_fn: AttentionFn, device: jax.Device, num_blocks: int, table_width: int,
+                 attn_fn: AttentionFn, mesh: Mesh, num_blocks: int, table_width: int,
                  step_rows: dict[int, int], hidden_sharding: Any, abstract_sharding: Any = None):
         self.k = k
         self.table_width = table_width
         self.cfg = cfg
-        self._forward = mtp_forward if cfg.method == "mtp" else eagle_forward
         self.block_size = config.block_size
         self.num_blocks = num_blocks
         self.attn_fn = attn_fn
+        spec = config.spec_decode_config.spec
+        # An MTP layer runs whole on every device (tensor parallelism refuses mtp: EngineConfig).
+        self.split = (cfg.method != "mtp" and eagle_head_splits(cfg.layer, mesh.size)
+                      and (spec is None or spec.draft_tensor_parallel_size != 1))
+        self.mesh = mesh if mesh.size > 1 else None  # the target's tables are split over it
+        self.attn_mesh = mesh if self.split else None
+        self._forward = mtp_forward if cfg.method == "mtp" else functools.partial(
+            eagle_forward, mesh=self.mesh, attn_mesh=self.attn_mesh)
         self.tables = tables
 
         def make_kv():  # one layer: [num_blocks, bs, Hkv, D]
             k_pool, v_pool = allocate_kv_cache(cfg.layer, num_blocks, self.block_size, 1, config.kv_cache_dtype)
             return k_pool[0], v_pool[0]
 
+        # The donated pools come back as they went in; the drafts are replicated.
+        outs: dict[str, Any] = {}
         if abstract_sharding is None:
-            self.weights = jax.device_put(weights, device)
-            self.kv = jax.device_put(make_kv(), device)
+            weight_shardings, pool_sharding = eagle_head_shardings(mesh, weights, self.split)
+            self.weights = jax.device_put(weights, weight_shardings)
+            self.kv = jax.jit(make_kv, out_shardings=pool_sharding)()
+            outs = {"out_shardings": (pool_sharding, replicated(mesh))}
         else:
             self.weights = shapes_on(weights, abstract_sharding)
             self.kv = shapes_on(jax.eval_shape(make_kv), abstract_sharding)
@@ -130,7 +153,7 @@ class EagleProposer:
         self.num_computed: dict[str, int] = {}
         # Requests the head missed positions of (never expected: a safety net): no drafts until freed.
         self.blind: set[str] = set()
-        self._jitted = jax.jit(self._propose_fn, donate_argnums=(2,))
+        self._jitted = jax.jit(self._propose_fn, donate_argnums=(2,), **outs)
         self._compiled: dict[int, Any] = {}
         self.unexpected_compiles = 0
         self.num_passes = 0
@@ -153,7 +176,7 @@ class EagleProposer:
         md = AttentionMetadata(positions, slot_mapping, block_tables, kv_lens, query_start_loc, num_seqs)
         hidden = combine_target_hidden(cfg, weights, target_hidden)
         rows, hidden, kv = self._forward(cfg, weights, tables, input_ids, hidden, kv, md, self.attn_fn)
-        tokens = greedy_tokens(cfg, weights, tables, rows[logits_indices])
+        tokens = greedy_tokens(cfg, weights, tables, rows[logits_indices], self.mesh)
         hidden = hidden[logits_indices]
         num_rows = logits_indices.shape[0]
         # Draft j+2 is read at position p + 1 + j, p the row's last valid position.
@@ -170,7 +193,7 @@ class EagleProposer:
             md = AttentionMetadata(jnp.where(proposing, pos, 0), slot, jnp.where(proposing[:, None], block_tables, 0),
                                    jnp.where(proposing, pos + 1, 1), one_each, jnp.full((1,), num_rows, jnp.int32))
             rows, hidden, kv = self._forward(cfg, weights, tables, tokens, hidden, kv, md, self.attn_fn)
-            tokens = greedy_tokens(cfg, weights, tables, rows)
+            tokens = greedy_tokens(cfg, weights, tables, rows, self.mesh)
             out.append(tokens)
         return kv, jnp.stack(out, axis=1)
 

@@ -6,6 +6,10 @@ One mesh axis, :data:`TP_AXIS`, over the devices of one model replica. The plan,
   columns, o and down by input rows, embedding and LM head by vocabulary), everything else
   replicated;
 - KV cache ``[L, blocks, block_size, Hkv, D]``: split on the key/value heads;
+- a draft model: as the target when its heads divide the mesh (its own pool split the same way),
+  else replicated; an EAGLE head (:data:`jaxserve.models.tp_layout.EAGLE_SPLIT_AXES`) split as
+  one target layer, its one-layer pool ``[blocks, block_size, Hkv, D]`` on the key/value heads
+  like the target's, when its heads divide the mesh, else both replicated;
 - LoRA slot tables (:func:`lora_table_specs`): as their base weights, ``b`` split on its output
   columns under a column-split base (q|k|v, gate|up, the LM head's vocabulary; ``a`` replicated),
   ``a`` split on its input rows under a row-split one (o, down, the embedding's vocabulary; ``b``
@@ -25,12 +29,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.models.tp_layout import split_axis
+from jaxserve.models.tp_layout import EAGLE_SPLIT_AXES, split_axis
 
 TP_AXIS = "tp"
 
 REPLICATED = PartitionSpec()
 KV_CACHE_SPEC = PartitionSpec(None, None, None, TP_AXIS, None)
+HEAD_POOL_SPEC = PartitionSpec(None, None, TP_AXIS, None)  # one layer's pool: the layer axis dropped
 
 
 def select_devices(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
@@ -98,6 +103,19 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, KV_CACHE_SPEC)
+
+
+def eagle_head_shardings(mesh: Mesh, weights: dict[str, Any], split: bool) -> tuple[dict[str, NamedSharding],
+                                                                                   NamedSharding]:
+    """The shardings of an EAGLE head's weights (by flat name) and of each of its two pools:
+    ``split``, the layer's projections as a target layer's and the pools on their key/value
+    heads; otherwise all replicated."""
+    def spec(name: str, ndim: int) -> PartitionSpec:
+        axis = EAGLE_SPLIT_AXES.get(name.removeprefix("layers.0.")) if split else None
+        return REPLICATED if axis is None else PartitionSpec(*(TP_AXIS if i == axis else None for i in range(ndim)))
+
+    pool = NamedSharding(mesh, HEAD_POOL_SPEC if split else REPLICATED)
+    return {name: NamedSharding(mesh, spec(name, len(w.shape))) for name, w in weights.items()}, pool
 
 
 def weight_shardings(mesh: Mesh, flat_state: Sequence[tuple[tuple, Any]]) -> list[NamedSharding]:

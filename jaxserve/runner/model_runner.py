@@ -363,7 +363,7 @@ class ModelRunner:
             return
         draft, self._draft_model = self._draft_model, None  # the proposer holds the weights now
         self.drafter = DraftModelProposer(self.config, draft, self.max_model_len, spec.num_speculative_tokens,
-                                          self.attn_fn, self.devices[0], self.num_blocks, self._abstract_sharding)
+                                          self.attn_fn, self.mesh, self.num_blocks, self._abstract_sharding)
         logger.info("draft model %s: %d KV blocks, %d token buckets, %d row buckets", spec.model,
                     self.drafter.num_blocks, len(self.drafter.token_buckets), len(self.drafter.row_buckets))
 
@@ -372,7 +372,7 @@ class ModelRunner:
         if draft is None and self.target.is_abstract:
             raise ConfigError("speculative_config.method=draft_model: a compile-only runner loads no draft; "
                               "pass ModelRunner(draft=...)")
-        return draft if draft is not None else load_draft_model(self.config, self.mc)
+        return draft if draft is not None else load_draft_model(self.config, self.mc, self.mesh)
 
     def _proposer_kv(self) -> ProposerKV | None:
         """The draft's or the EAGLE head's pool, which the KV budget holds with the target's."""
@@ -406,7 +406,7 @@ class ModelRunner:
         tables = target_tables(self._weight_paths, self.model_state, spec.method)
         step_rows = {b: self._num_rows(b) for b in self.buckets.token_buckets}
         self.eagle = EagleProposer(self.config, cfg, weights, tables, spec.num_speculative_tokens, self.attn_fn,
-                                   self.devices[0], self.num_blocks, self.max_blocks_per_seq, step_rows,
+                                   self.mesh, self.num_blocks, self.max_blocks_per_seq, step_rows,
                                    self._replicated, self._abstract_sharding)
         logger.info("%s head %s: %d programs; reads %s", spec.method, spec.model or "(the target's)",
                     len(step_rows),

@@ -201,7 +201,6 @@ def test_a_head_of_the_other_method_is_refused_by_shape(demo_model, tmp_path):
 
 def test_unsupported_combinations_are_refused(demo_model, tmp_path):
     head = write_eagle_head(tmp_path / "head", demo_model, "eagle")
-    _refused(demo_model, head, "eagle", r"method=eagle runs the draft on one device", tensor_parallel_size=2)
     _refused(demo_model, "/no/such/folder", "eagle", r"speculative_config\.model")
     with pytest.raises(ConfigError, match=r"speculative_config\.quantization is for method draft_model"):
         LLM(demo_model, show_progress=False, **ENGINE_TESTS_SHAPE, speculative_config={

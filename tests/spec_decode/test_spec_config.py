@@ -107,6 +107,28 @@ def test_mtp_config_needs_no_model():
     assert EngineConfig(speculative_config=spec.to_dict()).spec_decode_config.spec == spec
 
 
-def test_draft_model_refuses_tensor_parallel():
-    with pytest.raises(ConfigError, match="draft_model.*tensor_parallel_size"):
-        EngineConfig(speculative_config={"model": "/m", "num_speculative_tokens": 2}, tensor_parallel_size=2)
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3"])
+def test_a_draft_runs_at_tensor_parallel_sizes_of_one_host(method):
+    spec = {"method": method, "model": "/m", "num_speculative_tokens": 2}
+    assert EngineConfig(speculative_config=spec, tensor_parallel_size=2).tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match=f"method={method}.*nnodes 2"):
+        EngineConfig(speculative_config=spec, tensor_parallel_size=2, nnodes=2)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_draft_tensor_parallel_size_is_one_or_the_targets(method):
+    spec = {"method": method, "model": "/m", "num_speculative_tokens": 2}
+    for size in (1, 4):
+        config = EngineConfig(speculative_config={**spec, "draft_tensor_parallel_size": size}, tensor_parallel_size=4)
+        assert config.spec_decode_config.spec.draft_tensor_parallel_size == size
+        again = EngineConfig(speculative_config=config.speculative_config, tensor_parallel_size=4)
+        assert again.spec_decode_config.spec == config.spec_decode_config.spec  # the canonical JSON keeps it
+    with pytest.raises(ConfigError, match=r"draft_tensor_parallel_size must be 1 or tensor_parallel_size \(4\), got 2"):
+        EngineConfig(speculative_config={**spec, "draft_tensor_parallel_size": 2}, tensor_parallel_size=4)
+    with pytest.raises(ConfigError, match=r"draft_tensor_parallel_size must be an integer >= 1, got 0"):
+        EngineConfig(speculative_config={**spec, "draft_tensor_parallel_size": 0})
+
+
+def test_mtp_refuses_tensor_parallel():
+    with pytest.raises(ConfigError, match="method=mtp: tensor_parallel_size 2"):
+        EngineConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 1}, tensor_parallel_size=2)
