@@ -18,7 +18,7 @@
 //   w[n, k] = d[l, n, k/32] * (q[l, n, k] - offset) + m[l, n, k/32]   (offset 8 for Q4_0, else 0)
 // The stack and the index: a scanned model's layer reads its own blocks in place, where slicing
 // them out first would copy every layer's blocks each step (a lone weight is a stack of one).
-// Work items are tiles of kRows output rows; the calling thread and helpers scheduled on XLA's
+// Work items are runs of kRowsPerItem output rows; the calling thread and helpers scheduled on XLA's
 // intra-op pool claim them from an atomic counter, and each writes only its own columns of y.
 
 #include <algorithm>
@@ -42,7 +42,13 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRows = 4;         // output rows expanded at once: each activation row read once per tile
-constexpr int64_t kRowsPerItem = 64;  // rows a work item claims
+// rows a work item claims: SmolLM2's 576-row o and down are 18 items, 9 a thread of two (at 64
+// rows, 9 items: one thread took 5, the other waited)
+constexpr int64_t kRowsPerItem = 32;
+// The int8 path reads kRows rows side by side only while they span at most this many bytes (a
+// Q4 row of 576 inputs, 288 bytes); longer rows (Q8_0's, down's 1536 inputs) go one at a time,
+// a single stream: four long rows read side by side ran up to 2x slower (docs/benchmarks.md).
+constexpr int64_t kInt8TileBytes = 1280;
 constexpr int64_t kPrefetchTiles = 2;  // how far ahead the int8 path prefetches its weights, in tiles
 
 // An IEEE half (a file's scale) as a float; every half is a float exactly.
@@ -150,7 +156,9 @@ inline void dot_rows(const float* xt, const float* w, int64_t k, float* out) {
 void run_rows(const Problem& p, int64_t first, int64_t last) {
   // kRows expanded rows, then one row's widened scales; pool threads have small stacks
   thread_local std::vector<float> scratch;
-  scratch.assign(size_t(kRows * p.k + 2 * (p.k / kBlock)), 0.f);
+  const size_t need = size_t(kRows * p.k + 2 * (p.k / kBlock));
+  if (scratch.size() < need) scratch.resize(need);  // not cleared: a short tile's spare rows are
+                                                     // an earlier tile's floats, never written out
   float* scales = scratch.data() + kRows * p.k;
   for (int64_t n0 = first; n0 < last; n0 += kRows) {
     const int64_t rows = std::min(kRows, last - n0);
@@ -263,6 +271,7 @@ inline __m512 load_halves(__mmask16 keep, const uint16_t* h) {
 
 // Rows in groups of 16 blocks (8 pairs): a row's 16 scales are widened and multiplied by the
 // activations' once a group, and each pair's dot picks its two lanes with one permute.
+template <int64_t R>
 void run_rows_int8(const Problem& p, int64_t first, int64_t last) {
   const int64_t nb = p.k / kBlock, nbp = p.kp / kBlock, pairs = nbp / 2;
   const int64_t row_bytes = p.k * p.bits / 8;
@@ -270,12 +279,12 @@ void run_rows_int8(const Problem& p, int64_t first, int64_t last) {
   // which block of its pair each 32-bit dot lane sums (pair_order's)
   const __m512i lane_block = p.bits == 8 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
                                          : _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-  for (int64_t n0 = first; n0 < last; n0 += kRows) {
-    const int64_t rows = std::min(kRows, last - n0);
-    const uint8_t* q[kRows];
-    const uint16_t* d[kRows];
-    const uint16_t* m[kRows];
-    for (int r = 0; r < kRows; ++r) {  // a short tile repeats its last row, never written out
+  for (int64_t n0 = first; n0 < last; n0 += R) {
+    const int64_t rows = std::min(R, last - n0);
+    const uint8_t* q[R];
+    const uint16_t* d[R];
+    const uint16_t* m[R];
+    for (int r = 0; r < R; ++r) {  // a short tile repeats its last row, never written out
       const int64_t n = n0 + std::min<int64_t>(r, rows - 1);
       q[r] = p.qs + n * row_bytes;
       d[r] = p.d + n * nb;
@@ -285,13 +294,13 @@ void run_rows_int8(const Problem& p, int64_t first, int64_t last) {
       const int8_t* xq = p.xq + t * p.kp;
       const float* dx = p.dx + t * nbp;
       const float* xs = p.xs + t * nbp;
-      __m512 acc[kRows];
-      for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+      __m512 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
       for (int64_t i = 0; i < nb; i += 16) {
         const __mmask16 keep = nb - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nb - i)) - 1);
         const __m512 dxv = _mm512_maskz_loadu_ps(keep, dx + i), xsv = _mm512_maskz_loadu_ps(keep, xs + i);
-        __m512 scale[kRows];
-        for (int r = 0; r < kRows; ++r) {  // d dx per block, and the zero terms (m - offset d) xs
+        __m512 scale[R];
+        for (int r = 0; r < R; ++r) {  // d dx per block, and the zero terms (m - offset d) xs
           const __m512 dw = load_halves(keep, d[r] + i);
           scale[r] = _mm512_mul_ps(dw, dxv);
           const __m512 mins = m[r] == nullptr ? _mm512_setzero_ps() : load_halves(keep, m[r] + i);
@@ -302,11 +311,11 @@ void run_rows_int8(const Problem& p, int64_t first, int64_t last) {
           const bool one = 2 * j + 1 >= nb;
           const __m512i xv = _mm512_loadu_si512(xq + j * 64);
           const __m512i pick = _mm512_add_epi32(lane_block, _mm512_set1_epi32(int(2 * j - i)));
-          for (int r = 0; r < kRows; ++r) {
-            // the same spot kPrefetchTiles tiles on, a cache line per 64 bytes read: four rows read side
-            // by side are four streams, which the hardware prefetcher follows poorly past ~512-byte rows
+          for (int r = 0; r < R; ++r) {
+            // the same spot kPrefetchTiles tiles on, a cache line per 64 bytes read: rows read side by
+            // side are as many streams, which the hardware prefetcher follows poorly
             if (p.bits == 8 || j % 2 == 0)
-              _mm_prefetch(reinterpret_cast<const char*>(q[r] + j * 8 * p.bits + kPrefetchTiles * kRows * row_bytes),
+              _mm_prefetch(reinterpret_cast<const char*>(q[r] + j * 8 * p.bits + kPrefetchTiles * R * row_bytes),
                            _MM_HINT_T0);
             const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), weights_u8(q[r], j, int(p.bits), one), xv);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, scale[r]), acc[r]);
@@ -331,7 +340,11 @@ struct Job {
       const int64_t last = std::min(first + kRowsPerItem, problem.n);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       if (problem.xq != nullptr) {
-        run_rows_int8(problem, first, last);
+        if (kRows * problem.k * problem.bits / 8 <= kInt8TileBytes) {
+          run_rows_int8<kRows>(problem, first, last);
+        } else {
+          run_rows_int8<1>(problem, first, last);
+        }
       } else {
         run_rows(problem, first, last);
       }
