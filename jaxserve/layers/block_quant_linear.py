@@ -6,7 +6,7 @@ only, ``m`` ``[out, in / 32]`` in the file's float16: the file's bytes per block
 :mod:`pallas_kernels.block_quant_matmul` has the layout). Which
 product runs is fixed per compiled step by its row count: up to :data:`KERNEL_MAX_ROWS` rows on
 a CPU, the C++ kernel, which reads the blocks as stored (a decode step's cost is the bytes it
-reads), with int8 activations up to :data:`INT8_MAX_ROWS` rows; above that, the weight
+reads), with int8 activations up to :data:`INT8_MAX_ROWS` rows of a 4-bit format; above that, the weight
 dequantized in the step and a float dot, where the arithmetic per
 weight byte is high enough that the dequantization is cheap. On a GPU, a Pallas kernel
 (:mod:`pallas_kernels.block_quant_matmul_triton`) that reads the blocks as stored.
@@ -44,10 +44,11 @@ from pallas_kernels.block_quant_matmul import (
 from pallas_kernels.block_quant_matmul_triton import block_quant_matmul_triton
 
 KERNEL_MAX_ROWS = 128  # the kernel is faster or even up to here (docs/benchmarks.md, "GGUF blocks kept")
-# Up to this many rows the kernel quantizes the activations to int8 per block of 32 and uses
-# VNNI's int8 dots (llama.cpp's path; the float path where the CPU lacks them): 1.6-2x faster at
-# 1-4 Q4_1 rows, slower from 16 on; Q8_0 too (the tied head) since its long rows are read one at
-# a time (docs/benchmarks.md, "int8 activations" and "One stream's block matmuls").
+# Up to this many rows a 4-bit format's kernel quantizes the activations to int8 per block of 32
+# and uses VNNI's int8 dots (llama.cpp's path; the float path where the CPU lacks them): 1.6-2x
+# faster at 1-4 Q4_1 rows, slower from 16 on. Not Q8_0 (the tied head): there it is now faster,
+# but SmolLM2's greedy chat answer changed ("The capital of France is Paris." lost), so the head
+# keeps float activations (docs/benchmarks.md, "int8 activations", "One stream's block matmuls").
 INT8_MAX_ROWS = 4
 # The model-side method name: "gguf:Q4_1" for a file whose projections are Q4_1 blocks, and
 # "gguf:Q4_1:Q8_0" when its (tied) token embedding is kept as Q8_0 blocks too.
@@ -203,7 +204,7 @@ def _block_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None
         rows = math.prod(x.shape[:-1])
         if rows <= KERNEL_MAX_ROWS and _kernel_usable():
             return block_quant_matmul_cpu(x, qs, d, mins, bits=bits, offset=offset, layer=at,
-                                          int8_activations=rows <= INT8_MAX_ROWS)
+                                          int8_activations=bits == 4 and rows <= INT8_MAX_ROWS)
         return block_quant_matmul_reference(x, qs, d, mins, bits=bits, offset=offset, layer=at)
 
     def on_gpu(x: jax.Array, index: jax.Array, qs: jax.Array, d: jax.Array, *m: jax.Array) -> jax.Array:

@@ -42,10 +42,9 @@ def test_kept_blocks_give_the_dequantized_files_logits(tmp_path, monkeypatch, qt
 
 
 @pytest.mark.skipif(not int8_dots_available(), reason="no AVX-512 VNNI: the kernel keeps float activations")
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
 def test_decode_rows_with_int8_activations_stay_close_to_the_dequantized_files(tmp_path, qtype):
-    """Steps of up to INT8_MAX_ROWS rows multiply by int8 activations (llama.cpp's path), the tied
-    Q8_0 head's included: their
+    """Steps of up to INT8_MAX_ROWS rows of a 4-bit format multiply by int8 activations (llama.cpp's path): their
     logits differ from the float ones by the activations' rounding, a few thousandths of their
     range, not more (a wrong scale would be of order one), and not less (the path ran)."""
     path = write_tiny_gguf(tmp_path / "m.gguf", qtype, overrides={"token_embd.weight": "Q8_0"})
