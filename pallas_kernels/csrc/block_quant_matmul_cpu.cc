@@ -153,7 +153,49 @@ inline void dot_rows(const float* xt, const float* w, int64_t k, float* out) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// One token on the float path (a decode row of Q8_0, the tied head's): each block's products
+// summed in registers and scaled there, a row at a time, no expanded row written; the minimums
+// and offsets enter through the token's per-block sums. Same products, another rounding order.
+void run_rows_one_token(const Problem& p, int64_t first, int64_t last) {
+  const int64_t nb = p.k / kBlock, row_bytes = p.k * p.bits / 8;
+  thread_local std::vector<float> sums;
+  if (int64_t(sums.size()) < nb) sums.resize(size_t(nb));
+  for (int64_t b = 0; b < nb; ++b)
+    sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(p.x + b * kBlock), _mm512_loadu_ps(p.x + b * kBlock + 16)));
+  const __m512 offset = _mm512_set1_ps(float(p.offset));
+  const __m128i nibbles = _mm_set1_epi8(0x0F);
+  for (int64_t n = first; n < last; ++n) {
+    const uint8_t* q = p.qs + n * row_bytes;
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t i = 0; i < nb; i += 16) {
+      const __mmask16 keep = nb - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nb - i)) - 1);
+      const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, p.d + n * nb + i));
+      const __m512 mins = p.m == nullptr ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, p.m + n * nb + i));
+      acc[0] = _mm512_fmadd_ps(_mm512_fnmadd_ps(offset, d, mins), _mm512_maskz_loadu_ps(keep, sums.data() + i), acc[0]);
+      for (int64_t b = i; b < std::min(nb, i + 16); ++b) {
+        __m512 lo, hi;
+        if (p.bits == 8) {
+          lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kBlock))));
+          hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kBlock + 16))));
+        } else {
+          const __m128i qb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * (kBlock / 2)));
+          lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(qb, nibbles)));
+          hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qb, 4), nibbles)));
+        }
+        const __m512 part = _mm512_fmadd_ps(hi, _mm512_loadu_ps(p.x + b * kBlock + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(p.x + b * kBlock)));
+        acc[b % 2] = _mm512_fmadd_ps(part, _mm512_permutexvar_ps(_mm512_set1_epi32(int(b - i)), d), acc[b % 2]);
+      }
+    }
+    p.y[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+  }
+}
+#endif
+
 void run_rows(const Problem& p, int64_t first, int64_t last) {
+#if defined(__AVX512F__)
+  if (p.t == 1) return run_rows_one_token(p, first, last);
+#endif
   // kRows expanded rows, then one row's widened scales; pool threads have small stacks
   thread_local std::vector<float> scratch;
   const size_t need = size_t(kRows * p.k + 2 * (p.k / kBlock));
