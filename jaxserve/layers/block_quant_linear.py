@@ -46,8 +46,9 @@ from pallas_kernels.block_quant_matmul_triton import block_quant_matmul_triton
 KERNEL_MAX_ROWS = 128  # the kernel is faster or even up to here (docs/benchmarks.md, "GGUF blocks kept")
 # Up to this many rows a 4-bit format's kernel quantizes the activations to int8 per block of 32
 # and uses VNNI's int8 dots (llama.cpp's path; the float path where the CPU lacks them): 1.6-2x
-# faster at 1-4 Q4_1 rows, slower from 16 on, and no faster for Q8_0 (twice the bytes) at one row
-# (docs/benchmarks.md, "int8 activations").
+# faster at 1-4 Q4_1 rows, slower from 16 on. Not Q8_0 (the tied head): there it is now faster,
+# but SmolLM2's greedy chat answer changed ("The capital of France is Paris." lost), so the head
+# keeps float activations (docs/benchmarks.md, "int8 activations", "One stream's block matmuls").
 INT8_MAX_ROWS = 4
 # The model-side method name: "gguf:Q4_1" for a file whose projections are Q4_1 blocks, and
 # "gguf:Q4_1:Q8_0" when its (tied) token embedding is kept as Q8_0 blocks too.

@@ -18,7 +18,7 @@
 //   w[n, k] = d[l, n, k/32] * (q[l, n, k] - offset) + m[l, n, k/32]   (offset 8 for Q4_0, else 0)
 // The stack and the index: a scanned model's layer reads its own blocks in place, where slicing
 // them out first would copy every layer's blocks each step (a lone weight is a stack of one).
-// Work items are tiles of kRows output rows; the calling thread and helpers scheduled on XLA's
+// Work items are runs of kRowsPerItem output rows; the calling thread and helpers scheduled on XLA's
 // intra-op pool claim them from an atomic counter, and each writes only its own columns of y.
 
 #include <algorithm>
@@ -42,7 +42,14 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRows = 4;         // output rows expanded at once: each activation row read once per tile
-constexpr int64_t kRowsPerItem = 64;  // rows a work item claims
+// rows a work item claims: SmolLM2's 576-row o and down are 18 items, 9 a thread of two (at 64
+// rows, 9 items: one thread took 5, the other waited)
+constexpr int64_t kRowsPerItem = 32;
+// The int8 path reads kRows rows side by side only while they span at most this many bytes (a
+// Q4 row of 576 inputs, 288 bytes); longer rows (Q8_0's, down's 1536 inputs) go one at a time,
+// a single stream: four long rows read side by side ran up to 2x slower (docs/benchmarks.md).
+constexpr int64_t kInt8TileBytes = 1280;
+constexpr int64_t kPrefetchTiles = 2;  // how far ahead the int8 path prefetches its weights, in tiles
 
 // An IEEE half (a file's scale) as a float; every half is a float exactly.
 inline float half_to_float(uint16_t h) {
@@ -71,8 +78,8 @@ struct Problem {
   float* y;
   int64_t t, k, n, bits, offset;
   // int8 activations (see run_rows_int8): per token, K rounded up to whole block pairs
-  const int8_t* xq = nullptr;  // [T, kp] the activations in int8, one scale per block of 32
-  const float* dx = nullptr;   // [T, kp / 32 * 8] those scales, each 8 times (a vector per block pair)
+  const int8_t* xq = nullptr;  // [T, kp] the activations in int8 (pair_order), one scale per block of 32
+  const float* dx = nullptr;   // [T, kp / 32] those scales
   const float* xs = nullptr;   // [T, kp / 32] each block's scale times its int8 sum
   int64_t kp = 0;
 };
@@ -146,10 +153,54 @@ inline void dot_rows(const float* xt, const float* w, int64_t k, float* out) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// One token on the float path (a decode row of Q8_0, the tied head's): each block's products
+// summed in registers and scaled there, a row at a time, no expanded row written; the minimums
+// and offsets enter through the token's per-block sums. Same products, another rounding order.
+void run_rows_one_token(const Problem& p, int64_t first, int64_t last) {
+  const int64_t nb = p.k / kBlock, row_bytes = p.k * p.bits / 8;
+  thread_local std::vector<float> sums;
+  if (int64_t(sums.size()) < nb) sums.resize(size_t(nb));
+  for (int64_t b = 0; b < nb; ++b)
+    sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(p.x + b * kBlock), _mm512_loadu_ps(p.x + b * kBlock + 16)));
+  const __m512 offset = _mm512_set1_ps(float(p.offset));
+  const __m128i nibbles = _mm_set1_epi8(0x0F);
+  for (int64_t n = first; n < last; ++n) {
+    const uint8_t* q = p.qs + n * row_bytes;
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t i = 0; i < nb; i += 16) {
+      const __mmask16 keep = nb - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nb - i)) - 1);
+      const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, p.d + n * nb + i));
+      const __m512 mins = p.m == nullptr ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, p.m + n * nb + i));
+      acc[0] = _mm512_fmadd_ps(_mm512_fnmadd_ps(offset, d, mins), _mm512_maskz_loadu_ps(keep, sums.data() + i), acc[0]);
+      for (int64_t b = i; b < std::min(nb, i + 16); ++b) {
+        __m512 lo, hi;
+        if (p.bits == 8) {
+          lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kBlock))));
+          hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kBlock + 16))));
+        } else {
+          const __m128i qb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * (kBlock / 2)));
+          lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(qb, nibbles)));
+          hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qb, 4), nibbles)));
+        }
+        const __m512 part = _mm512_fmadd_ps(hi, _mm512_loadu_ps(p.x + b * kBlock + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(p.x + b * kBlock)));
+        acc[b % 2] = _mm512_fmadd_ps(part, _mm512_permutexvar_ps(_mm512_set1_epi32(int(b - i)), d), acc[b % 2]);
+      }
+    }
+    p.y[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+  }
+}
+#endif
+
 void run_rows(const Problem& p, int64_t first, int64_t last) {
+#if defined(__AVX512F__)
+  if (p.t == 1) return run_rows_one_token(p, first, last);
+#endif
   // kRows expanded rows, then one row's widened scales; pool threads have small stacks
   thread_local std::vector<float> scratch;
-  scratch.assign(size_t(kRows * p.k + 2 * (p.k / kBlock)), 0.f);
+  const size_t need = size_t(kRows * p.k + 2 * (p.k / kBlock));
+  if (scratch.size() < need) scratch.resize(need);  // not cleared: a short tile's spare rows are
+                                                     // an earlier tile's floats, never written out
   float* scales = scratch.data() + kRows * p.k;
   for (int64_t n0 = first; n0 < last; n0 += kRows) {
     const int64_t rows = std::min(kRows, last - n0);
@@ -185,56 +236,74 @@ constexpr bool kInt8Dots = false;
 // made unsigned (Q8_0's int8 plus 128, then an offset of 128; Q4's nibbles as they are) and
 // multiplied by VNNI's u8 x s8 dot, 64 products an instruction against a float FMA's 16:
 //   y[t, n] = sum_b d[b] dx[b] sum_j u[b, j] xq[b, j]  +  sum_b (m[b] - offset d[b]) dx[b] sum_j xq[b, j]
-// dx: [T, kp / 32 * 8], each block's scale 8 times (the int8 path's vector per block pair)
+// xq holds each block pair (64 values) in the order its weights unpack to (pair_order), so the
+// weights need no shuffle: a 4-bit pair unpacks as [lo nibbles of both blocks | hi nibbles of both].
+// 4 bits: position of element e of block h (0 or 1) of a pair; 8 bits: the natural order.
+inline int64_t pair_order(int bits, int64_t h, int64_t e) {
+  return bits == 8 ? h * kBlock + e : (e / 16) * 32 + h * 16 + e % 16;
+}
+
 void quantize_activations(const Problem& p, int8_t* xq, float* dx, float* xs) {
   const int64_t nb = p.k / kBlock, nbp = p.kp / kBlock;
   for (int64_t t = 0; t < p.t; ++t) {
     const float* x = p.x + t * p.k;
     for (int64_t b = 0; b < nbp; ++b) {
-      int8_t* q = xq + t * p.kp + b * kBlock;
+      int8_t* pair = xq + t * p.kp + (b / 2) * 2 * kBlock;
+      const int64_t h = b % 2;
       if (b >= nb) {  // the pad block of an odd block count
-        std::fill(q, q + kBlock, int8_t(0));
-        std::fill(dx + (t * nbp + b) * 8, dx + (t * nbp + b + 1) * 8, 0.f);
+        for (int64_t e = 0; e < kBlock; ++e) pair[pair_order(int(p.bits), h, e)] = 0;
+        dx[t * nbp + b] = 0.f;
         xs[t * nbp + b] = 0.f;
         continue;
       }
-      float amax = 0.f;
-      for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[b * kBlock + j]));
-      const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      const float* xb = x + b * kBlock;
+      int8_t q[kBlock];
       int32_t sum = 0;
-      for (int64_t j = 0; j < kBlock; ++j) {
-        const int32_t v = int32_t(std::nearbyint(x[b * kBlock + j] * inv));
-        q[j] = int8_t(v);
-        sum += v;
+      float scale;
+#if defined(__AVX512F__)
+      // as the scalar loop below: cvtps rounds to nearest even under the default MXCSR, as nearbyint
+      const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      scale = amax / 127.f;
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(ql));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qh));
+      sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+#else
+      float amax = 0.f;
+      for (int64_t e = 0; e < kBlock; ++e) amax = std::max(amax, std::fabs(xb[e]));
+      scale = amax / 127.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      for (int64_t e = 0; e < kBlock; ++e) {
+        q[e] = int8_t(int32_t(std::nearbyint(xb[e] * inv)));
+        sum += q[e];
       }
-      std::fill(dx + (t * nbp + b) * 8, dx + (t * nbp + b + 1) * 8, scale);
+#endif
+      if (p.bits == 8) {
+        std::memcpy(pair + h * kBlock, q, kBlock);
+      } else {  // halves 0-15 and 16-31 of the block go 32 bytes apart
+        std::memcpy(pair + h * 16, q, 16);
+        std::memcpy(pair + 32 + h * 16, q + 16, 16);
+      }
+      dx[t * nbp + b] = scale;
       xs[t * nbp + b] = scale * float(sum);
     }
   }
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// Block pair j of a row (64 weights) as unsigned bytes in x's order, read straight from the
-// blocks; `one` when only its first block exists (an odd block count's last pair).
+// Block pair j of a row (64 weights) as unsigned bytes in pair_order, read straight from the
+// blocks; `one` when only its first block exists (an odd block count's last pair: no read past it).
 inline __m512i weights_u8(const uint8_t* q, int64_t j, int bits, bool one) {
   if (bits == 8) {
     const __m512i v = one ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, q + j * 64) : _mm512_loadu_si512(q + j * 64);
     return _mm512_xor_si512(v, _mm512_set1_epi8(char(0x80)));
   }
-  const __m256i raw = one ? _mm256_maskz_loadu_epi8(0xFFFFu, q + j * 32)
-                          : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * 32));
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-  // [lo b0 | lo b1 | hi b0 | hi b1] -> [lo b0 | hi b0 | lo b1 | hi b1]: elements 0-15, 16-31 of each block
-  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
-}
-
-// [d[2j] x 8, d[2j+1] x 8] from the halves
-inline __m512 pair_scales(const uint16_t* d, int64_t j, bool one) {
-  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m128 two = _mm_cvtph_ps(_mm_maskz_loadu_epi16(one ? 0x1 : 0x3, d + 2 * j));
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(two));
+  // the pair's 32 bytes in both halves, the upper half's 16-bit lanes shifted down a nibble
+  const __m512i raw = one ? _mm512_broadcast_i64x4(_mm256_maskz_loadu_epi8(0xFFFFu, q + j * 32))
+                          : _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * 32)));
+  return _mm512_and_si512(_mm512_mask_srli_epi16(raw, __mmask32(0xFFFF0000u), raw, 4), _mm512_set1_epi8(0x0F));
 }
 
 // Up to 16 halves (the lanes of `keep`) as floats, zeros elsewhere.
@@ -242,16 +311,22 @@ inline __m512 load_halves(__mmask16 keep, const uint16_t* h) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, h));
 }
 
+// Rows in groups of 16 blocks (8 pairs): a row's 16 scales are widened and multiplied by the
+// activations' once a group, and each pair's dot picks its two lanes with one permute.
+template <int64_t R>
 void run_rows_int8(const Problem& p, int64_t first, int64_t last) {
   const int64_t nb = p.k / kBlock, nbp = p.kp / kBlock, pairs = nbp / 2;
   const int64_t row_bytes = p.k * p.bits / 8;
   const __m512 offset = _mm512_set1_ps(p.bits == 8 ? 128.f : float(p.offset));
-  for (int64_t n0 = first; n0 < last; n0 += kRows) {
-    const int64_t rows = std::min(kRows, last - n0);
-    const uint8_t* q[kRows];
-    const uint16_t* d[kRows];
-    const uint16_t* m[kRows];
-    for (int r = 0; r < kRows; ++r) {  // a short tile repeats its last row, never written out
+  // which block of its pair each 32-bit dot lane sums (pair_order's)
+  const __m512i lane_block = p.bits == 8 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+                                         : _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  for (int64_t n0 = first; n0 < last; n0 += R) {
+    const int64_t rows = std::min(R, last - n0);
+    const uint8_t* q[R];
+    const uint16_t* d[R];
+    const uint16_t* m[R];
+    for (int r = 0; r < R; ++r) {  // a short tile repeats its last row, never written out
       const int64_t n = n0 + std::min<int64_t>(r, rows - 1);
       q[r] = p.qs + n * row_bytes;
       d[r] = p.d + n * nb;
@@ -259,26 +334,34 @@ void run_rows_int8(const Problem& p, int64_t first, int64_t last) {
     }
     for (int64_t t = 0; t < p.t; ++t) {
       const int8_t* xq = p.xq + t * p.kp;
-      const float* sxv = p.dx + t * nbp * 8;  // per block pair [dx x 8, dx x 8]
-      __m512 acc[kRows];
-      for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
-      for (int64_t j = 0; j < pairs; ++j) {
-        const bool one = 2 * j + 1 >= nb;
-        const __m512i xv = _mm512_loadu_si512(xq + j * 64);
-        const __m512 sx = _mm512_loadu_ps(sxv + j * 16);
-        for (int r = 0; r < kRows; ++r) {
-          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), weights_u8(q[r], j, int(p.bits), one), xv);
-          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), sx), pair_scales(d[r], j, one), acc[r]);
-        }
-      }
+      const float* dx = p.dx + t * nbp;
       const float* xs = p.xs + t * nbp;
-      for (int64_t i = 0; i < nb; i += 16) {  // the zero terms: sum_b (m[b] - offset d[b]) xs[b]
+      __m512 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < nb; i += 16) {
         const __mmask16 keep = nb - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nb - i)) - 1);
-        const __m512 xsv = _mm512_maskz_loadu_ps(keep, xs + i);
-        for (int r = 0; r < kRows; ++r) {
+        const __m512 dxv = _mm512_maskz_loadu_ps(keep, dx + i), xsv = _mm512_maskz_loadu_ps(keep, xs + i);
+        __m512 scale[R];
+        for (int r = 0; r < R; ++r) {  // d dx per block, and the zero terms (m - offset d) xs
+          const __m512 dw = load_halves(keep, d[r] + i);
+          scale[r] = _mm512_mul_ps(dw, dxv);
           const __m512 mins = m[r] == nullptr ? _mm512_setzero_ps() : load_halves(keep, m[r] + i);
-          const __m512 low = _mm512_fnmadd_ps(offset, load_halves(keep, d[r] + i), mins);
-          acc[r] = _mm512_fmadd_ps(low, xsv, acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(offset, dw, mins), xsv, acc[r]);
+        }
+        const int64_t j_end = std::min(pairs, (i + 16) / 2);
+        for (int64_t j = i / 2; j < j_end; ++j) {
+          const bool one = 2 * j + 1 >= nb;
+          const __m512i xv = _mm512_loadu_si512(xq + j * 64);
+          const __m512i pick = _mm512_add_epi32(lane_block, _mm512_set1_epi32(int(2 * j - i)));
+          for (int r = 0; r < R; ++r) {
+            // the same spot kPrefetchTiles tiles on, a cache line per 64 bytes read: rows read side by
+            // side are as many streams, which the hardware prefetcher follows poorly
+            if (p.bits == 8 || j % 2 == 0)
+              _mm_prefetch(reinterpret_cast<const char*>(q[r] + j * 8 * p.bits + kPrefetchTiles * R * row_bytes),
+                           _MM_HINT_T0);
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), weights_u8(q[r], j, int(p.bits), one), xv);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, scale[r]), acc[r]);
+          }
         }
       }
       for (int64_t r = 0; r < rows; ++r) p.y[t * p.n + n0 + r] = _mm512_reduce_add_ps(acc[r]);
@@ -299,7 +382,11 @@ struct Job {
       const int64_t last = std::min(first + kRowsPerItem, problem.n);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       if (problem.xq != nullptr) {
-        run_rows_int8(problem, first, last);
+        if (kRows * problem.k * problem.bits / 8 <= kInt8TileBytes) {
+          run_rows_int8<kRows>(problem, first, last);
+        } else {
+          run_rows_int8<1>(problem, first, last);
+        }
       } else {
         run_rows(problem, first, last);
       }
@@ -349,7 +436,7 @@ ffi::Error BlockQuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     Problem& p = job->problem;
     p.kp = (k + 2 * kBlock - 1) / (2 * kBlock) * (2 * kBlock);
     xq.resize(size_t(t * p.kp));
-    dx.resize(size_t(t * p.kp / kBlock * 8));
+    dx.resize(size_t(t * p.kp / kBlock));
     xs.resize(size_t(t * p.kp / kBlock));
     quantize_activations(p, xq.data(), dx.data(), xs.data());
     p.xq = xq.data();

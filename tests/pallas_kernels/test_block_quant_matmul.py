@@ -130,13 +130,15 @@ def int8_emulation(x: np.ndarray, qs: np.ndarray, d: np.ndarray, m: np.ndarray |
                     reason="no C++ compiler, or no AVX-512 VNNI")
 @pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_int8_activations_are_llama_cpps_product(qtype, tokens):
+@pytest.mark.parametrize("k", [160, 1056])
+def test_int8_activations_are_llama_cpps_product(qtype, tokens, k):
     """The int8 path computes exactly the int8-activation product (a wrong block scale, nibble order
     or Q8_0's sign would be off by far more than float rounding), and stays within the int8
-    rounding of the float product; 160 inputs: an odd count of blocks (the last pair has one)."""
-    raw, w = blocks(qtype, 70, 160, seed=tokens + 7)
+    rounding of the float product. Both counts of inputs are an odd count of blocks (the last pair
+    has one); 160 rows are read four side by side, 1056 (528 or 1056 bytes) one at a time."""
+    raw, w = blocks(qtype, 70, k, seed=tokens + 7)
     bits, offset, _ = BLOCK_FORMATS[qtype]
-    x = np.random.default_rng(5).standard_normal((tokens, 160)).astype(np.float32)
+    x = np.random.default_rng(5).standard_normal((tokens, k)).astype(np.float32)
     x[0, :32] = 0  # an all-zero block: scale 0
     qs, d, m = parts(raw, qtype)
     got = np.asarray(block_quant_matmul_cpu(jnp.asarray(x), *device(qs, d, m), bits=bits, offset=offset,
