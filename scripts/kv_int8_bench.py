@@ -6,7 +6,13 @@ pool as the engine lays them out, so the step reads its K/V from memory (more by
 last-level cache holds). The pools take turns in each round, so they see the same machine load;
 JSON out: per pool the step's milliseconds per round, their median and spread (docs/benchmarks.md).
 
+``--engine``: whole decode steps instead, SmolLM2 served in float32 with a float32 and an int8 KV
+cache (the same number of blocks), taking turns. Each engine prefills the ``B`` prompts once; a
+round then times ``1 + n_gen`` tokens and 1 token over the cached prompts (prefix-cache hits), and
+decode tokens/s is ``B * n_gen`` over the difference.
+
     python scripts/kv_int8_bench.py [--batch-sizes 32 64] [--contexts 1024 2048] [--layers 8] [--rounds 5]
+    python scripts/kv_int8_bench.py --engine [--batch-sizes 32 64] [--contexts 1024] [--n-gen 32]
 """
 
 from __future__ import annotations
@@ -85,6 +91,43 @@ def run(batch: int, context: int, layers: int, rounds: int, repeats: int) -> dic
     return out
 
 
+def run_engine(batch: int, context: int, n_gen: int, rounds: int) -> dict:
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.bench.real_model import resolve_bench_model
+
+    model = resolve_bench_model("smollm2")
+    max_len = context + n_gen + BS
+    blocks = batch * -(-max_len // BS) + 1
+    engines = {d: LLM(model, dtype="float32", kv_cache_dtype=d, max_model_len=max_len, max_num_seqs=batch,
+                      num_gpu_blocks_override=blocks, show_progress=False) for d in ("auto", "int8")}
+    vocab = engines["auto"].get_tokenizer().vocab_size
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(10, vocab - 10, context).tolist()} for _ in range(batch)]
+
+    def timed(llm, tokens: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    for llm in engines.values():
+        timed(llm, 1 + n_gen)  # the prefill, once (cached from here on), and every decode bucket compiled
+    tok_s: dict[str, list[float]] = {d: [] for d in engines}
+    for _ in range(rounds):
+        for d, llm in engines.items():
+            total, prefill = timed(llm, 1 + n_gen), timed(llm, 1)
+            tok_s[d].append(batch * n_gen / max(total - prefill, 1e-9))
+    out: dict = {"batch": batch, "context": context, "n_gen": n_gen, "blocks": blocks,
+                 "kv_cache_bytes": {d: llm.stats()["kv_cache_bytes"] for d, llm in engines.items()},
+                 "preemptions": {d: llm.stats()["num_preemptions"] for d, llm in engines.items()}}
+    for d, values in tok_s.items():
+        out[f"{d}_decode_tok_s"] = {"median": statistics.median(values), "min": min(values), "max": max(values),
+                                    "per_round": values}
+    ratios = [b / a for a, b in zip(tok_s["auto"], tok_s["int8"], strict=True)]
+    out["int8_over_float32"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 64])
@@ -92,8 +135,13 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3, help="steps timed per pool per round (their median)")
+    p.add_argument("--engine", action="store_true", help="whole decode steps of SmolLM2 (see above)")
+    p.add_argument("--n-gen", type=int, default=32, help="--engine: decode steps timed per round")
     args = p.parse_args()
-    results = [run(b, c, args.layers, args.rounds, args.repeats) for c in args.contexts for b in args.batch_sizes]
+    if args.engine:
+        results = [run_engine(b, c, args.n_gen, args.rounds) for c in args.contexts for b in args.batch_sizes]
+    else:
+        results = [run(b, c, args.layers, args.rounds, args.repeats) for c in args.contexts for b in args.batch_sizes]
     print(json.dumps(results, indent=2))
 
 

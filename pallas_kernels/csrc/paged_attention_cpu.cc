@@ -238,9 +238,15 @@ void attend(const Problem& pb, const WorkItem& it) {
   const int q_len = pb.query_start_loc[it.req + 1] - qsl0;
   const int first_pos = ctx - q_len + (it.q_begin - qsl0);  // context position of q_begin
   const int64_t row_stride = pb.num_kv_heads * pb.head_stride;  // elements between positions in a page
-  constexpr bool kVectorScores =
-      kHaveAvx512 && std::is_same_v<T, float> && std::is_same_v<KV, float> && kD > 0 && kD % 16 == 0;
+  // An int8 page (float32 queries) is dequantized once into float scratch and then read by the
+  // vector paths as a float32 page is: the per-position portable loops cost more than the pool's
+  // smaller reads save (docs/benchmarks.md, the int8 KV cache).
+  constexpr bool kDequantPages = std::is_same_v<KV, int8_t>;
+  constexpr bool kVectorScores = kHaveAvx512 && std::is_same_v<T, float> &&
+                                 (std::is_same_v<KV, float> || kDequantPages) && kD > 0 && kD % 16 == 0;
   const bool vector_scores = kVectorScores && BS % 16 == 0;
+  thread_local std::vector<float> dequantized;  // [2, BS, row_stride]: one page's K, then its V
+  if constexpr (kVectorScores && kDequantPages) dequantized.resize(size_t(2) * BS * row_stride);
 
   // Per-thread scratch, grown on demand: items run on XLA's pool threads, whose stacks are small.
   thread_local std::vector<float> scratch;
@@ -287,6 +293,22 @@ void attend(const Problem& pb, const WorkItem& it) {
         __builtin_prefetch(nv + o, 0, 2);
       }
     }
+    const float* kpage = nullptr;  // this page's K and V rows as float32 (the vector paths)
+    const float* vpage = nullptr;
+    if constexpr (kVectorScores) {
+      if constexpr (kDequantPages) {
+        float* kbuf = dequantized.data();
+        float* vbuf = kbuf + BS * row_stride;
+        if (vector_scores)  // whole pages are scored; stale rows give anything, masked below
+          for (int jj = 0; jj < BS; ++jj) as_f32(kc + page_base + jj * row_stride, kbuf + jj * row_stride, pb, D);
+        for (int jj = 0; jj < valid; ++jj) as_f32(vc + page_base + jj * row_stride, vbuf + jj * row_stride, pb, D);
+        kpage = kbuf;
+        vpage = vbuf;
+      } else {
+        kpage = kc + page_base;
+        vpage = vc + page_base;
+      }
+    }
     bool scored = false;
     if constexpr (kVectorScores) {
       if (vector_scores) {
@@ -294,7 +316,7 @@ void attend(const Problem& pb, const WorkItem& it) {
         // from whatever they hold (even NaN) and masked below.
         for (int row = 0; row < rows; ++row)
           for (int sub = 0; sub < BS; sub += 16)
-            score16_avx512<kD>(qs + row * D, kc + page_base + sub * row_stride + head_off[row], row_stride,
+            score16_avx512<kD>(qs + row * D, kpage + sub * row_stride + head_off[row], row_stride,
                                scores + row * BS + sub);
         scored = true;
       }
@@ -363,11 +385,11 @@ void attend(const Problem& pb, const WorkItem& it) {
       const float* v_rows[kR];
       int row = 0;
       for (; row + kR <= rows; row += kR) {
-        for (int r = 0; r < kR; ++r) v_rows[r] = vc + page_base + head_off[row + r];
+        for (int r = 0; r < kR; ++r) v_rows[r] = vpage + head_off[row + r];
         accumulate_rows<kD, kR>(acc + row * D, alpha + row, scores + row * BS, BS, v_rows, valid, row_stride);
       }
       for (; row < rows; ++row) {
-        v_rows[0] = vc + page_base + head_off[row];
+        v_rows[0] = vpage + head_off[row];
         accumulate_rows<kD, 1>(acc + row * D, alpha + row, scores + row * BS, BS, v_rows, valid, row_stride);
       }
     } else if constexpr (std::is_same_v<KV, float>) {
