@@ -4,7 +4,7 @@ One decode step's attention for ``--layers`` layers of SmolLM2's shape (9 query 
 heads, head_dim 64): ``B`` sequences of ``C`` context tokens each, every layer's pages in the one
 pool as the engine lays them out, so the step reads its K/V from memory (more bytes than the
 last-level cache holds). The pools take turns in each round, so they see the same machine load;
-JSON out: per pool the step's milliseconds per round, their median and spread (docs/benchmarks.md).
+JSON lines out, one per shape: per pool the step's milliseconds per round, their median and spread (docs/benchmarks.md).
 
 ``--engine``: whole decode steps instead, SmolLM2 served in float32 with a float32 and an int8 KV
 cache (the same number of blocks), taking turns. Each engine prefills the ``B`` prompts once; a
@@ -138,11 +138,11 @@ def main() -> None:
     p.add_argument("--engine", action="store_true", help="whole decode steps of SmolLM2 (see above)")
     p.add_argument("--n-gen", type=int, default=32, help="--engine: decode steps timed per round")
     args = p.parse_args()
-    if args.engine:
-        results = [run_engine(b, c, args.n_gen, args.rounds) for c in args.contexts for b in args.batch_sizes]
-    else:
-        results = [run(b, c, args.layers, args.rounds, args.repeats) for c in args.contexts for b in args.batch_sizes]
-    print(json.dumps(results, indent=2))
+    for c in args.contexts:
+        for b in args.batch_sizes:  # one JSON line per shape as it completes: a long run reports as it goes
+            result = run_engine(b, c, args.n_gen, args.rounds) if args.engine else run(b, c, args.layers, args.rounds,
+                                                                                           args.repeats)
+            print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
