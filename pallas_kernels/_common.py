@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .int8_kv import stored_head_dim
+
 INT32_MAX = 2**31 - 1
 
 
@@ -29,7 +31,8 @@ def scalar_num_seqs(num_seqs) -> jax.Array:
 
 
 def check_shapes(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc):
-    """Static shape checks of the contract; returns (T, Hq, D, NB, BS, Hkv, R, MB)."""
+    """Static shape checks of the contract; returns (T, Hq, D, NB, BS, Hkv, R, MB). An int8 pool's
+    rows are ``D`` values and their scale (:mod:`.int8_kv`)."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got {q.shape}")
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
@@ -38,8 +41,8 @@ def check_shapes(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc):
             f"and {v_cache.shape}")
     t, hq, d = q.shape
     nb, bs, hkv, dk = k_cache.shape
-    if dk != d:
-        raise ValueError(f"head_dim mismatch: q {d} vs cache {dk}")
+    if dk != stored_head_dim(d, k_cache.dtype):
+        raise ValueError(f"head_dim mismatch: q {d} vs cache {dk} ({jnp.dtype(k_cache.dtype).name})")
     if hq % hkv:
         raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
     if block_tables.ndim != 2:

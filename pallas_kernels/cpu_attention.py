@@ -66,10 +66,11 @@ def ragged_paged_attention_cpu(
     check_options(sliding_window, soft_cap)
     hq = check_shapes(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc)[1]
     check_sinks(sinks, hq)
-    if (q.dtype not in DTYPES or k_cache.dtype not in (q.dtype, jnp.float8_e4m3fn)
+    if (q.dtype not in DTYPES or k_cache.dtype not in (q.dtype, jnp.float8_e4m3fn, jnp.int8)
             or v_cache.dtype != k_cache.dtype):
         raise ValueError(f"the cpu attention backend takes float32 or bfloat16 q, and k_cache/v_cache of q's "
-                         f"dtype or float8_e4m3fn, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+                         f"dtype, float8_e4m3fn or int8 (rows with their scales, int8_kv), got {q.dtype}, "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
     register()
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     i32 = jnp.int32

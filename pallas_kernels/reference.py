@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ._common import check_options, check_shapes, check_sinks, finish_softmax, scalar_num_seqs
+from .int8_kv import is_int8, pages_f32, quantize_rows
 
 _GATHER_BUDGET = 8 * 1024 * 1024  # elements of K gathered per loop step
 
@@ -107,8 +108,8 @@ def ragged_paged_attention_reference(
         page = jnp.minimum(page, mb - 1)
         blk = jnp.clip(bt_t[:, page], 0, nb - 1)  # [T, P]
         kpos = c * kv_chunk + jnp.arange(kv_chunk, dtype=jnp.int32)  # [C]
-        kk = k_cache[blk].reshape(t, kv_chunk, hkv, d).astype(f32)
-        vv = v_cache[blk].reshape(t, kv_chunk, hkv, d).astype(f32)
+        kk = pages_f32(k_cache[blk].reshape(t, kv_chunk, hkv, -1))
+        vv = pages_f32(v_cache[blk].reshape(t, kv_chunk, hkv, -1))
         # Slots past the context, and before a window (pages the scheduler released while the
         # block table still names them), may hold anything, even NaN: 0 * NaN would leak into acc.
         in_ctx = kpos[None, :] < kv_len_t[:, None]  # [T, C]
@@ -145,19 +146,22 @@ def write_kv(k_cache, v_cache, k_new, v_new, slot_mapping):
     an XLA scatter at ``(block_id, offset)`` of the cache as it is shaped; when the caller jits
     with the caches donated, XLA updates them in place, so the cost is just the ``T * Hkv * D``
     written elements. A custom kernel would not be faster for a pure scatter, so there is none.
-    Duplicate non-negative slots are not allowed (last writer is unspecified).
+    Duplicate non-negative slots are not allowed (last writer is unspecified). An int8 pool gets
+    each row quantized with its own scale (:func:`.int8_kv.quantize_rows`).
 
     Not on the cache viewed flat as ``[num_blocks * block_size, Hkv, D]``: for one token XLA turns
     the scatter into a dynamic-update-slice whose dropped-slot check reads the old row, and behind
     the reshape's bitcast that read is not fused with the update, so XLA:CPU copied the whole
     cache to update it, every layer of a scanned decode step.
     """
-    nb, bs, hkv, d = k_cache.shape
+    nb, bs, hkv, _ = k_cache.shape
     slots = slot_mapping.astype(jnp.int32).reshape(-1)
     blocks = jnp.where(slots < 0, nb, slots // bs)  # out of range -> dropped (negatives would wrap)
     offsets = slots % bs
 
     def put(cache, new):
-        return cache.at[blocks, offsets].set(new.reshape(-1, hkv, d).astype(cache.dtype), mode="drop")
+        rows = new.reshape(-1, hkv, new.shape[-1])
+        rows = quantize_rows(rows) if is_int8(cache.dtype) else rows.astype(cache.dtype)
+        return cache.at[blocks, offsets].set(rows, mode="drop")
 
     return put(k_cache, k_new), put(v_cache, v_new)

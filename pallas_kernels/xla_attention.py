@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from ._common import check_options, check_shapes, check_sinks, finish_softmax, scalar_num_seqs
+from .int8_kv import pages_f32
 
 # The fastest of the sizes tried on the CPU (docs/benchmarks.md): small context chunks pad less
 # past the longest context and keep the gathered pages in cache.
@@ -78,8 +79,8 @@ def ragged_paged_attention_xla(
     qt = q[jnp.clip(tile["rows"], 0, t - 1)].astype(f32).reshape(n_tiles, bq, hkv, g, d) * f32(sm_scale)
     tile["q"] = jnp.transpose(qt, (0, 2, 1, 3, 4)).reshape(n_tiles, hkv, bq * g, d)  # rows = (query, head)
 
-    k_rows = k_cache.reshape(nb, bs * hkv * d)
-    v_rows = v_cache.reshape(nb, bs * hkv * d)
+    k_rows = k_cache.reshape(nb, -1)  # an int8 pool's rows carry their scales (int8_kv)
+    v_rows = v_cache.reshape(nb, -1)
     block_tables = block_tables.astype(jnp.int32)
     bounds = [n_tiles * i // groups for i in range(groups + 1)]
     # a tile's rows are (query, head) pairs: each KV head's group of query heads, bq times over
@@ -114,8 +115,8 @@ def _attend_tiles(tile, k_rows, v_rows, kv_lens, block_tables, *, chunk, pages, 
         c, m, l, acc = carry
         page = jnp.minimum(c * pages + jnp.arange(pages, dtype=jnp.int32), mb - 1)
         blk = jnp.clip(tables[:, page], 0, nb - 1)
-        kk = k_rows[blk].reshape(n, chunk, hkv, d).astype(f32)
-        vv = v_rows[blk].reshape(n, chunk, hkv, d).astype(f32)
+        kk = pages_f32(k_rows[blk].reshape(n, chunk, hkv, -1))
+        vv = pages_f32(v_rows[blk].reshape(n, chunk, hkv, -1))
         kpos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
         # Slots past the context, and before the tile's first window (pages the scheduler released
         # while the block table still names them), may hold anything, even NaN: 0 * NaN would leak.

@@ -38,6 +38,7 @@ FORMATS: dict[str, dict[str, Any]] = {
     "int8": {"dtype": "float32", "quantization": "int8"},
     "fp8": {"dtype": "float32", "quantization": "fp8"},
     "fp8-kv": {"dtype": "float32", "kv_cache_dtype": "fp8"},
+    "int8-kv": {"dtype": "float32", "kv_cache_dtype": "int8"},
 }
 REFERENCE = "f32"
 # A small engine: two token buckets compile quickly, and long texts are prefilled in chunks.

@@ -7,7 +7,7 @@ import dataclasses
 from jaxserve.config.base import SubConfig
 
 # --kv-cache-dtype values, in vLLM's spellings (--quantization's are QUANTIZATION_METHODS).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 
 
 @dataclasses.dataclass
@@ -25,7 +25,9 @@ class CacheConfig(SubConfig):
     """Exact number of KV cache blocks."""
     kv_cache_dtype: str = "auto"
     """KV cache storage (vLLM's flag): auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3,
-    scale 1.0 as vLLM uses without calibrated scales): half of bfloat16's bytes per token."""
+    scale 1.0 as vLLM uses without calibrated scales): half of bfloat16's bytes per token. int8
+    (jaxserve's, CPU backends only; vLLM has no int8 value): a float32 scale per position and KV
+    head, so (head_dim + 4) / (2 * head_dim) of bfloat16's bytes."""
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -42,7 +42,10 @@ AttentionFn = Callable[..., jax.Array]
 
 def to_cache_dtype(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """``x`` as the pool stores it; a float8 pool saturates at its largest finite value (e4m3fn
-    has no infinity, and a plain cast of anything past 448 would be NaN)."""
+    has no infinity, and a plain cast of anything past 448 would be NaN). An int8 pool takes the
+    float values: ``write_kv`` quantizes each row with its own scale."""
+    if jnp.dtype(dtype) == jnp.int8:
+        return x
     if jnp.dtype(dtype).itemsize == 1:
         top = float(jnp.finfo(dtype).max)
         x = jnp.clip(x, -top, top)

@@ -1,8 +1,8 @@
 """Another block format of the same ``.gguf`` model: every quantized tensor decoded and encoded
-again as Q8_0, Q4_0 or Q4_1 with the ``gguf`` package, metadata and float tensors copied as they
+again as Q8_0, Q4_0, Q4_1 or F16 (plain float16) with the ``gguf`` package, metadata and float tensors copied as they
 are (llama.cpp's own Q/K row order included, so any GGUF reader loads the result).
 
-The demo model ships only as Q4_1; this gives its Q8_0 and Q4_0 files, for the accuracy table and
+The demo model ships only as Q4_1; this gives its Q8_0, Q4_0 and F16 files, for the accuracy table and
 the llama.cpp comparison on the same file. Written once into jaxserve's cache, keyed by the source
 file's digest.
 """
@@ -21,7 +21,7 @@ from jaxserve import envs
 logger = logging.getLogger("jaxserve")
 
 # Target block formats and the general.file_type llama.cpp writes for a file mostly in each.
-FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3}
+FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "F16": 1}
 _HEADER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")
 
 

@@ -34,6 +34,7 @@ from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.exceptions import ConfigError
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.tp_layout import TPLayout
+from pallas_kernels.int8_kv import stored_head_dim
 
 logger = logging.getLogger("jaxserve")
 
@@ -46,8 +47,10 @@ XLA_DEFAULT_MEM_FRACTION = 0.75
 
 
 # --kv-cache-dtype -> the pool's dtype; "auto" is the model's. fp8 is stored with scale 1.0, as vLLM
-# stores it without calibrated k/v scales (the values are cast, saturating at e4m3's 448).
-KV_CACHE_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
+# stores it without calibrated k/v scales (the values are cast, saturating at e4m3's 448). int8
+# (CPU only) keeps a float32 scale per position and KV head at the end of each row
+# (pallas_kernels.int8_kv), so its rows are head_dim + 4 bytes.
+KV_CACHE_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "int8": jnp.int8}
 
 
 def kv_cache_dtype(mc: ModelConfig, name: str = "auto") -> jnp.dtype:
@@ -58,9 +61,10 @@ def layer_kv_specs(mc: ModelConfig, block_size: int, max_model_len: int,
                    cache_dtype: str = "auto") -> list[KVCacheSpec]:
     """Each layer's ``KVCacheSpec``: its sliding window, or full attention (also for a window no
     shorter than ``max_model_len``, which never drops a block)."""
-    dtype, heads = kv_cache_dtype(mc, cache_dtype).name, mc.num_key_value_heads
-    return [FullAttentionSpec(block_size, heads, mc.head_dim, dtype) if w is None or w >= max_model_len
-            else SlidingWindowSpec(block_size, heads, mc.head_dim, dtype, w) for w in mc.layer_windows]
+    dtype, heads = kv_cache_dtype(mc, cache_dtype), mc.num_key_value_heads
+    row = stored_head_dim(mc.head_dim, dtype)  # the spec's head_size: what a row stores, scales included
+    return [FullAttentionSpec(block_size, heads, row, dtype.name) if w is None or w >= max_model_len
+            else SlidingWindowSpec(block_size, heads, row, dtype.name, w) for w in mc.layer_windows]
 
 
 def kv_cache_groups(mc: ModelConfig, block_size: int, max_model_len: int,
@@ -79,11 +83,12 @@ def bytes_per_block(mc: ModelConfig, block_size: int, tensor_parallel_size: int 
                     cache_dtype: str = "auto", num_slots: int | None = None) -> int:
     """K and V of every KV slot (``num_slots``; None: one per layer) for one block, on one device:
     split ``tensor_parallel_size`` ways on the stored key/value heads
-    (:class:`~jaxserve.models.tp_layout.TPLayout`), in the ``--kv-cache-dtype`` ``cache_dtype``."""
-    itemsize = kv_cache_dtype(mc, cache_dtype).itemsize
+    (:class:`~jaxserve.models.tp_layout.TPLayout`), in the ``--kv-cache-dtype`` ``cache_dtype``
+    (int8: a row's scale included)."""
+    dtype = kv_cache_dtype(mc, cache_dtype)
     heads = TPLayout.of(mc, tensor_parallel_size).kv_heads_per_shard
     slots = mc.num_hidden_layers if num_slots is None else num_slots
-    return 2 * slots * block_size * heads * mc.head_dim * itemsize
+    return 2 * slots * block_size * heads * stored_head_dim(mc.head_dim, dtype) * dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,17 +230,18 @@ def determine_num_blocks(mc: ModelConfig, cfg: EngineConfig, max_model_len: int,
     return blocks_for_budget(budget_bytes, per_block, cfg.block_size, max_model_len, blocks_per_seq)
 
 
-def kv_cache_shape(mc: ModelConfig, num_blocks: int, block_size: int,
-                   tensor_parallel_size: int = 1, num_slots: int | None = None) -> tuple[int, ...]:
+def kv_cache_shape(mc: ModelConfig, num_blocks: int, block_size: int, tensor_parallel_size: int = 1,
+                   num_slots: int | None = None, cache_dtype: str = "auto") -> tuple[int, ...]:
     """The whole cache's shape: ``num_slots`` KV slots (None: one per layer); its key/value heads
-    are the stored ones (replicated when fewer than ``tensor_parallel_size``)."""
+    are the stored ones (replicated when fewer than ``tensor_parallel_size``); an int8 row ends
+    with its scale's 4 bytes."""
     heads = TPLayout.of(mc, tensor_parallel_size).stored_kv_heads
     slots = mc.num_hidden_layers if num_slots is None else num_slots
-    return (slots, num_blocks, block_size, heads, mc.head_dim)
+    return (slots, num_blocks, block_size, heads, stored_head_dim(mc.head_dim, kv_cache_dtype(mc, cache_dtype)))
 
 
 def allocate_kv_cache(mc: ModelConfig, num_blocks: int, block_size: int, tensor_parallel_size: int = 1,
                       cache_dtype: str = "auto", num_slots: int | None = None) -> tuple[jax.Array, jax.Array]:
-    shape = kv_cache_shape(mc, num_blocks, block_size, tensor_parallel_size, num_slots)
+    shape = kv_cache_shape(mc, num_blocks, block_size, tensor_parallel_size, num_slots, cache_dtype)
     dtype = kv_cache_dtype(mc, cache_dtype)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

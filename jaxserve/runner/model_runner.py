@@ -134,6 +134,8 @@ InFlightStep = RunnerStep
 
 # The attention backends that take attention sinks (a model with them is refused any other).
 SINK_BACKENDS = ("xla", "cpu")
+# The backends that read an int8 pool's rows and scales (pallas_kernels.int8_kv).
+INT8_KV_BACKENDS = ("xla", "cpu")
 
 
 def resolve_attention_backend(requested: str, platform: str | None = None, dtype: str = "float32", *,
@@ -143,9 +145,17 @@ def resolve_attention_backend(requested: str, platform: str | None = None, dtype
     built in or registered. ``mosaic`` needs a model it supports (``mc``) and, on a GPU that can
     run it (not a compile-only target: ``abstract``), passes its self-check over the pool's dtype
     (``--kv-cache-dtype``) or is refused at start-up. A model with attention sinks (gpt-oss) runs
-    on the backends that fold them in, and ``auto`` picks one of those."""
+    on the backends that fold them in, and ``auto`` picks one of those. An int8 pool is read by
+    the CPU backends only (:data:`INT8_KV_BACKENDS`)."""
     platform = platform or jax.default_backend()
     on_gpu = platform == "gpu"
+    if kv_cache_dtype == "int8":
+        if platform != "cpu":  # vLLM has no int8 KV cache on accelerators; fp8 is theirs
+            raise ConfigError(f"kv_cache_dtype: int8 is a CPU format (this platform is {platform}); "
+                              "use fp8 or auto")
+        if requested not in ("auto", *INT8_KV_BACKENDS):
+            raise ConfigError(f"kv_cache_dtype: int8 is read by the {' and '.join(INT8_KV_BACKENDS)} attention "
+                              f"backends only, got attention_backend={requested}")
     if mc is not None and mc.attention_sinks:  # gpt-oss: only some backends fold the sinks in
         if requested not in ("auto", *SINK_BACKENDS):
             raise ConfigError(f"attention_backend: {requested} has no attention sinks, which this model "

@@ -119,7 +119,8 @@ class PoolingModelRunner:
         self.hidden_size = self.mc.hidden_size
         cfg = self.config
         self.attention_backend = resolve_attention_backend(cfg.attention_backend, None, self.mc.dtype, mc=self.mc,
-                                                           block_size=cfg.block_size)
+                                                           block_size=cfg.block_size,
+                                                           kv_cache_dtype=cfg.kv_cache_dtype)
         interpret = cfg.interpret_kernels if cfg.interpret_kernels is not None else jax.default_backend() != "gpu"
         attn_fn = pallas_kernels.get_attention_fn(self.attention_backend, interpret=interpret,
                                                   build_dir=envs.kernel_build_dir())

@@ -104,6 +104,7 @@ struct Problem {
   const int32_t* block_tables;
   const int32_t* query_start_loc;
   int64_t num_q_heads, head_dim, num_blocks, block_size, num_kv_heads, max_blocks;
+  int64_t head_stride;  // elements between a position's KV heads: head_dim, or head_dim + 4 (int8)
   float sm_scale;
   int32_t window;  // 0: none
   float soft_cap;  // 0: none
@@ -115,11 +116,26 @@ struct WorkItem {
   int64_t cost;
 };
 
-// A K/V row as float: f32 rows are read in place, bf16 rows converted into `buf`.
-inline const float* as_f32(const float* src, float*, int) { return src; }
+// A position's K/V row (all heads) as float: f32 rows are read in place, bf16 and fp8 rows
+// converted into `buf`; heads stay pb.head_stride apart.
+inline const float* as_f32(const float* src, float*, const Problem&, int) { return src; }
 template <typename KV>
-inline const float* as_f32(const KV* src, float* buf, int n) {
-  for (int i = 0; i < n; ++i) buf[i] = load(src[i]);
+inline const float* as_f32(const KV* src, float* buf, const Problem& pb, int) {
+  const int64_t n = pb.num_kv_heads * pb.head_stride;
+  for (int64_t i = 0; i < n; ++i) buf[i] = load(src[i]);
+  return buf;
+}
+// An int8 row (--kv-cache-dtype int8): each head's D values, then its float32 scale in 4 bytes
+// (pallas_kernels/int8_kv.py), dequantized here so the pool is read at one byte per element.
+inline const float* as_f32(const int8_t* src, float* buf, const Problem& pb, int D) {
+  for (int64_t h = 0; h < pb.num_kv_heads; ++h) {
+    const int8_t* head = src + h * pb.head_stride;
+    float scale;
+    std::memcpy(&scale, head + D, 4);
+    float* dst = buf + h * pb.head_stride;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) dst[d] = float(head[d]) * scale;
+  }
   return buf;
 }
 
@@ -204,7 +220,7 @@ inline void score16_avx512(const float*, const float*, int64_t, float*) {}
 // rows side by side in one pass let the core overlap their chains. The softmax denominator is
 // kept as 16 partial sums per row (by position mod 16) and added up once at the end
 // (docs/benchmarks.md compares it with the row-by-row loop).
-// T: q and out; KV: the pages (T itself, or uint8_t for float8 e4m3fn).
+// T: q and out; KV: the pages (T itself, uint8_t for float8 e4m3fn, int8_t for int8 with scales).
 template <typename T, typename KV, int kD>
 void attend(const Problem& pb, const WorkItem& it) {
   const int D = kD > 0 ? kD : int(pb.head_dim);
@@ -221,10 +237,16 @@ void attend(const Problem& pb, const WorkItem& it) {
   const int qsl0 = pb.query_start_loc[it.req];
   const int q_len = pb.query_start_loc[it.req + 1] - qsl0;
   const int first_pos = ctx - q_len + (it.q_begin - qsl0);  // context position of q_begin
-  const int64_t row_stride = pb.num_kv_heads * D;  // elements between positions within a page
-  constexpr bool kVectorScores =
-      kHaveAvx512 && std::is_same_v<T, float> && std::is_same_v<KV, float> && kD > 0 && kD % 16 == 0;
+  const int64_t row_stride = pb.num_kv_heads * pb.head_stride;  // elements between positions in a page
+  // An int8 page (float32 queries) is dequantized once into float scratch and then read by the
+  // vector paths as a float32 page is: the per-position portable loops cost more than the pool's
+  // smaller reads save (docs/benchmarks.md, the int8 KV cache).
+  constexpr bool kDequantPages = std::is_same_v<KV, int8_t>;
+  constexpr bool kVectorScores = kHaveAvx512 && std::is_same_v<T, float> &&
+                                 (std::is_same_v<KV, float> || kDequantPages) && kD > 0 && kD % 16 == 0;
   const bool vector_scores = kVectorScores && BS % 16 == 0;
+  thread_local std::vector<float> dequantized;  // [2, BS, row_stride]: one page's K, then its V
+  if constexpr (kVectorScores && kDequantPages) dequantized.resize(size_t(2) * BS * row_stride);
 
   // Per-thread scratch, grown on demand: items run on XLA's pool threads, whose stacks are small.
   thread_local std::vector<float> scratch;
@@ -244,7 +266,7 @@ void attend(const Problem& pb, const WorkItem& it) {
   for (int row = 0; row < rows; ++row) {
     const T* src = q + (int64_t(it.q_begin) * HQ + row) * D;  // rows are q's own [T, Hq] order
     for (int d = 0; d < D; ++d) qs[row * D + d] = load(src[d]) * pb.sm_scale;
-    head_off[row] = ((row % HQ) / G) * D;
+    head_off[row] = int((row % HQ) / G * pb.head_stride);
     m[row] = kNegInf;
   }
   std::fill(acc, acc + rows * D, 0.0f);
@@ -271,6 +293,22 @@ void attend(const Problem& pb, const WorkItem& it) {
         __builtin_prefetch(nv + o, 0, 2);
       }
     }
+    const float* kpage = nullptr;  // this page's K and V rows as float32 (the vector paths)
+    const float* vpage = nullptr;
+    if constexpr (kVectorScores) {
+      if constexpr (kDequantPages) {
+        float* kbuf = dequantized.data();
+        float* vbuf = kbuf + BS * row_stride;
+        if (vector_scores)  // whole pages are scored; stale rows give anything, masked below
+          for (int jj = 0; jj < BS; ++jj) as_f32(kc + page_base + jj * row_stride, kbuf + jj * row_stride, pb, D);
+        for (int jj = 0; jj < valid; ++jj) as_f32(vc + page_base + jj * row_stride, vbuf + jj * row_stride, pb, D);
+        kpage = kbuf;
+        vpage = vbuf;
+      } else {
+        kpage = kc + page_base;
+        vpage = vc + page_base;
+      }
+    }
     bool scored = false;
     if constexpr (kVectorScores) {
       if (vector_scores) {
@@ -278,14 +316,14 @@ void attend(const Problem& pb, const WorkItem& it) {
         // from whatever they hold (even NaN) and masked below.
         for (int row = 0; row < rows; ++row)
           for (int sub = 0; sub < BS; sub += 16)
-            score16_avx512<kD>(qs + row * D, kc + page_base + sub * row_stride + head_off[row], row_stride,
+            score16_avx512<kD>(qs + row * D, kpage + sub * row_stride + head_off[row], row_stride,
                                scores + row * BS + sub);
         scored = true;
       }
     }
     if (!scored) {
       for (int jj = 0; jj < valid; ++jj) {
-        const float* kr = as_f32(kc + page_base + jj * row_stride, kv_buf, int(row_stride));
+        const float* kr = as_f32(kc + page_base + jj * row_stride, kv_buf, pb, D);
         for (int row = 0; row < rows; ++row) {
           const float* qr = qs + row * D;
           const float* kh = kr + head_off[row];
@@ -347,11 +385,11 @@ void attend(const Problem& pb, const WorkItem& it) {
       const float* v_rows[kR];
       int row = 0;
       for (; row + kR <= rows; row += kR) {
-        for (int r = 0; r < kR; ++r) v_rows[r] = vc + page_base + head_off[row + r];
+        for (int r = 0; r < kR; ++r) v_rows[r] = vpage + head_off[row + r];
         accumulate_rows<kD, kR>(acc + row * D, alpha + row, scores + row * BS, BS, v_rows, valid, row_stride);
       }
       for (; row < rows; ++row) {
-        v_rows[0] = vc + page_base + head_off[row];
+        v_rows[0] = vpage + head_off[row];
         accumulate_rows<kD, 1>(acc + row * D, alpha + row, scores + row * BS, BS, v_rows, valid, row_stride);
       }
     } else if constexpr (std::is_same_v<KV, float>) {
@@ -362,7 +400,7 @@ void attend(const Problem& pb, const WorkItem& it) {
       for (int row = 0; row < rows; ++row)
         for (int d = 0; d < D; ++d) acc[row * D + d] *= alpha[row];
       for (int jj = 0; jj < valid; ++jj) {
-        const float* vr = as_f32(vc + page_base + jj * row_stride, kv_buf, int(row_stride));
+        const float* vr = as_f32(vc + page_base + jj * row_stride, kv_buf, pb, D);
         for (int row = 0; row < rows; ++row) {
           const float p = scores[row * BS + jj];
           const float* vh = vr + head_off[row];
@@ -406,13 +444,17 @@ struct Job {
   std::vector<WorkItem> items;
   bool bf16 = false;
   bool fp8_kv = false;
+  bool int8_kv = false;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   void work() {
     const int64_t n = int64_t(items.size());
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
-      if (fp8_kv) {
+      if (int8_kv) {
+        if (bf16) attend_any<uint16_t, int8_t>(problem, items[i]);
+        else attend_any<float, int8_t>(problem, items[i]);
+      } else if (fp8_kv) {
         if (bf16) attend_any<uint16_t, uint8_t>(problem, items[i]);
         else attend_any<float, uint8_t>(problem, items[i]);
       } else if (bf16) {
@@ -435,17 +477,20 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   if (dtype != ffi::F32 && dtype != ffi::BF16)
     return ffi::Error::InvalidArgument("cpu paged attention supports float32 and bfloat16 only");
   const auto kv_dtype = k_cache.element_type();
-  if ((kv_dtype != dtype && kv_dtype != ffi::F8E4M3FN) || v_cache.element_type() != kv_dtype ||
+  const bool int8_kv = kv_dtype == ffi::S8;
+  if ((kv_dtype != dtype && kv_dtype != ffi::F8E4M3FN && !int8_kv) || v_cache.element_type() != kv_dtype ||
       out->element_type() != dtype)
-    return ffi::Error::InvalidArgument("q and out share one dtype; k_cache and v_cache it too, or float8_e4m3fn");
+    return ffi::Error::InvalidArgument(
+        "q and out share one dtype; k_cache and v_cache it too, or float8_e4m3fn, or int8 with scales");
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   const auto bd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2)
     return ffi::Error::InvalidArgument("expected q [T, Hq, D], caches [NB, BS, Hkv, D], tables [R, MB]");
   const int64_t hq = qd[1], d = qd[2], bs = kd[1], hkv = kd[2], r = bd[0];
-  if (kd[3] != d || hq % hkv != 0)
-    return ffi::Error::InvalidArgument("head_dim of q and caches differ, or Hq % Hkv != 0");
+  const int64_t head_stride = int8_kv ? d + 4 : d;  // an int8 row ends with its float32 scale
+  if (kd[3] != head_stride || hq % hkv != 0)
+    return ffi::Error::InvalidArgument("head_dim of q and caches differ (int8: head_dim + 4), or Hq % Hkv != 0");
   if (use_sinks && (sinks.dimensions().size() != 1 || sinks.dimensions()[0] != hq))
     return ffi::Error::InvalidArgument("sinks must be [Hq]");
   const int32_t tile_q = int32_t(std::max<int64_t>(1, kTileRows / hq));
@@ -453,9 +498,10 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   auto job = std::make_shared<Job>();
   job->bf16 = dtype == ffi::BF16;
   job->fp8_kv = kv_dtype == ffi::F8E4M3FN;
+  job->int8_kv = int8_kv;
   job->problem = Problem{q.untyped_data(), k_cache.untyped_data(), v_cache.untyped_data(),
                          out->untyped_data(), kv_lens.typed_data(), block_tables.typed_data(),
-                         query_start_loc.typed_data(), hq, d, kd[0], bs, hkv, bd[1],
+                         query_start_loc.typed_data(), hq, d, kd[0], bs, hkv, bd[1], head_stride,
                          sm_scale, sliding_window, soft_cap, use_sinks ? sinks.typed_data() : nullptr};
   std::memset(out->untyped_data(), 0, out->size_bytes());  // padding tokens give 0
 

@@ -17,7 +17,7 @@ def _types(path) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
 
 
-@pytest.mark.parametrize("target", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("target", ["Q8_0", "Q4_0", "F16"])
 def test_requantized_file_keeps_metadata_and_float_tensors(tmp_path, target):
     src = write_tiny_gguf(tmp_path / "m.gguf", "Q4_1", overrides={"token_embd.weight": "Q8_0"})
     out = requantize_gguf(src, tmp_path / f"m.{target}.gguf", target)
@@ -29,21 +29,23 @@ def test_requantized_file_keeps_metadata_and_float_tensors(tmp_path, target):
     keys = set(before.fields) - {"general.file_type"}
     assert keys <= set(after.fields)
     assert after.fields["llama.block_count"].contents() == before.fields["llama.block_count"].contents()
-    assert after.fields["general.file_type"].contents() == {"Q8_0": 7, "Q4_0": 2}[target]
+    assert after.fields["general.file_type"].contents() == {"Q8_0": 7, "Q4_0": 2, "F16": 1}[target]
     norm = next(t for t in after.tensors if t.name == "output_norm.weight")
     src_norm = next(t for t in before.tensors if t.name == "output_norm.weight")
     np.testing.assert_array_equal(norm.data, src_norm.data)
 
 
-@pytest.mark.parametrize("target, max_rel", [("Q8_0", 0.03), ("Q4_0", 0.3)])
+@pytest.mark.parametrize("target, max_rel", [("F16", 2e-3), ("Q8_0", 0.03), ("Q4_0", 0.3)])
 def test_requantized_logits_follow_the_source(tmp_path, target, max_rel):
-    """Q8_0 of Q4_1 values is close; Q4_0 (no per-block minimum) is coarser but the same model.
+    """F16 of Q4_1 values rounds only to float16; Q8_0 is close; Q4_0 (no per-block minimum) is
+    coarser but the same model.
     A wrong scale or a transposed block gives a relative error of order 1."""
     src = write_tiny_gguf(tmp_path / "m.gguf", "Q4_1")
     out = requantize_gguf(src, tmp_path / f"m.{target}.gguf", target)
     tokens = np.random.default_rng(1).integers(0, SHAPE["vocab"], 24).tolist()
     ref = PagedSequence(load_gguf_model(src)).feed(tokens)
-    got = PagedSequence(load_gguf_model(out, quantization="gguf")).feed(tokens)
+    # F16 has no blocks to keep: it is served dequantized (in float16, the file's dtype)
+    got = PagedSequence(load_gguf_model(out, quantization=None if target == "F16" else "gguf")).feed(tokens)
     rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     assert rel < max_rel
 

@@ -23,6 +23,7 @@ BOUNDS = {
     "int8": (0.80, 0.30, 1.08),
     "fp8": (0.80, 0.25, 1.08),
     "fp8-kv": (0.90, 0.15, 1.03),
+    "int8-kv": (0.95, 0.06, 1.01),  # a scale per position and KV head: closer than fp8's cast
 }
 
 
@@ -53,3 +54,5 @@ def test_formats_hold_fewer_bytes(result):
     assert f["fp8"]["weight_bytes"] == pytest.approx(f["int8"]["weight_bytes"], rel=0.02)
     assert f["fp8-kv"]["kv_cache_dtype"] == "float8_e4m3fn"
     assert f["fp8-kv"]["kv_cache_bytes"] * 4 == f["f32"]["kv_cache_bytes"]
+    assert f["int8-kv"]["kv_cache_dtype"] == "int8"
+    assert f["int8-kv"]["kv_cache_bytes"] * 4 * 64 == f["f32"]["kv_cache_bytes"] * (64 + 4)  # head_dim 64

@@ -1,5 +1,7 @@
 """KV cache sizing with vLLM's meaning of gpu_memory_utilization, against a fake device."""
 
+import dataclasses
+
 import pytest
 
 from jaxserve.config import EngineConfig
@@ -98,6 +100,25 @@ def test_fp8_kv_cache_fits_twice_the_blocks_of_bfloat16(platform):
     by_share = {dtype: determine_num_blocks(mc, EngineConfig(kv_cache_dtype=dtype), 4096, platform="gpu",
                                             memory=memory, peak_temp_bytes=GIB) for dtype in ("auto", "fp8")}
     assert by_share["fp8"] - 2 * by_share["auto"] in (0, 1)  # the budget's remainder may hold one more
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_int8_kv_cache_blocks_are_counted_with_their_scales(head_dim):
+    """--kv-cache-dtype int8 rows hold D int8 values and a float32 scale: the same bytes hold
+    2 * D / (D + 4) times bfloat16's blocks (1.88x at D 64, 1.94x at 128) and 4 * D / (D + 4)
+    times float32's (3.76x, 3.88x)."""
+    bf16 = _model_config(head_dim=head_dim)
+    f32 = dataclasses.replace(bf16, dtype="float32")
+    per_block = bytes_per_block(bf16, 16, 1, "int8")
+    assert per_block == 2 * 28 * 16 * 8 * (head_dim + 4)
+    assert bytes_per_block(f32, 16, 1, "int8") == per_block  # the model's dtype does not matter
+    budget = 3 * GIB
+    blocks = {(name, dtype): determine_num_blocks(mc, EngineConfig(kv_cache_dtype=dtype, kv_cache_memory=budget), 4096)
+              for name, mc in (("bf16", bf16), ("f32", f32)) for dtype in ("auto", "int8")}
+    assert blocks["bf16", "int8"] == blocks["f32", "int8"] == budget // per_block
+    for name, factor in (("bf16", 2), ("f32", 4)):
+        want = factor * head_dim / (head_dim + 4)
+        assert abs(blocks[name, "int8"] / blocks[name, "auto"] - want) < 0.01, name
 
 
 def test_unknown_kv_cache_dtype_is_a_config_error():
