@@ -254,17 +254,15 @@ class EagleProposer:
                 continue
             q0, count = int(qsl[i]), int(qsl[i + 1] - qsl[i])
             start = int(positions[q0])
-            valid = max(0, min(count, len(ctx) - 1 - start))  # the head's input at p is the token at p + 1
-            if not alive:
-                ids[q0:q0 + valid] = ctx[start + 1:start + 1 + valid]
-                slots[q0:q0 + valid] = step.slot_mapping[q0:q0 + valid]
-                continue
             # A new request resumes from the target's: its prefix hit holds the head's KV too.
-            if self.num_computed.setdefault(r, start) < start:
+            if alive and self.num_computed.setdefault(r, start) < start:
                 self._go_blind(r)
                 continue
+            valid = max(0, min(count, len(ctx) - 1 - start))  # the head's input at p is the token at p + 1
             ids[q0:q0 + valid] = ctx[start + 1:start + 1 + valid]
             slots[q0:q0 + valid] = step.slot_mapping[q0:q0 + valid]
+            if not alive:  # written all the same, no bookkeeping: the runner freed it
+                continue
             self.num_computed[r] = start + valid
             if sampled and valid > 0:
                 logits_idx[i] = q0 + valid - 1

@@ -11,7 +11,14 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.exceptions import ConfigError
 from tests.shapes import ENGINE_TESTS_SHAPE
-from tests.spec_helpers import assert_target_pool_empty, prompts, stats_of, token_ids
+from tests.spec_helpers import (
+    assert_metrics_count_the_drafts,
+    assert_same_logprobs,
+    assert_target_pool_empty,
+    prompts,
+    stats_of,
+    token_ids,
+)
 
 K = 3
 # The different draft is a third engine (about 15-25 s to build and compile on a loaded 2-core machine).
@@ -65,10 +72,7 @@ def test_greedy_tokens_and_logprobs_equal_plain(which, plain, request):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     want, got = plain.generate(ps, params, use_tqdm=False), llm.generate(ps, params, use_tqdm=False)
     assert token_ids(got) == token_ids(want)
-    for w, g in zip(want, got):
-        for a, b in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
-            assert a.keys() == b.keys()
-            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank for t in a)
+    assert_same_logprobs(want, got)
     drafted = stats_of(llm).num_draft_tokens - before[0]
     accepted = stats_of(llm).num_accepted_tokens - before[1]
     assert drafted > 0
@@ -131,18 +135,7 @@ def test_prefix_hits(plain, self_draft):
 
 
 def test_metrics_count_the_drafts(self_draft):
-    s = stats_of(self_draft)
-    before = (s.num_drafts, s.num_draft_tokens)
-    self_draft.generate(prompts(4, seed=4), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                        use_tqdm=False)
-    drafts, draft_tokens = s.num_drafts - before[0], s.num_draft_tokens - before[1]
-    # K proposed every time; the scheduler cuts a request's last drafts at max_tokens
-    assert drafts > 0 and (K - 1) * drafts < draft_tokens <= K * drafts
-    metrics = {(m.name, (m.labels or {}).get("position")): m.value for m in self_draft.get_metrics()
-               if m.name.startswith("jaxserve:spec_decode") and (m.labels or {}).get("engine") != "total"}
-    assert metrics[("jaxserve:spec_decode_num_drafts_total", None)] == s.num_drafts
-    assert metrics[("jaxserve:spec_decode_num_draft_tokens_total", None)] == s.num_draft_tokens
-    assert metrics[("jaxserve:spec_decode_num_accepted_tokens_total", None)] == s.num_accepted_tokens
+    assert_metrics_count_the_drafts(self_draft, K)
 
 
 def test_a_draft_with_another_vocabulary_is_refused_by_name(demo_model, qwen3_checkpoint):

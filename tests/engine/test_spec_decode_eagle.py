@@ -29,7 +29,7 @@ from tests.eagle_checks import (
 )
 from tests.eagle_heads import write_eagle_head
 from tests.shapes import ENGINE_TESTS_SHAPE
-from tests.spec_helpers import prompts, stats_of, token_ids
+from tests.spec_helpers import assert_metrics_count_the_drafts, assert_same_logprobs, prompts, stats_of, token_ids
 
 K = 3
 SPEC_SHAPE = {**ENGINE_TESTS_SHAPE, "num_gpu_blocks_override": 80}
@@ -74,10 +74,7 @@ def test_greedy_tokens_and_logprobs_equal_plain(which, plain, request, monkeypat
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=3)
     want, got = plain.generate(ps, params, use_tqdm=False), llm.generate(ps, params, use_tqdm=False)
     assert token_ids(got) == token_ids(want)
-    for w, g in zip(want, got):
-        for a, b in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
-            assert a.keys() == b.keys()
-            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank for t in a)
+    assert_same_logprobs(want, got)
     drafted = stats_of(llm).num_draft_tokens - before[0]
     accepted = stats_of(llm).num_accepted_tokens - before[1]
     assert drafted > 0 and seen and all(len(d) == K for _, d in seen)
@@ -136,17 +133,7 @@ def test_prefix_hits(plain, eagle3, eagle3_head, demo_model, monkeypatch):
 
 
 def test_metrics_count_the_drafts(eagle3):
-    s = stats_of(eagle3)
-    before = (s.num_drafts, s.num_draft_tokens)
-    eagle3.generate(prompts(4, seed=4), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                    use_tqdm=False)
-    drafts, draft_tokens = s.num_drafts - before[0], s.num_draft_tokens - before[1]
-    assert drafts > 0 and (K - 1) * drafts < draft_tokens <= K * drafts
-    metrics = {(m.name, (m.labels or {}).get("position")): m.value for m in eagle3.get_metrics()
-               if m.name.startswith("jaxserve:spec_decode") and (m.labels or {}).get("engine") != "total"}
-    assert metrics[("jaxserve:spec_decode_num_drafts_total", None)] == s.num_drafts
-    assert metrics[("jaxserve:spec_decode_num_draft_tokens_total", None)] == s.num_draft_tokens
-    assert metrics[("jaxserve:spec_decode_num_accepted_tokens_total", None)] == s.num_accepted_tokens
+    assert_metrics_count_the_drafts(eagle3, K)
 
 
 def test_the_target_hands_over_the_layers_eagle3_reads(demo_model):
