@@ -26,11 +26,11 @@ the next (plain) step was launched. The catch-ups still run in launch order, eac
 row whose request left meanwhile (aborted, finished, preempted) is caught up all the same: its
 blocks may stay in the prefix cache.
 
-Tensor parallel: everything lives on the target's mesh. When the head's heads and MLP width
-divide it (:func:`jaxserve.models.tp_layout.eagle_head_splits`) its layer is split as a target
-layer and its pool on the key/value heads, so each device holds the head KV of its own key/value
-heads in the target's blocks, as it holds the target's; otherwise (or with
-``draft_tensor_parallel_size`` 1) head and pool are replicated.
+Tensor parallel: everything lives on the target's mesh, an MTP layer as an EAGLE head. When the
+head's heads and MLP width divide it (:func:`jaxserve.models.tp_layout.eagle_head_splits`) its
+layer is split as a target layer and its pool on the key/value heads, so each device holds the
+head KV of its own key/value heads in the target's blocks, as it holds the target's; otherwise (or
+with ``draft_tensor_parallel_size`` 1) head and pool are replicated.
 The hidden states it reads are replicated (the target's all-reduce came before them).
 """
 
@@ -124,13 +124,13 @@ class EagleProposer:
         self.num_blocks = num_blocks
         self.attn_fn = attn_fn
         spec = config.spec_decode_config.spec
-        # An MTP layer runs whole on every device (tensor parallelism refuses mtp: EngineConfig).
-        self.split = (cfg.method != "mtp" and eagle_head_splits(cfg.layer, mesh.size)
+        # An MTP layer is placed as an EAGLE head's (its decoder layer under the same names).
+        self.split = (eagle_head_splits(cfg.layer, mesh.size)
                       and (spec is None or spec.draft_tensor_parallel_size != 1))
         self.mesh = mesh if mesh.size > 1 else None  # the target's tables are split over it
         self.attn_mesh = mesh if self.split else None
-        self._forward = mtp_forward if cfg.method == "mtp" else functools.partial(
-            eagle_forward, mesh=self.mesh, attn_mesh=self.attn_mesh)
+        self._forward = functools.partial(mtp_forward if cfg.method == "mtp" else eagle_forward,
+                                          mesh=self.mesh, attn_mesh=self.attn_mesh)
         self.tables = tables
 
         def make_kv():  # one layer: [num_blocks, bs, Hkv, D]
