@@ -18,8 +18,9 @@ samples drafts K tokens greedily in the same program: the head's output at its l
 position gives the first, then K-1 one-token steps each read the previous step's output hidden
 state, their KV written into the lookahead slots and overwritten by the next catch-up. Every
 program is compiled at warm-up; a shape met later is compiled then and counted in
-``unexpected_compiles``. A compile-only proposer (``abstract_sharding``, for the deviceless GPU
-check) holds shapes only and can lower its programs (:meth:`lowered`), not run them.
+``unexpected_compiles``. A compile-only proposer (``abstract``, for the deviceless GPU check)
+holds shapes only, placed as a local one's arrays would be, and can lower its programs
+(:meth:`lowered`), not run them.
 
 Async scheduling: the catch-up over a step runs when the step is collected, which may be after
 the next (plain) step was launched. The catch-ups still run in launch order, each once, and a
@@ -111,12 +112,12 @@ class EagleProposer:
     """``step_rows``: the target's rows per token bucket (every bucket gets its program);
     ``hidden_sharding``: where the step's hidden states live; ``mesh``: the target's;
     ``num_blocks`` and ``table_width``: the target's pool and block-table width;
-    ``abstract_sharding``: set for a compile-only proposer, whose weights and pool are shapes
-    carrying it."""
+    ``abstract``: a compile-only proposer, whose weights and pool are shapes carrying the
+    shardings a local one's arrays would have."""
 
     def __init__(self, config: EngineConfig, cfg: EagleConfig, weights: Weights, tables: TargetTables, k: int,
                  attn_fn: AttentionFn, mesh: Mesh, num_blocks: int, table_width: int,
-                 step_rows: dict[int, int], hidden_sharding: Any, abstract_sharding: Any = None):
+                 step_rows: dict[int, int], hidden_sharding: Any, abstract: bool = False):
         self.k = k
         self.table_width = table_width
         self.cfg = cfg
@@ -137,23 +138,21 @@ class EagleProposer:
             k_pool, v_pool = allocate_kv_cache(cfg.layer, num_blocks, self.block_size, 1, config.kv_cache_dtype)
             return k_pool[0], v_pool[0]
 
-        # The donated pools come back as they went in; the drafts are replicated.
-        outs: dict[str, Any] = {}
-        if abstract_sharding is None:
-            weight_shardings, pool_sharding = eagle_head_shardings(mesh, weights, self.split)
+        weight_shardings, pool_sharding = eagle_head_shardings(mesh, weights, self.split)
+        if abstract:
+            self.weights = shapes_on(weights, weight_shardings)
+            self.kv = shapes_on(jax.eval_shape(make_kv), pool_sharding)
+        else:
             self.weights = jax.device_put(weights, weight_shardings)
             self.kv = jax.jit(make_kv, out_shardings=pool_sharding)()
-            outs = {"out_shardings": (pool_sharding, replicated(mesh))}
-        else:
-            self.weights = shapes_on(weights, abstract_sharding)
-            self.kv = shapes_on(jax.eval_shape(make_kv), abstract_sharding)
         self.step_rows = dict(step_rows)
         self.hidden_sharding = hidden_sharding
         # Each request's positions with head KV (the rest of its blocks: stale or lookahead).
         self.num_computed: dict[str, int] = {}
         # Requests the head missed positions of (never expected: a safety net): no drafts until freed.
         self.blind: set[str] = set()
-        self._jitted = jax.jit(self._propose_fn, donate_argnums=(2,), **outs)
+        # The donated pools come back as they went in; the drafts are replicated.
+        self._jitted = jax.jit(self._propose_fn, donate_argnums=(2,), out_shardings=(pool_sharding, replicated(mesh)))
         self._compiled: dict[int, Any] = {}
         self.unexpected_compiles = 0
         self.num_passes = 0
