@@ -20,7 +20,10 @@ reduce-scatter + all-gather pairs); an all-gather of a weight-shaped array fails
 its proposer's programs: ``draft_model`` with ``"model"`` a preset (e.g. ``qwen3-tiny-draft``; its
 catch-up per token bucket, named ``draft-catch-up-<tokens>``, and its K-1-step decode loop per row
 bucket, ``draft-decode-r<rows>``), ``eagle`` / ``eagle3`` with a head of the target's shape (its
-program per token bucket, ``eagle3-<tokens>``); random shapes, nothing loaded. A proposer's
+program per token bucket, ``eagle3-<tokens>``), ``mtp`` on a MiMo target (``--models mimo-7b``:
+its MTP layer, ``mtp-<tokens>``); random shapes, nothing loaded. Under tensor parallelism the
+proposer is placed as the engine places it (split like the target where its heads divide) and a
+weight all-gathered in its programs fails the check too. A proposer's
 program fails the check as a step does (a host round trip, a copy of the draft's weights, the
 head's or the target's tables, or of its pool, its pool not updated in place); ``--proposer-only``
 skips the target's steps. The KV sizing line counts the proposer's pool and weights, as the
@@ -216,12 +219,20 @@ def check_drafts(runner, draft, args, head: dict) -> list[dict]:
     quantized = dequantized_weight_shapes(draft, runner.drafter.weights) if runner.drafter is not None else set()
     for program in draft_programs(runner, args.buckets):
         weights = {hlo_shape(x, per_device=True) for x in jax.tree.leaves(program.weights)}
+        full_weights = {hlo_shape(x)[1] for x in jax.tree.leaves(program.weights)}
         pools = {hlo_shape(x, per_device=True) for x in jax.tree.leaves(program.pools)}
+        collectives = {}
         try:
-            row, _ = inspect(program.lower, weights, pools, quantized)
+            row, text = inspect(program.lower, weights, pools, quantized)
+            # split over devices: partial sums and gathered logits, never a weight gathered whole
+            found = count_collectives(text)
+            collectives = found.counts
+            gathered = found.weight_all_gathers(full_weights)
+            if gathered:
+                row["problems"].append(f"{len(gathered)} weight all-gathers {gathered[:4]}")
         except Exception as e:  # noqa: BLE001 - a program that does not compile is a failure to report
             row = {"problems": [f"{type(e).__name__}: {e}"[:2000]]}
-        row = {**head, "variant": program.name, "collectives": {}, "collectives_per_layer": {}, **row}
+        row = {**head, "variant": program.name, "collectives": collectives, "collectives_per_layer": {}, **row}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -240,7 +251,7 @@ def check_model(preset: str, backend: str, args, sharding, spec, lora_rank: int 
                         tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype,
                         speculative_config=args.speculative_config, **lora)
     speculative = base.spec_decode_config.spec
-    draft = None if speculative is None else abstract_draft(speculative, model.config)
+    draft = None if speculative is None else abstract_draft(speculative, model.config, preset=preset, config=base)
     # the draft's (or head's) pool and weights share the KV budget, as the engine sizes it
     proposer = proposer_memory(speculative, draft, base, max_model_len) if speculative else (None, 0)
     blocks, _ = gpu_aot.kv_blocks_on(spec, model, base, max_model_len, 0, *proposer)
@@ -352,8 +363,8 @@ def main(argv=None) -> int:
     ap.add_argument("--speculative-config", default=None,
                     help="vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}': "
                          "the steps verify K drafts a row; draft_model (\"model\": a preset, e.g. "
-                         "qwen3-tiny-draft), eagle and eagle3 (a head of the target's shape) add the "
-                         "proposer's programs")
+                         "qwen3-tiny-draft), eagle and eagle3 (a head of the target's shape) and mtp (a "
+                         "MiMo target's layer, --models mimo-7b) add the proposer's programs")
     ap.add_argument("--proposer-only", action="store_true",
                     help="with --speculative-config: only the proposer's programs, not the target's steps")
     ap.add_argument("--jobs", type=int, default=1, help="variants compiled at once")

@@ -29,6 +29,12 @@ PRESETS = {
                           intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                           norm_topk_prob=True, tie_word_embeddings=False, dtype="bfloat16",
                           max_position_embeddings=40960),
+    # MiMo-7B: a Qwen2 (q/k/v biases) whose checkpoint adds one multi-token-prediction layer
+    # (speculative method mtp; the compile check gives it a layer of this shape)
+    "mimo-7b": dict(architecture="MiMoForCausalLM", vocab_size=151680, hidden_size=4096, num_hidden_layers=36,
+                    num_attention_heads=32, num_key_value_heads=8, intermediate_size=11008, tie_word_embeddings=False,
+                    dtype="bfloat16", max_position_embeddings=32768, rope_theta=640000.0, rms_norm_eps=1e-5,
+                    num_nextn_predict_layers=1),
     # A small draft for qwen3 targets (their vocabulary), for the compile check of a speculating
     # engine: 4 layers of 256, GQA 4/2
     "qwen3-tiny-draft": dict(vocab_size=151936, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,

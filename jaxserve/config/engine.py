@@ -98,10 +98,6 @@ class EngineConfig:
             raise ConfigError(f"speculative_config.method={spec.method} runs the draft on one host's devices; "
                               f"nnodes {self.parallel_config.nnodes} is not supported")
         tp = self.parallel_config.tensor_parallel_size
-        if spec is not None and spec.method == "mtp" and tp > 1:
-            # Its layer would read the target's vocabulary-split embedding whole; not built.
-            raise ConfigError(f"speculative_config.method=mtp: tensor_parallel_size {tp} is not supported "
-                              "(the MTP layer runs on one device's tables)")
         if spec is not None and spec.draft_tensor_parallel_size not in (None, 1, tp):
             raise ConfigError(f"speculative_config.draft_tensor_parallel_size must be 1 or tensor_parallel_size "
                               f"({tp}), got {spec.draft_tensor_parallel_size}")

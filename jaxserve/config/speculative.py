@@ -70,18 +70,12 @@ class SpeculativeConfig:
                               f"got {k!r}")
         if method in MODEL_METHODS:
             return cls._draft_model(method, value, k)
+        if method == "mtp":
+            return cls._mtp(value, k)
         stray = sorted(set(value) & set(_DRAFT_KEYS))
-        if stray and method == "mtp":
-            raise ConfigError(f"speculative_config.{stray[0]}: method mtp drafts with the target's own "
-                              "multi-token-prediction layers (read from the target's checkpoint); leave it unset")
         if stray:
             raise ConfigError(f"speculative_config.{stray[0]} is for methods {', '.join(MODEL_METHODS)}, "
                               f"not {method}")
-        if method == "mtp":
-            stray = sorted(set(value) & set(_NGRAM_KEYS))
-            if stray:
-                raise ConfigError(f"speculative_config.{stray[0]} is for method ngram, not mtp")
-            return cls(method, k, 0, 0)
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         lo, hi = lo if lo is not None else hi, hi if hi is not None else lo
         if lo is None:
@@ -111,10 +105,19 @@ class SpeculativeConfig:
             if quantization not in QUANTIZATION_METHODS:
                 raise ConfigError(f"speculative_config.quantization must be one of "
                                   f"{', '.join(QUANTIZATION_METHODS)}, got {quantization!r}")
-        size = value.get("draft_tensor_parallel_size")
-        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-            raise ConfigError(f"speculative_config.draft_tensor_parallel_size must be an integer >= 1, got {size!r}")
-        return cls(method, k, 0, 0, model, quantization, size)
+        return cls(method, k, 0, 0, model, quantization, _draft_tp(value))
+
+    @classmethod
+    def _mtp(cls, value: dict[str, Any], k: int) -> SpeculativeConfig:
+        # The layers are the target's own: no draft to name or quantize, only where they run.
+        stray = sorted(set(value) & {"model", "quantization"})
+        if stray:
+            raise ConfigError(f"speculative_config.{stray[0]}: method mtp drafts with the target's own "
+                              "multi-token-prediction layers (read from the target's checkpoint); leave it unset")
+        stray = sorted(set(value) & set(_NGRAM_KEYS))
+        if stray:
+            raise ConfigError(f"speculative_config.{stray[0]} is for method ngram, not mtp")
+        return cls("mtp", k, 0, 0, draft_tensor_parallel_size=_draft_tp(value))
 
     def to_dict(self) -> dict[str, Any]:
         """vLLM's JSON keys of this method (parse gives this configuration back)."""
@@ -122,9 +125,17 @@ class SpeculativeConfig:
         if self.method == "ngram":
             return {**out, "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min}
         if self.method == "mtp":
-            return out
+            size = self.draft_tensor_parallel_size
+            return out if size is None else {**out, "draft_tensor_parallel_size": size}
         optional = {"quantization": self.quantization, "draft_tensor_parallel_size": self.draft_tensor_parallel_size}
         return {**out, "model": self.model, **{k: v for k, v in optional.items() if v is not None}}
+
+
+def _draft_tp(value: dict[str, Any]) -> int | None:
+    size = value.get("draft_tensor_parallel_size")
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+        raise ConfigError(f"speculative_config.draft_tensor_parallel_size must be an integer >= 1, got {size!r}")
+    return size
 
 
 @dataclasses.dataclass
@@ -136,8 +147,8 @@ class SpecDecodeConfig(SubConfig):
     or "eagle3", "model": HEAD_FOLDER_OR_NAME, "num_speculative_tokens": 3} (an EAGLE head trained for
     the target), or {"method": "mtp", "num_speculative_tokens": 1} (a target that ships its own
     multi-token-prediction layers, MiMo's); default: off. With tensor_parallel_size N,
-    "draft_tensor_parallel_size" (1 or N, default N) replicates the draft or head on every device (1)
-    or splits it like the target."""
+    "draft_tensor_parallel_size" (1 or N, default N) replicates the draft, head or MTP layer on every
+    device (1) or splits it like the target."""
     speculative_auto_off: bool = False
     """Beyond vLLM: per step, skip verifying drafts when the measured acceptance and a fitted
     step-cost model say speculation costs more than it saves at the current batch size (probing

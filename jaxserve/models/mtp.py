@@ -15,6 +15,12 @@ MiMo's layout (``MiMoForCausalLM``: a Qwen2 decoder plus ``num_nextn_predict_lay
 every draft step runs the first layer (MiMo-7B ships one); the others are checked by name and
 shape, not read. DeepSeek-V3's layout (``model.layers.{L + i}.{enorm,hnorm,eh_proj,shared_head}``)
 is not read: jaxserve serves no DeepSeek target.
+
+Tensor parallel: as an EAGLE head (the weights under the same names, so the same plan places them):
+``mesh`` is the target's, its embedding read vocabulary-parallel in place; ``attn_mesh`` is given
+when the decoder layer is split as a target layer (q/k/v and gate/up by output columns, o and down
+by input rows, the pool on its key/value heads), None when it is replicated. ``input_proj`` and
+the four norms stay replicated: the two hidden states they read are whole on every device.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.attention import AttentionFn, AttentionMetadata
+from jaxserve.layers.embedding import vocab_parallel_rows
 from jaxserve.layers.norm import rms_norm
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.eagle import EagleConfig, TargetTables, Weights, _attention, _mlp
@@ -36,6 +44,7 @@ from jaxserve.models.safetensors_io import open_checkpoint_files
 
 MTP_PREFIX = "model.mtp_layers."
 MTP_ARCHITECTURES = ("MiMoForCausalLM",)
+_OWN_TENSORS = ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm")  # not a decoder layer's
 
 
 def _err(folder: Path, what: str) -> ConfigError:
@@ -60,6 +69,18 @@ def mtp_layer_shapes(layer: ModelConfig) -> tuple[dict[str, tuple[int, ...]], di
     return shapes, biases
 
 
+def mtp_head_config(target: ModelConfig) -> EagleConfig:
+    """The head an MTP layer of ``target`` is: one decoder layer of the target's shape."""
+    return EagleConfig("mtp", dataclasses.replace(target, num_hidden_layers=1, layer_types=None), (),
+                       target.vocab_size)
+
+
+def served_mtp_key(key: str) -> str:
+    """Where an MTP tensor (its name after ``model.mtp_layers.{i}.``) is served: under the EAGLE
+    head's name where the layer is the same (``layers.0.*``), its own name otherwise."""
+    return key if key.split(".")[0] in _OWN_TENSORS else "layers.0." + key
+
+
 def load_mtp_head(folder: str | Path, target: ModelConfig, dtype: jnp.dtype) -> tuple[EagleConfig, Weights]:
     """The first MTP layer of the target checkpoint in ``folder`` (its config.json names
     ``num_nextn_predict_layers``), every layer's tensors checked by name and shape first. Weights
@@ -75,8 +96,8 @@ def load_mtp_head(folder: str | Path, target: ModelConfig, dtype: jnp.dtype) -> 
     n = raw.get("num_nextn_predict_layers")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise _err(folder, f"config.json: num_nextn_predict_layers must be an integer >= 1, got {n!r}")
-    layer = dataclasses.replace(target, num_hidden_layers=1, layer_types=None)
-    required, optional = mtp_layer_shapes(layer)
+    cfg = mtp_head_config(target)
+    required, optional = mtp_layer_shapes(cfg.layer)
     files = open_checkpoint_files(folder)
     present = {name for name in files if name.startswith(MTP_PREFIX)}
     known = {f"{MTP_PREFIX}{i}.{k}" for i in range(n) for k in (*required, *optional)}
@@ -102,26 +123,26 @@ def load_mtp_head(folder: str | Path, target: ModelConfig, dtype: jnp.dtype) -> 
         if name not in present:
             continue
         a = jnp.asarray(np.asarray(files[name].get(name), np.float32), dtype)
-        ours = key if key.split(".")[0] in ("token_layernorm", "hidden_layernorm", "input_proj",
-                                            "final_layernorm") else "layers.0." + key
-        weights[ours] = a.T if a.ndim == 2 else a  # [out, in] -> [in, out]
-    return EagleConfig("mtp", layer, (), target.vocab_size), weights
+        weights[served_mtp_key(key)] = a.T if a.ndim == 2 else a  # [out, in] -> [in, out]
+    return cfg, weights
 
 
 def mtp_forward(cfg: EagleConfig, w: Weights, target: TargetTables, input_ids: jax.Array, hidden: jax.Array,
-                kv: tuple[jax.Array, jax.Array], md: AttentionMetadata, attn_fn: AttentionFn
+                kv: tuple[jax.Array, jax.Array], md: AttentionMetadata, attn_fn: AttentionFn,
+                mesh: Mesh | None = None, attn_mesh: Mesh | None = None
                 ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
     """:func:`jaxserve.models.eagle.eagle_forward`'s contract for an MTP layer: ``input_ids [T]``
     (the token after each position), ``hidden [T, h]`` (the target's after its final norm, or the
-    layer's own); returns the logit rows, the next hidden states (the same array) and the pools."""
+    layer's own); returns the logit rows, the next hidden states (the same array) and the pools.
+    ``mesh`` / ``attn_mesh``: as :func:`jaxserve.models.eagle.eagle_forward`'s."""
     eps = cfg.layer.rms_norm_eps
-    embeds = target.embedding[input_ids].astype(hidden.dtype)
+    embeds = vocab_parallel_rows(target.embedding, input_ids, mesh).astype(hidden.dtype)
     # MiMo's MTP was trained with no token at the sequence's first position.
     embeds = jnp.where((md.positions == 0)[:, None], jnp.zeros_like(embeds), embeds)
     x = jnp.concatenate([rms_norm(hidden, w["hidden_layernorm.weight"], eps),
                          rms_norm(embeds, w["token_layernorm.weight"], eps)], axis=-1) @ w["input_proj.weight"]
     p = "layers.0."
-    attn, kv = _attention(cfg.layer, w, rms_norm(x, w[p + "input_layernorm.weight"], eps), kv, md, attn_fn, None)
+    attn, kv = _attention(cfg.layer, w, rms_norm(x, w[p + "input_layernorm.weight"], eps), kv, md, attn_fn, attn_mesh)
     residual = x + attn
     out = residual + _mlp(w, rms_norm(residual, w[p + "post_attention_layernorm.weight"], eps))
     out = rms_norm(out, w["final_layernorm.weight"], eps)

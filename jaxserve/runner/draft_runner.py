@@ -16,8 +16,9 @@ next call keeps their KV as far as they equal the tokens the target accepted, an
 overwritten by the next catch-up. Blocks are allocated per request from a free list and returned
 when the request finishes, is preempted or is replaced; a request the pool cannot hold gets no
 drafts that step. Every program is compiled at warm-up; a shape met later is compiled then and
-counted in ``unexpected_compiles``. A compile-only proposer (``abstract_sharding``, for the
-deviceless GPU check) holds shapes only and can lower its programs (:meth:`lowered`), not run them.
+counted in ``unexpected_compiles``. A compile-only proposer (``abstract``, for the deviceless GPU
+check) holds shapes only, placed as a local one's arrays would be, and can lower its programs
+(:meth:`lowered`), not run them.
 
 Tensor parallel (vLLM runs the draft at the target's size): on the target's mesh, a draft whose
 heads and MLP width the mesh divides (:func:`jaxserve.models.tp_layout.splits_evenly`) is loaded
@@ -53,6 +54,16 @@ from jaxserve.runner.target import shapes_on
 logger = logging.getLogger("jaxserve")
 
 
+def draft_layout_size(config: EngineConfig, mc: ModelConfig, mesh_size: int) -> int:
+    """The shards a draft of shape ``mc`` is laid out for on the target's ``mesh_size`` devices:
+    all of them when its shapes divide them and ``draft_tensor_parallel_size`` is not 1, else 1
+    (replicated)."""
+    spec = config.spec_decode_config.spec
+    assert spec is not None
+    split = spec.draft_tensor_parallel_size != 1 and splits_evenly(mc, mesh_size, config.enable_expert_parallel)
+    return mesh_size if mesh_size > 1 and split else 1
+
+
 def load_draft_model(config: EngineConfig, target: ModelConfig, mesh: Mesh) -> Any:
     """The draft named by ``speculative_config.model``, in the target's dtype (or its own
     ``quantization``), checked against the target: the same vocabulary, one KV cache group. On a
@@ -79,8 +90,7 @@ def load_draft_model(config: EngineConfig, target: ModelConfig, mesh: Mesh) -> A
         raise ConfigError("speculative_config.model: an M-RoPE (vision-language) draft is not supported")
     # The target's scan_layers flag (None: by depth). Unrolled, SmolLM2's Q4_1 draft proposed 8x
     # slower on this CPU (docs/benchmarks.md, the draft-model section).
-    split = spec.draft_tensor_parallel_size != 1 and splits_evenly(mc, mesh.size, config.enable_expert_parallel)
-    size = mesh.size if mesh.size > 1 and split else 1
+    size = draft_layout_size(config, mc, mesh.size)
     if mesh.size > 1 and size == 1 and spec.draft_tensor_parallel_size != 1:
         logger.info("draft model %s: its shapes do not divide tensor_parallel_size %d; replicated on every device",
                     spec.model, mesh.size)
@@ -121,11 +131,12 @@ def _pow2_buckets(top: int, start: int = 1) -> list[int]:
 class DraftModelProposer:
     """``model``: the loaded draft (split over ``mesh`` when its ``tensor_parallel_size`` is the
     mesh's, else replicated on it); ``mesh``: the target's; ``attn_fn``: the target's attention
-    backend function (the draft's pool has the same block size). ``abstract_sharding``: set for a
-    compile-only proposer, whose weights and pool are shapes carrying it (``model`` may be abstract)."""
+    backend function (the draft's pool has the same block size). ``abstract``: a compile-only
+    proposer, whose weights and pool are shapes carrying the shardings a local one's arrays would
+    have (``model`` may be abstract)."""
 
     def __init__(self, config: EngineConfig, model: Any, max_model_len: int, k: int, attn_fn: AttentionFn,
-                 mesh: Mesh, target_num_blocks: int, abstract_sharding: Any = None):
+                 mesh: Mesh, target_num_blocks: int, abstract: bool = False):
         self.k = k
         self.mc: ModelConfig = model.config
         self.block_size = bs = config.block_size
@@ -147,25 +158,24 @@ class DraftModelProposer:
         self.graphdef, flat = nnx.flatten(model, with_paths=True)
         slots = num_kv_slots(kv_cache_groups(self.mc, bs, max_model_len, config.kv_cache_dtype))
         make_kv = lambda: allocate_kv_cache(self.mc, self.num_blocks, bs, size, config.kv_cache_dtype, slots)  # noqa: E731
-        # The donated pool comes back as it went in; the drafts are replicated.
-        outs: dict[str, Any] = {}
-        if abstract_sharding is None:
-            whole = replicated(mesh)
-            kv_sharding = kv_cache_sharding(mesh) if self.split else whole
-            self.weights = jax.device_put([v for _, v in flat], weight_shardings(mesh, flat) if self.split
-                                          else [whole] * len(flat))
+        whole = replicated(mesh)
+        kv_sharding = kv_cache_sharding(mesh) if self.split else whole
+        placed = weight_shardings(mesh, flat) if self.split else [whole] * len(flat)
+        if abstract:
+            self.weights = shapes_on([v for _, v in flat], placed)
+            self.kv = shapes_on(jax.eval_shape(make_kv), kv_sharding)
+        else:
+            self.weights = jax.device_put([v for _, v in flat], placed)
             # Made in place: no device ever holds more of the pool than its shard.
             self.kv = jax.jit(make_kv, out_shardings=kv_sharding)()
-            outs = {"out_shardings": (kv_sharding, whole)}
-        else:
-            self.weights = shapes_on([v for _, v in flat], abstract_sharding)
-            self.kv = shapes_on(jax.eval_shape(make_kv), abstract_sharding)
+        # The donated pool comes back as it went in; the drafts are replicated.
+        outs = (kv_sharding, whole)
         top = min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len)
         # From 1: after full acceptance a catch-up is 2 tokens a row (the last draft, the target's).
         self.token_buckets = _pow2_buckets(top)
         self.row_buckets = _pow2_buckets(config.max_num_seqs)
-        self._catch_up = jax.jit(self._catch_up_fn, donate_argnums=(1,), **outs)
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), **outs)
+        self._catch_up = jax.jit(self._catch_up_fn, donate_argnums=(1,), out_shardings=outs)
+        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), out_shardings=outs)
         self._compiled: dict[tuple[str, int], Any] = {}
         self.unexpected_compiles = 0
         self.num_passes = 0  # forward programs run (catch-up passes and decode loops)

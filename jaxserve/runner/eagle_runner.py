@@ -18,19 +18,20 @@ samples drafts K tokens greedily in the same program: the head's output at its l
 position gives the first, then K-1 one-token steps each read the previous step's output hidden
 state, their KV written into the lookahead slots and overwritten by the next catch-up. Every
 program is compiled at warm-up; a shape met later is compiled then and counted in
-``unexpected_compiles``. A compile-only proposer (``abstract_sharding``, for the deviceless GPU
-check) holds shapes only and can lower its programs (:meth:`lowered`), not run them.
+``unexpected_compiles``. A compile-only proposer (``abstract``, for the deviceless GPU check)
+holds shapes only, placed as a local one's arrays would be, and can lower its programs
+(:meth:`lowered`), not run them.
 
 Async scheduling: the catch-up over a step runs when the step is collected, which may be after
 the next (plain) step was launched. The catch-ups still run in launch order, each once, and a
 row whose request left meanwhile (aborted, finished, preempted) is caught up all the same: its
 blocks may stay in the prefix cache.
 
-Tensor parallel: everything lives on the target's mesh. When the head's heads and MLP width
-divide it (:func:`jaxserve.models.tp_layout.eagle_head_splits`) its layer is split as a target
-layer and its pool on the key/value heads, so each device holds the head KV of its own key/value
-heads in the target's blocks, as it holds the target's; otherwise (or with
-``draft_tensor_parallel_size`` 1) head and pool are replicated.
+Tensor parallel: everything lives on the target's mesh, an MTP layer as an EAGLE head. When the
+head's heads and MLP width divide it (:func:`jaxserve.models.tp_layout.eagle_head_splits`) its
+layer is split as a target layer and its pool on the key/value heads, so each device holds the
+head KV of its own key/value heads in the target's blocks, as it holds the target's; otherwise (or
+with ``draft_tensor_parallel_size`` 1) head and pool are replicated.
 The hidden states it reads are replicated (the target's all-reduce came before them).
 """
 
@@ -111,12 +112,12 @@ class EagleProposer:
     """``step_rows``: the target's rows per token bucket (every bucket gets its program);
     ``hidden_sharding``: where the step's hidden states live; ``mesh``: the target's;
     ``num_blocks`` and ``table_width``: the target's pool and block-table width;
-    ``abstract_sharding``: set for a compile-only proposer, whose weights and pool are shapes
-    carrying it."""
+    ``abstract``: a compile-only proposer, whose weights and pool are shapes carrying the
+    shardings a local one's arrays would have."""
 
     def __init__(self, config: EngineConfig, cfg: EagleConfig, weights: Weights, tables: TargetTables, k: int,
                  attn_fn: AttentionFn, mesh: Mesh, num_blocks: int, table_width: int,
-                 step_rows: dict[int, int], hidden_sharding: Any, abstract_sharding: Any = None):
+                 step_rows: dict[int, int], hidden_sharding: Any, abstract: bool = False):
         self.k = k
         self.table_width = table_width
         self.cfg = cfg
@@ -124,36 +125,34 @@ class EagleProposer:
         self.num_blocks = num_blocks
         self.attn_fn = attn_fn
         spec = config.spec_decode_config.spec
-        # An MTP layer runs whole on every device (tensor parallelism refuses mtp: EngineConfig).
-        self.split = (cfg.method != "mtp" and eagle_head_splits(cfg.layer, mesh.size)
+        # An MTP layer is placed as an EAGLE head's (its decoder layer under the same names).
+        self.split = (eagle_head_splits(cfg.layer, mesh.size)
                       and (spec is None or spec.draft_tensor_parallel_size != 1))
         self.mesh = mesh if mesh.size > 1 else None  # the target's tables are split over it
         self.attn_mesh = mesh if self.split else None
-        self._forward = mtp_forward if cfg.method == "mtp" else functools.partial(
-            eagle_forward, mesh=self.mesh, attn_mesh=self.attn_mesh)
+        self._forward = functools.partial(mtp_forward if cfg.method == "mtp" else eagle_forward,
+                                          mesh=self.mesh, attn_mesh=self.attn_mesh)
         self.tables = tables
 
         def make_kv():  # one layer: [num_blocks, bs, Hkv, D]
             k_pool, v_pool = allocate_kv_cache(cfg.layer, num_blocks, self.block_size, 1, config.kv_cache_dtype)
             return k_pool[0], v_pool[0]
 
-        # The donated pools come back as they went in; the drafts are replicated.
-        outs: dict[str, Any] = {}
-        if abstract_sharding is None:
-            weight_shardings, pool_sharding = eagle_head_shardings(mesh, weights, self.split)
+        weight_shardings, pool_sharding = eagle_head_shardings(mesh, weights, self.split)
+        if abstract:
+            self.weights = shapes_on(weights, weight_shardings)
+            self.kv = shapes_on(jax.eval_shape(make_kv), pool_sharding)
+        else:
             self.weights = jax.device_put(weights, weight_shardings)
             self.kv = jax.jit(make_kv, out_shardings=pool_sharding)()
-            outs = {"out_shardings": (pool_sharding, replicated(mesh))}
-        else:
-            self.weights = shapes_on(weights, abstract_sharding)
-            self.kv = shapes_on(jax.eval_shape(make_kv), abstract_sharding)
         self.step_rows = dict(step_rows)
         self.hidden_sharding = hidden_sharding
         # Each request's positions with head KV (the rest of its blocks: stale or lookahead).
         self.num_computed: dict[str, int] = {}
         # Requests the head missed positions of (never expected: a safety net): no drafts until freed.
         self.blind: set[str] = set()
-        self._jitted = jax.jit(self._propose_fn, donate_argnums=(2,), **outs)
+        # The donated pools come back as they went in; the drafts are replicated.
+        self._jitted = jax.jit(self._propose_fn, donate_argnums=(2,), out_shardings=(pool_sharding, replicated(mesh)))
         self._compiled: dict[int, Any] = {}
         self.unexpected_compiles = 0
         self.num_passes = 0

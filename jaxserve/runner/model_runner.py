@@ -373,7 +373,7 @@ class ModelRunner:
             return
         draft, self._draft_model = self._draft_model, None  # the proposer holds the weights now
         self.drafter = DraftModelProposer(self.config, draft, self.max_model_len, spec.num_speculative_tokens,
-                                          self.attn_fn, self.mesh, self.num_blocks, self._abstract_sharding)
+                                          self.attn_fn, self.mesh, self.num_blocks, self.target.is_abstract)
         logger.info("draft model %s: %d KV blocks, %d token buckets, %d row buckets", spec.model,
                     self.drafter.num_blocks, len(self.drafter.token_buckets), len(self.drafter.row_buckets))
 
@@ -417,7 +417,7 @@ class ModelRunner:
         step_rows = {b: self._num_rows(b) for b in self.buckets.token_buckets}
         self.eagle = EagleProposer(self.config, cfg, weights, tables, spec.num_speculative_tokens, self.attn_fn,
                                    self.mesh, self.num_blocks, self.max_blocks_per_seq, step_rows,
-                                   self._replicated, self._abstract_sharding)
+                                   self._replicated, self.target.is_abstract)
         logger.info("%s head %s: %d programs; reads %s", spec.method, spec.model or "(the target's)",
                     len(step_rows),
                     "the final hidden state" if not cfg.aux_layers else f"layers {list(cfg.aux_layers)}")
@@ -436,12 +436,6 @@ class ModelRunner:
             if layout.kv_replicas > 1:
                 logger.info("the model's %d key/value heads are fewer than tensor_parallel_size %d: each is "
                             "stored %d times, one copy per device", layout.num_kv_heads, tp, layout.kv_replicas)
-
-    @property
-    def _abstract_sharding(self) -> Any:
-        """Where a compile-only runner's proposer compiles for: its first device, where a local
-        runner puts the proposer's arrays; None on a local target."""
-        return jax.sharding.SingleDeviceSharding(self.devices[0]) if self.target.is_abstract else None
 
     @property
     def kv_cache(self):

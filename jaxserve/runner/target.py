@@ -77,6 +77,9 @@ class StepTarget:
 
 
 def shapes_on(tree: Any, sharding: Any) -> Any:
-    """``tree``'s arrays (or shapes) as shapes carrying ``sharding``: what a compile-only runner
-    or proposer holds in place of its weights and pools (nothing is allocated)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+    """``tree``'s arrays (or shapes) as shapes carrying ``sharding`` (one for all, or a tree of
+    them whose structure is a prefix of ``tree``'s, one per weight): what a compile-only runner or
+    proposer holds in place of its weights and pools (nothing is allocated)."""
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+    return jax.tree.map(lambda s, sub: shapes_on(sub, s), sharding, tree)

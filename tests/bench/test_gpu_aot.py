@@ -160,40 +160,45 @@ def test_host_callbacks_are_round_trips():
     assert plain.host_callbacks == 0 and plain.host_round_trips == 0
 
 
-def _spec_runner(speculative_config: dict, give_draft: bool = True, **overrides):
-    """A compile-only runner of cpu-bench on the CPU (xla attention) speculating per
-    ``speculative_config``, its draft given as scripts/gpu_aot_check.py gives it (or none)."""
+def _spec_runner(speculative_config: dict, give_draft: bool = True, preset: str = "cpu-bench", **overrides):
+    """A compile-only runner of ``preset`` (one layer unless cpu-bench) on the CPU (xla attention)
+    speculating per ``speculative_config``, its draft given as scripts/gpu_aot_check.py gives it
+    (or none)."""
     from jaxserve.bench.gpu_aot_draft import abstract_draft
     from jaxserve.config import EngineConfig
     from jaxserve.runner.mesh import make_mesh
 
-    model = gpu_aot.abstract_model("cpu-bench", False)
+    model = gpu_aot.abstract_model(preset, False, num_layers=None if preset == "cpu-bench" else 1)
     sharding = jax.sharding.NamedSharding(make_mesh(jax.devices("cpu")[:1], 1), jax.sharding.PartitionSpec())
     # at most 8 tokens a step: a 16-token gather of the xla attention would have one 16-slot
     # block's shape, which the copy check cannot tell from a copy of the pool's block
     config = EngineConfig(**{"attention_backend": "xla", "num_gpu_blocks_override": 16, "max_num_seqs": 4,
                              "max_num_batched_tokens": 8, "speculative_config": speculative_config, **overrides})
-    draft = abstract_draft(config.spec_decode_config.spec, model.config) if give_draft else None
+    draft = abstract_draft(config.spec_decode_config.spec, model.config, preset=preset) if give_draft else None
     return gpu_aot.abstract_runner(model, config, sharding, max_model_len=128, draft=draft), draft
 
 
 def _shapes(tree) -> set:
-    hlo = {"float32": "f32", "int32": "s32"}
+    hlo = {"float32": "f32", "int32": "s32", "bfloat16": "bf16"}
     return {(hlo[str(x.dtype)], tuple(x.shape)) for x in jax.tree.leaves(tree)}
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3", "mtp"])
 def test_a_speculating_runners_proposer_compiles_from_shapes_alone(method):
     """scripts/gpu_aot_check.py --speculative-config: the compile-only runner is given its draft
-    (a preset) or EAGLE head (the target's shape), and every program its proposer compiles at
-    warm-up lowers from shapes, here for the CPU: the draft's pool donated and updated in place,
-    no copy of its weights (or of the target's tables an EAGLE head reads). Host round trips are
+    (a preset), EAGLE head (the target's shape) or MTP layer (a MiMo target's), and every program
+    its proposer compiles at warm-up lowers from shapes, here for the CPU: the draft's pool donated
+    and updated in place, no copy of its weights (or of the target's tables a head reads). Its
+    shapes are placed on the runner's mesh as a local proposer's arrays are. Host round trips are
     checked on the H200 programs (the CPU's xla attention has its own loops)."""
     from jaxserve.bench.gpu_aot_draft import draft_programs
 
-    runner, _ = _spec_runner({"method": method, "model": "cpu-bench", "num_speculative_tokens": 3})
+    spec = {"method": method, "num_speculative_tokens": 3, **({} if method == "mtp" else {"model": "cpu-bench"})}
+    runner, _ = _spec_runner(spec, preset="mimo-7b" if method == "mtp" else "cpu-bench")
     proposer = runner.drafter if method == "draft_model" else runner.eagle
     assert proposer is not None and (runner.drafter is None) == (method != "draft_model")
+    for x in jax.tree.leaves((proposer.weights, proposer.kv)):
+        assert isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == runner.mesh
     programs = draft_programs(runner)
     if method == "draft_model":  # a catch-up per token bucket, a K-1-step loop per row bucket
         expected = len(proposer.token_buckets) + len(proposer.row_buckets)
@@ -233,6 +238,29 @@ def test_an_abstract_eagle_head_has_the_loaded_heads_tensors(tmp_path):
         same_mlp = {k for k in loaded if "mlp" not in k}  # the written head's MLP is 2h wide, the target's 3h
         assert {k: weights[k].shape for k in same_mlp if k not in ("lm_head.weight", "d2t")} == {
             k: loaded[k].shape for k in same_mlp if k not in ("lm_head.weight", "d2t")}
+
+
+def test_an_abstract_mtp_layer_has_the_loaded_layers_tensors(tmp_path):
+    """The MTP layer the check builds holds the tensors (names, served shapes, dtype) that
+    loading a MiMo checkpoint's layer gives, biases included; a target preset with no MTP layers
+    is refused naming the ones that have them."""
+    from jaxserve.bench.gpu_aot_draft import abstract_draft, abstract_mtp_head
+    from jaxserve.config.speculative import SpeculativeConfig
+    from jaxserve.exceptions import ConfigError
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.models.mtp import load_mtp_head
+    from tests.mtp_models import write_mimo
+    from tests.tiny_models import build_tiny_checkpoint
+
+    qwen2 = build_tiny_checkpoint(tmp_path / "qwen2", "Qwen2ForCausalLM", vocab_size=512)
+    target = ModelConfig.from_pretrained(write_mimo(tmp_path / "mimo", qwen2))
+    cfg, loaded = load_mtp_head(tmp_path / "mimo", target, jnp.dtype(target.dtype))
+    abstract_cfg, weights = abstract_mtp_head(target)
+    assert abstract_cfg == cfg and "layers.0.self_attn.q_proj.bias" in weights
+    assert {k: (w.shape, w.dtype) for k, w in weights.items()} == {k: (w.shape, w.dtype) for k, w in loaded.items()}
+    mtp = SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 1})
+    with pytest.raises(ConfigError, match="method=mtp: the preset 'cpu-bench' has no multi-token.*mimo-7b"):
+        abstract_draft(mtp, gpu_aot.abstract_model("cpu-bench", False).config, preset="cpu-bench")
 
 
 def test_a_compile_only_runner_needs_its_draft_and_a_draft_preset_needs_the_vocabulary():

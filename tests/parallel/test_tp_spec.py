@@ -3,16 +3,22 @@ every case, :mod:`tests.parallel.tp_spec_runs`): a draft model split like the ta
 heads two devices do not divide (replicated) and EAGLE-1 and EAGLE-3 heads split as one target
 layer each give
 the one-device greedy tokens, logprobs and acceptance counts, with chunked prefill and a prefix
-hit, and compile nothing after warm-up; the proposers' weights and pools are placed as planned."""
+hit, and compile nothing after warm-up; the proposers' weights and pools are placed as planned.
+(MTP: tests/parallel/test_tp_spec_mtp.py.)"""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.parallel.tp_spec_checks import (
+    assert_ran_chunked_with_a_prefix_hit_and_no_compile_after_warm_up,
+    assert_same_tokens_logprobs_and_drafts,
+    assert_split_on_the_heads,
+    weight_all_gathers,
+)
 from tests.parallel.tp_spec_runs import CASES, DEVICES, REFERENCE, VOCAB, run_in_subprocess
 
 pytestmark = pytest.mark.slow  # nine engines compiled in a subprocess: several minutes on two loaded cores
-LOGPROB_TOLERANCE = 1e-4
 SPLIT_KINDS = [kind for kind, tp in CASES if tp == DEVICES]
 
 
@@ -24,24 +30,13 @@ def results(tmp_path_factory) -> dict[tuple[str, int], dict]:
 
 def test_every_case_ran_chunked_with_a_prefix_hit_and_no_compile_after_warm_up(results):
     assert sorted(results) == sorted(CASES)
-    for (_, tp), run in results.items():
-        assert run["device_ids"] == list(range(tp))
-        assert run["max_prefill_steps"] > 1 and run["prefix_hits"] > 0
-        assert run["new_compiles"] == 0 and run["unexpected_compiles"] == 0
-        assert run["drafted"] > 0
+    for run in results.values():
+        assert_ran_chunked_with_a_prefix_hit_and_no_compile_after_warm_up(run)
 
 
 @pytest.mark.parametrize("kind", SPLIT_KINDS)
 def test_two_devices_give_the_one_device_tokens_logprobs_and_acceptance(results, kind):
-    run, ref = results[(kind, DEVICES)], results[(REFERENCE.get(kind, kind), 1)]
-    assert run["tokens"] == ref["tokens"]
-    for rows, ref_rows in zip(run["logprobs"], ref["logprobs"], strict=True):
-        for row, ref_row in zip(rows, ref_rows, strict=True):
-            assert set(row) == set(ref_row)
-            assert max(abs(row[t] - ref_row[t]) for t in row) < LOGPROB_TOLERANCE
-    # the same drafts: as many proposed, accepted, and at each position
-    assert (run["drafted"], run["accepted"], run["accepted_per_pos"]) == (
-        ref["drafted"], ref["accepted"], ref["accepted_per_pos"])
+    assert_same_tokens_logprobs_and_drafts(results[(kind, DEVICES)], results[(REFERENCE.get(kind, kind), 1)])
 
 
 def test_the_self_draft_and_the_head_get_drafts_accepted(results):
@@ -55,19 +50,11 @@ def test_a_split_proposer_holds_its_share_of_the_heads(results, kind):
     """The draft's pool [L, blocks, bs, Hkv, D] and the head's [blocks, bs, Hkv, D] are split on
     the key/value heads, as the target's is; some weights are split, each device holding half."""
     run = results[(kind, DEVICES)]
-    assert run["split"] and not results[(kind, 1)]["split"]
-    heads_axis = 3 if kind == "draft" else 2
-    assert len(run["pool"]) == 2  # K and V
-    for spec, shape, block in run["pool"]:
-        assert spec[heads_axis] == "tp" and block[heads_axis] * DEVICES == shape[heads_axis]
-        assert block[:heads_axis] == shape[:heads_axis]
-    split = [(spec, shape, block) for spec, shape, block in run["weights"] if "tp" in spec]
-    assert split
-    for spec, shape, block in split:
-        axis = spec.index("tp")
-        assert block[axis] * DEVICES == shape[axis]
+    assert not results[(kind, 1)]["split"]
+    assert_split_on_the_heads(run, 3 if kind == "draft" else 2, DEVICES)
     if kind == "draft":  # the draft's embedding, split on the vocabulary padded to the devices
-        assert [VOCAB + 1, 64] in [shape for _, shape, _ in split] and VOCAB % DEVICES
+        split = [shape for spec, shape, _ in run["weights"] if "tp" in spec]
+        assert [VOCAB + 1, 64] in split and VOCAB % DEVICES
 
 
 @pytest.mark.parametrize("kind", ["odd_draft", "eagle_whole"])
@@ -83,11 +70,8 @@ def test_proposer_programs_gather_no_weight(results, kind):
     """A split proposer's programs sum partial products (all-reduces) and gather logits, never a
     weight (its own or the target's embedding and LM head, which an EAGLE head reads split, whole
     or not); a replicated draft runs with no collective at all."""
-    from jaxserve.bench.hlo_collectives import Collectives
-
     run = results[(kind, DEVICES)]
-    gathered = Collectives(run["collectives"], tuple(map(tuple, run["all_gather_shapes"])))
-    assert gathered.weight_all_gathers(map(tuple, run["weight_shapes"])) == []
+    assert weight_all_gathers(run) == []
     if run["split"] or kind == "eagle_whole":
         assert run["collectives"]["all-reduce"] > 0
     else:

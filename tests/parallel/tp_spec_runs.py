@@ -15,6 +15,9 @@ case builds an ``LLM`` at ``tensor_parallel_size`` 1 or 2 with one proposer:
   layers' inputs), split as "eagle";
 - "eagle_whole" (two devices only): "eagle"'s head with ``draft_tensor_parallel_size`` 1, replicated
   (its one-device reference is "eagle"'s).
+- "mtp" (its own module's test, not in ``CASES``): a tiny tied MiMo target (a Qwen2 on the same
+  odd vocabulary, 4 query and 2 key/value heads, q/k/v biases) whose near-pass-through MTP layer
+  drafts, split as "eagle".
 
 Each runs one batch that needs chunked prefill (a 16-token budget), then a prompt extending an
 earlier one (a prefix hit). The JSON holds per case the greedy tokens and their top logprobs, the
@@ -37,7 +40,7 @@ DEVICES = 2
 KINDS = ("draft", "odd_draft", "eagle", "eagle3")
 CASES = [(kind, tp) for kind in KINDS for tp in (1, DEVICES)] + [("eagle_whole", DEVICES)]
 METHODS = {"draft": "draft_model", "odd_draft": "draft_model", "eagle": "eagle", "eagle3": "eagle3",
-           "eagle_whole": "eagle"}
+           "eagle_whole": "eagle", "mtp": "mtp"}
 REFERENCE = {"eagle_whole": "eagle"}  # a kind run on two devices only: the one-device case it must equal
 VOCAB = 509  # not a multiple of DEVICES
 K = 3
@@ -55,7 +58,8 @@ def build(root: Path) -> dict[str, str]:
     """The target and each case's draft or head, as checkpoint folders."""
     from jaxserve.models.demo import build_checkpoint
     from tests.eagle_heads import make_near_pass_through, write_eagle_head
-    from tests.tiny_models import TINY_CONFIGS
+    from tests.mtp_models import write_mimo
+    from tests.tiny_models import TINY_CONFIGS, build_tiny_checkpoint
 
     target = str(build_checkpoint(root / "target", "LlamaForCausalLM", TINY_CONFIGS["LlamaForCausalLM"], seed=1,
                                   vocab_size=VOCAB))
@@ -68,6 +72,9 @@ def build(root: Path) -> dict[str, str]:
                                    eagle_aux_hidden_state_layer_ids=[0, 1, 1]),
     }
     paths["eagle_whole"] = paths["eagle"]
+    qwen2 = build_tiny_checkpoint(root / "qwen2", "Qwen2ForCausalLM", seed=3, vocab_size=VOCAB,
+                                  tie_word_embeddings=True)
+    paths["mtp"] = write_mimo(root / "mimo", qwen2)  # the target; its MTP layer is the proposer
     return paths
 
 
@@ -84,9 +91,14 @@ def run_case(paths: dict[str, str], kind: str, tp: int) -> dict:
     from jaxserve.bench.hlo_collectives import count_collectives
 
     method = METHODS[kind]
-    llm = LLM(paths["target"], tensor_parallel_size=tp, show_progress=False, **ENGINE,
-              speculative_config={"method": method, "model": paths[kind], "num_speculative_tokens": K,
-                                  **({"draft_tensor_parallel_size": 1} if kind == "eagle_whole" else {})})
+    spec = {"method": method, "num_speculative_tokens": K,
+            **({"draft_tensor_parallel_size": 1} if kind == "eagle_whole" else {})}
+    target = paths["target"]
+    if method == "mtp":
+        target = paths[kind]  # the layer is the target's own
+    else:
+        spec["model"] = paths[kind]
+    llm = LLM(target, tensor_parallel_size=tp, show_progress=False, **ENGINE, speculative_config=spec)
     core = llm.llm_engine.core
     runner = core.runner
     proposer = runner.eagle if method != "draft_model" else runner.drafter
@@ -114,6 +126,7 @@ def run_case(paths: dict[str, str], kind: str, tp: int) -> dict:
         "split": proposer.split,
         "pool": _placement(proposer.kv),
         "weights": _placement(weights),
+        "weight_names": list(proposer.weights) if method != "draft_model" else [],  # a head's, in order
         "collectives": {op: sum(c.counts[op] for c in found) for op in found[0].counts},
         "all_gather_shapes": [list(s) for c in found for s in c.all_gather_shapes],
         "weight_shapes": [list(x.shape) for x in [*weights, *runner.model_state]],

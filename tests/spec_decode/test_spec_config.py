@@ -32,6 +32,10 @@ def test_dict_and_flag_give_the_same_config():
     ({"method": "medusa", "num_speculative_tokens": 2}, r"method='medusa' is not supported"),
     ({"method": "mtp", "model": "/m", "num_speculative_tokens": 2}, r"speculative_config\.model: method mtp"),
     ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_min": 2}, r"prompt_lookup_min is for method ngram"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "quantization": "int8"},
+     r"speculative_config\.quantization: method mtp"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1.0},
+     r"draft_tensor_parallel_size must be an integer >= 1, got 1\.0"),
     ({"method": "eagle", "num_speculative_tokens": 2}, r"speculative_config\.model: method eagle needs"),
     ({"method": "eagle3", "model": "/m", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
      r"prompt_lookup_max is for method ngram, not eagle3"),
@@ -107,17 +111,21 @@ def test_mtp_config_needs_no_model():
     assert EngineConfig(speculative_config=spec.to_dict()).spec_decode_config.spec == spec
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3"])
+def _spec(method: str) -> dict:
+    return {"method": method, "num_speculative_tokens": 2, **({} if method == "mtp" else {"model": "/m"})}
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3", "mtp"])
 def test_a_draft_runs_at_tensor_parallel_sizes_of_one_host(method):
-    spec = {"method": method, "model": "/m", "num_speculative_tokens": 2}
+    spec = _spec(method)
     assert EngineConfig(speculative_config=spec, tensor_parallel_size=2).tensor_parallel_size == 2
     with pytest.raises(ConfigError, match=f"method={method}.*nnodes 2"):
         EngineConfig(speculative_config=spec, tensor_parallel_size=2, nnodes=2)
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+@pytest.mark.parametrize("method", ["draft_model", "eagle3", "mtp"])
 def test_draft_tensor_parallel_size_is_one_or_the_targets(method):
-    spec = {"method": method, "model": "/m", "num_speculative_tokens": 2}
+    spec = _spec(method)
     for size in (1, 4):
         config = EngineConfig(speculative_config={**spec, "draft_tensor_parallel_size": size}, tensor_parallel_size=4)
         assert config.spec_decode_config.spec.draft_tensor_parallel_size == size
@@ -128,7 +136,3 @@ def test_draft_tensor_parallel_size_is_one_or_the_targets(method):
     with pytest.raises(ConfigError, match=r"draft_tensor_parallel_size must be an integer >= 1, got 0"):
         EngineConfig(speculative_config={**spec, "draft_tensor_parallel_size": 0})
 
-
-def test_mtp_refuses_tensor_parallel():
-    with pytest.raises(ConfigError, match="method=mtp: tensor_parallel_size 2"):
-        EngineConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 1}, tensor_parallel_size=2)
