@@ -30,7 +30,8 @@ PRESETS = {
                           norm_topk_prob=True, tie_word_embeddings=False, dtype="bfloat16",
                           max_position_embeddings=40960),
     # MiMo-7B: a Qwen2 (q/k/v biases) whose checkpoint adds one multi-token-prediction layer
-    # (speculative method mtp; the compile check gives it a layer of this shape)
+    # (speculative method mtp; the compile check gives it a layer of this shape). The widths are
+    # recalled, not read from a config.json here: the check tests structure, not MiMo's exact sizes.
     "mimo-7b": dict(architecture="MiMoForCausalLM", vocab_size=151680, hidden_size=4096, num_hidden_layers=36,
                     num_attention_heads=32, num_key_value_heads=8, intermediate_size=11008, tie_word_embeddings=False,
                     dtype="bfloat16", max_position_embeddings=32768, rope_theta=640000.0, rms_norm_eps=1e-5,
