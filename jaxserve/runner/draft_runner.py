@@ -7,7 +7,8 @@ for every decoding request:
 - **catch-up** (one program per token bucket, rows ``min(bucket, max_num_seqs)``): each row's
   tokens the draft has no KV for yet (its whole prompt the first time, else the accepted drafts
   and the target's own token), written into the draft's pool; the argmax at each row's last token
-  is the first draft. A catch-up longer than the largest bucket runs in several passes.
+  is the first draft. A catch-up longer than the largest bucket, or one its bucket would pad by
+  more than a quarter (:func:`pass_tokens`), runs in several passes.
 - **decode loop** (one program per row bucket): the remaining K-1 drafts, K-1 one-token forwards
   unrolled inside one compiled program, the argmax fed back on the device.
 
@@ -108,6 +109,23 @@ class _DraftSeq:
     blocks: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
     fed: list[int] = dataclasses.field(default_factory=list)
+
+
+# A catch-up pass whose bucket holds more than this many tokens is split where padding it would
+# waste more than a quarter of it (pass_tokens); below it a pass's fixed cost (every weight read
+# once) outweighs the padded tokens.
+SPLIT_FROM_TOKENS = 16
+
+
+def pass_tokens(want: int, buckets: Sequence[int]) -> int:
+    """How many of ``want`` tokens (1 <= want <= ``buckets[-1]``) one catch-up pass takes: all of
+    them when their bucket is at most :data:`SPLIT_FROM_TOKENS` or pads them by at most a quarter,
+    else the largest bucket they fill, the rest left to the next passes. A 131-token prompt runs as
+    128 + 3 (bucket 4) instead of one 256-token pass, half of it padding."""
+    fit = next(b for b in buckets if b >= want)
+    if fit <= SPLIT_FROM_TOKENS or 4 * (fit - want) <= want:
+        return want
+    return max(b for b in buckets if b <= want)
 
 
 def _pow2_buckets(top: int, start: int = 1) -> list[int]:
@@ -321,16 +339,18 @@ class DraftModelProposer:
             todo = [i for i in range(len(req_ids)) if done[i] < ends[i]]
             if not todo:
                 return first
-            # One pass: rows in order, each as much as the largest bucket still holds.
+            # One pass: rows in order, each as much as the pass still holds.
+            size = pass_tokens(min(sum(ends[i] - done[i] for i in todo[:self.max_num_seqs]), top),
+                               self.token_buckets)
             take: list[tuple[int, int]] = []
-            left = top
+            left = size
             for i in todo:
                 if left == 0 or len(take) == self.max_num_seqs:
                     break
                 n = min(ends[i] - done[i], left)
                 take.append((i, n))
                 left -= n
-            total = top - left
+            total = size - left
             bucket = next(b for b in self.token_buckets if b >= total and min(b, self.max_num_seqs) >= len(take))
             args = self._catch_up_args(bucket)
             ids, pos, slots, _, kv_lens, qsl, num_seqs, logits_idx = args
