@@ -17,7 +17,9 @@ next call keeps their KV as far as they equal the tokens the target accepted, an
 overwritten by the next catch-up. Blocks are allocated per request from a free list and returned
 when the request finishes, is preempted or is replaced; a request the pool cannot hold gets no
 drafts that step. Every program is compiled at warm-up; a shape met later is compiled then and
-counted in ``unexpected_compiles``. A compile-only proposer (``abstract_sharding``, for the
+counted in ``unexpected_compiles``. A draft kept in GGUF blocks multiplies few rows by int8
+activations in every product, its Q8_0 head's too (a served model keeps float activations for
+8-bit blocks; a draft's precision only moves its acceptance). A compile-only proposer (``abstract_sharding``, for the
 deviceless GPU check) holds shapes only and can lower its programs (:meth:`lowered`), not run them.
 
 Tensor parallel (vLLM runs the draft at the target's size): on the target's mesh, a draft whose
@@ -45,6 +47,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.attention import AttentionFn, AttentionMetadata
+from jaxserve.layers.block_quant_linear import set_int8_activations
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.tp_layout import splits_evenly
 from jaxserve.runner.kv_cache import ProposerKV, allocate_kv_cache, bytes_per_block, kv_cache_groups, num_kv_slots
@@ -162,6 +165,9 @@ class DraftModelProposer:
             raise ValueError(f"draft model laid out for {size} shards on a mesh of {mesh.size} devices")
         # The model's calls get the mesh only when split (replicated, each device runs it whole).
         self.mesh = mesh if self.split else None
+        # The draft's Q8_0 products (a tied head) take int8 activations as its 4-bit ones do: what
+        # they change is only which drafts the target then accepts.
+        set_int8_activations(model)
         self.graphdef, flat = nnx.flatten(model, with_paths=True)
         slots = num_kv_slots(kv_cache_groups(self.mc, bs, max_model_len, config.kv_cache_dtype))
         make_kv = lambda: allocate_kv_cache(self.mc, self.num_blocks, bs, size, config.kv_cache_dtype, slots)  # noqa: E731
