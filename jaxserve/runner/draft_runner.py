@@ -7,8 +7,8 @@ for every decoding request:
 - **catch-up** (one program per token bucket, rows ``min(bucket, max_num_seqs)``): each row's
   tokens the draft has no KV for yet (its whole prompt the first time, else the accepted drafts
   and the target's own token), written into the draft's pool; the argmax at each row's last token
-  is the first draft. A catch-up longer than the largest bucket, or one its bucket would pad by
-  more than a quarter (:func:`pass_tokens`), runs in several passes.
+  is the first draft. A catch-up longer than the largest bucket, or on a CPU one its bucket would
+  pad by more than a quarter (:func:`pass_tokens`), runs in several passes.
 - **decode loop** (one program per row bucket): the remaining K-1 drafts, K-1 one-token forwards
   unrolled inside one compiled program, the argmax fed back on the device.
 
@@ -187,6 +187,10 @@ class DraftModelProposer:
         top = min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len)
         # From 1: after full acceptance a catch-up is 2 tokens a row (the last draft, the target's).
         self.token_buckets = _pow2_buckets(top)
+        # On a CPU a padded token costs about what a real one does (past a few rows the products
+        # are bound by arithmetic), so a catch-up is cut rather than padded (pass_tokens); on a
+        # GPU padding is nearly free and every pass reads the weights again.
+        self.cut_padded_passes = jax.default_backend() == "cpu"
         self.row_buckets = _pow2_buckets(config.max_num_seqs)
         self._catch_up = jax.jit(self._catch_up_fn, donate_argnums=(1,), **outs)
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), **outs)
@@ -346,8 +350,9 @@ class DraftModelProposer:
             if not todo:
                 return first
             # One pass: rows in order, each as much as the pass still holds.
-            size = pass_tokens(min(sum(ends[i] - done[i] for i in todo[:self.max_num_seqs]), top),
-                               self.token_buckets)
+            size = min(sum(ends[i] - done[i] for i in todo[:self.max_num_seqs]), top)
+            if self.cut_padded_passes:
+                size = pass_tokens(size, self.token_buckets)
             take: list[tuple[int, int]] = []
             left = size
             for i in todo:
