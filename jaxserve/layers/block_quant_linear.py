@@ -89,6 +89,10 @@ class BlockQuantLinear(nnx.Module):
         # no minimums in the format: no array (a zero one would be read by every product)
         self.m = nnx.Param(jnp.zeros((out_features, blocks), jnp.float16)) if has_min else nnx.data(None)
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else nnx.data(None)
+        # 8-bit blocks take int8 activations too (up to INT8_MAX_ROWS rows): off for a served
+        # model, whose greedy answers it can change; on for a draft's, whose tokens the target
+        # verifies (set_int8_activations).
+        self.int8_any_bits = False
 
     def __call__(self, x: jax.Array, mesh: Mesh | None = None, split: str | None = None,
                  layer: jax.Array | int | None = None) -> jax.Array:
@@ -102,14 +106,26 @@ class BlockQuantLinear(nnx.Module):
             raise ValueError(f"BlockQuantLinear: blocks stacked over {qs.shape[0]} layers need the layer index")
         layer = layer if stacked else None
         if mesh is None or mesh.size == 1:
-            y = _block_matmul(x, qs, d, m, self.bits, self.offset, layer)
+            y = _block_matmul(x, qs, d, m, self.bits, self.offset, layer, self.int8_any_bits)
         else:
-            y = _split_block_matmul(x, qs, d, m, self.bits, self.offset, mesh, split, layer)
+            y = _split_block_matmul(x, qs, d, m, self.bits, self.offset, mesh, split, layer, self.int8_any_bits)
         y = y.astype(x.dtype)
         if self.bias is None:
             return y
         bias = self.bias[...]
         return y + (jax.lax.dynamic_index_in_dim(bias, layer, 0, keepdims=False) if stacked else bias)
+
+
+def set_int8_activations(model: nnx.Module) -> int:
+    """Every :class:`BlockQuantLinear` of ``model``, 8-bit ones too (a Q8_0 tied head), multiplies
+    up to :data:`INT8_MAX_ROWS` rows by int8 activations on a CPU: for a draft model, whose tokens
+    only decide what the target verifies. Returns how many 8-bit products that switched."""
+    switched = 0
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, BlockQuantLinear):
+            switched += module.bits == 8 and not module.int8_any_bits
+            module.int8_any_bits = True
+    return switched
 
 
 def project(linear: nnx.Module, x: jax.Array, mesh: Mesh | None, split: str,
@@ -127,13 +143,15 @@ def _value(param: nnx.Param | None) -> jax.Array | None:
 
 
 def _split_block_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None, bits: int, offset: int,
-                        mesh: Mesh, split: str | None, layer: jax.Array | int | None) -> jax.Array:
+                        mesh: Mesh, split: str | None, layer: jax.Array | int | None,
+                        int8_any_bits: bool = False) -> jax.Array:
     """The product on each device's own blocks (module doc), the result replicated ("row") or
     split on its columns ("column"), as the float kernels' products are."""
     axes = mesh.axis_names
 
     def local(x: jax.Array, index: jax.Array, qs: jax.Array, d: jax.Array, *m: jax.Array) -> jax.Array:
-        y = _block_matmul(x, qs, d, m[0] if m else None, bits, offset, None if layer is None else index)
+        y = _block_matmul(x, qs, d, m[0] if m else None, bits, offset, None if layer is None else index,
+                          int8_any_bits)
         return jax.lax.psum(y, axes) if split == "row" else y
 
     if split == "column":
@@ -191,11 +209,12 @@ class BlockQuantEmbedding(nnx.Module):
 
 
 def _block_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None, bits: int, offset: int,
-                  layer: jax.Array | int | None = None) -> jax.Array:
+                  layer: jax.Array | int | None = None, int8_any_bits: bool = False) -> jax.Array:
     """The kernel for few rows on a CPU, else the weight dequantized and a float dot; on a GPU the
     dequantization fused into the dot (module doc). The platform is the one the step is lowered
     for (``platform_dependent`` keeps that branch alone), not the process's default backend: the
-    deviceless GPU compile runs on a CPU. ``layer``: weight ``layer`` of stacked blocks."""
+    deviceless GPU compile runs on a CPU. ``layer``: weight ``layer`` of stacked blocks;
+    ``int8_any_bits``: int8 activations for 8-bit blocks too (:func:`set_int8_activations`)."""
     stacked = layer is not None
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
 
@@ -204,7 +223,7 @@ def _block_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None
         rows = math.prod(x.shape[:-1])
         if rows <= KERNEL_MAX_ROWS and _kernel_usable():
             return block_quant_matmul_cpu(x, qs, d, mins, bits=bits, offset=offset, layer=at,
-                                          int8_activations=bits == 4 and rows <= INT8_MAX_ROWS)
+                                          int8_activations=(bits == 4 or int8_any_bits) and rows <= INT8_MAX_ROWS)
         return block_quant_matmul_reference(x, qs, d, mins, bits=bits, offset=offset, layer=at)
 
     def on_gpu(x: jax.Array, index: jax.Array, qs: jax.Array, d: jax.Array, *m: jax.Array) -> jax.Array:

@@ -7,7 +7,8 @@ for every decoding request:
 - **catch-up** (one program per token bucket, rows ``min(bucket, max_num_seqs)``): each row's
   tokens the draft has no KV for yet (its whole prompt the first time, else the accepted drafts
   and the target's own token), written into the draft's pool; the argmax at each row's last token
-  is the first draft. A catch-up longer than the largest bucket runs in several passes.
+  is the first draft. A catch-up longer than the largest bucket, or on a CPU one its bucket would
+  pad by more than a quarter (:func:`pass_tokens`), runs in several passes.
 - **decode loop** (one program per row bucket): the remaining K-1 drafts, K-1 one-token forwards
   unrolled inside one compiled program, the argmax fed back on the device.
 
@@ -16,9 +17,11 @@ next call keeps their KV as far as they equal the tokens the target accepted, an
 overwritten by the next catch-up. Blocks are allocated per request from a free list and returned
 when the request finishes, is preempted or is replaced; a request the pool cannot hold gets no
 drafts that step. Every program is compiled at warm-up; a shape met later is compiled then and
-counted in ``unexpected_compiles``. A compile-only proposer (``abstract``, for the deviceless GPU
-check) holds shapes only, placed as a local one's arrays would be, and can lower its programs
-(:meth:`lowered`), not run them.
+counted in ``unexpected_compiles``. A draft kept in GGUF blocks multiplies few rows by int8
+activations in every product, its Q8_0 head's too (a served model keeps float activations for
+8-bit blocks; a draft's precision only moves its acceptance). A compile-only proposer
+(``abstract``, for the deviceless GPU check) holds shapes only, placed as a local one's arrays
+would be, and can lower its programs (:meth:`lowered`), not run them.
 
 Tensor parallel (vLLM runs the draft at the target's size): on the target's mesh, a draft whose
 heads and MLP width the mesh divides (:func:`jaxserve.models.tp_layout.splits_evenly`) is loaded
@@ -45,6 +48,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers.attention import AttentionFn, AttentionMetadata
+from jaxserve.layers.block_quant_linear import set_int8_activations
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.tp_layout import splits_evenly
 from jaxserve.runner.kv_cache import ProposerKV, allocate_kv_cache, bytes_per_block, kv_cache_groups, num_kv_slots
@@ -120,6 +124,23 @@ class _DraftSeq:
     fed: list[int] = dataclasses.field(default_factory=list)
 
 
+# A catch-up pass whose bucket holds more than this many tokens is split where padding it would
+# waste more than a quarter of it (pass_tokens); below it a pass's fixed cost (every weight read
+# once) outweighs the padded tokens.
+SPLIT_FROM_TOKENS = 16
+
+
+def pass_tokens(want: int, buckets: Sequence[int]) -> int:
+    """How many of ``want`` tokens (1 <= want <= ``buckets[-1]``) one catch-up pass takes: all of
+    them when their bucket is at most :data:`SPLIT_FROM_TOKENS` or pads them by at most a quarter,
+    else the largest bucket they fill, the rest left to the next passes. A 131-token prompt runs as
+    128 + 3 (bucket 4) instead of one 256-token pass, half of it padding."""
+    fit = next(b for b in buckets if b >= want)
+    if fit <= SPLIT_FROM_TOKENS or 4 * (fit - want) <= want:
+        return want
+    return max(b for b in buckets if b <= want)
+
+
 def _pow2_buckets(top: int, start: int = 1) -> list[int]:
     out, b = [], start
     while b < top:
@@ -155,6 +176,9 @@ class DraftModelProposer:
             raise ValueError(f"draft model laid out for {size} shards on a mesh of {mesh.size} devices")
         # The model's calls get the mesh only when split (replicated, each device runs it whole).
         self.mesh = mesh if self.split else None
+        # The draft's Q8_0 products (a tied head) take int8 activations as its 4-bit ones do: what
+        # they change is only which drafts the target then accepts.
+        set_int8_activations(model)
         self.graphdef, flat = nnx.flatten(model, with_paths=True)
         slots = num_kv_slots(kv_cache_groups(self.mc, bs, max_model_len, config.kv_cache_dtype))
         make_kv = lambda: allocate_kv_cache(self.mc, self.num_blocks, bs, size, config.kv_cache_dtype, slots)  # noqa: E731
@@ -173,6 +197,10 @@ class DraftModelProposer:
         top = min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len)
         # From 1: after full acceptance a catch-up is 2 tokens a row (the last draft, the target's).
         self.token_buckets = _pow2_buckets(top)
+        # On a CPU a padded token costs about what a real one does (past a few rows the products
+        # are bound by arithmetic), so a catch-up is cut rather than padded (pass_tokens); on a
+        # GPU padding is nearly free and every pass reads the weights again.
+        self.cut_padded_passes = jax.default_backend() == "cpu"
         self.row_buckets = _pow2_buckets(config.max_num_seqs)
         self._catch_up = jax.jit(self._catch_up_fn, donate_argnums=(1,), out_shardings=outs)
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), out_shardings=outs)
@@ -331,16 +359,19 @@ class DraftModelProposer:
             todo = [i for i in range(len(req_ids)) if done[i] < ends[i]]
             if not todo:
                 return first
-            # One pass: rows in order, each as much as the largest bucket still holds.
+            # One pass: rows in order, each as much as the pass still holds.
+            size = min(sum(ends[i] - done[i] for i in todo[:self.max_num_seqs]), top)
+            if self.cut_padded_passes:
+                size = pass_tokens(size, self.token_buckets)
             take: list[tuple[int, int]] = []
-            left = top
+            left = size
             for i in todo:
                 if left == 0 or len(take) == self.max_num_seqs:
                     break
                 n = min(ends[i] - done[i], left)
                 take.append((i, n))
                 left -= n
-            total = top - left
+            total = size - left
             bucket = next(b for b in self.token_buckets if b >= total and min(b, self.max_num_seqs) >= len(take))
             args = self._catch_up_args(bucket)
             ids, pos, slots, _, kv_lens, qsl, num_seqs, logits_idx = args

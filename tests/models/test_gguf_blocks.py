@@ -58,6 +58,28 @@ def test_decode_rows_with_int8_activations_stay_close_to_the_dequantized_files(t
         assert 1e-6 < error < 0.02
 
 
+@pytest.mark.skipif(not int8_dots_available(), reason="no AVX-512 VNNI: the kernel keeps float activations")
+def test_a_drafts_8bit_blocks_take_int8_activations_when_set(tmp_path):
+    """A Q8_0 file's products keep float activations (its logits are the dequantized file's)
+    until ``set_int8_activations`` (a draft model's), which switches every 8-bit product, the
+    tied head's too: then the logits differ by the activations' rounding, as the 4-bit ones do."""
+    path = write_tiny_gguf(tmp_path / "m.gguf", "Q8_0", overrides={"token_embd.weight": "Q8_0"})
+    served = load_gguf_model(path, scan_layers=True, quantization="gguf")
+    draft = load_gguf_model(path, scan_layers=True, quantization="gguf")
+    # qkv, o, gate_up and down of the scanned stack, and the tied head; once only
+    assert block_quant_linear.set_int8_activations(draft) == 5
+    assert block_quant_linear.set_int8_activations(draft) == 0
+    float_seq = PagedSequence(load_gguf_model(path, scan_layers=True))
+    served_seq, draft_seq = PagedSequence(served), PagedSequence(draft)
+    tokens = np.random.default_rng(3).integers(0, SHAPE["vocab"], 16 + INT8_MAX_ROWS).tolist()
+    for seq in (float_seq, served_seq, draft_seq):
+        seq.feed(tokens[:16])
+    want = float_seq.feed(tokens[16:])
+    np.testing.assert_allclose(served_seq.feed(tokens[16:]), want, rtol=1e-4, atol=1e-4)
+    error = np.abs(draft_seq.feed(tokens[16:]) - want).max() / np.abs(want).max()
+    assert 1e-6 < error < 0.02
+
+
 def test_kept_blocks_hold_a_quarter_of_the_float_bytes(tmp_path):
     path = write_tiny_gguf(tmp_path / "m.gguf", "Q4_1")
     kept = load_gguf_model(path, quantization="gguf")
