@@ -31,6 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxserve import envs
+from jaxserve.layers.linear import Linear
 from jaxserve.layers.shard import shard_map
 from pallas_kernels.block_quant_matmul import (
     BLOCK,
@@ -132,9 +133,12 @@ def project(linear: nnx.Module, x: jax.Array, mesh: Mesh | None, split: str,
             layer: jax.Array | int | None = None) -> jax.Array:
     """``linear(x)``; a :class:`BlockQuantLinear` is told the mesh, how its blocks are split
     ("column" or "row"; the float kernels' split is in their shardings already) and the layer
-    index (which it needs when its parameters are a scanned stack's)."""
+    index (which it needs when its parameters are a scanned stack's); a float :class:`Linear`,
+    the layer index and the mesh."""
     if isinstance(linear, BlockQuantLinear):
         return linear(x, mesh, split, layer)
+    if isinstance(linear, Linear):  # a float weight: the small-row kernel wants the layer and the mesh
+        return linear(x, layer, mesh)
     return linear(x)
 
 

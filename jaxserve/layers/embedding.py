@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxserve.layers.dense_matmul import dense_product
 from jaxserve.layers.shard import shard_map
 
 
@@ -60,4 +61,6 @@ class Embedding(nnx.Module):
         return vocab_parallel_rows(self.embedding[...], ids, mesh)
 
     def attend(self, hidden: jax.Array) -> jax.Array:
-        return hidden @ self.embedding[...].T
+        """``hidden @ embedding.T``: the logits of a tied head; a few rows on a CPU run the
+        small-row kernel, which reads the ``[vocab, hidden]`` table as stored (no transpose)."""
+        return dense_product(hidden, self.embedding[...], transposed=True)

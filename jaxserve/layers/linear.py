@@ -3,12 +3,20 @@
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+
+from jaxserve.layers.dense_matmul import dense_product
 
 
-def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-    """``x @ weight (+ bias)`` with weights stored ``[in, out]`` (transposed once at load time)."""
-    y = x @ weight
-    return y if bias is None else y + bias
+def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *,
+           layer: jax.Array | int | None = None, mesh: Mesh | None = None) -> jax.Array:
+    """``x @ weight (+ bias)`` with weights stored ``[in, out]`` (transposed once at load time);
+    with ``layer``, ``weight`` (and ``bias``) are a stack ``[L, in, out]`` and weight ``layer``
+    is the one used. Few rows on a CPU run the small-row kernel (:mod:`.dense_matmul`)."""
+    y = dense_product(x, weight, layer=layer, mesh=mesh)
+    if bias is None:
+        return y
+    return y + (bias if layer is None else jax.lax.dynamic_index_in_dim(bias, layer, 0, keepdims=False))
 
 
 class Linear(nnx.Module):
@@ -24,5 +32,22 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), param_dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else nnx.data(None)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return linear(x, self.kernel[...], None if self.bias is None else self.bias[...])
+    def __call__(self, x: jax.Array, layer: jax.Array | int | None = None, mesh: Mesh | None = None) -> jax.Array:
+        """``x [..., in]`` -> ``[..., out]``. ``layer``: which weight of a scanned stack this is,
+        needed when the parameters carry the layer axis (:class:`ProjectionLinear`); ``mesh``: the
+        step's devices (the small-row kernel runs on one)."""
+        kernel = self.kernel[...]
+        if kernel.ndim == 2:
+            layer = None
+        elif layer is None:
+            raise ValueError(f"Linear: a kernel stacked over {kernel.shape[0]} layers needs the layer index")
+        return linear(x, kernel, None if self.bias is None else self.bias[...], layer=layer, mesh=mesh)
+
+
+class ProjectionLinear(Linear):
+    """A decoder layer's float projection (q|k|v, o, gate|up, down), always called with its layer
+    index (:func:`jaxserve.layers.block_quant_linear.project`). In a scanned stack its parameters
+    stay whole and the small-row kernel reads this layer's weight in place: the scan's slice would
+    copy every layer's weight each step."""
+
+    READS_STACK_IN_PLACE = True

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.layers.block_quant_linear import BlockQuantLinear, block_format_of
-from jaxserve.layers.linear import Linear
+from jaxserve.layers.linear import Linear, ProjectionLinear
 
 QUANTIZED_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
@@ -91,7 +91,7 @@ def make_linear(in_features: int, out_features: int, *, use_bias: bool, param_dt
     """A float :class:`Linear`, a :class:`QuantizedLinear` of ``quantization`` ("int8", "fp8"), or a
     :class:`BlockQuantLinear` for a GGUF block format ("gguf:Q4_1", ...)."""
     if quantization is None:
-        return Linear(in_features, out_features, use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
+        return ProjectionLinear(in_features, out_features, use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
     block_format = block_format_of(quantization)
     if block_format is not None:
         return BlockQuantLinear(in_features, out_features, qtype=block_format, use_bias=use_bias,
