@@ -4,6 +4,7 @@ product reads its weight from memory as a decode step does; ``kernel_int8`` is t
 int8 activations (VNNI dots). JSON out (docs/benchmarks.md).
 
     python scripts/block_quant_bench.py [--rows 1 8 32] [--shape 1536 576] [--format Q4_1] [--layers 100]
+        [--paths kernel kernel_int8]
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.block_quant_matmul import BLOCK_FORMATS, block_quant_matmul_cpu, block_quant_matmul_reference
+
+PATHS = ("kernel", "kernel_int8", "dequantize_then_dot", "float32")
 
 
 def best_seconds(fn, args, repeats: int = 5) -> float:
@@ -36,6 +39,7 @@ def main() -> None:
     p.add_argument("--shape", type=int, nargs=2, default=[1536, 576], metavar=("N", "K"))
     p.add_argument("--format", default="Q4_1", choices=sorted(BLOCK_FORMATS))
     p.add_argument("--layers", type=int, default=100, help="distinct weights per program")
+    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS, help="which products to time")
     args = p.parse_args()
     n, k = args.shape
     bits, offset, has_min = BLOCK_FORMATS[args.format]
@@ -45,7 +49,9 @@ def main() -> None:
     d = [jnp.asarray(rng.random((n, k // 32), dtype=np.float32), jnp.float16) for _ in range(args.layers)]
     m = [jnp.asarray(rng.random((n, k // 32), dtype=np.float32), jnp.float16) if has_min else None
          for _ in range(args.layers)]
-    floats = [jnp.asarray(rng.standard_normal((k, n), dtype=np.float32)) for _ in range(args.layers)]
+    # the float32 weights only when timed: four times the blocks' memory
+    floats = ([jnp.asarray(rng.standard_normal((k, n), dtype=np.float32)) for _ in range(args.layers)]
+              if "float32" in args.paths else [])
 
     def chain(matmul):
         return jax.jit(lambda x, qs, d, m: sum(matmul(x, *w, bits=bits, offset=offset).sum() for w in zip(qs, d, m)))
@@ -62,7 +68,8 @@ def main() -> None:
         result["microseconds_per_matrix"][str(rows)] = {
             name: round(best_seconds(fn, a) / args.layers * 1e6, 1)
             for name, fn, a in (("kernel", kernel, (x, qs, d, m)), ("kernel_int8", kernel_int8, (x, qs, d, m)),
-                                ("dequantize_then_dot", dequantized, (x, qs, d, m)), ("float32", f32, (x, floats)))}
+                                ("dequantize_then_dot", dequantized, (x, qs, d, m)), ("float32", f32, (x, floats)))
+            if name in args.paths}
     print(json.dumps(result, indent=1))
 
 

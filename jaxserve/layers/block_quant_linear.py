@@ -6,7 +6,8 @@ only, ``m`` ``[out, in / 32]`` in the file's float16: the file's bytes per block
 :mod:`pallas_kernels.block_quant_matmul` has the layout). Which
 product runs is fixed per compiled step by its row count: up to :data:`KERNEL_MAX_ROWS` rows on
 a CPU, the C++ kernel, which reads the blocks as stored (a decode step's cost is the bytes it
-reads), with int8 activations up to :data:`INT8_MAX_ROWS` rows of a 4-bit format; above that, the weight
+reads), with int8 activations up to :data:`INT8_MAX_ROWS` rows of a 4-bit format and
+:data:`Q8_INT8_MAX_ROWS` of a Q8_0 projection (the tied head keeps float ones); above that, the weight
 dequantized in the step and a float dot, where the arithmetic per
 weight byte is high enough that the dequantization is cheap. On a GPU, a Pallas kernel
 (:mod:`pallas_kernels.block_quant_matmul_triton`) that reads the blocks as stored.
@@ -47,10 +48,14 @@ from pallas_kernels.block_quant_matmul_triton import block_quant_matmul_triton
 KERNEL_MAX_ROWS = 128  # the kernel is faster or even up to here (docs/benchmarks.md, "GGUF blocks kept")
 # Up to this many rows a 4-bit format's kernel quantizes the activations to int8 per block of 32
 # and uses VNNI's int8 dots (llama.cpp's path; the float path where the CPU lacks them): 1.6-2x
-# faster at 1-4 Q4_1 rows, slower from 16 on. Not Q8_0 (the tied head): there it is now faster,
-# but SmolLM2's greedy chat answer changed ("The capital of France is Paris." lost), so the head
-# keeps float activations (docs/benchmarks.md, "int8 activations", "One stream's block matmuls").
+# faster at 1-4 Q4_1 rows, slower from 16 on.
 INT8_MAX_ROWS = 4
+# The same for Q8_0 projections (llama.cpp's own path): as fast at one row, faster at 4-16 on
+# SmolLM2's shapes. Not 32 (as fast again there): 32-row prompt chunks with int8 activations cost
+# the accuracy table's Q8_0 row 3.6 points of top-1 agreement. Not the tied Q8_0 head
+# (``float_activations``): with int8 activations SmolLM2's greedy chat answer changed
+# (docs/benchmarks.md, "One stream's block matmuls", "Q8_0: where the time goes").
+Q8_INT8_MAX_ROWS = 16
 # The model-side method name: "gguf:Q4_1" for a file whose projections are Q4_1 blocks, and
 # "gguf:Q4_1:Q8_0" when its (tied) token embedding is kept as Q8_0 blocks too.
 GGUF_PREFIX = "gguf:"
@@ -77,12 +82,14 @@ class BlockQuantLinear(nnx.Module):
     READS_STACK_IN_PLACE = True
 
     def __init__(self, in_features: int, out_features: int, *, qtype: str, use_bias: bool = False,
-                 param_dtype: jnp.dtype = jnp.float32):
+                 param_dtype: jnp.dtype = jnp.float32, float_activations: bool = False):
         if qtype not in BLOCK_FORMATS:
             raise ValueError(f"GGUF block format {qtype!r}: kept quantized are {', '.join(BLOCK_FORMATS)}")
         if in_features % BLOCK:
             raise ValueError(f"in_features {in_features} is not a multiple of the {BLOCK}-wide blocks")
         self.qtype = qtype
+        # True for the tied Q8_0 head: int8 activations there changed SmolLM2's greedy answer
+        self.float_activations = float_activations
         self.bits, self.offset, has_min = BLOCK_FORMATS[qtype]
         blocks = in_features // BLOCK
         self.qs = nnx.Param(jnp.zeros((out_features, in_features * self.bits // 8), jnp.uint8))
@@ -90,10 +97,6 @@ class BlockQuantLinear(nnx.Module):
         # no minimums in the format: no array (a zero one would be read by every product)
         self.m = nnx.Param(jnp.zeros((out_features, blocks), jnp.float16)) if has_min else nnx.data(None)
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else nnx.data(None)
-        # 8-bit blocks take int8 activations too (up to INT8_MAX_ROWS rows): off for a served
-        # model, whose greedy answers it can change; on for a draft's, whose tokens the target
-        # verifies (set_int8_activations).
-        self.int8_any_bits = False
 
     def __call__(self, x: jax.Array, mesh: Mesh | None = None, split: str | None = None,
                  layer: jax.Array | int | None = None) -> jax.Array:
@@ -106,10 +109,11 @@ class BlockQuantLinear(nnx.Module):
         if stacked and layer is None:
             raise ValueError(f"BlockQuantLinear: blocks stacked over {qs.shape[0]} layers need the layer index")
         layer = layer if stacked else None
+        int8_rows = 0 if self.float_activations else int8_max_rows(self.bits)
         if mesh is None or mesh.size == 1:
-            y = _block_matmul(x, qs, d, m, self.bits, self.offset, layer, self.int8_any_bits)
+            y = _block_matmul(x, qs, d, m, self.bits, self.offset, layer, int8_rows)
         else:
-            y = _split_block_matmul(x, qs, d, m, self.bits, self.offset, mesh, split, layer, self.int8_any_bits)
+            y = _split_block_matmul(x, qs, d, m, self.bits, self.offset, mesh, split, layer, int8_rows)
         y = y.astype(x.dtype)
         if self.bias is None:
             return y
@@ -118,14 +122,14 @@ class BlockQuantLinear(nnx.Module):
 
 
 def set_int8_activations(model: nnx.Module) -> int:
-    """Every :class:`BlockQuantLinear` of ``model``, 8-bit ones too (a Q8_0 tied head), multiplies
-    up to :data:`INT8_MAX_ROWS` rows by int8 activations on a CPU: for a draft model, whose tokens
-    only decide what the target verifies. Returns how many 8-bit products that switched."""
+    """Every :class:`BlockQuantLinear` of ``model`` multiplies few rows by int8 activations on a
+    CPU, a tied Q8_0 head's too (served, it keeps float ones): for a draft model, whose tokens
+    only decide what the target verifies. Returns how many products that switched."""
     switched = 0
     for _, module in nnx.iter_modules(model):
-        if isinstance(module, BlockQuantLinear):
-            switched += module.bits == 8 and not module.int8_any_bits
-            module.int8_any_bits = True
+        if isinstance(module, BlockQuantLinear) and module.float_activations:
+            module.float_activations = False
+            switched += 1
     return switched
 
 
@@ -146,16 +150,20 @@ def _value(param: nnx.Param | None) -> jax.Array | None:
     return None if param is None else param[...]
 
 
+def int8_max_rows(bits: int) -> int:
+    """Up to how many rows a projection of ``bits``-bit blocks takes int8 activations (read at
+    trace time, so a test may set the constants)."""
+    return INT8_MAX_ROWS if bits == 4 else Q8_INT8_MAX_ROWS
+
+
 def _split_block_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None, bits: int, offset: int,
-                        mesh: Mesh, split: str | None, layer: jax.Array | int | None,
-                        int8_any_bits: bool = False) -> jax.Array:
+                        mesh: Mesh, split: str | None, layer: jax.Array | int | None, int8_rows: int) -> jax.Array:
     """The product on each device's own blocks (module doc), the result replicated ("row") or
     split on its columns ("column"), as the float kernels' products are."""
     axes = mesh.axis_names
 
     def local(x: jax.Array, index: jax.Array, qs: jax.Array, d: jax.Array, *m: jax.Array) -> jax.Array:
-        y = _block_matmul(x, qs, d, m[0] if m else None, bits, offset, None if layer is None else index,
-                          int8_any_bits)
+        y = _block_matmul(x, qs, d, m[0] if m else None, bits, offset, None if layer is None else index, int8_rows)
         return jax.lax.psum(y, axes) if split == "row" else y
 
     if split == "column":
@@ -177,7 +185,7 @@ class BlockQuantEmbedding(nnx.Module):
     head: a lookup dequantizes only the rows it reads; ``attend`` is a block matmul."""
 
     def __init__(self, num_embeddings: int, features: int, *, qtype: str, param_dtype: jnp.dtype = jnp.float32):
-        self.head = BlockQuantLinear(features, num_embeddings, qtype=qtype)
+        self.head = BlockQuantLinear(features, num_embeddings, qtype=qtype, float_activations=True)
         self.param_dtype = param_dtype
 
     def __call__(self, ids: jax.Array, mesh: Mesh | None = None) -> jax.Array:
@@ -213,12 +221,12 @@ class BlockQuantEmbedding(nnx.Module):
 
 
 def _block_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None, bits: int, offset: int,
-                  layer: jax.Array | int | None = None, int8_any_bits: bool = False) -> jax.Array:
+                  layer: jax.Array | int | None = None, int8_rows: int = 0) -> jax.Array:
     """The kernel for few rows on a CPU, else the weight dequantized and a float dot; on a GPU the
     dequantization fused into the dot (module doc). The platform is the one the step is lowered
     for (``platform_dependent`` keeps that branch alone), not the process's default backend: the
     deviceless GPU compile runs on a CPU. ``layer``: weight ``layer`` of stacked blocks;
-    ``int8_any_bits``: int8 activations for 8-bit blocks too (:func:`set_int8_activations`)."""
+    ``int8_rows``: up to how many rows the kernel takes int8 activations."""
     stacked = layer is not None
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
 
@@ -227,7 +235,7 @@ def _block_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None
         rows = math.prod(x.shape[:-1])
         if rows <= KERNEL_MAX_ROWS and _kernel_usable():
             return block_quant_matmul_cpu(x, qs, d, mins, bits=bits, offset=offset, layer=at,
-                                          int8_activations=(bits == 4 or int8_any_bits) and rows <= INT8_MAX_ROWS)
+                                          int8_activations=rows <= int8_rows)
         return block_quant_matmul_reference(x, qs, d, mins, bits=bits, offset=offset, layer=at)
 
     def on_gpu(x: jax.Array, index: jax.Array, qs: jax.Array, d: jax.Array, *m: jax.Array) -> jax.Array:

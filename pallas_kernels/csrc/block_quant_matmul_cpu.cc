@@ -45,9 +45,10 @@ constexpr int64_t kRows = 4;         // output rows expanded at once: each activ
 // rows a work item claims: SmolLM2's 576-row o and down are 18 items, 9 a thread of two (at 64
 // rows, 9 items: one thread took 5, the other waited)
 constexpr int64_t kRowsPerItem = 32;
-// The int8 path reads kRows rows side by side only while they span at most this many bytes (a
-// Q4 row of 576 inputs, 288 bytes); longer rows (Q8_0's, down's 1536 inputs) go one at a time,
-// a single stream: four long rows read side by side ran up to 2x slower (docs/benchmarks.md).
+// The int8 path reads kRows rows side by side while they span at most this many bytes (a Q4 row
+// of 576 inputs, 288 bytes), else, for several tokens, two (a Q8_0 row of 576 inputs: its
+// activation loads shared), else one at a time (one token; down's 1536 inputs): four long rows
+// read side by side ran up to 2x slower, two at one token 1.6x (docs/benchmarks.md).
 constexpr int64_t kInt8TileBytes = 1280;
 constexpr int64_t kPrefetchTiles = 2;  // how far ahead the int8 path prefetches its weights, in tiles
 
@@ -382,8 +383,11 @@ struct Job {
       const int64_t last = std::min(first + kRowsPerItem, problem.n);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       if (problem.xq != nullptr) {
-        if (kRows * problem.k * problem.bits / 8 <= kInt8TileBytes) {
+        const int64_t row_bytes = problem.k * problem.bits / 8;
+        if (kRows * row_bytes <= kInt8TileBytes) {
           run_rows_int8<kRows>(problem, first, last);
+        } else if (problem.t > 1 && 2 * row_bytes <= kInt8TileBytes) {
+          run_rows_int8<2>(problem, first, last);
         } else {
           run_rows_int8<1>(problem, first, last);
         }

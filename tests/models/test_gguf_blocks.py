@@ -11,7 +11,12 @@ import pytest
 
 from jaxserve.exceptions import ConfigError
 from jaxserve.layers import block_quant_linear
-from jaxserve.layers.block_quant_linear import INT8_MAX_ROWS, KERNEL_MAX_ROWS, BlockQuantEmbedding, BlockQuantLinear
+from jaxserve.layers.block_quant_linear import (
+    KERNEL_MAX_ROWS,
+    BlockQuantEmbedding,
+    BlockQuantLinear,
+    int8_max_rows,
+)
 from jaxserve.models.loader import load_gguf_model, load_model
 from pallas_kernels.block_quant_matmul import int8_dots_available
 from tests.models.paged_sequence import PagedSequence
@@ -25,6 +30,7 @@ def test_kept_blocks_give_the_dequantized_files_logits(tmp_path, monkeypatch, qt
     head too), give the logits of the file dequantized at load (float activations: the int8 ones
     are the next test's)."""
     monkeypatch.setattr(block_quant_linear, "INT8_MAX_ROWS", 0)
+    monkeypatch.setattr(block_quant_linear, "Q8_INT8_MAX_ROWS", 0)
     path = write_tiny_gguf(tmp_path / "m.gguf", qtype, overrides={"token_embd.weight": embedding})
     kept = load_gguf_model(path, scan_layers=scan_layers, quantization="gguf")
     floats = load_gguf_model(path, scan_layers=scan_layers)
@@ -42,42 +48,63 @@ def test_kept_blocks_give_the_dequantized_files_logits(tmp_path, monkeypatch, qt
 
 
 @pytest.mark.skipif(not int8_dots_available(), reason="no AVX-512 VNNI: the kernel keeps float activations")
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_decode_rows_with_int8_activations_stay_close_to_the_dequantized_files(tmp_path, qtype):
-    """Steps of up to INT8_MAX_ROWS rows of a 4-bit format multiply by int8 activations (llama.cpp's path): their
-    logits differ from the float ones by the activations' rounding, a few thousandths of their
-    range, not more (a wrong scale would be of order one), and not less (the path ran)."""
+    """Steps of up to int8_max_rows rows multiply the projections by int8 activations (llama.cpp's
+    path; the tied Q8_0 head keeps float ones): their logits differ from the float ones by the
+    activations' rounding, a few thousandths of their range, not more (a wrong scale would be of
+    order one), and not less (the path ran)."""
     path = write_tiny_gguf(tmp_path / "m.gguf", qtype, overrides={"token_embd.weight": "Q8_0"})
     kept_seq = PagedSequence(load_gguf_model(path, scan_layers=True, quantization="gguf"))
     float_seq = PagedSequence(load_gguf_model(path, scan_layers=True))
     tokens = np.random.default_rng(2).integers(0, SHAPE["vocab"], 20).tolist()
     kept_seq.feed(tokens[:16]), float_seq.feed(tokens[:16])
-    for i in range(16, 20, INT8_MAX_ROWS):
-        want = float_seq.feed(tokens[i:i + INT8_MAX_ROWS])
-        error = np.abs(kept_seq.feed(tokens[i:i + INT8_MAX_ROWS]) - want).max() / np.abs(want).max()
+    rows = min(4, int8_max_rows(BlockQuantLinear(32, 32, qtype=qtype).bits))
+    for i in range(16, 20, rows):
+        want = float_seq.feed(tokens[i:i + rows])
+        error = np.abs(kept_seq.feed(tokens[i:i + rows]) - want).max() / np.abs(want).max()
         assert 1e-6 < error < 0.02
 
 
 @pytest.mark.skipif(not int8_dots_available(), reason="no AVX-512 VNNI: the kernel keeps float activations")
-def test_a_drafts_8bit_blocks_take_int8_activations_when_set(tmp_path):
-    """A Q8_0 file's products keep float activations (its logits are the dequantized file's)
-    until ``set_int8_activations`` (a draft model's), which switches every 8-bit product, the
-    tied head's too: then the logits differ by the activations' rounding, as the 4-bit ones do."""
+def test_the_tied_q8_0_head_keeps_float_activations_where_projections_take_int8():
+    """At a decode row count a Q8_0 projection's kernel call asks for int8 activations and the
+    tied Q8_0 head's does not (int8 there changed SmolLM2's greedy answer); above
+    Q8_INT8_MAX_ROWS the projection's does not either."""
+    embedding = BlockQuantEmbedding(96, 64, qtype="Q8_0")
+    proj = BlockQuantLinear(64, 96, qtype="Q8_0")
+
+    def asks_int8(fn, rows: int) -> bool:
+        text = jax.jit(fn).lower(jnp.ones((rows, 64), jnp.float32)).as_text()
+        flags = {flag for flag in ("int8_activations = 0", "int8_activations = 1") if flag in text}
+        assert len(flags) == 1, flags  # exactly one kernel call, with the attribute
+        return flags == {"int8_activations = 1"}
+
+    assert asks_int8(proj, 1) and asks_int8(proj, block_quant_linear.Q8_INT8_MAX_ROWS)
+    assert not asks_int8(proj, block_quant_linear.Q8_INT8_MAX_ROWS + 1)
+    assert not asks_int8(embedding.attend, 1)
+
+
+@pytest.mark.skipif(not int8_dots_available(), reason="no AVX-512 VNNI: the kernel keeps float activations")
+def test_a_drafts_q8_0_head_takes_int8_activations_when_set(tmp_path):
+    """A served Q8_0 file's tied head keeps float activations (its projections take int8 ones);
+    ``set_int8_activations`` (a draft model's) switches the head too, once: then the logits move
+    from the served model's by the head's activation rounding, and stay close to the float file's."""
     path = write_tiny_gguf(tmp_path / "m.gguf", "Q8_0", overrides={"token_embd.weight": "Q8_0"})
     served = load_gguf_model(path, scan_layers=True, quantization="gguf")
     draft = load_gguf_model(path, scan_layers=True, quantization="gguf")
-    # qkv, o, gate_up and down of the scanned stack, and the tied head; once only
-    assert block_quant_linear.set_int8_activations(draft) == 5
+    assert block_quant_linear.set_int8_activations(draft) == 1  # the tied head, the one float product
     assert block_quant_linear.set_int8_activations(draft) == 0
     float_seq = PagedSequence(load_gguf_model(path, scan_layers=True))
     served_seq, draft_seq = PagedSequence(served), PagedSequence(draft)
-    tokens = np.random.default_rng(3).integers(0, SHAPE["vocab"], 16 + INT8_MAX_ROWS).tolist()
+    tokens = np.random.default_rng(3).integers(0, SHAPE["vocab"], 20).tolist()
     for seq in (float_seq, served_seq, draft_seq):
         seq.feed(tokens[:16])
-    want = float_seq.feed(tokens[16:])
-    np.testing.assert_allclose(served_seq.feed(tokens[16:]), want, rtol=1e-4, atol=1e-4)
-    error = np.abs(draft_seq.feed(tokens[16:]) - want).max() / np.abs(want).max()
-    assert 1e-6 < error < 0.02
+    want, served_logits = float_seq.feed(tokens[16:]), served_seq.feed(tokens[16:])
+    drafted = draft_seq.feed(tokens[16:])
+    scale = np.abs(want).max()
+    assert np.abs(drafted - served_logits).max() / scale > 1e-6  # the head's path changed
+    assert np.abs(drafted - want).max() / scale < 0.02
 
 
 def test_kept_blocks_hold_a_quarter_of_the_float_bytes(tmp_path):

@@ -130,12 +130,13 @@ def int8_emulation(x: np.ndarray, qs: np.ndarray, d: np.ndarray, m: np.ndarray |
                     reason="no C++ compiler, or no AVX-512 VNNI")
 @pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
 @pytest.mark.parametrize("tokens", [1, 5])
-@pytest.mark.parametrize("k", [160, 1056])
+@pytest.mark.parametrize("k", [160, 608, 1056])
 def test_int8_activations_are_llama_cpps_product(qtype, tokens, k):
     """The int8 path computes exactly the int8-activation product (a wrong block scale, nibble order
     or Q8_0's sign would be off by far more than float rounding), and stays within the int8
-    rounding of the float product. Both counts of inputs are an odd count of blocks (the last pair
-    has one); 160 rows are read four side by side, 1056 (528 or 1056 bytes) one at a time."""
+    rounding of the float product. Every count of inputs is an odd count of blocks (the last pair
+    has one); rows of 160 inputs are read four side by side, 608 four (Q4, 304 bytes) or, for 5
+    tokens, two (Q8_0, 608 bytes), 1056 two (Q4, 528 bytes, 5 tokens) or one at a time."""
     raw, w = blocks(qtype, 70, k, seed=tokens + 7)
     bits, offset, _ = BLOCK_FORMATS[qtype]
     x = np.random.default_rng(5).standard_normal((tokens, k)).astype(np.float32)
@@ -147,3 +148,25 @@ def test_int8_activations_are_llama_cpps_product(qtype, tokens, k):
     np.testing.assert_allclose(got, int8_emulation(x, qs, d, m, bits, offset), rtol=0, atol=1e-5 * scale)
     error = np.abs(got - x @ w.T).max() / scale
     assert 1e-5 < error < 0.02  # rounded to int8 (not the float path), by at most a few hundredths
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None or not int8_dots_available(),
+                    reason="no C++ compiler, or no AVX-512 VNNI")
+@pytest.mark.parametrize("k", [160, 608, 1056])
+def test_int8_path_uses_each_rows_own_block_scales(k):
+    """Q8_0 rows read four, two (3 tokens, 608 inputs) or one side by side: one block scale of one
+    row changed moves that row's outputs alone, by the product the emulation predicts; the unchanged scales' emulation
+    misses it (the comparison above can fail on a wrong scale)."""
+    raw, _ = blocks("Q8_0", 37, k, seed=11)  # 37 rows: a short last tile of each width
+    qs, d, m = parts(raw, "Q8_0")
+    x = np.random.default_rng(6).standard_normal((3, k)).astype(np.float32)
+    wrong = d.copy()
+    row, block = 33, k // 32 - 1  # in the short tile, the odd count's lone last block
+    wrong[row, block] = np.float16(-3 * float(d[row, block]))
+    got = np.asarray(block_quant_matmul_cpu(jnp.asarray(x), *device(qs, wrong, None), bits=8, offset=0,
+                                            int8_activations=True))
+    want, before = int8_emulation(x, qs, wrong, None, 8, 0), int8_emulation(x, qs, d, None, 8, 0)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * scale)
+    moved = np.abs(got - before).max(axis=0) > 1e-3 * scale
+    assert moved.tolist() == [n == row for n in range(37)]
