@@ -7,12 +7,12 @@ round's figures, the medians with their spread, and the ratio jaxserve / llama.c
 
 llama.cpp is not a dependency: ``scripts/build_llama_cpp.sh`` builds its two bench programs from
 the ``llama-cpp-python`` source distribution's vendored copy, and ``--llama-cpp-dir`` points at it.
-jaxserve's figures separate prefill from decode the way llama.cpp's do. Prompt speed: the prompts
-run for one token. Decode speed: the same prompts (prefix cache reset) run for ``1 + n_gen``
-tokens, and ``n_gen * B`` tokens are divided by the window from the first request's first token
-to the last request's last token, read from the outputs' own token times. That window holds any
-prefill steps after the first token, so with several sequences it is a lower bound; differencing
-two separately timed runs instead could go to zero or below on a loaded machine.
+jaxserve's figures separate prefill from decode the way llama.cpp's do. Prompt speed: fresh
+prompts (prefix cache reset) run for one token. Decode speed: the same prompts then run for
+``1 + n_gen`` tokens with the prompts' full blocks in the prefix cache, so that run is the decode
+(its first step recomputes only each prompt's last partial block), and ``n_gen * B`` tokens are
+divided by the window from the first request's first token to the last request's last token,
+read from the outputs' own token times.
 """
 
 from __future__ import annotations
@@ -80,7 +80,6 @@ class JaxserveDecode:
     def _generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[Any]]:
         from jaxserve import SamplingParams
 
-        self.llm.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -88,8 +87,9 @@ class JaxserveDecode:
 
     def run(self, batch: int, n_prompt: int, n_gen: int) -> dict[str, float]:
         prompts = [self.rng.integers(10, self.vocab - 10, n_prompt).tolist() for _ in range(batch)]
+        self.llm.reset_prefix_cache()
         prefill, _ = self._generate(prompts, 1)
-        _, outputs = self._generate(prompts, 1 + n_gen)
+        _, outputs = self._generate(prompts, 1 + n_gen)  # the prompts' blocks are cached: decode
         first = min(o.metrics.first_token_time for o in outputs)
         last = max(o.metrics.last_token_time for o in outputs)
         if not last > first:
