@@ -32,9 +32,10 @@ class CompilationConfig(SubConfig):
     Default: unrolled up to 8 layers, scanned above."""
     min_decode_bucket: int | None = None
     """Smallest token bucket of a decode step, a power of two up to 16: decode steps of fewer
-    requests run in buckets of 1, 2, 4, 8 tokens instead of padding to 16 rows (compiled in the
-    background once the engine is ready). Default: 1 on a CPU for weights of 64 MiB or more, where a
-    padded row costs its whole matmul; 16 on a GPU and for smaller models."""
+    requests run in buckets of 1, 2, 4, 8 tokens (with K speculative tokens also (K+1) * 2^j)
+    instead of padding to 16 rows (compiled in the background once the engine is ready).
+    Default: 1 on a CPU for weights of 64 MiB or more, where a padded row costs its whole
+    matmul; 16 on a GPU and for smaller models."""
 
     def validate(self) -> None:
         if not _is_backend_name(self.attention_backend):

@@ -16,7 +16,8 @@ Below ``min_tokens``, decode steps of a few requests may get their own buckets, 
 from ``min_decode_tokens`` (``small_decode``): on a CPU a padded row costs its whole matmul, so one
 stream in a 16-row bucket does 16 rows of work for one token. With speculative decoding a decode
 step holds up to K+1 tokens a request, and the small buckets reach that far. Like the midpoints they only save
-padding and are compiled in the background (``deferred``).
+padding and are compiled in the background (``deferred``). A speculating step also gets the
+multiples ``(K+1) * 2^j`` below ``min_tokens``: one stream verifying K=4 drafts runs 5 rows, not 8.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ class BucketTable:
         while t < min(min_tokens, max_num_batched_tokens) and t <= reach:
             small.append(t)
             t *= 2
+        if decode_tokens_per_seq > 1 and small:
+            # A speculating decode step of r requests holds r * (K+1) tokens when every draft is
+            # scheduled: those sizes get their own buckets too (vLLM sizes its CUDA graphs so).
+            t = decode_tokens_per_seq
+            while t < min(min_tokens, max_num_batched_tokens) and t <= reach:
+                small.append(t)
+                t *= 2
+            small = sorted(set(small))
         buckets, midpoints, t = list(small), [], min_tokens
         while t < max_num_batched_tokens:
             buckets.append(t)

@@ -47,11 +47,17 @@ def test_small_decode_buckets_below_16_up_to_max_num_seqs_and_deferred():
 
 
 def test_small_decode_buckets_hold_k_plus_one_tokens_a_request_when_speculating():
-    # K=4 drafts: one stream's decode step has up to 5 tokens, so it gets the 8 bucket, not 16.
+    # K=4 drafts: one stream's decode step has up to 5 tokens, so it gets its own 5 bucket (not 8
+    # or 16); a step where the budget or the room cut the drafts takes the powers of two.
     one = BucketTable.build(256, max_num_seqs=1, min_decode_tokens=1, decode_tokens_per_seq=5)
-    assert one.small_decode == (1, 2, 4, 8) and one.pick(5) == 8
+    assert one.small_decode == (1, 2, 4, 5, 8) and one.pick(5) == 5 and one.pick(3) == 4
+    assert one.deferred[:len(one.small_decode)] == one.small_decode
     assert BucketTable.build(256, max_num_seqs=1, min_decode_tokens=1).small_decode == (1,)
     assert BucketTable.build(256, max_num_seqs=2, min_decode_tokens=1, decode_tokens_per_seq=3).small_decode == \
-        (1, 2, 4, 8)
+        (1, 2, 3, 4, 6, 8)
     assert BucketTable.build(256, max_num_seqs=64, min_decode_tokens=1, decode_tokens_per_seq=5).small_decode == \
+        (1, 2, 4, 5, 8, 10)
+    # K+1 a power of two adds nothing; nothing reaches min_tokens
+    assert BucketTable.build(256, max_num_seqs=64, min_decode_tokens=1, decode_tokens_per_seq=4).small_decode == \
         (1, 2, 4, 8)
+    assert BucketTable.build(256, max_num_seqs=64, min_decode_tokens=16, decode_tokens_per_seq=5).small_decode == ()
