@@ -17,7 +17,6 @@ bucket's variants are all in, steps use the next larger bucket (``pending_bucket
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import os
@@ -241,10 +240,16 @@ class CompiledSteps:
 _BACKGROUND: set[CompiledSteps] = set()
 
 
-@atexit.register
 def _stop_all_background() -> None:
     for steps in list(_BACKGROUND):
         steps.stop_background()
+
+
+# Stopped at the start of interpreter exit, before any atexit handler: weakref's handler (registered
+# once the first trace has run, so it runs before ours would) calls every pending finalizer, and
+# JAX's tracer finalizers then drop the constants of a trace still in progress in the background
+# thread (its lowering fails with a KeyError). concurrent.futures stops its workers the same way.
+threading._register_atexit(_stop_all_background)  # type: ignore[attr-defined]  # private, Python 3.9+
 
 
 def default_compile_threads() -> int:

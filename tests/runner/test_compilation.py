@@ -3,8 +3,13 @@ and skips the buckets a configuration can never reach."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -140,6 +145,44 @@ def test_stopping_the_background_compiles_no_more(compile_cache):
     stopper.join(60)
     assert not stopper.is_alive()
     assert steps.stats.background_compiles == 1 and steps.pending_buckets == {48}
+
+
+# A process whose deferred compile is still tracing a program with a captured array when it
+# exits: the trace's constant is a tracer with a weakref finalizer, which interpreter exit calls.
+_EXIT_WHILE_TRACING = textwrap.dedent("""
+    import sys, threading
+    import jax, jax.numpy as jnp
+    from jaxserve.runner.compilation import CompiledSteps, StepVariant
+    from jaxserve.runner.compile_stats import CompileStats
+
+    weights = jnp.linspace(0.5, 1.5, 64, dtype=jnp.float32)
+    tracing = threading.Event()
+
+    def step(x):
+        for i in range(200):  # a long trace, so that exit begins inside it
+            x = jnp.sin(x) * weights[: x.shape[0]] + i
+        return x
+
+    def trace_args(variant):
+        tracing.set()
+        return (jax.ShapeDtypeStruct((variant.bucket,), jnp.float32),), {}
+
+    steps = CompiledSteps(jax.jit(step), trace_args, CompileStats())
+    steps.warm_up([], lambda v: None, show_progress=False, deferred=[StepVariant(24), StepVariant(48)])
+    steps.start_deferred()
+    tracing.wait()
+    print("pending at exit:", sorted(steps.pending_buckets), file=sys.stderr)
+""")
+
+
+def test_exiting_while_a_deferred_bucket_traces_logs_no_failure():
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_TRACING], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert "pending at exit: [24, 48]" in done.stderr  # exit began while 24 was tracing
+    assert "failed" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 0
 
 
 @pytest.mark.parametrize("shape,blocks,top", [
