@@ -21,9 +21,9 @@ the optimistic inputs by the true rejected counts and filling the in-flight ids 
 the inputs the host would have built had it waited for N. Rows N did not verify (prefill
 chunks, new requests, plain decodes) have a rejected count of 0 and keep their inputs.
 
-Not wired into the step yet: the scheduler's placeholder booking and rollback, the proposers'
-catch-up from device outputs and the runner's host bookkeeping are still to come, so a
-speculating engine still collects N before scheduling N+1 (``EngineCore._sync_reason``).
+The scheduler's side is ``SchedulerConfig.draft_placeholders``. Not wired into the step yet: the
+proposers' catch-up from device outputs and the runner's use of these functions are still to
+come, so a speculating engine still collects N before scheduling N+1 (``EngineCore._sync_reason``).
 """
 
 from __future__ import annotations
