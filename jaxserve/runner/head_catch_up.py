@@ -33,13 +33,14 @@ def head_catch_up(input_ids: jax.Array, slot_mapping: jax.Array, query_start_loc
                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The step's ``input_ids``/``slot_mapping`` i32[T] (as it ran: in-flight tokens filled,
     positions corrected) and ``query_start_loc`` i32[R+1]; its verified output ``emitted``
-    i32[R, K+1] and ``num_emitted`` i32[R]; ``num_drafts`` i32[R] verified per row; per row,
+    i32[R, K+1] and ``num_emitted`` i32[R] (0 where it did not sample); ``num_drafts`` i32[R] verified per row; per row,
     ``samples`` (it sampled), ``next_known`` (the token after a non-sampling row's chunk),
     ``live`` and ``skip`` (bool[R]). Returns the head's ids and slots i32[T], logits indices
     i32[R] and proposing flags bool[R]."""
     num_tokens, num_rows = input_ids.shape[0], num_drafts.shape[0]
     count = query_start_loc[1:] - query_start_loc[:-1]
-    rejected = jnp.maximum(num_drafts - (num_emitted - 1), 0)
+    # Only a row with drafts rejects any (a row that did not sample emitted none).
+    rejected = jnp.where(num_drafts > 0, jnp.maximum(num_drafts - (num_emitted - 1), 0), 0)
     valid = jnp.where(skip, 0, jnp.maximum(count - rejected, 0))
     row = token_rows(query_start_loc, num_tokens)
     at = jnp.minimum(row, num_rows - 1)
