@@ -33,7 +33,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve.runner.step_inputs import ModelInputs
+from jaxserve.runner.step_inputs import ModelInputs, StepArrays
 
 
 def rejected_per_row(prev_rows: jax.Array, num_emitted: jax.Array, num_drafts: jax.Array) -> jax.Array:
@@ -88,3 +88,43 @@ def in_flight_ids(x: ModelInputs[jax.Array], prev_tokens: jax.Array) -> jax.Arra
     column = jnp.clip(seen - 1 - before_row, 0, prev_tokens.shape[1] - 1)
     read = prev_tokens[jnp.maximum(x.prev_rows, 0), column]
     return jnp.where(flying, read, x.input_ids)
+
+
+def row_prev_rows(x: ModelInputs[jax.Array]) -> jax.Array:
+    """Each row's row in step N (-1: none, and for padding rows), read at its last scheduled
+    token: that is in flight whenever any of the row's tokens is (a row resumed after preemption
+    has its known tokens first, then the one N sampled)."""
+    num_rows = x.kv_lens.shape[0]
+    last = jnp.maximum(x.query_start_loc[1:] - 1, 0)
+    live = jnp.arange(num_rows) < x.num_seqs[0]
+    return jnp.where(live, x.prev_rows[last], -1).astype(jnp.int32)
+
+
+def in_flight_drafts(draft_token_ids: jax.Array, prev_rows: jax.Array, prev_tokens: jax.Array) -> jax.Array:
+    """``draft_token_ids`` i32[R, K] with each placeholder (``DRAFT_PLACEHOLDER``, -1: proposed
+    after step N, still on the device) read from ``prev_tokens`` i32[R_N, K+1] at its row of N:
+    draft j is the row's in-flight token j + 1 (its bonus token is the first)."""
+    k = draft_token_ids.shape[1]
+    read = prev_tokens[jnp.maximum(prev_rows, 0)][:, 1:k + 1]
+    return jnp.where((draft_token_ids < 0) & (prev_rows >= 0)[:, None], read, draft_token_ids)
+
+
+def correct_in_flight(inputs: StepArrays[jax.Array], prev_tokens: jax.Array, num_emitted: jax.Array,
+                      num_drafts: jax.Array, block_size: int) -> StepArrays[jax.Array]:
+    """A step built as if every draft of step N were accepted, made the step the host would
+    have built after N: rows moved back by N's rejected drafts (:func:`shift_rows`), in-flight
+    ids and drafts filled from ``prev_tokens`` (N's bonus token and the drafts proposed after
+    it, per row of N), and each row's generated-token count (the sampler's draw key) lowered by
+    its rejected drafts. ``num_emitted``/``num_drafts`` i32[R_N]: N's per row. The result reads
+    nothing in flight any more (``prev_rows`` all -1)."""
+    x = inputs.model
+    prev_rows = row_prev_rows(x)
+    rejected = rejected_per_row(prev_rows, num_emitted, num_drafts)
+    model = dataclasses.replace(shift_rows(x, rejected, block_size), input_ids=in_flight_ids(x, prev_tokens),
+                                prev_rows=jnp.full_like(x.prev_rows, -1))
+    sampling = dataclasses.replace(inputs.sampling, positions=inputs.sampling.positions - rejected)
+    spec = inputs.spec
+    if spec is not None:
+        spec = dataclasses.replace(spec, draft_token_ids=in_flight_drafts(spec.draft_token_ids, prev_rows,
+                                                                           prev_tokens))
+    return dataclasses.replace(inputs, model=model, sampling=sampling, spec=spec)

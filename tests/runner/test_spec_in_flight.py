@@ -7,8 +7,18 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.runner.input_batch import PersistentBatch, build_step_arrays, write_drafts
-from jaxserve.runner.spec_in_flight import in_flight_ids, rejected_per_row, shift_rows
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import DRAFT_PLACEHOLDER
+from jaxserve.runner.input_batch import PersistentBatch, build_spec_inputs, build_step_arrays, write_drafts
+from jaxserve.runner.spec_in_flight import (
+    correct_in_flight,
+    in_flight_ids,
+    rejected_per_row,
+    row_prev_rows,
+    shift_rows,
+)
+from jaxserve.runner.step_inputs import StepArrays, flag
+from jaxserve.sample.metadata import SamplingMetadata, sampling_arrays
 
 BS, MAX_LEN, SLOTS, K = 4, 48, 8, 3
 PAD = SLOTS
@@ -73,11 +83,22 @@ def build(reqs, rng, groups):
     write_drafts(true_batch, slots, drafts_true)
     true, _ = build_step_arrays(true_batch, slots, [a[1] for a in true_args], [a[2] for a in true_args],
                                 [-1] * len(reqs), BUCKET, ROWS, BS, PAD, [len(d) for d in drafts_true])
+    # The scheduler's placeholders: K drafts for each row N verified, in flight, not written.
+    drafts_opt = [[DRAFT_PLACEHOLDER] * K if q["verify"] else [] for q in reqs]
     opt, _ = build_step_arrays(opt_batch, slots, [a[1] for a in opt_args], [a[2] for a in opt_args],
-                               [a[3] for a in opt_args], BUCKET, ROWS, BS, PAD)
+                               [a[3] for a in opt_args], BUCKET, ROWS, BS, PAD, [len(d) for d in drafts_opt],
+                               [bool(d) for d in drafts_opt])
     row_prev = np.full(ROWS, -1, np.int32)
     row_prev[:len(reqs)] = [q["n_row"] for q in reqs]
-    return opt, true, row_prev, prev_tokens, num_emitted, num_drafts
+    # The sampler's draw key: tokens each row's request generated before it (the runner's count).
+    generated = [[max(0, start + n - len(q["prompt"]) - len(d)) for q, (_, start, n, _), d in zip(reqs, args, ds)]
+                 for args, ds in ((true_args, drafts_true), (opt_args, drafts_opt))]
+    steps = [StepArrays(x, SamplingMetadata.from_arrays(sampling_arrays([SamplingParams(seed=3)] * len(reqs), ROWS,
+                                                                        positions=g)),
+                        need_logprobs=flag(False), use_bitmask=flag(False),
+                        spec=build_spec_inputs(x.query_start_loc, ds, ROWS, K, BUCKET))
+             for x, g, ds in ((true, generated[0], drafts_true), (opt, generated[1], drafts_opt))]
+    return opt, true, row_prev, prev_tokens, num_emitted, num_drafts, steps
 
 
 @jax.jit
@@ -92,7 +113,7 @@ def correct(opt, row_prev, prev_tokens, num_emitted, num_drafts):
 def test_corrected_inputs_are_those_built_on_the_true_tokens(seed, groups):
     rng = np.random.default_rng(seed)
     reqs = scenario(rng)
-    opt, true, row_prev, prev_tokens, num_emitted, num_drafts = build(reqs, rng, groups)
+    opt, true, row_prev, prev_tokens, num_emitted, num_drafts, _ = build(reqs, rng, groups)
     assert not np.array_equal(opt.positions, true.positions)  # the correction has work to do
     got, rejected = correct(opt, row_prev, prev_tokens, num_emitted, num_drafts)
     want_rejected = [q["d"] - q["a"] if q["verify"] else 0 for q in reqs]
@@ -108,8 +129,31 @@ def test_nothing_in_flight_changes_nothing():
     """A step whose rows N verified nothing for keeps every input (zero rejected, no in-flight id)."""
     rng = np.random.default_rng(7)
     reqs = [q for q in scenario(rng) if not q["verify"] and not q.get("resume")]
-    opt, true, row_prev, prev_tokens, num_emitted, num_drafts = build(reqs, rng, 1)
+    opt, true, row_prev, prev_tokens, num_emitted, num_drafts, _ = build(reqs, rng, 1)
     got, rejected = correct(opt, row_prev, prev_tokens, num_emitted, num_drafts)
     assert not np.asarray(rejected).any()
     for name in ("input_ids", "positions", "slot_mapping", "kv_lens"):
         np.testing.assert_array_equal(np.asarray(getattr(got, name)), getattr(opt, name), err_msg=name)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_whole_step_is_the_one_built_on_the_true_tokens(seed):
+    """``correct_in_flight`` on the step the host builds with N's drafts and the drafts after it
+    in flight (the scheduler's placeholders): the model inputs, the drafts it verifies, which
+    tokens the penalties count and each row's draw key are those of the step built on the true
+    tokens, and nothing is left in flight."""
+    rng = np.random.default_rng(seed)
+    reqs = scenario(rng)
+    opt, true, row_prev, prev_tokens, num_emitted, num_drafts, (true_step, opt_step) = build(reqs, rng, 1)
+    flying = [q["n_row"] if q["verify"] or q.get("resume") else -1 for q in reqs]  # rows N left in flight
+    np.testing.assert_array_equal(np.asarray(jax.jit(row_prev_rows)(opt)), flying + [-1] * (ROWS - len(reqs)))
+    got = jax.jit(correct_in_flight, static_argnums=4)(opt_step, prev_tokens, num_emitted, num_drafts, BS)
+    for name in ("input_ids", "positions", "slot_mapping", "kv_lens", "token_slots", "token_is_output",
+                 "logits_indices", "row_slots"):
+        np.testing.assert_array_equal(np.asarray(getattr(got.model, name)), getattr(true, name), err_msg=name)
+    assert (np.asarray(got.model.prev_rows) == -1).all()
+    for name in ("draft_token_ids", "num_draft_tokens", "logits_indices", "flat_index", "position_rows"):
+        np.testing.assert_array_equal(np.asarray(getattr(got.spec, name)), getattr(true_step.spec, name),
+                                      err_msg=name)
+    np.testing.assert_array_equal(np.asarray(got.sampling.positions), true_step.sampling.positions)
+    assert not np.array_equal(opt_step.sampling.positions, true_step.sampling.positions)
