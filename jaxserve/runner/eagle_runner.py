@@ -22,9 +22,13 @@ program is compiled at warm-up; a shape met later is compiled then and counted i
 holds shapes only, placed as a local one's arrays would be, and can lower its programs
 (:meth:`lowered`), not run them.
 
-Async scheduling: the catch-up over a step runs when the step is collected, which may be after
-the next (plain) step was launched. The catch-ups still run in launch order, each once, and a
-row whose request left meanwhile (aborted, finished, preempted) is caught up all the same: its
+Async scheduling: the runner overlaps speculating steps (``on_device``): right after each step
+is launched, :meth:`propose_on_device` catches up over it and drafts from its device outputs
+(the drafts stay on the device for the next step, already scheduled with placeholders for them),
+and :meth:`collect_on_device` does the bookkeeping when the step is collected. Without
+``on_device`` (a compile-only proposer; the direct tests) the catch-up runs when the step is
+collected (:meth:`propose`). Either way the catch-ups run in launch order, each once, and a row
+whose request left meanwhile (aborted, finished, preempted) is caught up all the same: its
 blocks may stay in the prefix cache.
 
 Tensor parallel: everything lives on the target's mesh, an MTP layer as an EAGLE head. When the
@@ -158,8 +162,14 @@ class EagleProposer:
         # The program run from a step's device outputs (propose_on_device), per token bucket;
         # compiled at warm-up only when ``on_device`` is set (the overlap of speculating steps).
         self.on_device = False
+        # Its drafts also come out padded to max_num_seqs rows inside the program: the shape the
+        # step's carried state holds them in (DeviceState.prev_drafts, donated to the next step,
+        # so a buffer apart from the drafts read back), whatever the bucket.
+        self.draft_rows = config.max_num_seqs
+        self.carried_drafts: jax.Array | None = None
         self._jitted_on_device = jax.jit(self._propose_on_device_fn, donate_argnums=(2,),
-                                         out_shardings=(pool_sharding, replicated(mesh), replicated(mesh)))
+                                         out_shardings=(pool_sharding, replicated(mesh), replicated(mesh),
+                                                        replicated(mesh)))
         self._compiled_on_device: dict[int, Any] = {}
         self.unexpected_compiles = 0
         self.num_passes = 0
@@ -215,7 +225,11 @@ class EagleProposer:
             live, skip)
         kv, drafts = self._propose_fn(weights, tables, kv, target_hidden, ids, positions, slots, block_tables,
                                       kv_lens, query_start_loc, num_seqs, logits_indices, proposing)
-        return kv, drafts, proposing
+        padded = jnp.zeros((max(self.draft_rows, drafts.shape[0]), self.k), jnp.int32)
+        padded = padded.at[:drafts.shape[0]].set(drafts.astype(jnp.int32))
+        # The drafts read back are another value (-1 where a row did not propose), so never the
+        # carried buffer, which the next step takes donated.
+        return kv, jnp.where(proposing[:, None], drafts, -1), padded, proposing
 
     def _padding_args(self, bucket: int) -> tuple:
         rows = self.step_rows[bucket]
@@ -273,7 +287,7 @@ class EagleProposer:
             self.kv, _ = self._program(bucket, hidden, warm=True)(self.weights, self.tables, self.kv, hidden,
                                                                   *self._padding_args(bucket))
             if self.on_device:
-                self.kv, _, _ = self._program_on_device(bucket, hidden, warm=True)(
+                self.kv, _, _, _ = self._program_on_device(bucket, hidden, warm=True)(
                     self.weights, self.tables, self.kv, hidden, *self._device_padding_args(bucket))
         jax.block_until_ready(self.kv)
 
@@ -336,7 +350,8 @@ class EagleProposer:
         token after a row's chunk when the row does not sample (the host has it). Returns the
         drafts i32[R, K] and which rows proposed bool[R], both on the device. Blind rows are
         skipped as :meth:`propose` skips them; the bookkeeping waits for the step's tokens
-        (:meth:`settle_on_device`). Same call-order invariant as :meth:`propose`."""
+        (:meth:`settle_on_device`). Same call-order invariant as :meth:`propose`. The drafts
+        padded to ``draft_rows`` (max_num_seqs) rows are left in ``carried_drafts``."""
         bucket = len(step.positions)
         rows = self.step_rows[bucket]
 
@@ -349,7 +364,7 @@ class EagleProposer:
         args = (step.input_ids, step.positions, step.slot_mapping, step.block_tables, step.kv_lens,
                 step.query_start_loc, step.num_seqs, emitted, pad(num_drafts, np.int32), pad(samples, np.bool_),
                 pad(next_known, np.int32), pad(live, np.bool_), skip)
-        self.kv, drafts, proposing = self._program_on_device(bucket, hidden)(
+        self.kv, drafts, self.carried_drafts, proposing = self._program_on_device(bucket, hidden)(
             self.weights, self.tables, self.kv, hidden, *args)
         self.num_passes += 1
         return drafts, proposing
@@ -368,3 +383,13 @@ class EagleProposer:
                 self._go_blind(r)
                 continue
             self.num_computed[r] = start + max(0, min(count, len(ctx) - 1 - start))
+
+    def collect_on_device(self, req_ids: Sequence[str], contexts: Sequence[np.ndarray], starts: Sequence[int],
+                          counts: Sequence[int], live: Sequence[bool], drafts: np.ndarray,
+                          proposing: np.ndarray) -> list[list[int]]:
+        """:meth:`settle_on_device`, then each row's drafts as :meth:`propose` returns them (K for
+        a live row that proposed and is not blind, [] for the others), from the device
+        program's ``drafts``/``proposing`` read back."""
+        self.settle_on_device(req_ids, contexts, starts, counts, live)
+        return [drafts[i].tolist() if proposing[i] and ok and r not in self.blind else []
+                for i, (r, ok) in enumerate(zip(req_ids, live))]

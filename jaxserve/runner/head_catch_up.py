@@ -1,8 +1,8 @@
 """The EAGLE head's catch-up inputs over a target step, from the step's device outputs: what
 ``EagleProposer.propose`` builds on the host from each row's known tokens after the step, built
 without them, so that the head can run right after the step, before the host reads its tokens
-(the piece overlapping a speculating step with the next needs from the EAGLE/EAGLE-3/MTP
-proposers; not wired in yet).
+(what overlapping a speculating step with the next needs from the EAGLE/EAGLE-3/MTP
+proposers; run inside ``EagleProposer.propose_on_device``'s program).
 
 The head's input at position p is the token at p + 1. A row scheduled ``count`` tokens from
 ``start`` that verified d drafts and emitted e tokens (accepted drafts and one) rejected

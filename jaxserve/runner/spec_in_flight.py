@@ -21,9 +21,10 @@ the optimistic inputs by the true rejected counts and filling the in-flight ids 
 the inputs the host would have built had it waited for N. Rows N did not verify (prefill
 chunks, new requests, plain decodes) have a rejected count of 0 and keep their inputs.
 
-The scheduler's side is ``SchedulerConfig.draft_placeholders``. Not wired into the step yet: the
-proposers' catch-up from device outputs and the runner's use of these functions are still to
-come, so a speculating engine still collects N before scheduling N+1 (``EngineCore._sync_reason``).
+The scheduler's side is ``SchedulerConfig.draft_placeholders``; the runner carries N's counts and
+the drafts the EAGLE head proposed after N in ``DeviceState`` and calls :func:`correct_in_flight`
+at the top of every step when :func:`overlaps_speculation` holds (the other proposers run on the
+host after N's tokens are read, so their engines still collect N first).
 """
 
 from __future__ import annotations
@@ -33,7 +34,18 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxserve.config import EngineConfig
+from jaxserve.config.speculative import HEAD_METHODS
 from jaxserve.runner.step_inputs import ModelInputs, StepArrays
+
+
+def overlaps_speculation(config: EngineConfig) -> bool:
+    """True if a speculating step overlaps with the next (vLLM's async scheduling with
+    placeholders for drafts not yet known): async scheduling with an EAGLE/EAGLE-3/MTP head, whose
+    drafts are proposed on the device right after each step, on one node."""
+    spec = config.spec_decode_config.spec
+    return (config.scheduler_config.async_scheduling and spec is not None and spec.method in HEAD_METHODS
+            and not config.is_multi_node)
 
 
 def rejected_per_row(prev_rows: jax.Array, num_emitted: jax.Array, num_drafts: jax.Array) -> jax.Array:

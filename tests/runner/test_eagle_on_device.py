@@ -1,5 +1,5 @@
 """The EAGLE head proposing from a step's device outputs (``EagleProposer.propose_on_device``,
-a piece of overlapping a speculating step with the next; not wired into the engine) against
+what the runner runs after each step when it overlaps speculating steps) against
 ``EagleProposer.propose`` run on the true tokens after the same step: the same drafts for the
 same rows, the same head KV written, the same bookkeeping once the tokens are known
 (``settle_on_device``), and no compile after its warm-up.
