@@ -4,8 +4,8 @@ launched while N runs, its bonus token and drafts placeholders that the device f
 verification and the head's drafts after N, its positions moved back there by N's rejected
 count. No rule here: every step speculates.
 
-Greedy and seeded tokens equal the plain engine's (stops and max_tokens reached inside accepted
-drafts included); seeded runs repeat; every draft the head proposes is the dense computation's
+Greedy and seeded tokens equal the plain engine's (with stops and max_tokens that accepted
+drafts may reach); seeded runs repeat; every draft the head proposes is the dense computation's
 over its context; the step records say the speculating steps overlapped; nothing compiles after
 warm-up and the pools end empty."""
 
