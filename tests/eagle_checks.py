@@ -35,6 +35,14 @@ def recorded_proposals(llm: LLM, monkeypatch) -> list[tuple[np.ndarray, list[int
         return out
 
     monkeypatch.setattr(head, "propose", spy)
+    collect = head.collect_on_device  # overlapped speculation: proposed on the device, read back here
+
+    def spy_on_device(req_ids, contexts, *rest):
+        out = collect(req_ids, contexts, *rest)
+        seen.extend((np.array(c), d) for c, d in zip(contexts, out) if d)
+        return out
+
+    monkeypatch.setattr(head, "collect_on_device", spy_on_device)
     return seen
 
 

@@ -36,6 +36,8 @@ from jaxserve.exceptions import InvalidRequestError
 logger = logging.getLogger("jaxserve")
 
 _NO_ENCODER = EncoderSchedule((), 0, 0)  # a request with no image to encode
+# A draft the runner proposes on the device after a step still in flight (draft_placeholders).
+DRAFT_PLACEHOLDER = -1
 
 
 @dataclass
@@ -55,6 +57,10 @@ class SchedulerConfig:
     # KV slots the proposer writes past the scheduled tokens.
     num_speculative_tokens: int = 0
     num_lookahead_tokens: int = 0
+    # With async scheduling: a request whose step is in flight is scheduled again at once with its
+    # bonus token and the drafts the runner proposes after that step, all placeholders (vLLM's
+    # async scheduling with speculation); see ``Scheduler.expect_drafts``.
+    draft_placeholders: bool = False
     # EAGLE: prefix hits end one block short (the head's KV at a hit's last position depends on
     # the token after it, which may differ); the plain KV cache manager's use_eagle.
     use_eagle: bool = False
@@ -80,6 +86,8 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.num_speculative_tokens < 0 or self.num_lookahead_tokens < 0:
             raise ValueError("num_speculative_tokens and num_lookahead_tokens must be non-negative")
+        if self.draft_placeholders and not (self.async_scheduling and self.num_speculative_tokens):
+            raise ValueError("draft_placeholders needs async_scheduling and num_speculative_tokens")
         if self.history_size < 0:
             raise ValueError(f"history_size must be non-negative, got {self.history_size}")
         if self.max_num_encoder_input_tokens < 0 or self.encoder_cache_size < 0:
@@ -116,6 +124,16 @@ class Scheduler:
     Both together: a request whose drafts are in flight has ``num_computed_tokens`` past its
     known tokens plus the placeholder, so it is not scheduled again until that step's output
     (and with it the accepted count) is in; a request with a token in flight gets no drafts.
+    Unless ``draft_placeholders``: then a step books its bonus token and its d drafts (1 + d
+    placeholders), as if every draft were accepted, so the request is scheduled again at once
+    for its bonus token and, after ``expect_drafts``, K placeholder drafts (``DRAFT_PLACEHOLDER``,
+    which the runner fills on the device with the drafts it proposed after the step in flight,
+    and whose positions it moves back by that step's rejected count). When the output comes, the
+    rejected drafts roll back ``num_computed_tokens`` and the placeholders by arithmetic as
+    above. Invariant: ``num_computed_tokens`` = the computed known tokens + the placeholders
+    - 1 while a sampled token is in flight (its own position is computed by the next step), and
+    the drafts booked are never more than ``max_tokens``/``max_model_len`` leave room for with
+    every placeholder accepted; a finished request's placeholder step is discarded by id.
     Preemption victim: the newest running request (fcfs) or the largest
     (priority, arrival_time, request_id) (priority). The oldest/best request is never a victim
     while another runs, so it always progresses: with a pool holding ``max_model_len`` tokens,
@@ -297,9 +315,10 @@ class Scheduler:
                 continue
             num_new = len(request.all_token_ids) + pending - request.num_computed_tokens
             drafts = request.spec_token_ids
-            if drafts and (pending or not self.speculate or draft_rows_left <= 0):
-                # Off, past the step's draft rows, or a token in flight (the drafts were proposed
-                # before it, so they would not follow it): a plain decode.
+            follows = drafts[:1] == [DRAFT_PLACEHOLDER] if pending else drafts[:1] != [DRAFT_PLACEHOLDER]
+            if drafts and (not follows or not self.speculate or draft_rows_left <= 0):
+                # Off, past the step's draft rows, or a token in flight that the drafts were not
+                # proposed after (they would not follow it): a plain decode.
                 request.spec_token_ids = drafts = []
             if drafts:
                 drafts = self._trim_drafts(request, drafts)
@@ -344,7 +363,7 @@ class Scheduler:
             req_index += 1
             if drafts:
                 # The budget may have cut the step short: the drafts it reaches, in order.
-                num_spec = request.num_computed_tokens + num_new - len(request.all_token_ids)
+                num_spec = request.num_computed_tokens + num_new - len(request.all_token_ids) - pending
                 if num_spec > 0:
                     spec_tokens[request.request_id] = drafts[:num_spec]
                     draft_rows_left -= 1
@@ -471,7 +490,9 @@ class Scheduler:
                     if f.placeholder.end <= request.num_computed_tokens:
                         self.encoder_cache_manager.free_encoder_input(req_id, f)
             if placeholders and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += 1  # this step samples a token we will not see yet
+                # this step samples a token we will not see yet (with draft placeholders, every
+                # draft it verifies counts as one too until the accepted count is in)
+                request.num_output_placeholders += 1 + self._num_booked_drafts(spec_tokens, req_id)
 
         self.step_counter += 1
         self._last_num_scheduled_tokens = total
@@ -480,6 +501,24 @@ class Scheduler:
         if self.history is not None:
             self.history.append(self.make_stats())
         return output
+
+    def _num_booked_drafts(self, spec_tokens: dict[str, list[int]], req_id: str) -> int:
+        """Drafts a step's placeholders count for ``req_id``: its verified ones with
+        ``draft_placeholders``, none otherwise (the request waits for their verification)."""
+        return len(spec_tokens.get(req_id, ())) if self.scheduler_config.draft_placeholders else 0
+
+    def expect_drafts(self, scheduler_output: SchedulerOutput) -> None:
+        """The runner proposes drafts on the device after the step just scheduled: each of its
+        requests that samples there (unconstrained: a grammar checks drafts on the host) gets K
+        placeholder drafts, which the next step verifies while this one is still in flight.
+        Needs ``draft_placeholders``."""
+        assert self.scheduler_config.draft_placeholders
+        placeholders = [DRAFT_PLACEHOLDER] * self.scheduler_config.num_speculative_tokens
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests[req_id]
+            if (request.status is RequestStatus.RUNNING and request.num_computed_tokens >= request.num_tokens
+                    and not request.use_structured_output):
+                request.spec_token_ids = placeholders
 
     def _release_encoder_refs(self, request: Request) -> None:
         """A request that stays waiting holds no encoder output (they stay cached, evictable)."""
@@ -507,10 +546,11 @@ class Scheduler:
     def _trim_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         """The drafts whose acceptance could still produce a kept token: with T tokens, K drafts
         yield up to K+1 new tokens, and no more than ``max_tokens`` outputs and
-        ``max_model_len`` tokens in all are ever kept."""
+        ``max_model_len`` tokens in all are ever kept. Tokens in flight count as if all came."""
         assert request.max_tokens is not None  # resolved by add_request
-        room = min(request.max_tokens - request.num_output_tokens,
-                   self.max_model_len - request.num_tokens) - 1
+        pending = request.num_output_placeholders
+        room = min(request.max_tokens - request.num_output_tokens - pending,
+                   self.max_model_len - request.num_tokens - pending) - 1
         return drafts if len(drafts) <= room else drafts[:max(room, 0)]
 
     def _pick_victim_index(self) -> int:
@@ -564,7 +604,7 @@ class Scheduler:
             idx = index_of.get(req_id, -1)
             tokens = sampled[idx] if idx >= 0 else []
             if tokens and request.num_output_placeholders:
-                request.num_output_placeholders -= 1
+                request.num_output_placeholders -= 1 + self._num_booked_drafts(scheduled_spec, req_id)
                 if request.status is RequestStatus.PREEMPTED:
                     # Async: preempted while this token was in flight. It is valid; keep it.
                     drafts = scheduled_spec.get(req_id) if scheduled_spec else None
@@ -619,8 +659,8 @@ class Scheduler:
                 continue
             if finished:
                 stopped.append(request)
-            elif new_drafts is not None and idx >= 0 and new_drafts[idx]:
-                request.spec_token_ids = self._valid_drafts(request, new_drafts[idx])
+            else:
+                self._take_drafts(request, new_drafts[idx] if new_drafts is not None and idx >= 0 else None)
             row_logprobs = logprobs[idx] if logprobs is not None and new_token_ids else None
             if isinstance(row_logprobs, list):  # speculative: one row per token, the kept ones
                 row_logprobs = row_logprobs[: len(new_token_ids)]
@@ -637,6 +677,18 @@ class Scheduler:
             for request in stopped:
                 self._free_request(request, request.status, known_to_runner=True)
         return outputs
+
+    def _take_drafts(self, request: Request, drafts: list[int] | None) -> None:
+        """The drafts the runner proposed after a step, for the request's next one. With
+        ``draft_placeholders`` and a later step in flight, that step already verifies them on the
+        device (its placeholders stay); otherwise they replace placeholders that no step used."""
+        if self.scheduler_config.draft_placeholders:
+            if request.num_output_placeholders:
+                return
+            if request.spec_token_ids[:1] == [DRAFT_PLACEHOLDER]:
+                request.spec_token_ids = []
+        if drafts:
+            request.spec_token_ids = self._valid_drafts(request, drafts)
 
     def _take_tokens(self, request: Request, token_ids: list[int], kept: list[int]) -> bool:
         """Append ``token_ids`` (one, or accepted drafts and one) to ``request`` up to a stop, each

@@ -11,6 +11,11 @@ of the scheduler (``accept_ahead``), fills N+1's bitmask and launches N+1; N's f
 and the scheduler's update then run while N+1 computes, as in a step without such a request.
 N+1's scheduling and inputs were built while N ran. What the device waits for is the read of N's
 ids, the matchers' advance and the fill.
+
+Speculative decoding: with an EAGLE/EAGLE-3/MTP head the overlap holds for speculating steps too
+(``SchedulerConfig.draft_placeholders``: N+1 is scheduled with placeholders for N's bonus token
+and the drafts the head proposes on the device after N, and the runner corrects it there). The
+other proposers, and any step while constrained rows are active, collect N first (``_sync_reason``).
 """
 
 from __future__ import annotations
@@ -269,6 +274,9 @@ class EngineCore:
                 # that end one block short (vLLM's use_eagle).
                 scheduler_config.num_lookahead_tokens = num_spec
                 scheduler_config.use_eagle = True
+            # The head proposes on the device right after each step: the next step is scheduled
+            # at once with placeholders for its drafts (the runner corrects it on the device).
+            scheduler_config.draft_placeholders = self.runner.overlap
         self.scheduler = Scheduler(
             scheduler_config,
             make_kv_cache_manager(model.config, self.runner.num_blocks, config.block_size,
@@ -418,7 +426,8 @@ class EngineCore:
         (none on the first). A constrained row of N+1 needs its token from N for its bitmask: then
         N's sampled ids are read first. With speculation, N is collected before N+1 is scheduled
         when N verified drafts (their accepted count says where its requests continue) or N+1
-        speculates (its drafts follow N's tokens): such a step returns N's outputs at once."""
+        speculates (its drafts follow N's tokens): such a step returns N's outputs at once; with
+        draft placeholders (EAGLE) not so, the device correcting N+1 (``_sync_reason``)."""
         clock = StepClock()
         decision = self._spec_decision()
         previous, previous_record = self._in_flight, self._in_flight_record
@@ -433,6 +442,8 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
         if decision is not None:
             scheduler_output.propose_drafts = self._decide_ahead()
+        if self.scheduler.scheduler_config.draft_placeholders and scheduler_output.propose_drafts:
+            self.scheduler.expect_drafts(scheduler_output)  # the step after this one verifies them
         record = (self._open_record(scheduler_output, clock.start, clock.last)
                   if self.step_records is not None else None)
         if record is not None:
@@ -498,9 +509,19 @@ class EngineCore:
     def _sync_reason(self, previous: InFlightStep) -> str:
         """Why the in-flight step must be collected before the next is scheduled ("" if it need
         not): "verify" when it verifies drafts (the accepted count places its requests' next
-        tokens), "drafts" when the next step speculates (drafts follow the latest tokens)."""
-        if not self.scheduler.scheduler_config.num_speculative_tokens:
+        tokens), "drafts" when the next step speculates (drafts follow the latest tokens). With
+        draft placeholders (EAGLE's overlap) neither holds, the device correcting the next step:
+        only while grammar-constrained rows are active (their drafts are checked on the host), or
+        "preempted" while a request preempted with drafts in flight waits (its resumed row would
+        read them from the wrong step)."""
+        config = self.scheduler.scheduler_config
+        if not config.num_speculative_tokens:
             return ""
+        if config.draft_placeholders:
+            if any(r.status is RequestStatus.PREEMPTED and r.num_output_placeholders for r in self.scheduler.waiting):
+                return "preempted"
+            if self.structured_outputs is None or not self.structured_outputs.num_active:
+                return ""
         if previous.scheduler_output.scheduled_spec_decode_tokens:
             return "verify"
         return "drafts" if self.scheduler.speculate else ""

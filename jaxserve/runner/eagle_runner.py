@@ -22,9 +22,13 @@ program is compiled at warm-up; a shape met later is compiled then and counted i
 holds shapes only, placed as a local one's arrays would be, and can lower its programs
 (:meth:`lowered`), not run them.
 
-Async scheduling: the catch-up over a step runs when the step is collected, which may be after
-the next (plain) step was launched. The catch-ups still run in launch order, each once, and a
-row whose request left meanwhile (aborted, finished, preempted) is caught up all the same: its
+Async scheduling: the runner overlaps speculating steps (``on_device``): right after each step
+is launched, :meth:`propose_on_device` catches up over it and drafts from its device outputs
+(the drafts stay on the device for the next step, already scheduled with placeholders for them),
+and :meth:`collect_on_device` does the bookkeeping when the step is collected. Without
+``on_device`` (a compile-only proposer; the direct tests) the catch-up runs when the step is
+collected (:meth:`propose`). Either way the catch-ups run in launch order, each once, and a row
+whose request left meanwhile (aborted, finished, preempted) is caught up all the same: its
 blocks may stay in the prefix cache.
 
 Tensor parallel: everything lives on the target's mesh, an MTP layer as an EAGLE head. When the
@@ -63,6 +67,7 @@ from jaxserve.models.eagle import (
 )
 from jaxserve.models.mtp import load_mtp_head, mtp_forward
 from jaxserve.models.tp_layout import eagle_head_splits
+from jaxserve.runner.head_catch_up import head_catch_up
 from jaxserve.runner.kv_cache import ProposerKV, allocate_kv_cache, bytes_per_block
 from jaxserve.runner.mesh import eagle_head_shardings, replicated
 from jaxserve.runner.step_inputs import ModelInputs
@@ -154,6 +159,18 @@ class EagleProposer:
         # The donated pools come back as they went in; the drafts are replicated.
         self._jitted = jax.jit(self._propose_fn, donate_argnums=(2,), out_shardings=(pool_sharding, replicated(mesh)))
         self._compiled: dict[int, Any] = {}
+        # The program run from a step's device outputs (propose_on_device), per token bucket;
+        # compiled at warm-up only when ``on_device`` is set (the overlap of speculating steps).
+        self.on_device = False
+        # Its drafts also come out padded to max_num_seqs rows inside the program: the shape the
+        # step's carried state holds them in (DeviceState.prev_drafts, donated to the next step,
+        # so a buffer apart from the drafts read back), whatever the bucket.
+        self.draft_rows = config.max_num_seqs
+        self.carried_drafts: jax.Array | None = None
+        self._jitted_on_device = jax.jit(self._propose_on_device_fn, donate_argnums=(2,),
+                                         out_shardings=(pool_sharding, replicated(mesh), replicated(mesh),
+                                                        replicated(mesh)))
+        self._compiled_on_device: dict[int, Any] = {}
         self.unexpected_compiles = 0
         self.num_passes = 0
 
@@ -196,6 +213,24 @@ class EagleProposer:
             out.append(tokens)
         return kv, jnp.stack(out, axis=1)
 
+    def _propose_on_device_fn(self, weights, tables, kv, target_hidden, input_ids, positions, slot_mapping,
+                              block_tables, kv_lens, query_start_loc, num_seqs, emitted, num_drafts, samples,
+                              next_known, live, skip):
+        """:meth:`_propose_fn` with its ids, slots, logits indices and proposing flags built here
+        from the step's device outputs (:func:`head_catch_up`): ``emitted`` i32[R, K+1] is the
+        step's verified output as the sampler left it (-1 past a row's emitted tokens)."""
+        num_emitted = jnp.sum(emitted >= 0, axis=1).astype(jnp.int32)
+        ids, slots, logits_indices, proposing = head_catch_up(
+            input_ids, slot_mapping, query_start_loc, emitted, num_emitted, num_drafts, samples, next_known,
+            live, skip)
+        kv, drafts = self._propose_fn(weights, tables, kv, target_hidden, ids, positions, slots, block_tables,
+                                      kv_lens, query_start_loc, num_seqs, logits_indices, proposing)
+        padded = jnp.zeros((max(self.draft_rows, drafts.shape[0]), self.k), jnp.int32)
+        padded = padded.at[:drafts.shape[0]].set(drafts.astype(jnp.int32))
+        # The drafts read back are another value (-1 where a row did not propose), so never the
+        # carried buffer, which the next step takes donated.
+        return kv, jnp.where(proposing[:, None], drafts, -1), padded, proposing
+
     def _padding_args(self, bucket: int) -> tuple:
         rows = self.step_rows[bucket]
         z = np.zeros
@@ -221,17 +256,44 @@ class EagleProposer:
             self._compiled[bucket] = self.lowered(bucket, hidden.dtype).compile()
         return self._compiled[bucket]
 
+    def _device_padding_args(self, bucket: int) -> tuple:
+        """:meth:`propose_on_device`'s program arguments after the hidden states, on padding."""
+        ids, positions, slots, block_tables, kv_lens, qsl, num_seqs, _, _ = self._padding_args(bucket)
+        rows, z = self.step_rows[bucket], np.zeros
+        return (ids, positions, slots, block_tables, kv_lens, qsl, num_seqs, np.full((rows, self.k + 1), -1, np.int32),
+                z(rows, np.int32), z(rows, np.bool_), z(rows, np.int32), z(rows, np.bool_), z(rows, np.bool_))
+
+    def lowered_on_device(self, bucket: int, hidden_dtype: Any) -> Any:
+        """:meth:`propose_on_device`'s program of the target's ``bucket``-token steps, lowered."""
+        hidden = jax.ShapeDtypeStruct((bucket, self.cfg.target_hidden_width), hidden_dtype,
+                                      sharding=self.hidden_sharding)
+        return self._jitted_on_device.lower(self.weights, self.tables, self.kv, hidden,
+                                            *self._device_padding_args(bucket))
+
+    def _program_on_device(self, bucket: int, hidden: jax.Array, warm: bool = False):
+        if bucket not in self._compiled_on_device:
+            if not warm:
+                self.unexpected_compiles += 1
+                logger.warning("%s head: compiling the %d-token device program after warm-up", self.cfg.method,
+                               bucket)
+            self._compiled_on_device[bucket] = self.lowered_on_device(bucket, hidden.dtype).compile()
+        return self._compiled_on_device[bucket]
+
     def warm_up(self, hidden_dtype: Any) -> None:
-        """Compile and run every program once on padding (no KV written: every slot is -1)."""
+        """Compile and run every program once on padding (no KV written: every slot is -1); with
+        ``on_device``, :meth:`propose_on_device`'s too."""
         for bucket in sorted(self.step_rows):
             hidden = self._zero_hidden(bucket, hidden_dtype)
             self.kv, _ = self._program(bucket, hidden, warm=True)(self.weights, self.tables, self.kv, hidden,
                                                                   *self._padding_args(bucket))
+            if self.on_device:
+                self.kv, _, _, _ = self._program_on_device(bucket, hidden, warm=True)(
+                    self.weights, self.tables, self.kv, hidden, *self._device_padding_args(bucket))
         jax.block_until_ready(self.kv)
 
     @property
     def num_programs(self) -> int:
-        return len(self._compiled)
+        return len(self._compiled) + len(self._compiled_on_device)
 
     # ---- proposing -----------------------------------------------------------------------------
 
@@ -277,3 +339,57 @@ class EagleProposer:
             for row in np.flatnonzero(proposing[:len(req_ids)]):
                 out[row] = values[row].tolist()
         return out
+
+    def propose_on_device(self, req_ids: Sequence[str], samples: Sequence[bool], next_known: Sequence[int],
+                          step: ModelInputs[Any], hidden: jax.Array, emitted: jax.Array,
+                          num_drafts: Sequence[int], live: Sequence[bool]) -> tuple[jax.Array, jax.Array]:
+        """:meth:`propose` without the step's tokens on the host: launched right after the target
+        step, from its device outputs, so the host never waits for them. ``step``: the step's
+        inputs as it ran (host or device arrays); ``emitted`` i32[R, K+1]: its verified output,
+        still on the device; ``num_drafts``: the drafts each row verified; ``next_known``: the
+        token after a row's chunk when the row does not sample (the host has it). Returns the
+        drafts i32[R, K] and which rows proposed bool[R], both on the device. Blind rows are
+        skipped as :meth:`propose` skips them; the bookkeeping waits for the step's tokens
+        (:meth:`settle_on_device`). Same call-order invariant as :meth:`propose`. The drafts
+        padded to ``draft_rows`` (max_num_seqs) rows are left in ``carried_drafts``."""
+        bucket = len(step.positions)
+        rows = self.step_rows[bucket]
+
+        def pad(values: Sequence[Any], dtype: Any) -> np.ndarray:
+            out = np.zeros(rows, dtype)
+            out[:len(values)] = values
+            return out
+
+        skip = pad([ok and r in self.blind for r, ok in zip(req_ids, live)], np.bool_)
+        args = (step.input_ids, step.positions, step.slot_mapping, step.block_tables, step.kv_lens,
+                step.query_start_loc, step.num_seqs, emitted, pad(num_drafts, np.int32), pad(samples, np.bool_),
+                pad(next_known, np.int32), pad(live, np.bool_), skip)
+        self.kv, drafts, self.carried_drafts, proposing = self._program_on_device(bucket, hidden)(
+            self.weights, self.tables, self.kv, hidden, *args)
+        self.num_passes += 1
+        return drafts, proposing
+
+    def settle_on_device(self, req_ids: Sequence[str], contexts: Sequence[np.ndarray], starts: Sequence[int],
+                         counts: Sequence[int], live: Sequence[bool]) -> None:
+        """The bookkeeping :meth:`propose` does for a step, done for one that
+        :meth:`propose_on_device` caught up on, once the step's tokens are known (``contexts``:
+        each row's known tokens after it; ``starts``/``counts``: its rows' first positions and
+        token counts as it ran). A row the head had missed positions of goes blind (its drafts,
+        already in flight, are only checked by the target)."""
+        for r, ctx, start, count, alive in zip(req_ids, contexts, starts, counts, live):
+            if not alive or r in self.blind:
+                continue
+            if self.num_computed.setdefault(r, start) < start:
+                self._go_blind(r)
+                continue
+            self.num_computed[r] = start + max(0, min(count, len(ctx) - 1 - start))
+
+    def collect_on_device(self, req_ids: Sequence[str], contexts: Sequence[np.ndarray], starts: Sequence[int],
+                          counts: Sequence[int], live: Sequence[bool], drafts: np.ndarray,
+                          proposing: np.ndarray) -> list[list[int]]:
+        """:meth:`settle_on_device`, then each row's drafts as :meth:`propose` returns them (K for
+        a live row that proposed and is not blind, [] for the others), from the device
+        program's ``drafts``/``proposing`` read back."""
+        self.settle_on_device(req_ids, contexts, starts, counts, live)
+        return [drafts[i].tolist() if proposing[i] and ok and r not in self.blind else []
+                for i, (r, ok) in enumerate(zip(req_ids, live))]

@@ -134,6 +134,7 @@ def build_step_arrays(
     block_size: int,
     padding_slot: int,
     num_drafts: list[int] | None = None,
+    drafts_in_flight: list[bool] | None = None,
 ) -> tuple[ModelInputs[np.ndarray], list[bool]]:
     """Model and attention inputs for one step (sampling arrays are added by the caller).
 
@@ -143,7 +144,11 @@ def build_step_arrays(
     that step's output (-1: none), and the step reads it on the device. Returns the arrays and,
     per row, whether it samples (its prompt, or its recomputation after preemption, is complete).
     ``num_drafts[r]``: speculative drafts the row verifies, written by the caller into its token
-    row right after its known tokens (not counted in ``num_tokens``).
+    row right after its known tokens (not counted in ``num_tokens``), unless
+    ``drafts_in_flight[r]``: then they are placeholders for drafts proposed on the device after
+    the previous step (``jaxserve.runner.spec_in_flight``), in flight like the row's other tokens
+    past its known ones, and not written. Either way a row's drafts are its last ``num_drafts[r]``
+    scheduled tokens.
     """
     t_pad, r_pad = token_bucket, num_rows
     r = len(slots)
@@ -169,8 +174,10 @@ def build_step_arrays(
     block_tables = group_tables[0]
 
     known_len = batch.num_tokens[tok_slot]
-    if num_drafts is not None:
-        known_len = known_len + np.asarray(num_drafts, np.int32).reshape(r)[row]
+    drafts = None if num_drafts is None else np.asarray(num_drafts, np.int32).reshape(r)
+    if drafts is not None:
+        written = drafts if drafts_in_flight is None else np.where(np.asarray(drafts_in_flight, np.bool_), 0, drafts)
+        known_len = known_len + written[row]
     known = pos < known_len
     input_ids[:total] = np.where(known, batch.token_ids[tok_slot, pos], 0)
     if not known.all():
@@ -183,9 +190,8 @@ def build_step_arrays(
     group_slots[:, :total] = group_tables[:, row, pos // block_size] * block_size + pos % block_size
     slot_mapping[:total] = group_slots[0, :total]
     token_slots[:total] = tok_slot
-    if num_drafts is not None:  # drafts may be rejected: the step counts the accepted ones itself
-        base = batch.num_tokens[tok_slot]
-        is_draft = (pos >= base) & (pos < known_len)
+    if drafts is not None:  # drafts may be rejected: the step counts the accepted ones itself
+        is_draft = np.arange(total, dtype=np.int32) - query_start_loc[row] >= (n - drafts)[row]
         token_slots[:total] = np.where(is_draft, padding_slot, tok_slot)
     token_is_output[:total] = pos >= batch.num_prompt_tokens[tok_slot]
 

@@ -15,7 +15,10 @@ program) and a packed flag that skips applying it.
 
 Async scheduling dispatches step N+1 before collecting step N: a decode row whose input token is
 still in flight reads it from step N's sampled tokens on the device (``prev_rows``), so the host
-never waits for it.
+never waits for it. With an EAGLE/EAGLE-3/MTP head (``overlap``) a speculating step overlaps too:
+N+1 is built as if N accepted every draft, its drafts placeholders; the step corrects itself on
+the device from N's counts and the head's drafts after N, carried in ``DeviceState``
+(:mod:`.spec_in_flight`), and the head proposes right after each launch (:mod:`.spec_overlap`).
 
 Every array lives on the runner's mesh (:mod:`.mesh`) over exactly its devices: with one device
 that is where everything goes, with ``tensor_parallel_size`` N the weights and the KV cache are
@@ -82,7 +85,9 @@ from jaxserve.runner.mesh import kv_cache_sharding, make_mesh, replicated, selec
 from jaxserve.runner.packing import PackLayout, pack, unpack
 from jaxserve.runner.prompt_logprobs import PromptLogprobsWorker
 from jaxserve.runner.serving_dtype import backend_takes
-from jaxserve.runner.step_inputs import StepArrays, flag
+from jaxserve.runner.spec_in_flight import correct_in_flight, overlaps_speculation
+from jaxserve.runner.spec_overlap import next_known_tokens, placeholder_rows, row_starts
+from jaxserve.runner.step_inputs import ModelInputs, StepArrays, flag
 from jaxserve.runner.target import StepTarget
 from jaxserve.sample.metadata import SamplingMetadata, SamplingTable
 from jaxserve.sample.penalties import (
@@ -115,6 +120,10 @@ class RunnerStep:
     mm: tuple[np.ndarray, np.ndarray] | None = None
     expert_load: jax.Array | None = None  # a MoE model's routed pairs per expert [E], on the device
     draft_hidden: jax.Array | None = None  # EAGLE: the hidden states its head reads, on the device
+    # Overlapped speculation: the step's inputs as corrected on the device, and the drafts and
+    # proposing flags the head's program left on the device after it (read at collect)
+    corrected: ModelInputs[jax.Array] | None = None
+    head_drafts: tuple[jax.Array, jax.Array] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -323,6 +332,9 @@ class ModelRunner:
                          NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max))
         self.drafter: DraftModelProposer | None = None
         self.eagle: EagleProposer | None = None
+        # EAGLE under async scheduling: drafts proposed on the device right after each step, and
+        # the next step (scheduled with placeholders) corrected there from this one's verification
+        self.overlap = self.num_spec > 0 and overlaps_speculation(config)
         # EAGLE: the head, read now because the step hands it what it reads ("final": the last
         # hidden state after the norm, or the layers EAGLE-3 reads), fixed before any step is traced
         self._eagle_head = None if spec is None or spec.method not in HEAD_METHODS else self._load_eagle_head()
@@ -418,6 +430,7 @@ class ModelRunner:
         self.eagle = EagleProposer(self.config, cfg, weights, tables, spec.num_speculative_tokens, self.attn_fn,
                                    self.mesh, self.num_blocks, self.max_blocks_per_seq, step_rows,
                                    self._replicated, self.target.is_abstract)
+        self.eagle.on_device = self.overlap
         logger.info("%s head %s: %d programs; reads %s", spec.method, spec.model or "(the target's)",
                     len(step_rows),
                     "the final hidden state" if not cfg.aux_layers else f"layers {list(cfg.aux_layers)}")
@@ -456,11 +469,15 @@ class ModelRunner:
         kv = kv_cache_sharding(self.mesh)
         # The same dataclass as a tree of shardings (jit's out_shardings), not of arrays.
         leaves: dict[str, Any] = dict(kv_cache=(kv, kv), penalties=self._replicated, prev_sampled=self._replicated)
+        if self.overlap:
+            leaves.update(prev_drafts=self._replicated, prev_num_emitted=self._replicated,
+                          prev_num_drafts=self._replicated)
         return DeviceState(**leaves)
 
     def _replicated_except_state(self) -> StepOutput:
         replicated: list[Any] = [self._replicated, self._replicated, self._replicated if self.mc.is_moe else None,
-                                 self._replicated if self._eagle_reads is not None else None]
+                                 self._replicated if self._eagle_reads is not None else None,
+                                 self._replicated if self.overlap else None]
         return StepOutput(self._state_shardings(), *replicated)
 
     def _zero_state(self, num_blocks: int) -> DeviceState:
@@ -469,7 +486,10 @@ class ModelRunner:
                                                       self.config.tensor_parallel_size, self.config.kv_cache_dtype,
                                                       self.num_kv_slots),
                            penalties=PenaltyTables.zeros(slots, self.mc.vocab_size),
-                           prev_sampled=jnp.zeros((slots,), jnp.int32))
+                           prev_sampled=jnp.zeros((slots,), jnp.int32),
+                           **(dict(prev_drafts=jnp.zeros((slots, self.num_spec), jnp.int32),
+                                   prev_num_emitted=jnp.ones((slots,), jnp.int32),
+                                   prev_num_drafts=jnp.zeros((slots,), jnp.int32)) if self.overlap else {}))
 
     def _allocate_state(self, num_blocks: int) -> DeviceState:
         """The zero device state made in place on the mesh (no device ever holds the whole pool)."""
@@ -530,6 +550,12 @@ class ModelRunner:
               layout: PackLayout, decode_only: bool = False, all_greedy: bool | None = None, use_lora: bool = False,
               use_mm: bool = False) -> StepOutput:
         inputs: StepArrays[jax.Array] = unpack(buf, layout)
+        overlap = state.prev_drafts is not None
+        if state.prev_drafts is not None:  # scheduled before the step before was verified: corrected here
+            assert state.prev_num_emitted is not None and state.prev_num_drafts is not None
+            prev_tokens = jnp.concatenate([state.prev_sampled[:, None], state.prev_drafts], axis=1)
+            inputs = correct_in_flight(inputs, prev_tokens, state.prev_num_emitted, state.prev_num_drafts,
+                                       self.block_size)
         x = inputs.model
         input_ids = jnp.where(x.prev_rows >= 0, state.prev_sampled[jnp.maximum(x.prev_rows, 0)], x.input_ids)
         attn_fn = self.decode_attn_fn if decode_only else self.attn_fn
@@ -585,7 +611,14 @@ class ModelRunner:
         prev_sampled = state.prev_sampled.at[: last.shape[0]].set(last)
         if self._eagle_reads == "final":  # EAGLE-1 reads the last hidden state after the final norm
             draft_hidden = model.norm(hidden)
-        return StepOutput(DeviceState(kv_cache, penalties, prev_sampled), out, hidden, expert_load, draft_hidden)
+        carried: dict[str, Any] = {}
+        if overlap:  # what the next step corrects itself from (the head's program adds its drafts)
+            assert spec is not None and state.prev_num_emitted is not None and state.prev_num_drafts is not None
+            carried = dict(prev_drafts=state.prev_drafts,
+                           prev_num_emitted=state.prev_num_emitted.at[: num.shape[0]].set(num),
+                           prev_num_drafts=state.prev_num_drafts.at[: num.shape[0]].set(spec.num_draft_tokens))
+        return StepOutput(DeviceState(kv_cache, penalties, prev_sampled, **carried), out, hidden, expert_load,
+                          draft_hidden, x if overlap else None)
 
     def _layer_groups(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Each layer's KV cache group and KV slot (layer j of a group uses slot j)."""
@@ -874,6 +907,7 @@ class ModelRunner:
         if mm is not None and self.config.enforce_eager:
             mm = jax.device_put(mm, self._replicated)
         result = self._launch(self._executable(variant), buf, device_mask, mm)
+        head_drafts = self._propose_on_device(inputs, plan, states, result) if self.overlap else None
         self._prev_row_of = {r: i for i, r in enumerate(plan.req_ids)}
         self.stats.record_step(plan.num_tokens, plan.token_bucket)
         head_lora = None  # the LM head's slot tables and each token's slot, for its prompt logprobs
@@ -881,7 +915,25 @@ class ModelRunner:
             head_lora = (self.lora.tables, inputs.lora_slot_ids)
         self.prompt_logprobs.accumulate(self.model_state, result.hidden, plan, states, so, head_lora)
         return dataclasses.replace(prepared, out=result.sampler, expert_load=result.expert_load,
-                                   draft_hidden=result.draft_hidden)
+                                   draft_hidden=result.draft_hidden, corrected=result.corrected,
+                                   head_drafts=head_drafts)
+
+    def _propose_on_device(self, inputs: StepArrays[np.ndarray], plan: StepPlan, states: list[CachedRequestState],
+                           result: StepOutput) -> tuple[jax.Array, jax.Array]:
+        """Overlapped speculation: the head's catch-up and drafts right after the step, from its
+        device outputs; the drafts (padded to max_num_seqs in the head's program) become the
+        carried state the next step reads its placeholder drafts from."""
+        assert self.eagle is not None and result.corrected is not None and result.draft_hidden is not None
+        assert inputs.spec is not None
+        n = len(plan.req_ids)
+        counts = np.diff(inputs.model.query_start_loc[: n + 1]).tolist()
+        next_known = next_known_tokens(self.batch, [s.slot for s in states], row_starts(inputs.model, n),
+                                       counts, plan.samples)
+        drafts, proposing = self.eagle.propose_on_device(
+            plan.req_ids, plan.samples, next_known, result.corrected, result.draft_hidden,
+            result.sampler.sampled_token_ids, inputs.spec.num_draft_tokens[:n].tolist(), [True] * n)
+        self.state = dataclasses.replace(self.state, prev_drafts=self.eagle.carried_drafts)
+        return drafts, proposing
 
     def sampled_tokens(self, step: InFlightStep) -> dict[str, int]:
         """Wait for a dispatched step's sampled ids only: request id -> token, for the rows that
@@ -918,11 +970,14 @@ class ModelRunner:
         starts = [s.num_computed_tokens for s in states]
         prev = [self._prev_row_of.get(r, -1) for r in req_ids]
         drafts = [so.scheduled_spec_decode_tokens.get(r, []) for r in req_ids] if self.num_spec else None
+        # Placeholder drafts (overlapped speculation) are proposed on the device: in flight, not written.
+        flying = placeholder_rows(drafts) if drafts is not None and self.overlap else None
         if drafts is not None:
-            write_drafts(self.batch, slots, drafts)
+            written = drafts if flying is None else [[] if f else d for f, d in zip(flying, drafts)]
+            write_drafts(self.batch, slots, written)
         num_drafts = None if drafts is None else [len(d) for d in drafts]
         model, samples = build_step_arrays(self.batch, slots, starts, counts, prev, bucket, rows,
-                                           self.block_size, self.slots.padding_slot, num_drafts)
+                                           self.block_size, self.slots.padding_slot, num_drafts, flying)
         # A row's draw is keyed by how many tokens its request generated before it; with async
         # scheduling the host may not have the last of them yet, so count from the positions
         # (which end with the row's drafts, if any).
@@ -998,9 +1053,30 @@ class ModelRunner:
         if not self.num_spec:
             return None
         if self.eagle is not None:
-            drafts = self._propose(states, sampled, step)
+            drafts = self._collect_head(states, step) if self.overlap else self._propose(states, sampled, step)
             return drafts if propose else [[] for _ in states]
         return self._propose(states, sampled, step) if propose else None
+
+    def _head_contexts(self, states: list[CachedRequestState]) -> tuple[list[bool], list[np.ndarray]]:
+        """Whether each row's request is still the runner's, and its known tokens now. A request
+        gone while its step ran (async scheduling) has its tokens in its own state only: its
+        slot's row may already hold another request's."""
+        live = [self.requests.get(s.req_id) is s for s in states]
+        known = [self.batch.token_ids[s.slot, : self.batch.num_tokens[s.slot]] if ok
+                 else np.asarray(s.prompt_token_ids + s.output_token_ids, np.int32) for s, ok in zip(states, live)]
+        return live, known
+
+    def _collect_head(self, states: list[CachedRequestState], step: RunnerStep | None) -> list[list[int]]:
+        """Overlapped speculation: the drafts the head proposed on the device after ``step``, read
+        back now, and its bookkeeping, each row's true start read from the corrected positions."""
+        assert self.eagle is not None and step is not None and step.head_drafts is not None
+        assert step.corrected is not None and step.inputs is not None
+        n = len(states)
+        drafts, proposing, positions = jax.device_get((*step.head_drafts, step.corrected.positions))
+        qsl = step.inputs.model.query_start_loc
+        live, known = self._head_contexts(states)
+        return self.eagle.collect_on_device([s.req_id for s in states], known, positions[qsl[:n]].tolist(),
+                                            np.diff(qsl[: n + 1]).tolist(), live, drafts, proposing)
 
     def _draft_room(self, state: CachedRequestState) -> bool:
         """True if a draft could still yield a kept token: with K drafts up to K+1 tokens come
@@ -1021,11 +1097,7 @@ class ModelRunner:
         a row per verified position)."""
         if self.eagle is not None:  # every row, sampling or not: the head keeps up with the target
             assert step is not None and step.inputs is not None and step.draft_hidden is not None
-            live = [self.requests.get(s.req_id) is s for s in states]
-            # A request gone while its step ran (async scheduling) has its tokens in its own state
-            # only: its slot's row may already hold another request's.
-            known = [self.batch.token_ids[s.slot, : self.batch.num_tokens[s.slot]] if ok
-                     else np.asarray(s.prompt_token_ids + s.output_token_ids, np.int32) for s, ok in zip(states, live)]
+            live, known = self._head_contexts(states)
             return self.eagle.propose([s.req_id for s in states], known, [bool(t) for t in sampled],
                                       step.inputs.model, step.draft_hidden, live)
         out: list[list[int]] = [[] for _ in states]

@@ -1,9 +1,9 @@
-"""EAGLE and EAGLE-3 under async scheduling (the default). A step that verifies drafts, or one
-after which the next speculates, is collected before the next step is scheduled; a plain step
-(the auto-off rule's) after a plain one overlaps with it. The head catches up on a step's hidden
-states when the step is collected, so the catch-ups run in the steps' launch order, each once,
-and a request that left while its step ran (aborted, finished, preempted) still has the head's
-KV written for that step's positions: its blocks stay in the prefix cache.
+"""EAGLE and EAGLE-3 under async scheduling (the default): every step overlaps with the next,
+speculating or not (the next is scheduled with placeholders for the drafts the head proposes on
+the device and corrected there by the accepted count). The head catches up on a step's hidden
+states right after the step is launched, so the catch-ups run in the steps' launch order, each
+once, and a request that left while its step ran (aborted, finished, preempted) still has the
+head's KV written for that step's positions: its blocks stay in the prefix cache.
 
 The rule here is scripted (which steps speculate is the test's choice, not a measurement). Every
 draft the head proposes equals the dense computation over its context (tests/eagle_reference.py):
@@ -102,7 +102,7 @@ def test_a_request_gone_while_its_step_runs_leaves_the_heads_kv(spec, heads, dem
 
 def test_greedy_output_with_overlapped_plain_steps(spec, plain, heads, demo_model, monkeypatch):
     """Speculation switched off and back on (two plain steps, two speculating ones, a plain one,
-    over and over): plain steps after plain ones overlap, the others wait. Under chunked prefill
+    over and over): every step overlaps with the next, speculating or not. Under chunked prefill
     and preemption (10 prompts of 90-110 tokens in 80 blocks), with n=2 seeded children, prefix
     hits (the prompts again) and requests aborted while their steps may be in flight, the tokens
     are the plain engine's and every draft is the dense computation's."""
@@ -134,7 +134,8 @@ def test_greedy_output_with_overlapped_plain_steps(spec, plain, heads, demo_mode
     ran = [r for r in records if r.token_bucket]
     overlapped = [r for r in ran if not r.sync_reason and r.spec_auto_off.startswith("off")]
     assert len(overlapped) > 5 and all(r.num_draft_tokens == 0 for r in overlapped)
-    assert any(r.sync_reason == "verify" for r in ran) and any(r.sync_reason == "drafts" for r in ran)
+    assert all(r.sync_reason in ("", "preempted") for r in ran)
+    assert any(not r.sync_reason and r.num_draft_tokens > 0 for r in ran)  # speculating steps overlapped
     if which == "eagle":  # the near pass-through head's drafts are sometimes right
         assert stats_of(llm).num_accepted_tokens > accepted
     assert_drafts_equal_the_reference(llm, which, heads[which], demo_model, sequences_of(ps, want), seen,

@@ -23,14 +23,19 @@ def drafts_of(llm: LLM, monkeypatch, ps: list[dict]) -> tuple[list[list[int]], l
     """(generated tokens, every non-empty proposal in order) for greedy ``ps``."""
     head = llm.llm_engine.core.runner.eagle
     seen: list[list[int]] = []
-    propose = head.propose
 
-    def spy(*args):
-        out = propose(*args)
-        seen.extend(d for d in out if d)
-        return out
+    def spy(name: str) -> None:  # propose, or with the overlap (the default) collect_on_device
+        method = getattr(head, name)
 
-    monkeypatch.setattr(head, "propose", spy)
+        def recorded(*args):
+            out = method(*args)
+            seen.extend(d for d in out if d)
+            return out
+
+        monkeypatch.setattr(head, name, recorded)
+
+    spy("propose")
+    spy("collect_on_device")
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     return token_ids(outs), seen
 
