@@ -135,8 +135,13 @@ def draft_programs(runner: Any, sizes: list[int] | None = None) -> list[DraftPro
     if runner.eagle is not None:
         e = runner.eagle
         dtype = jnp.dtype(runner.mc.dtype)
-        return [DraftProgram(f"{e.cfg.method}-{bucket}", lambda bucket=bucket: e.lowered(bucket, dtype),
-                             (e.weights, e.tables), e.kv)
-                for bucket in sorted(e.step_rows) if keep(bucket)]
+        out = [DraftProgram(f"{e.cfg.method}-{bucket}", lambda bucket=bucket: e.lowered(bucket, dtype),
+                            (e.weights, e.tables), e.kv)
+               for bucket in sorted(e.step_rows) if keep(bucket)]
+        if e.on_device:  # async scheduling: the overlap's program, run from a step's device outputs
+            out += [DraftProgram(f"{e.cfg.method}-device-{bucket}",
+                                 lambda bucket=bucket: e.lowered_on_device(bucket, dtype), (e.weights, e.tables), e.kv)
+                    for bucket in sorted(e.step_rows) if keep(bucket)]
+        return out
     return []
 
