@@ -1,6 +1,10 @@
 """A multi-device check's cases in a fresh process with fake CPU devices: jax fixes the device
 count when it starts, so each such module runs itself under ``python -m`` with its own count and
-writes its results as JSON, which the test reads back."""
+writes its results as JSON, which the test reads back.
+
+The child inherits the environment, so its engines use the suite's persistent compilation cache
+(``JAXSERVE_CACHE_DIR`` or the default folder): a program another case or an earlier run compiled
+is read back. The runners count compiles after warm-up whether or not the cache served them."""
 
 from __future__ import annotations
 

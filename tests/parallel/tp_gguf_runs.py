@@ -23,7 +23,7 @@ from tests.parallel.device_runs import run_module
 
 DEVICES = 2
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
-              num_gpu_blocks_override=48, compilation_cache_dir="off", quantization="gguf")
+              num_gpu_blocks_override=48, quantization="gguf")
 LOGPROBS = 4
 # (projections, token embedding, the C++ kernel's row limit: 0 sends every product to the dequantized dot)
 FILES = (("Q8_0", "F32", None), ("Q4_1", "Q4_1", 0))

@@ -29,7 +29,7 @@ DEVICES = 2
 CASES = [(arch, tp, "layers") for arch in ("Qwen3ForCausalLM", "MistralForCausalLM") for tp in (1, DEVICES)]
 CASES += [(arch, tp, "heads") for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") for tp in (1, DEVICES)]
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_gpu_blocks_override=64,
-              compilation_cache_dir="off", attention_backend="xla", enable_lora=True, max_loras=2, max_lora_rank=8)
+              attention_backend="xla", enable_lora=True, max_loras=2, max_lora_rank=8)
 HEADS_ENGINE = {**ENGINE, "max_loras": 3, "lora_lm_head": True, "lora_embedding": True}
 ODD_VOCAB = 509  # the heads cases' vocabulary: not a multiple of DEVICES
 # the heads cases' adapters: name -> (seed, rank, target_modules, extra LoraConfig fields)

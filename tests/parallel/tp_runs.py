@@ -42,7 +42,7 @@ CASES = [
 ]
 FULL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
-              num_gpu_blocks_override=24, compilation_cache_dir="off")
+              num_gpu_blocks_override=24)
 LOGPROBS = 4
 # gpt-oss's two KV groups: a block id is a page in each, and a request holds blocks in both (its
 # 45 + 8 tokens: 14 full-attention blocks and 5 in the window's), so it needs a larger pool to fit

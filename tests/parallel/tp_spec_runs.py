@@ -45,7 +45,7 @@ REFERENCE = {"eagle_whole": "eagle"}  # a kind run on two devices only: the one-
 VOCAB = 509  # not a multiple of DEVICES
 K = 3
 ENGINE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_gpu_blocks_override=64,
-              compilation_cache_dir="off", attention_backend="xla")
+              attention_backend="xla")
 LOGPROBS = 4
 
 

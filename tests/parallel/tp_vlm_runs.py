@@ -22,7 +22,7 @@ from tests.parallel.device_runs import run_module
 DEVICES = 2
 CASES = [("llava", 1), ("llava", 2), ("qwen2_5_vl", 1), ("qwen2_5_vl", 2)]
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, max_num_encoder_input_tokens=64,
-              block_size=4, compilation_cache_dir="off", attention_backend="xla", enable_prefix_caching=True)
+              block_size=4, attention_backend="xla", enable_prefix_caching=True)
 LOGPROBS = 3
 
 
