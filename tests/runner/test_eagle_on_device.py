@@ -17,6 +17,7 @@ import pytest
 from jaxserve import LLM
 from jaxserve.runner.input_batch import PersistentBatch, build_step_arrays, write_drafts
 from tests.eagle_checks import write_near_pass_through_head
+from tests.head_step_rows import step_row
 from tests.shapes import ENGINE_TESTS_SHAPE
 
 K = 3
@@ -61,22 +62,8 @@ def build_step(rng, head):
     emitted = np.full((rows, K + 1), -1, np.int32)
     for i, q in enumerate(reqs):
         known = q["known"]
-        nxt = 0
-        if q["kind"] == "verify":
-            d = [int(t) for t in rng.integers(1, 1000, q["d"])]
-            out = d[:q["a"]] + [int(rng.integers(1, 1000))]
-            while q["a"] < q["d"] and out[-1] == d[q["a"]]:  # a rejection emits another token
-                out[-1] = int(rng.integers(1, 1000))
-            start, n, ctx = len(known) - 1, 1 + q["d"], known + out
-            emitted[i, :len(out)] = out
-        elif q["kind"] == "final":
-            start, d = q["start"], []
-            n, out = len(known) - start, [int(rng.integers(1, 1000))]
-            ctx = known + out
-            emitted[i, 0] = out[0]
-        else:
-            start, n, d, ctx = q["start"], q["n"], [], known
-            nxt = known[start + n]
+        start, n, d, ctx, out, nxt = step_row(q, rng)
+        emitted[i, :len(out)] = out
         blocks = [free.pop() for _ in range(-(-(start + n + K) // bs))]  # with the drafts' lookahead
         batch.add_request(q["slot"], known[:q["prompt"]], known[q["prompt"]:], (blocks,))
         starts.append(start)

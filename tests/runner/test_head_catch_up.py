@@ -9,6 +9,7 @@ import pytest
 from jaxserve.runner.eagle_runner import EagleProposer
 from jaxserve.runner.head_catch_up import head_catch_up
 from jaxserve.runner.input_batch import PersistentBatch, build_step_arrays, write_drafts
+from tests.head_step_rows import step_row
 
 BS, MAX_LEN, SLOTS, K = 4, 64, 8, 3
 PAD = SLOTS
@@ -61,21 +62,8 @@ def test_device_catch_up_is_the_hosts(seed):
     next_known = np.zeros(ROWS, np.int32)
     for i, q in enumerate(reqs):
         known = q["known"]
-        if q["kind"] == "verify":
-            d = [int(t) for t in rng.integers(1, 1000, q["d"])]
-            out = d[:q["a"]] + [int(rng.integers(1, 1000))]
-            while q["a"] < q["d"] and out[-1] == d[q["a"]]:  # a rejection emits another token
-                out[-1] = int(rng.integers(1, 1000))
-            start, n, ctx = len(known) - 1, 1 + q["d"], known + out
-            emitted[i, :len(out)] = out
-        elif q["kind"] == "final":
-            start, d = q["start"], []
-            n, out = len(known) - start, [int(rng.integers(1, 1000))]
-            ctx = known + out
-            emitted[i, 0] = out[0]
-        else:
-            start, n, d, ctx = q["start"], q["n"], [], known
-            next_known[i] = known[start + n]
+        start, n, d, ctx, out, next_known[i] = step_row(q, rng)
+        emitted[i, :len(out)] = out
         blocks = [int(free.pop()) for _ in range(-(-(start + n) // BS))]
         batch.add_request(q["slot"], known[:q["prompt"]], known[q["prompt"]:], (blocks,))
         starts.append(start)
