@@ -17,6 +17,13 @@ def write_near_pass_through_head(folder, target_folder: str) -> str:
     return make_near_pass_through(write_eagle_head(folder, target_folder, "eagle", seed=1, fc_bias=True))
 
 
+def write_both_heads(root, target_folder: str) -> dict[str, str]:
+    """The engine tests' two heads by method: a near pass-through EAGLE-1 head (drafts accepted)
+    and a random EAGLE-3 head over a 512-token draft vocabulary."""
+    return {"eagle": write_near_pass_through_head(root / "eagle", target_folder),
+            "eagle3": write_eagle_head(root / "eagle3", target_folder, "eagle3", seed=1, draft_vocab_size=512)}
+
+
 def assert_pools_empty(llm: LLM) -> None:
     assert_target_pool_empty(llm)
     head = llm.llm_engine.core.runner.eagle

@@ -113,6 +113,12 @@ def head_pool_kv(config: EngineConfig, cfg: EagleConfig) -> ProposerKV:
     return ProposerKV(bytes_per_block(cfg.layer, config.block_size, 1, config.kv_cache_dtype, 1))
 
 
+def _valid_positions(context: np.ndarray, start: int, count: int) -> int:
+    """How many of a row's ``count`` positions from ``start`` the head catches up on: its input
+    at p is the token at p + 1, known up to ``len(context)``."""
+    return max(0, min(count, len(context) - 1 - start))
+
+
 class EagleProposer:
     """``step_rows``: the target's rows per token bucket (every bucket gets its program);
     ``hidden_sharding``: where the step's hidden states live; ``mesh``: the target's;
@@ -178,6 +184,17 @@ class EagleProposer:
         """Forget a finished, preempted or replaced request (its blocks are the target's)."""
         self.num_computed.pop(req_id, None)
         self.blind.discard(req_id)
+
+    def _catches_up(self, req_id: str, start: int) -> bool:
+        """Whether the head can catch up on ``req_id`` from ``start``: not blind, and holding every
+        position before it (a new request resumes from the target's: its prefix hit holds the
+        head's KV too); a request it missed positions of goes blind."""
+        if req_id in self.blind:
+            return False
+        if self.num_computed.setdefault(req_id, start) < start:
+            self._go_blind(req_id)
+            return False
+        return True
 
     def _go_blind(self, req_id: str) -> None:
         self.num_computed.pop(req_id, None)
@@ -311,15 +328,11 @@ class EagleProposer:
         ids, _, slots, _, _, _, _, logits_idx, proposing = self._padding_args(bucket)
         qsl, positions = step.query_start_loc, step.positions
         for i, (r, ctx, sampled, alive) in enumerate(zip(req_ids, contexts, samples, live)):
-            if alive and r in self.blind:
-                continue
             q0, count = int(qsl[i]), int(qsl[i + 1] - qsl[i])
             start = int(positions[q0])
-            # A new request resumes from the target's: its prefix hit holds the head's KV too.
-            if alive and self.num_computed.setdefault(r, start) < start:
-                self._go_blind(r)
+            if alive and not self._catches_up(r, start):
                 continue
-            valid = max(0, min(count, len(ctx) - 1 - start))  # the head's input at p is the token at p + 1
+            valid = _valid_positions(ctx, start, count)
             ids[q0:q0 + valid] = ctx[start + 1:start + 1 + valid]
             slots[q0:q0 + valid] = step.slot_mapping[q0:q0 + valid]
             if not alive:  # written all the same, no bookkeeping: the runner freed it
@@ -377,12 +390,8 @@ class EagleProposer:
         token counts as it ran). A row the head had missed positions of goes blind (its drafts,
         already in flight, are only checked by the target)."""
         for r, ctx, start, count, alive in zip(req_ids, contexts, starts, counts, live):
-            if not alive or r in self.blind:
-                continue
-            if self.num_computed.setdefault(r, start) < start:
-                self._go_blind(r)
-                continue
-            self.num_computed[r] = start + max(0, min(count, len(ctx) - 1 - start))
+            if alive and self._catches_up(r, start):
+                self.num_computed[r] = start + _valid_positions(ctx, start, count)
 
     def collect_on_device(self, req_ids: Sequence[str], contexts: Sequence[np.ndarray], starts: Sequence[int],
                           counts: Sequence[int], live: Sequence[bool], drafts: np.ndarray,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.runner.spec_in_flight import token_rows
+from jaxserve.runner.spec_in_flight import rejected_drafts, token_rows
 
 
 def head_catch_up(input_ids: jax.Array, slot_mapping: jax.Array, query_start_loc: jax.Array,
@@ -39,9 +39,7 @@ def head_catch_up(input_ids: jax.Array, slot_mapping: jax.Array, query_start_loc
     i32[R] and proposing flags bool[R]."""
     num_tokens, num_rows = input_ids.shape[0], num_drafts.shape[0]
     count = query_start_loc[1:] - query_start_loc[:-1]
-    # Only a row with drafts rejects any (a row that did not sample emitted none).
-    rejected = jnp.where(num_drafts > 0, jnp.maximum(num_drafts - (num_emitted - 1), 0), 0)
-    valid = jnp.where(skip, 0, jnp.maximum(count - rejected, 0))
+    valid = jnp.where(skip, 0, jnp.maximum(count - rejected_drafts(num_emitted, num_drafts), 0))
     row = token_rows(query_start_loc, num_tokens)
     at = jnp.minimum(row, num_rows - 1)
     j = jnp.arange(num_tokens, dtype=jnp.int32) - query_start_loc[at]

@@ -48,14 +48,20 @@ def overlaps_speculation(config: EngineConfig) -> bool:
             and not config.is_multi_node)
 
 
+def rejected_drafts(num_emitted: jax.Array, num_drafts: jax.Array) -> jax.Array:
+    """The drafts a verifying step rejected per row: ``num_drafts`` verified, ``num_emitted``
+    tokens emitted (accepted drafts + 1). Only a row with drafts rejects any (a row that did not
+    sample may count 0 emitted)."""
+    return jnp.where(num_drafts > 0, jnp.maximum(num_drafts - (num_emitted - 1), 0), 0).astype(jnp.int32)
+
+
 def rejected_per_row(prev_rows: jax.Array, num_emitted: jax.Array, num_drafts: jax.Array) -> jax.Array:
     """``prev_rows`` i32[R]: each row's row in step N (-1: not in N); ``num_emitted`` i32[R_N]
-    and ``num_drafts`` i32[R_N]: N's tokens emitted per row (accepted drafts + 1, as
-    ``spec_verify.verified_output`` counts them) and drafts verified. Returns i32[R], the drafts
-    N rejected for each row (0 for a row not in N or not verified there)."""
+    and ``num_drafts`` i32[R_N]: N's tokens emitted per row (as ``spec_verify.verified_output``
+    counts them) and drafts verified. Returns i32[R], the drafts N rejected for each row (0 for a
+    row not in N or not verified there)."""
     at = jnp.maximum(prev_rows, 0)
-    rejected = num_drafts[at] - (num_emitted[at] - 1)
-    return jnp.where(prev_rows >= 0, jnp.maximum(rejected, 0), 0).astype(jnp.int32)
+    return jnp.where(prev_rows >= 0, rejected_drafts(num_emitted[at], num_drafts[at]), 0)
 
 
 def token_rows(query_start_loc: jax.Array, num_tokens: int) -> jax.Array:

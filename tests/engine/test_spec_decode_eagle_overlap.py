@@ -20,9 +20,8 @@ from tests.eagle_checks import (
     assert_pools_empty,
     recorded_proposals,
     sequences_of,
-    write_near_pass_through_head,
+    write_both_heads,
 )
-from tests.eagle_heads import write_eagle_head
 from tests.shapes import ENGINE_TESTS_SHAPE
 from tests.spec_helpers import prompts, token_ids
 
@@ -32,9 +31,7 @@ SPEC_SHAPE = {**ENGINE_TESTS_SHAPE, "num_gpu_blocks_override": 80}
 
 @pytest.fixture(scope="module")
 def heads(demo_model, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("heads")
-    return {"eagle": write_near_pass_through_head(root / "eagle", demo_model),
-            "eagle3": write_eagle_head(root / "eagle3", demo_model, "eagle3", seed=1, draft_vocab_size=512)}
+    return write_both_heads(tmp_path_factory.mktemp("heads"), demo_model)
 
 
 @pytest.fixture(scope="module")
